@@ -1,0 +1,1 @@
+"""nitsum load generator, trace replay, reports and benchmarks."""

@@ -1,0 +1,1 @@
+"""nitsum services: thin async shells over nitsum cores."""
