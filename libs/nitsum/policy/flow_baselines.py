@@ -16,15 +16,16 @@ from collections.abc import Mapping
 from nitsum.policy.flows import FlowTable, Stage, _Flow, _Unit
 
 SIZE_CLASS_BASE_BYTES = 1 << 20  # remaining sizes below this share the top size class
-SIZE_CLASS_RATIO = 4.0
+SIZE_CLASS_RATIO = 4
 
 
 def size_class(remaining_bytes: int, num_classes: int) -> int:
     """0 for < 1 MiB, then one class per factor of 4, capped at num_classes − 1."""
-    if remaining_bytes < SIZE_CLASS_BASE_BYTES or num_classes <= 1:
-        return 0
-    c = int(math.log(remaining_bytes / SIZE_CLASS_BASE_BYTES, SIZE_CLASS_RATIO)) + 1
-    return min(c, num_classes - 1)
+    c, bound = 0, SIZE_CLASS_BASE_BYTES  # integer steps: no float rounding at exact powers
+    while remaining_bytes >= bound and c < num_classes - 1:
+        c += 1
+        bound *= SIZE_CLASS_RATIO
+    return c
 
 
 class FairSharing(FlowTable):
