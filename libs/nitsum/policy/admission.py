@@ -1,0 +1,120 @@
+"""Admission and shedding (ALGORITHMS.md §1.5): refuse only what cannot be served.
+
+admit():
+1. no healthy, non-draining group anywhere            -> 503, Retry-After = one policy epoch
+2. the request's tier queue is at its bound            -> 429, Retry-After = time to drain that queue
+3. its SLO cannot be met at any allowed TP, even with  -> 429 (reason says "unattainable"), no retry hint
+   an empty queue (best-case prefill > TTFT budget, or
+   the fastest decode step > TPOT target)
+otherwise admit.
+
+shed(): queued (not yet prefilled) requests that are hopeless — even at the front of the queue on the best
+TP level they would miss their TTFT deadline — plus the newest requests beyond a tier's queue bound. Order:
+lowest tier weight first (background before interactive), then SHED_ORDER, then earliest deadline, then id.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from nitsum.policy.costmodel import CostModel
+from nitsum.policy.decisions import AdmissionDecision
+from nitsum.policy.snapshot import ClusterSnapshot, NodeView, RequestView
+from nitsum.policy.tiers import SHED_ORDER
+
+CostFor = Callable[[NodeView], CostModel]
+
+
+def best_case_ttft_ms(node: NodeView, cost: CostModel, r: RequestView) -> float:
+    """Fastest possible prefill of r on this node: any allowed TP level, nothing queued ahead."""
+    return min(cost.prefill_time_ms(k, r.prompt_tokens, r.cached_prompt_tokens)
+               for k in node.allowed_tp_levels() if cost.fits(k)) if _any_fits(node, cost) else float("inf")
+
+
+def best_case_tpot_ms(node: NodeView, cost: CostModel, r: RequestView) -> float:
+    return min(cost.decode_step_ms(k, 1, r.context_tokens) for k in node.allowed_tp_levels()
+               if cost.fits(k)) if _any_fits(node, cost) else float("inf")
+
+
+def _any_fits(node: NodeView, cost: CostModel) -> bool:
+    return any(cost.fits(k) for k in node.allowed_tp_levels())
+
+
+def hopeless(snap: ClusterSnapshot, cost_for: CostFor, r: RequestView) -> bool:
+    """True when no node could produce r's first token before its TTFT deadline, even with no queue."""
+    if r.prefilled:
+        return False
+    left_ms = r.ttft_deadline_ms - snap.now_ms
+    return all(best_case_ttft_ms(n, cost_for(n), r) > left_ms for n in snap.nodes if _usable(n))
+
+
+def _usable(node: NodeView) -> bool:
+    return any(g.usable for g in node.groups)
+
+
+def admit(
+    snap: ClusterSnapshot,
+    r: RequestView,
+    cost_for: CostFor,
+    queue_bounds: dict[str, int],
+    epoch_ms: float,
+) -> AdmissionDecision:
+    rid = r.request_id
+    nodes = [n for n in snap.nodes if _usable(n)]
+    if not nodes:
+        return AdmissionDecision(rid, False, 503, epoch_ms / 1e3, "no healthy group to serve it")
+    bound = queue_bounds.get(r.tier)
+    queued = snap.queued_by_tier.get(r.tier, 0)
+    if bound is not None and queued >= bound:
+        retry_s = _drain_time_s(snap, nodes, cost_for, r, queued)
+        return AdmissionDecision(rid, False, 429, retry_s, f"{r.tier} queue full ({queued} >= {bound})")
+    ttft_ms = min(best_case_ttft_ms(n, cost_for(n), r) for n in nodes)
+    if ttft_ms > r.ttft_ms:
+        return AdmissionDecision(rid, False, 429, 0.0,
+                                 f"SLO unattainable: best-case TTFT {ttft_ms:.1f} ms > target {r.ttft_ms:.1f} ms")
+    tpot_ms = min(best_case_tpot_ms(n, cost_for(n), r) for n in nodes)
+    if tpot_ms > r.tpot_ms:
+        return AdmissionDecision(rid, False, 429, 0.0,
+                                 f"SLO unattainable: best-case TPOT {tpot_ms:.1f} ms > target {r.tpot_ms:.1f} ms")
+    return AdmissionDecision(rid, True, 200, 0.0, "admitted")
+
+
+def _drain_time_s(snap: ClusterSnapshot, nodes: list[NodeView], cost_for: CostFor, r: RequestView,
+                  queued: int) -> float:
+    """Rough time for the whole cluster to prefill `queued` prompts like r's; clipped to [1, 60] s."""
+    rate_per_ms = 0.0
+    for n in nodes:
+        cost = cost_for(n)
+        for g in n.groups:
+            if g.usable and g.role != "decode":
+                rate_per_ms += 1.0 / max(cost.prefill_time_ms(g.tp, r.prompt_tokens, r.cached_prompt_tokens), 1e-3)
+    if rate_per_ms <= 0:
+        return 1.0
+    return min(max(queued / rate_per_ms / 1e3, 1.0), 60.0)
+
+
+def shed(snap: ClusterSnapshot, cost_for: CostFor, queue_bounds: dict[str, int]) -> list[str]:
+    """Request ids to drop now (see module docstring for the order)."""
+    victims: list[RequestView] = []
+    victim_ids: set[str] = set()
+    queued_by_tier: dict[str, list[RequestView]] = {}
+    for r in snap.requests:
+        if r.prefilled:
+            continue
+        queued_by_tier.setdefault(r.tier, []).append(r)
+        if hopeless(snap, cost_for, r):
+            victims.append(r)
+            victim_ids.add(r.request_id)
+    for tier, rs in queued_by_tier.items():
+        bound = queue_bounds.get(tier)
+        alive = [r for r in rs if r.request_id not in victim_ids]
+        if bound is not None and len(alive) > bound:
+            # Keep the oldest `bound`; shed the newest beyond it.
+            alive.sort(key=lambda r: (r.arrival_ms, r.request_id))
+            for r in alive[bound:]:
+                victims.append(r)
+                victim_ids.add(r.request_id)
+    order = {t: i for i, t in enumerate(SHED_ORDER)}
+    # Lower weight first (background before interactive); SHED_ORDER breaks ties between named tiers.
+    victims.sort(key=lambda r: (r.weight, order.get(r.tier, len(order)), r.ttft_deadline_ms, r.request_id))
+    return [r.request_id for r in victims]

@@ -1,0 +1,46 @@
+"""`make_policy(spec)`: the policy named on the command line (`--policy`) or by `nitsum admin set-policy`.
+
+Specs: `adaptive` (default) | `static-tp:K` | `disagg` | `disagg:P/D` | `static-hybrid` | `static-hybrid:H/L`
+(see baselines.py for what each layout is). A spec that is not one of these raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from nitsum.policy.base import BasePolicy, PolicyConfig
+
+DEFAULT_POLICY = "adaptive"
+POLICY_SPECS: tuple[str, ...] = ("adaptive", "static-tp:K", "disagg[:P/D]", "static-hybrid[:H/L]")
+
+
+def _int(spec: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"bad policy spec {spec!r}: {text!r} is not an integer") from None
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"bad policy spec {spec!r}: TP {value} must be a power of two >= 1")
+    return value
+
+
+def _pair(spec: str, text: str) -> tuple[int, int]:
+    parts = text.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"bad policy spec {spec!r}: expected two TP levels as A/B, got {text!r}")
+    return _int(spec, parts[0]), _int(spec, parts[1])
+
+
+def make_policy(spec: str = DEFAULT_POLICY, config: PolicyConfig | None = None) -> BasePolicy:
+    from nitsum.policy.baselines import Disagg, StaticHybrid, StaticTP
+    from nitsum.policy.topology import AdaptivePolicy
+
+    text = spec.strip().lower()
+    name, _, arg = text.partition(":")
+    if name == "adaptive" and not arg:
+        return AdaptivePolicy(config)
+    if name == "static-tp" and arg:
+        return StaticTP(_int(spec, arg), config)
+    if name == "disagg":
+        return Disagg(*_pair(spec, arg), config=config) if arg else Disagg(config=config)
+    if name == "static-hybrid":
+        return StaticHybrid(*_pair(spec, arg), config=config) if arg else StaticHybrid(config=config)
+    raise ValueError(f"unknown policy spec {spec!r}; expected one of: {', '.join(POLICY_SPECS)}")
