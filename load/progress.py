@@ -33,6 +33,7 @@ class ProgressBar:
         self.interval_s = interval_s
         self._t0 = time.monotonic()
         self._task: asyncio.Task[None] | None = None
+        self._last_len = 0
 
     def start(self) -> None:
         self._t0 = time.monotonic()
@@ -50,7 +51,10 @@ class ProgressBar:
 
     def _draw(self, final: bool = False) -> None:
         line = render(self.counters, time.monotonic() - self._t0)
-        self.stream.write("\r" + line + ("\n" if final else ""))
+        # Pad over the previous line: the new one may be shorter, and \r does not erase.
+        padded = line.ljust(self._last_len)
+        self._last_len = len(line)
+        self.stream.write("\r" + padded + ("\n" if final else ""))
         self.stream.flush()
 
     async def _loop(self) -> None:

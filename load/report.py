@@ -117,6 +117,16 @@ def _by_tier(records: Sequence[RequestRecord], report: Report) -> dict[str, list
     return groups
 
 
+def goodput_bin_s(duration_s: float) -> float:
+    """Bin width for the goodput timeline: about 40 bins, rounded to 1/2/5 x 10^k seconds, at least 0.1 s."""
+    target = max(0.1, duration_s / 40.0)
+    k = math.floor(math.log10(target))
+    for m in (1, 2, 5, 10):
+        if m * 10**k >= target:
+            return float(m * 10**k)
+    raise AssertionError("unreachable: 10 * 10^k >= target by the choice of k")
+
+
 def write_plots(records: Sequence[RequestRecord], report: Report, out_dir: Path) -> list[Path]:
     # The object-oriented API (Figure, no pyplot) never touches a GUI backend or global figure state.
     from matplotlib.figure import Figure
@@ -138,35 +148,39 @@ def write_plots(records: Sequence[RequestRecord], report: Report, out_dir: Path)
                 if target is not None:
                     ax.axvline(target, color=line.get_color(), linestyle="--", linewidth=0.8)
     for ax, name in ((ax_ttft, "TTFT"), (ax_tpot, "TPOT")):
-        ax.set_xlabel(f"{name} (ms, dashed = tier target)")
+        # Log x: latencies span milliseconds to the 10 s background target.
+        if ax.has_data():
+            ax.set_xscale("log")
+            ax.legend(loc="lower right")
+        ax.set_xlabel(f"{name} (ms, log; dashed = tier target)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{name} CDF")
-        ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend(loc="lower right")
+        ax.grid(alpha=0.3, which="both")
     paths.append(out_dir / "latency_cdf.png")
     fig.savefig(paths[-1], dpi=100)
 
     fig = Figure(figsize=(11, 6), layout="constrained")
     ax_lat, ax_good = fig.subplots(2, 1, sharex=True)
     start_ms = min((r.send_ms for r in records), default=0.0)
-    end_s = max(1.0, math.ceil(report.duration_s))
+    bin_s = goodput_bin_s(report.duration_s)
+    num_bins = max(1, math.ceil(report.duration_s / bin_s))
+    edges = [i * bin_s for i in range(num_bins + 1)]
     for tier, recs in groups.items():
         ok = [r for r in recs if r.ttft_ms is not None]
         if ok:
             ax_lat.scatter([(r.send_ms - start_ms) / 1000 for r in ok], [r.ttft_ms for r in ok], s=8, label=tier)
-        bins = [0] * int(end_s)
+        counts = [0] * num_bins
         for r in recs:
             if r.slo_met:
-                bins[min(len(bins) - 1, int((r.finish_ms - start_ms) / 1000))] += 1
-        ax_good.step(range(len(bins)), bins, where="post", label=tier)
+                counts[min(num_bins - 1, int((r.finish_ms - start_ms) / 1000 / bin_s))] += 1
+        ax_good.stairs([n / bin_s for n in counts], edges, label=tier)
     failed = [r for r in records if r.outcome != "ok"]
     for r in failed:
         ax_lat.axvline((r.send_ms - start_ms) / 1000, color="red", alpha=0.15, linewidth=0.8)
     ax_lat.set_ylabel("TTFT (ms); red = failed")
     ax_lat.set_title("TTFT by send time")
     ax_lat.grid(alpha=0.3)
-    ax_good.set_ylabel("requests meeting SLO / s")
+    ax_good.set_ylabel(f"goodput (req/s, {bin_s:g} s bins)")
     ax_good.set_xlabel("seconds since the first send")
     ax_good.grid(alpha=0.3)
     for ax in (ax_lat, ax_good):

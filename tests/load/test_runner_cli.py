@@ -1,0 +1,160 @@
+"""Open-loop runner, workload shaping, report files and `nitsum load` end to end against the fake server."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+
+import pytest
+
+from nitsum.metrics import summarize
+from nitsum.workloads import TraceRequest
+from nitsum_load import cli
+from nitsum_load.client import ClientConfig, RequestSpec
+from nitsum_load.report import FILES, format_table, read_lifecycle_log
+from nitsum_load.runner import Counters, run_open_loop
+from nitsum_load.progress import render
+from nitsum_load.workload import Shaping, parse_tier_mix, shape
+
+
+def spec(i: int, arrival_ms: float, out: int = 3, tier: str = "interactive") -> RequestSpec:
+    return RequestSpec(request_id=f"r{i}", arrival_ms=arrival_ms, prompt_tokens=4, output_tokens=out, tier=tier,
+                       ttft_slo_ms=10_000.0, tpot_slo_ms=1_000.0, weight=1.0)
+
+
+async def test_open_loop_fires_on_schedule_and_cuts_at_duration(fake_server):
+    specs = [spec(i, 40.0 * i) for i in range(6)]  # 0, 40, ..., 200 ms
+    counters = Counters()
+    result = await run_open_loop(specs, ClientConfig(base_url=fake_server.url, model="ok"),
+                                 duration_s=0.15, counters=counters)
+    # Arrivals at 0, 40, 80, 120 ms are inside the 150 ms window; 160 and 200 are not sent.
+    assert [t.spec.request_id for t in result.trackers] == ["r0", "r1", "r2", "r3"]
+    for t in result.trackers:
+        assert t.dispatched_ms >= t.spec.arrival_ms  # never early
+        assert t.finished
+    assert (counters.planned, counters.sent, counters.done, counters.failed) == (4, 4, 4, 0)
+    assert counters.tokens == 12 and not result.interrupted
+
+
+async def test_open_loop_does_not_wait_for_earlier_requests(fake_server):
+    # r0 takes ~1 s (server "slow"); r1 is due at 20 ms and must go out then, not after r0.
+    cfg = ClientConfig(base_url=fake_server.url, model="slow", request_timeout_s=0.3)
+    result = await run_open_loop([spec(0, 0.0), spec(1, 20.0)], cfg)
+    r0, r1 = result.trackers
+    assert r1.dispatched_ms < 250.0  # r0 is still waiting for its 300 ms timeout at that point
+    assert (r0.error, r1.error) == ("timeout", "timeout")
+
+
+async def test_stop_event_cancels_in_flight_as_unfinished(fake_server):
+    cfg = ClientConfig(base_url=fake_server.url, model="slow", request_timeout_s=30)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.1, stop.set)
+    result = await run_open_loop([spec(0, 0.0), spec(1, 10.0), spec(2, 5_000.0)], cfg, stop=stop)
+    assert result.interrupted
+    assert [t.spec.request_id for t in result.trackers] == ["r0", "r1"]  # r2 was never due
+    records = [t.to_record() for t in result.trackers]
+    assert [r.outcome for r in records] == ["unfinished", "unfinished"]
+    assert summarize(records).overall.errors == {"unfinished": 2}
+
+
+async def test_drain_timeout_bounds_the_run(fake_server):
+    cfg = ClientConfig(base_url=fake_server.url, model="slow", request_timeout_s=30)
+    result = await run_open_loop([spec(0, 0.0)], cfg, drain_timeout_s=0.1)
+    assert result.trackers[0].to_record().outcome == "unfinished"
+    assert not result.interrupted
+
+
+async def test_concurrency_limit_queues_and_counts_wait(fake_server):
+    cfg = ClientConfig(base_url=fake_server.url, model="ok")
+    specs = [spec(i, 0.0, out=20) for i in range(3)]
+    result = await run_open_loop(specs, cfg, concurrency_limit=1)
+    t = sorted(result.trackers, key=lambda t: t.dispatched_ms)
+    # One at a time: each starts after the previous one's last token.
+    assert t[1].dispatched_ms >= t[0].token_times_ms[-1] and t[2].dispatched_ms >= t[1].token_times_ms[-1]
+    # The wait is charged to TTFT: send_ms stays the scheduled arrival (0).
+    assert all(x.to_record().send_ms == 0.0 for x in t)
+
+
+def test_parse_tier_mix():
+    assert parse_tier_mix("interactive=0.3,background=0.7") == {"interactive": 0.3, "background": 0.7}
+    assert parse_tier_mix("interactive=1,background=3") == {"interactive": 0.25, "background": 0.75}
+    for bad, msg in (("gold=1", "unknown tier"), ("interactive", "NAME=FRACTION"),
+                     ("interactive=x", "not a number"), ("interactive=0", "positive"),
+                     ("interactive=-1", ">= 0")):
+        with pytest.raises(ValueError, match=msg):
+            parse_tier_mix(bad)
+
+
+def test_shape_order_caps_and_slos():
+    reqs = [TraceRequest(arrival_ms=1000.0 + 100.0 * i, prompt_tokens=900 + i, output_tokens=5 + i)
+            for i in range(10)]
+    specs = shape(reqs, Shaping(tier_mix={"interactive": 0.5, "background": 0.5}, time_scale=0.5,
+                                max_requests=4, max_prompt_tokens=901, max_output_tokens=6, slo_tpot_ms=40.0,
+                                seed=3))
+    assert [s.arrival_ms for s in specs] == [0.0, 50.0, 100.0, 150.0]  # rebased, then halved
+    assert [s.prompt_tokens for s in specs] == [900, 901, 901, 901]
+    assert [s.output_tokens for s in specs] == [5, 6, 6, 6]
+    assert sorted(s.tier for s in specs) == ["background", "background", "interactive", "interactive"]
+    for s in specs:
+        assert s.tpot_slo_ms == 40.0
+        assert (s.ttft_slo_ms, s.weight) == ((200.0, 10.0) if s.tier == "interactive" else (10_000.0, 1.0))
+    assert [s.request_id for s in specs] == ["req-0000", "req-0001", "req-0002", "req-0003"]
+
+
+def test_progress_render():
+    c = Counters(planned=10, sent=4, in_flight=1, done=3, failed=1, tokens=17)
+    line = render(c, 2.0, width=10)
+    assert line.startswith("[###-------]  30.0%  sent 4/10  in flight 1  done 3  failed 1  tokens 17")
+    c.duration_s = 4.0
+    assert render(c, 2.0, width=10).startswith("[#####-----]  50.0%")
+
+
+def test_cli_poisson_writes_every_report_file(fake_server, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["--url", fake_server.url, "--poisson", "200", "--max-requests", "24",
+                   "--tier-mix", "interactive=0.5,background=0.5", "--prompt-tokens", "8", "--output-tokens", "4",
+                   "--out", str(out), "--progress", "off", "--seed", "7"])
+    assert rc == 0
+    for name in FILES:
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())
+    rep = summary["report"]
+    assert summary["meta"]["model"] == "ok"  # discovered from /v1/models
+    assert rep["overall"]["requests"] == 24 and rep["overall"]["succeeded"] == 24
+    assert rep["tiers"]["interactive"]["requests"] == 12 and rep["tiers"]["background"]["requests"] == 12
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["tier"] for r in rows] == ["interactive", "background", "all"]
+    assert rows[2]["requests"] == "24"
+    records = read_lifecycle_log(out / "requests.jsonl")
+    assert len(records) == 24 and all(r.output_tokens == 4 for r in records)
+    # The files agree with the shared metric code recomputed from the log.
+    assert summarize(records).to_dict() == rep
+    for png in ("latency_cdf.png", "timeline.png", "attainment.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "interactive" in printed and "sent 24 of 24 planned requests" in printed
+    # Re-report from the log: the same table.
+    assert cli.main(["--from-log", str(out / "requests.jsonl")]) == 0
+    assert format_table(summarize(records)) in capsys.readouterr().out
+
+
+def test_cli_errors_are_reported_not_raised(fake_server, tmp_path, capsys):
+    out = tmp_path / "fail"
+    rc = cli.main(["--url", fake_server.url, "--model", "fail-429", "--gamma", "100,2", "--max-requests", "5",
+                   "--out", str(out), "--progress", "off"])
+    assert rc == 0
+    rep = json.loads((out / "summary.json").read_text())["report"]
+    assert rep["overall"]["errors"] == {"http_429": 5} and rep["overall"]["slo_attainment"] == 0.0
+
+
+def test_cli_usage_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--max-requests", "3"])
+    assert e.value.code == 2 and "choose a workload" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--poisson", "1", "--tier-mix", "gold=1"])
+    assert "unknown tier" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--poisson", "-1"])
+    assert "must be > 0" in capsys.readouterr().err
