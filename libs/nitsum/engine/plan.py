@@ -1,0 +1,49 @@
+"""The per-step message a TP group leader broadcasts to its peers (msgpack, no pickle).
+
+It carries exactly what every rank's forward needs: for each scheduled chunk its token ids, start
+position, block table and whether its logits are wanted. Peers run the same forward; only the leader
+samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+PLAN_KIND_STEP = "step"
+PLAN_KIND_SHUTDOWN = "shutdown"
+PLAN_SCHEMA_VERSION = 1
+MAX_PLAN_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    kind: str
+    step_id: int
+    chunks: tuple[ChunkPlan, ...] = ()
+    version: int = PLAN_SCHEMA_VERSION
+
+    def encode(self) -> bytes:
+        body = [[list(c.token_ids), c.start_pos, list(c.block_table), c.sample] for c in self.chunks]
+        return msgpack.packb([self.kind, self.version, self.step_id, body], use_bin_type=True)
+
+    @staticmethod
+    def decode(payload: bytes) -> StepPlan:
+        if len(payload) > MAX_PLAN_BYTES:
+            raise ValueError(f"step plan of {len(payload)} bytes exceeds {MAX_PLAN_BYTES}")
+        kind, version, step_id, body = msgpack.unpackb(payload, raw=False)
+        if kind not in (PLAN_KIND_STEP, PLAN_KIND_SHUTDOWN):
+            raise ValueError(f"unknown step plan kind {kind!r}")
+        if version != PLAN_SCHEMA_VERSION:
+            raise ValueError(f"step plan schema {version} != {PLAN_SCHEMA_VERSION}")
+        chunks = tuple(ChunkPlan(tuple(t), int(s), tuple(b), bool(x)) for t, s, b, x in body)
+        return StepPlan(kind=kind, step_id=int(step_id), chunks=chunks, version=version)
