@@ -80,7 +80,9 @@ def read_trace(
     if not p.is_file():
         p = default_trace_path(TRACE_ALIASES.get(name, name))
     if p.suffix == ".jsonl":
-        return read_mooncake(p, limit=limit, bucket_spread_ms=bucket_spread_ms)
+        # Read whole: a row limit could cut a timestamp bucket and so change how its requests are spread.
+        reqs = read_mooncake(p, bucket_spread_ms=bucket_spread_ms)
+        return reqs[:limit] if limit is not None else reqs
     if p.suffix == ".csv":
         return read_azure(p, limit=limit)
     raise ValueError(f"{p}: cannot tell the trace format (expected .csv for Azure or .jsonl for Mooncake)")

@@ -158,3 +158,25 @@ def test_cli_usage_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--poisson", "-1"])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def test_read_trace_names_and_paths(monkeypatch):
+    from nitsum.workloads import default_trace_path
+    from nitsum_load import workload
+
+    conv = workload.read_trace("azure-conv", limit=3)
+    assert len(conv) == 3 and conv[0].arrival_ms == 0.0 and {r.source for r in conv} == {"azure-conv"}
+    code = workload.read_trace(str(default_trace_path("azure-code")), limit=2)
+    assert [r.source for r in code] == ["azure-code", "azure-code"]
+    moon = workload.read_trace("mooncake", limit=4, bucket_spread_ms=0.0)
+    assert len(moon) == 4 and all(r.prefix_hash_ids for r in moon)
+    spread = workload.read_trace("mooncake", limit=4)  # default: each ~3 s bucket spread over 3 s
+    assert [r.arrival_ms for r in spread] != [r.arrival_ms for r in moon]
+    assert all(r.arrival_ms >= m.arrival_ms for r, m in zip(spread, moon))
+    calls = []
+    monkeypatch.setattr(workload, "servegen_arrivals",
+                        lambda path, **kw: calls.append((path.name, kw)) or [TraceRequest(0.0, 1, 1)] * 5)
+    assert len(workload.read_trace("servegen:mm-image", limit=2, duration_s=30.0, seed=4)) == 2
+    assert calls == [("servegen_mm-image.tar.gz", {"duration_s": 30.0, "seed": 4})]
+    with pytest.raises(FileNotFoundError):
+        workload.read_trace("no-such-trace")
