@@ -128,6 +128,7 @@ class RequestTracker:
     dispatched_ms: float | None = None
     http_status: int | None = None
     server_request_id: str | None = None
+    server_tier: str | None = None  # the x-request-tier the server answered with (nitsum echoes it)
     token_times_ms: list[float] = field(default_factory=list)
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
@@ -178,6 +179,7 @@ class RequestTracker:
             done_ms=self.done_ms,
             http_status=self.http_status,
             server_request_id=self.server_request_id,
+            server_tier=self.server_tier,
             requested_prompt_tokens=self.spec.prompt_tokens,
             requested_output_tokens=self.spec.output_tokens,
             error_detail=self.error_detail,
@@ -203,6 +205,7 @@ async def send(
         async with session.post(cfg.url, json=body, headers=build_headers(cfg, spec), timeout=timeout) as resp:
             tracker.http_status = resp.status
             tracker.server_request_id = resp.headers.get("x-request-id")
+            tracker.server_tier = resp.headers.get("x-request-tier")
             if resp.status != 200:
                 text = await resp.text(errors="replace")
                 tracker.fail(classify_status(resp.status), f"HTTP {resp.status}: {text}")

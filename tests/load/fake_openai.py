@@ -68,7 +68,8 @@ class FakeOpenAI:
         if mode == "slow":
             await asyncio.sleep(1.0)
         n = int(body["max_tokens"])
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-request-id": "srv-1"})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-request-id": "srv-1",
+                                                "x-request-tier": request.headers.get("x-request-tier", "")})
         await resp.prepare(request)
 
         async def event(obj) -> None:

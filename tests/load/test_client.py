@@ -34,7 +34,8 @@ async def test_streamed_lifecycle(fake_server, endpoint):
     assert list(rec.token_times_ms) == sorted(rec.token_times_ms)
     assert rec.first_token_ms == rec.token_times_ms[0] and rec.finish_ms == rec.token_times_ms[-1]
     assert tracker.done_ms >= rec.finish_ms and tracker.dispatched_ms <= rec.first_token_ms
-    assert (tracker.http_status, tracker.server_request_id) == (200, "srv-1")
+    assert (tracker.http_status, tracker.server_request_id, tracker.server_tier) == (200, "srv-1", "background")
+    assert tracker.to_log()["server_tier"] == "background"
     assert rec.slo_met  # a few ms against a 10 s / 100 ms target
     seen = fake_server.seen[-1]
     assert seen["path"] == f"/v1/{'chat/' if endpoint == 'chat' else ''}completions"

@@ -1,0 +1,65 @@
+"""`nitsum load` against the live mesh from `nitsum up` (fixture `live_mesh`, defined in tests/e2e/conftest.py,
+yields the gateway's base URL): a few dozen requests must produce every report file with sane numbers."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from nitsum.metrics import summarize
+from nitsum_load import cli
+from nitsum_load.report import FILES, read_lifecycle_log
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+NUM_REQUESTS = 30
+OUTPUT_TOKENS = 8
+
+
+def test_load_against_live_mesh_writes_sane_report(live_mesh, tmp_path):
+    out = tmp_path / "live"
+    rc = cli.main(["--url", live_mesh, "--poisson", "4", "--max-requests", str(NUM_REQUESTS),
+                   "--tier-mix", "interactive=0.3,background=0.7", "--prompt-tokens", "16",
+                   "--output-tokens", str(OUTPUT_TOKENS), "--request-timeout", "60", "--drain-timeout", "120",
+                   "--out", str(out), "--progress", "off", "--seed", "1"])
+    assert rc == 0
+    for name in FILES:
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())
+    rep = summary["report"]
+    overall = rep["overall"]
+    assert overall["requests"] == NUM_REQUESTS
+    assert overall["errors"] == {}, overall["errors"]  # a light load on a healthy mesh: nothing fails
+    assert overall["succeeded"] == NUM_REQUESTS
+    assert rep["tiers"]["interactive"]["requests"] == 9 and rep["tiers"]["background"]["requests"] == 21
+    records = read_lifecycle_log(out / "requests.jsonl")
+    assert len(records) == NUM_REQUESTS
+    for r in records:
+        assert r.ttft_ms is not None and r.ttft_ms > 0
+        assert 1 <= r.output_tokens <= OUTPUT_TOKENS
+        assert len(r.token_times_ms) >= 1
+    assert 0.0 <= overall["slo_attainment"] <= 1.0
+    assert overall["ttft_ms"]["p50"] <= overall["ttft_ms"]["p99"]
+    assert summarize(records).to_dict() == rep  # the files are the shared metric code's numbers
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["tier"] for r in rows] == ["interactive", "background", "all"]
+    # The gateway read the tier header: it echoes the tier and names the request (ARCHITECTURE.md, HTTP).
+    lines = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert all(line["http_status"] == 200 and line["server_request_id"] for line in lines)
+    assert [line["server_tier"] for line in lines] == [line["tier"] for line in lines]
+
+
+def test_load_completions_token_id_prompts_live(live_mesh, tmp_path):
+    out = tmp_path / "live-completions"
+    rc = cli.main(["--url", live_mesh, "--poisson", "4", "--max-requests", "6", "--endpoint", "completions",
+                   "--prompt-format", "token-ids", "--return-token-ids", "--prompt-tokens", "12",
+                   "--output-tokens", "4", "--request-timeout", "60", "--out", str(out), "--progress", "off"])
+    assert rc == 0
+    records = read_lifecycle_log(out / "requests.jsonl")
+    assert [r.outcome for r in records] == ["ok"] * 6
+    # With token ids returned and ignore_eos sent, every request streams exactly the tokens asked for.
+    assert all(r.output_tokens == 4 and len(r.token_times_ms) == 4 for r in records)
+    # usage.prompt_tokens: the 12 ids sent, plus a BOS token if the server prepends one.
+    assert all(r.prompt_tokens in (12, 13) for r in records), [r.prompt_tokens for r in records]
