@@ -308,6 +308,12 @@ def window_s(records: Iterable[RequestRecord]) -> float:
     return (end - start) / 1000.0
 
 
+def sent_between(records: Iterable[RequestRecord], start_ms: float, end_ms: float) -> list[RequestRecord]:
+    """Records sent in [start_ms, end_ms), e.g. to leave a warm-up and a cool-down out of a report (pass the
+    window's length as summarize's duration_s so rates stay per second of that window)."""
+    return [r for r in records if start_ms <= r.send_ms < end_ms]
+
+
 def summarize_tier(tier: str, records: Iterable[RequestRecord], duration_s: float) -> TierSummary:
     """Summary of the given records (assumed to belong together) over a window of duration_s seconds."""
     recs = list(records)

@@ -2,7 +2,7 @@
 
 Behaviour is chosen by the request's `model`: "ok" streams normally; "fail-429", "fail-503", "fail-400",
 "fail-500" answer with that status; "break" streams two tokens then drops the connection; "slow" waits 1 s
-before answering; "no-done" ends with a finish_reason but no [DONE]; "in-stream-error" sends an error event;
+before answering, "hang" 60 s; "no-done" ends with a finish_reason but no [DONE]; "in-stream-error" sends an error event;
 "multi" sends all tokens in one chunk with token_ids. Every request's headers and body are kept in `seen`.
 """
 
@@ -67,6 +67,8 @@ class FakeOpenAI:
                                      status=status)
         if mode == "slow":
             await asyncio.sleep(1.0)
+        if mode == "hang":
+            await asyncio.sleep(60.0)
         n = int(body["max_tokens"])
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-request-id": "srv-1",
                                                 "x-request-tier": request.headers.get("x-request-tier", "")})

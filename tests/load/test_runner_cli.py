@@ -180,3 +180,54 @@ def test_read_trace_names_and_paths(monkeypatch):
     assert calls == [("servegen_mm-image.tar.gz", {"duration_s": 30.0, "seed": 4})]
     with pytest.raises(FileNotFoundError):
         workload.read_trace("no-such-trace")
+
+
+def test_ctrl_c_writes_partial_report(fake_server, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "partial"
+    before = len(fake_server.seen)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nitsum.cli", "load", "--url", fake_server.url, "--model", "hang",
+         "--poisson", "50", "--max-requests", "400", "--out", str(out), "--progress", "off"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The SIGINT handler is installed before the first request goes out, so wait for one to arrive.
+        deadline = time.monotonic() + 60
+        while len(fake_server.seen) < before + 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert len(fake_server.seen) >= before + 3, proc.stderr.read() if proc.poll() is not None else "no request"
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert "interrupted: partial report" in stdout
+    rep = json.loads((out / "summary.json").read_text())
+    assert rep["meta"]["interrupted"] is True
+    overall = rep["report"]["overall"]
+    assert 3 <= overall["requests"] < 400
+    assert overall["errors"] == {"unfinished": overall["requests"]}
+
+
+async def test_progress_bar_draws_and_finishes_with_newline():
+    import io
+
+    from nitsum_load.progress import ProgressBar
+
+    stream = io.StringIO()
+    c = Counters(planned=2)
+    bar = ProgressBar(c, stream, interval_s=0.01)
+    bar.start()
+    await asyncio.sleep(0.05)
+    c.done = 2
+    await bar.stop()
+    text = stream.getvalue()
+    assert text.startswith("\r[") and text.endswith("\n")
+    assert "done 2" in text.rsplit("\r", 1)[1]

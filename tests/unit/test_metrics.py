@@ -16,6 +16,7 @@ from nitsum.metrics import (
     RequestRecord,
     make_record,
     percentile,
+    sent_between,
     summarize,
     window_s,
 )
@@ -182,3 +183,9 @@ def test_percentile_matches_numpy_linear(xs, q):
 def test_window_s():
     assert window_s([]) == 0.0
     assert window_s(LOG[:3]) == 0.42  # send 0 .. B finish 420 ms
+
+
+def test_sent_between_for_warmup_exclusion():
+    assert [r.request_id for r in sent_between(LOG, 100, 1000)] == ["B", "C", "D"]
+    report = summarize(sent_between(LOG, 100, 1000), duration_s=0.9)
+    assert (report.overall.requests, report.overall.slo_met) == (3, 0)
