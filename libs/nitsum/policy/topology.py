@@ -1,13 +1,100 @@
-"""Adaptive TP policy (ALGORITHMS.md §1.5). Work in progress: the scored/fast-path engine lands next;
-until then AdaptivePolicy keeps the boot layout (one TP=max_tp hybrid group per node)."""
+"""Adaptive tensor parallelism: the SLO profitability engine (ALGORITHMS.md §1.5).
+
+How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) and on queue events:
+
+    guards  ─ no usable group, or a group unhealthy/draining     → keep (the transition agent is busy)
+            ─ nothing queued or running                          → keep   ("idle")
+            ─ last change less than `min_dwell_ms` ago            → keep   ("dwell")
+    load    ─ summarize the node's requests once (estimate.summarize): per tier, EDF buckets of TTFT
+              budgets, mean prompt/output lengths, running decode batch.
+    fast path (a decision tree; restricts the direction, so few candidates are scored)
+            ─ latency-sensitive backlog ≥ threshold and projected latency misses under the current
+              topology → consider only consolidations (mean TP up)              path "fast"
+            ─ no latency-sensitive work at all and throughput work queued
+              → consider only splits (mean TP down): maximise batch throughput   path "fast"
+            ─ otherwise → every candidate                                         path "scored"
+    candidates ─ aligned partitions reachable from the current one in ≤ `max_steps` merges (two aligned
+              sibling groups of TP k → one of 2k) or splits (TP k → two of k/2), plus the uniform layout at
+              each allowed TP level and the two-lane layouts (half the node at a high TP, half at a low TP);
+              each with the role variants of phases.py (all hybrid; P/D split when prefill is pending).
+    score   ─ estimate.evaluate(): estimated weighted goodput over `horizon_ms`, minus
+              λ · reconfiguration cost (fixed switch cost + KV bytes of the running requests on groups that
+              change / link bandwidth, all pairs in parallel — costmodel.reconfig_cost_ms).
+    hysteresis ─ switch only if best − current > `hysteresis_margin` (in weighted requests); together with
+              the dwell time this stops flapping under an oscillating load.
+
+Everything is pure: the decision depends only on the snapshot (which carries `now_ms` and the node's
+`last_reconfig_ms`) and the frozen config. Cost-model results are memoized inside the policy object; that
+changes speed, never answers.
+"""
 
 from __future__ import annotations
 
 from nitsum.policy.base import BasePolicy, PolicyConfig
+from nitsum.policy.costmodel import CostModel
 from nitsum.policy.decisions import GroupSpec, Topology, TopologyDecision
+from nitsum.policy.estimate import NodeLoad, classes_of, evaluate, summarize
+from nitsum.policy.phases import Shape, role_variants
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView
 
-__all__ = ["AdaptivePolicy", "GroupSpec", "Topology"]
+__all__ = ["AdaptivePolicy", "GroupSpec", "Topology", "candidate_shapes", "mean_tp"]
+
+
+def mean_tp(shape: Shape) -> float:
+    """Device-weighted mean TP: the TP the average device runs at (the direction of a change)."""
+    devices = sum(k for _, k in shape)
+    return sum(k * k for _, k in shape) / devices
+
+
+def _merges(shape: Shape, max_tp: int) -> list[Shape]:
+    out = []
+    for i in range(len(shape) - 1):
+        (s1, k1), (s2, k2) = shape[i], shape[i + 1]
+        if k1 == k2 and 2 * k1 <= max_tp and s1 % (2 * k1) == 0 and s2 == s1 + k1:
+            out.append(shape[:i] + ((s1, 2 * k1),) + shape[i + 2:])
+    return out
+
+
+def _splits(shape: Shape, min_tp: int) -> list[Shape]:
+    out = []
+    for i, (s, k) in enumerate(shape):
+        if k // 2 >= min_tp and k >= 2:
+            h = k // 2
+            out.append(shape[:i] + ((s, h), (s + h, h)) + shape[i + 1:])
+    return out
+
+
+def _uniform(num_devices: int, k: int) -> Shape:
+    return tuple((s, k) for s in range(0, num_devices, k))
+
+
+def candidate_shapes(current: Shape, num_devices: int, levels: tuple[int, ...], max_steps: int) -> list[Shape]:
+    """Partitions considered from `current` (itself excluded), in a deterministic order."""
+    min_tp, max_tp = levels[0], levels[-1]
+    seen = {current}
+    frontier = [current]
+    out: list[Shape] = []
+    for _ in range(max_steps):
+        nxt = []
+        for sh in frontier:
+            for cand in _merges(sh, max_tp) + _splits(sh, min_tp):
+                if cand not in seen:
+                    seen.add(cand)
+                    nxt.append(cand)
+                    out.append(cand)
+        frontier = nxt
+    half = num_devices // 2
+    extra = [_uniform(num_devices, k) for k in levels if num_devices % k == 0]
+    if half >= 1:
+        for hi in levels:
+            for lo in levels:
+                if lo < hi <= half and half % hi == 0:
+                    extra.append(_uniform(half, hi) + tuple((half + s, k) for s, k in _uniform(half, lo)))
+    for cand in extra:
+        if cand not in seen:
+            seen.add(cand)
+            out.append(cand)
+    return out
 
 
 class AdaptivePolicy(BasePolicy):
@@ -17,7 +104,98 @@ class AdaptivePolicy(BasePolicy):
         super().__init__(config)
 
     def initial_topology(self, node: NodeView) -> Topology:
-        return Topology.uniform(node.num_devices, node.max_tp, "hybrid")
+        # Boot consolidated: the first traffic is often interactive, and splitting later is cheap (no KV yet).
+        k = max(x for x in node.allowed_tp_levels() if node.num_devices % x == 0)
+        return Topology.uniform(node.num_devices, k, "hybrid")
 
     def decide_topology(self, snap: ClusterSnapshot) -> list[TopologyDecision]:
-        return [TopologyDecision(n.node_id, None, "adaptive: not implemented yet, keep", 0.0, "static") for n in snap.nodes]
+        return [self.decide_node(snap, node) for node in snap.nodes]
+
+    # ------------------------------------------------------------------------------------------------------
+    def decide_node(self, snap: ClusterSnapshot, node: NodeView) -> TopologyDecision:
+        cfg = self.config
+        nid = node.node_id
+
+        def keep(reason: str, path: str = "fast") -> TopologyDecision:
+            return TopologyDecision(nid, None, reason, 0.0, path)
+
+        if not any(g.usable for g in node.groups):
+            return keep("no usable group")
+        if any(not g.usable for g in node.groups):
+            return keep("a group is unhealthy or draining: no change until it settles")
+        if node.last_reconfig_ms is not None and snap.now_ms - node.last_reconfig_ms < cfg.min_dwell_ms:
+            return keep(f"dwell: last change {snap.now_ms - node.last_reconfig_ms:.0f} ms ago "
+                        f"< {cfg.min_dwell_ms:.0f} ms")
+        load = summarize(snap, node, cfg.latency_sensitive_ttft_ms)
+        if load.idle:
+            return keep("idle")
+        cost = self.cost_for(node)
+        current = Topology.of_node(node)
+        cur_shape = current.shape()
+        cur_est = evaluate(cost, classes_of(current.groups), load, cfg.horizon_ms, cfg.chunk_tokens)
+        levels = tuple(k for k in node.allowed_tp_levels() if cost.fits(k)) or node.allowed_tp_levels()
+
+        shapes = candidate_shapes(cur_shape, node.num_devices, levels, cfg.max_steps)
+        shapes = [sh for sh in shapes if all(k in levels for _, k in sh)]
+        cur_mean = mean_tp(cur_shape)
+        if load.latency_queued() >= cfg.interactive_backlog_threshold and cur_est.latency_misses > 0:
+            path, why = "fast", f"interactive surge: {cur_est.latency_misses} projected latency-tier misses"
+            shapes = [sh for sh in shapes if mean_tp(sh) > cur_mean]
+            allow_same_shape = False
+        elif load.latency_work() == 0 and load.throughput_queued() > 0:
+            path, why = "fast", f"throughput backlog ({load.throughput_queued()} queued), no interactive work"
+            shapes = [sh for sh in shapes if mean_tp(sh) < cur_mean]
+            allow_same_shape = False
+        else:
+            path, why = "scored", "mixed load"
+            allow_same_shape = True
+        prefill_pending = any(t.queued for t in load.tiers)
+
+        best: tuple[float, Topology] | None = None
+        scored: list[tuple[float, Shape]] = []
+        for sh in shapes:  # first pass: all-hybrid roles, the common case
+            groups = role_variants(sh, False)[0]
+            net = self._net_score(cost, groups, load, node, snap, current)
+            scored.append((net, sh))
+            if best is None or net > best[0]:
+                best = (net, Topology(groups))
+        # Second pass: other role variants for the three best partitions (and the current one).
+        scored.sort(key=lambda x: -x[0])
+        refine = [sh for _, sh in scored[:3]] + ([cur_shape] if allow_same_shape else [])
+        for sh in refine:
+            for groups in role_variants(sh, prefill_pending):
+                top = Topology(groups)
+                if top == current:
+                    continue
+                net = self._net_score(cost, groups, load, node, snap, current)
+                if best is None or net > best[0]:
+                    best = (net, top)
+        if best is None:
+            return keep(f"{why}: no candidate in that direction", path)
+        gain = best[0] - cur_est.score
+        if gain <= cfg.hysteresis_margin:
+            return TopologyDecision(nid, None, f"{why}: best {best[1]} gains {gain:.2f} <= margin "
+                                    f"{cfg.hysteresis_margin:.2f}; keep", gain, path)
+        return TopologyDecision(nid, best[1], f"{why}: {current} -> {best[1]} gains {gain:.2f}", gain, path)
+
+    def _net_score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView,
+                   snap: ClusterSnapshot, current: Topology) -> float:
+        cfg = self.config
+        est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens)
+        return est.score - cfg.reconfig_lambda_per_ms * self._reconfig_ms(cost, groups, node, snap, current)
+
+    @staticmethod
+    def _reconfig_ms(cost: CostModel, groups: tuple[GroupSpec, ...], node: NodeView, snap: ClusterSnapshot,
+                     current: Topology) -> float:
+        """Fixed switch cost + moving the KV of running requests on every group whose devices change."""
+        kept = {(g.start, g.tp) for g in groups}
+        kv_bytes = 0.0
+        moving = 0
+        for g in node.groups:
+            if (g.devices[0], g.tp) in kept:
+                continue
+            moving += g.tp
+            kv_bytes += snap.load_of(g.group_id).decode_context_tokens * cost.model.kv_bytes_per_token
+        if moving == 0:
+            return cost.reconfig_fixed_ms / 2  # roles only: views stay, queues move
+        return cost.reconfig_cost_ms(kv_bytes, moving)

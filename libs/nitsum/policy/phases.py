@@ -1,0 +1,37 @@
+"""Phase assignment: which role (prefill / decode / hybrid) each group of a candidate partition plays.
+
+The scorer (topology.py) tries, for each partition, the variants returned here and keeps the best:
+1. all hybrid — chunked prefill mixed with decode; the default, and the only choice for one group;
+2. P/D split — when there is queued prefill work and at least two groups: the highest-TP groups prefill
+   (prefill is compute-bound and latency-critical: it gains most from TP), the rest decode. If every group
+   has the same TP, the first half prefills.
+"""
+
+from __future__ import annotations
+
+from nitsum.policy.decisions import GroupSpec
+
+Shape = tuple[tuple[int, int], ...]  # ((start, tp), ...)
+
+
+def all_hybrid(shape: Shape) -> tuple[GroupSpec, ...]:
+    return tuple(GroupSpec(s, k, "hybrid") for s, k in shape)
+
+
+def prefill_decode_split(shape: Shape) -> tuple[GroupSpec, ...] | None:
+    if len(shape) < 2:
+        return None
+    top = max(k for _, k in shape)
+    prefill = {i for i, (_, k) in enumerate(shape) if k == top}
+    if len(prefill) == len(shape):
+        prefill = set(range(len(shape) // 2))
+    return tuple(GroupSpec(s, k, "prefill" if i in prefill else "decode") for i, (s, k) in enumerate(shape))
+
+
+def role_variants(shape: Shape, prefill_pending: bool) -> list[tuple[GroupSpec, ...]]:
+    out = [all_hybrid(shape)]
+    if prefill_pending:
+        pd = prefill_decode_split(shape)
+        if pd is not None:
+            out.append(pd)
+    return out
