@@ -95,9 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--poisson/--gamma: draw (prompt, output) lengths from this trace instead")
     p.add_argument("--bucket-spread-ms", type=float, default=DEFAULT_BUCKET_SPREAD_MS,
                    help="Mooncake: spread each timestamp bucket over this many ms (0 = fire at once)")
+    # Two extensions are on by default: ignore_eos (vLLM, SGLang, nitsum) makes outputs exactly as long as the
+    # workload says; return_token_ids (nitsum, recent vLLM) gives every token its own time even when a chunk's
+    # text is empty (a partial UTF-8 character) or holds several tokens. Turn them off for strict servers.
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that reject it)")
-    p.add_argument("--return-token-ids", action="store_true", help="ask for token_ids (nitsum) for exact counts")
+    p.add_argument("--no-token-ids", dest="return_token_ids", action="store_false",
+                   help="do not send return_token_ids; count one token per non-empty text chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="report directory (default runs/load-<time>)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",

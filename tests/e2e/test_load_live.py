@@ -54,12 +54,13 @@ def test_load_against_live_mesh_writes_sane_report(live_mesh, tmp_path):
 def test_load_completions_token_id_prompts_live(live_mesh, tmp_path):
     out = tmp_path / "live-completions"
     rc = cli.main(["--url", live_mesh, "--poisson", "4", "--max-requests", "6", "--endpoint", "completions",
-                   "--prompt-format", "token-ids", "--return-token-ids", "--prompt-tokens", "12",
+                   "--prompt-format", "token-ids", "--prompt-tokens", "12",
                    "--output-tokens", "4", "--request-timeout", "60", "--out", str(out), "--progress", "off"])
     assert rc == 0
     records = read_lifecycle_log(out / "requests.jsonl")
     assert [r.outcome for r in records] == ["ok"] * 6
-    # With token ids returned and ignore_eos sent, every request streams exactly the tokens asked for.
+    # With token ids returned and ignore_eos sent (both by default), every request streams exactly the tokens
+    # asked for, each with its own arrival time.
     assert all(r.output_tokens == 4 and len(r.token_times_ms) == 4 for r in records)
     # usage.prompt_tokens: the 12 ids sent, plus a BOS token if the server prepends one.
     assert all(r.prompt_tokens in (12, 13) for r in records), [r.prompt_tokens for r in records]

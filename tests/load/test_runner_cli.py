@@ -145,6 +145,7 @@ def test_cli_errors_are_reported_not_raised(fake_server, tmp_path, capsys):
                    "--out", str(out), "--progress", "off"])
     assert rc == 0
     rep = json.loads((out / "summary.json").read_text())["report"]
+    assert fake_server.seen[-1]["body"]["return_token_ids"] is True  # on by default
     assert rep["overall"]["errors"] == {"http_429": 5} and rep["overall"]["slo_attainment"] == 0.0
 
 
@@ -231,3 +232,11 @@ async def test_progress_bar_draws_and_finishes_with_newline():
     text = stream.getvalue()
     assert text.startswith("\r[") and text.endswith("\n")
     assert "done 2" in text.rsplit("\r", 1)[1]
+
+
+def test_cli_strict_openai_flags_drop_extensions(fake_server, tmp_path):
+    rc = cli.main(["--url", fake_server.url, "--model", "ok", "--poisson", "100", "--max-requests", "1",
+                   "--no-ignore-eos", "--no-token-ids", "--out", str(tmp_path / "strict"), "--progress", "off"])
+    assert rc == 0
+    body = fake_server.seen[-1]["body"]
+    assert "ignore_eos" not in body and "return_token_ids" not in body
