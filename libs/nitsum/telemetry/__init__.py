@@ -1,0 +1,1 @@
+"""OpenTelemetry tracing (with NATS header propagation) and the Prometheus metric names."""

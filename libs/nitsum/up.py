@@ -1,0 +1,257 @@
+"""`nitsum up`: the whole mesh on this machine.
+
+Starts nats-server (unless --nats URL) with one identity per service, writes the tiny model on first run,
+starts the coordinator, the flow-scheduler, N workers and the gateway as child processes, waits for
+`/ready` and prints the URL. A child that dies is named with its exit status and the tail of its log,
+then restarted (at most 3 times a minute; past that the whole stack stops with an error). Ctrl-C stops
+every child; children also die with this process (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nitsum.config import default_home
+from nitsum.natsserver import NatsServer, free_port, new_passwords, render_config, write_secure
+
+MAX_RESTARTS_PER_MINUTE = 3
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    service: str
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nitsum.cli", "serve", self.service],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+
+    def tail(self, lines: int = 8) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text[-lines:])
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nitsum up", description="Run the nitsum mesh on this machine.")
+    p.add_argument("--model", default=os.environ.get("NITSUM_MODEL", "tiny"), help="model directory (Hugging Face format) or 'tiny' (default)")
+    p.add_argument("--devices", type=int, default=4, help="number of workers (one per device; default 4)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--max-tp", type=int, default=None, help="largest TP level (default: --devices, capped at 4)")
+    p.add_argument("--policy", default="adaptive", help="adaptive | static-tp:K | disagg | static-hybrid")
+    p.add_argument("--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--nats", default="", help="use this NATS server instead of starting one")
+    p.add_argument("--run-dir", default="", help="logs and spans go here (default: NITSUM_HOME/run/<time>)")
+    p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for /ready")
+    p.add_argument("--prefill-workers", type=int, default=0, help="how many of the workers start as prefill-workers")
+    args = p.parse_args(argv)
+    if args.devices < 1:
+        p.error("--devices must be >= 1")
+    if args.max_tp is None:
+        args.max_tp = min(args.devices, 4)
+    if args.max_tp < 1 or args.max_tp & (args.max_tp - 1) or args.max_tp > args.devices:
+        p.error("--max-tp must be a power of two no larger than --devices")
+    if not 0 <= args.prefill_workers <= args.devices:
+        p.error("--prefill-workers must be between 0 and --devices")
+    return args
+
+
+def _ready(url: str, api_key: str) -> tuple[bool, str]:
+    req = urllib.request.Request(url + "/ready")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status == 200, ""
+    except urllib.error.HTTPError as exc:
+        return False, exc.read().decode(errors="replace")[:200]
+    except (urllib.error.URLError, OSError) as exc:
+        return False, str(exc)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    run_dir = Path(args.run_dir) if args.run_dir else default_home() / "run" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"nitsum up: run directory {run_dir}", flush=True)
+
+    from nitsum.modelpath import resolve_model_dir
+
+    t0 = time.monotonic()
+    try:
+        model_dir = resolve_model_dir(args.model)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"nitsum up: {exc}", file=sys.stderr)
+        return 2
+    print(f"nitsum up: model {model_dir}", flush=True)
+
+    nats: NatsServer | None = None
+    passwords: dict[str, str] = {}
+    if args.nats:
+        nats_url = args.nats
+    else:
+        port = 4222 if _port_free(4222) else free_port()
+        passwords = new_passwords()
+        config_path = run_dir / "nats.conf"
+        write_secure(config_path, render_config(port, passwords))
+        nats = NatsServer(port=port, config_path=config_path).start(log_path=run_dir / "nats-server.log")
+        nats_url = nats.url
+        print(f"nitsum up: nats-server on {nats_url} (one identity per service, see {config_path})", flush=True)
+    write_secure(
+        default_home() / "run" / "current.json",
+        json.dumps({"nats_url": nats_url, "admin_user": "admin" if passwords else "", "admin_password": passwords.get("admin", ""), "run_dir": str(run_dir), "gateway": f"http://{args.host}:{args.port}"}),
+    )
+
+    base_env = dict(os.environ)
+    base_env.update(
+        {
+            "NITSUM_NATS_URL": nats_url,
+            "NITSUM_RUN_DIR": str(run_dir),
+            "NITSUM_MODEL": str(model_dir),
+            "NITSUM_MAX_TP": str(args.max_tp),
+            "NITSUM_POLICY": args.policy,
+            "NITSUM_DEVICE": args.device,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+
+    def env_for(identity: str, **extra: str) -> dict[str, str]:
+        env = dict(base_env)
+        if passwords:
+            env["NITSUM_NATS_USER"] = identity
+            env["NITSUM_NATS_PASSWORD"] = passwords[identity]
+        env["NITSUM_METRICS_PORT"] = str(free_port())
+        env.update(extra)
+        return env
+
+    children = [
+        Child("coordinator", "coordinator", env_for("coordinator"), run_dir / "coordinator.log"),
+        Child("flow-scheduler", "flow-scheduler", env_for("flow-scheduler"), run_dir / "flow-scheduler.log"),
+    ]
+    for i in range(args.devices):
+        service = "prefill-worker" if i < args.prefill_workers else "decode-worker"
+        children.append(Child(f"worker-{i}", service, env_for("worker", NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=f"node0-{i}"), run_dir / f"worker-{i}.log"))
+    children.append(Child("gateway", "gateway", env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host), run_dir / "gateway.log"))
+
+    stopping = {"flag": False}
+
+    def on_signal(_sig, _frame) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    for child in children:
+        child.start()
+    api_keys = [k for k in os.environ.get("NITSUM_API_KEYS", "").split(",") if k.strip()]
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}"
+    code = 0
+    try:
+        code = _wait_ready(children, url, api_keys[0] if api_keys else "", args.ready_timeout, stopping)
+        if code == 0:
+            print(f"nitsum up: ready in {time.monotonic() - t0:.1f} s — OpenAI-compatible API at {url}/v1 (Ctrl-C stops everything)", flush=True)
+            code = _supervise(children, stopping)
+    finally:
+        _stop_all(children)
+        if nats is not None:
+            nats.stop()
+        print("nitsum up: stopped", flush=True)
+    return code
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_ready(children: list[Child], url: str, api_key: str, timeout_s: float, stopping: dict) -> int:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline and not stopping["flag"]:
+        for child in children:
+            if child.process.poll() is not None:
+                print(f"nitsum up: {child.name} exited with code {child.process.returncode} while starting; its log ({child.log_path}):\n{child.tail()}", file=sys.stderr, flush=True)
+                return 1
+        ok, last = _ready(url, api_key)
+        if ok:
+            return 0
+        time.sleep(0.5)
+    if stopping["flag"]:
+        return 130
+    print(f"nitsum up: not ready after {timeout_s:.0f} s ({last}); logs in {children[0].log_path.parent}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _supervise(children: list[Child], stopping: dict) -> int:
+    while not stopping["flag"]:
+        for child in children:
+            status = child.process.poll()
+            if status is None:
+                continue
+            why = f"signal {-status}" if status < 0 else f"exit code {status}"
+            now = time.monotonic()
+            child.restarts = [t for t in child.restarts if now - t < 60.0]
+            if len(child.restarts) >= MAX_RESTARTS_PER_MINUTE:
+                print(f"nitsum up: {child.name} died again ({why}); {MAX_RESTARTS_PER_MINUTE} restarts in a minute — stopping everything. Its log:\n{child.tail()}", file=sys.stderr, flush=True)
+                return 1
+            print(f"nitsum up: {child.name} died ({why}); restarting it. Last lines of {child.log_path}:\n{child.tail()}", file=sys.stderr, flush=True)
+            child.restarts.append(now)
+            child.start()
+        time.sleep(0.5)
+    return 0
+
+
+def _stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
+    for child in reversed(children):  # gateway first: it stops taking requests before workers go
+        if child.process is not None and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"nitsum up: {child.name} did not stop in time; killing it", file=sys.stderr, flush=True)
+            child.process.kill()
+            child.process.wait()

@@ -1,0 +1,292 @@
+"""Every message exchanged between nitsum services, one frozen dataclass each.
+
+Each class has a unique `KIND` tag and a `VERSION`; the codec writes both and refuses unknown kinds,
+newer versions and fields of the wrong type. Fields use plain types only (str, int, float, bool, bytes,
+tuples of those, dicts of str to those, and `X | None`) so that msgpack round-trips them exactly.
+
+Channels (see subjects.py):
+  request path   SubmitRequest → SubmitReply (gateway ↔ coordinator), RunRequest → RunAck (coordinator ↔ worker),
+                 TokenChunk (worker → gateway, one subject per request), AbortRequest (anyone → workers)
+  membership     WorkerStats (worker → coordinator, heartbeat), WorkerLost (coordinator → gateways)
+  topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers)
+  flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler)
+  generic        ErrorReply (a coded failure answer to any request)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling parameters as they travel; mirrors nitsum.engine.SamplingParams."""
+
+    KIND: ClassVar[str] = "sampling"
+    VERSION: ClassVar[int] = 1
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    """Gateway → coordinator: admit and route one request.
+
+    `output_token_ids` is non-empty when the gateway re-submits a request whose worker was lost: the new
+    worker continues from prompt + those tokens, and `max_tokens` in `sampling` counts the remaining ones.
+    """
+
+    KIND: ClassVar[str] = "submit"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    tier: str
+    ttft_ms: float
+    tpot_ms: float
+    weight: float
+    arrival_unix_ms: float
+    stream_subject: str
+    output_token_ids: tuple[int, ...] = ()
+    attempt: int = 0
+    exclude_workers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SubmitReply:
+    """Coordinator → gateway: where the request went, or why it was refused (HTTP status + Retry-After)."""
+
+    KIND: ClassVar[str] = "submit_reply"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    accepted: bool
+    worker_id: str = ""
+    group_id: str = ""
+    status: int = 200
+    retry_after_s: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Coordinator → group leader: run this request and stream its tokens to `stream_subject`."""
+
+    KIND: ClassVar[str] = "run"
+    VERSION: ClassVar[int] = 1
+    request: SubmitRequest
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class RunAck:
+    KIND: ClassVar[str] = "run_ack"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    worker_id: str
+    accepted: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Worker → gateway on the request's stream subject.
+
+    `index` is the position (in the request's output) of the first token in `token_ids`, so the gateway
+    drops duplicates and detects gaps after a re-route. `error_code` non-empty ends the stream in error.
+    """
+
+    KIND: ClassVar[str] = "tokens"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    worker_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    text: str = ""
+    finished: bool = False
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    error_code: str = ""
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    KIND: ClassVar[str] = "abort"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Worker → coordinator heartbeat; the coordinator rebuilds its state from these after a restart."""
+
+    KIND: ClassVar[str] = "worker_stats"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    node_id: str
+    device_index: int
+    device: str
+    role: str
+    state: str  # "starting" | "ready" | "draining" | "stopped"
+    group_id: str
+    tp: int
+    model_name: str
+    max_model_len: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    running_request_ids: tuple[str, ...] = ()
+    cached_block_hashes: tuple[int, ...] = ()
+    sent_unix_ms: float = 0.0
+    step_ms_ewma: float = 0.0
+    num_prefill_tokens_computed: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_aborted: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """Coordinator → gateways: a worker stopped reporting; its requests must be re-submitted."""
+
+    KIND: ClassVar[str] = "worker_lost"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    request_ids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class GroupAssignment:
+    """One group of a topology: aligned devices, TP and role."""
+
+    KIND: ClassVar[str] = "group"
+    VERSION: ClassVar[int] = 1
+    group_id: str
+    start: int
+    tp: int
+    role: str
+    worker_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TopologyPrepare:
+    KIND: ClassVar[str] = "topo_prepare"
+    VERSION: ClassVar[int] = 1
+    node_id: str
+    epoch: int
+    groups: tuple[GroupAssignment, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class TopologyCommit:
+    KIND: ClassVar[str] = "topo_commit"
+    VERSION: ClassVar[int] = 1
+    node_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class TopologyAbort:
+    KIND: ClassVar[str] = "topo_abort"
+    VERSION: ClassVar[int] = 1
+    node_id: str
+    epoch: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class TopologyAck:
+    KIND: ClassVar[str] = "topo_ack"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    epoch: int
+    ok: bool
+    phase: str
+    reason: str = ""
+    duration_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class FlowSubmit:
+    """Transfer agent → flow-scheduler: a flow waiting for a permit."""
+
+    KIND: ClassVar[str] = "flow_submit"
+    VERSION: ClassVar[int] = 1
+    flow_id: str
+    request_id: str
+    unit_id: str
+    stage: str  # "1" | "2" | "3" | "M"
+    size_bytes: int
+    src: str
+    dst: str
+    target_layer: int | None = None
+    deadline_unix_ms: float | None = None
+    request_deadlines_unix_ms: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class FlowPermit:
+    """Flow-scheduler → transfer agent: the priority level (and DSCP) a flow may now send at."""
+
+    KIND: ClassVar[str] = "flow_permit"
+    VERSION: ClassVar[int] = 1
+    flow_id: str
+    level: int
+    dscp: int
+    pruned: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class FlowCompletion:
+    KIND: ClassVar[str] = "flow_done"
+    VERSION: ClassVar[int] = 1
+    flow_id: str
+    ok: bool
+    bytes_sent: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A coded failure answer to any request (code is a short stable identifier, message is for humans)."""
+
+    KIND: ClassVar[str] = "error"
+    VERSION: ClassVar[int] = 1
+    code: str
+    message: str
+    retry_after_s: float = 0.0
+    details: dict[str, str] = field(default_factory=dict)
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    SamplingSpec,
+    SubmitRequest,
+    SubmitReply,
+    RunRequest,
+    RunAck,
+    TokenChunk,
+    AbortRequest,
+    WorkerStats,
+    WorkerLost,
+    GroupAssignment,
+    TopologyPrepare,
+    TopologyCommit,
+    TopologyAbort,
+    TopologyAck,
+    FlowSubmit,
+    FlowPermit,
+    FlowCompletion,
+    ErrorReply,
+)

@@ -1,0 +1,99 @@
+"""Every NATS subject nitsum uses. No service writes a subject string of its own.
+
+All subjects live under one namespace (`NITSUM_NAMESPACE`, default `nitsum`) so that several meshes can
+share one NATS cluster. Admin subjects are JSON (so the stock `nats` CLI works); every other subject
+carries msgpack frames from nitsum.wire.codec.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+ADMIN_COMMANDS = ("status", "set-policy", "set-topology", "drain", "role")
+
+
+def check_token(value: str, what: str) -> str:
+    """A subject token must not contain dots, wildcards or spaces (it would change the subject's meaning)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token (letters, digits, '_' and '-' only)")
+    return value
+
+
+@dataclass(frozen=True)
+class Subjects:
+    namespace: str = "nitsum"
+
+    def __post_init__(self) -> None:
+        check_token(self.namespace, "namespace")
+
+    # request path
+    @property
+    def submit(self) -> str:
+        """gateway → coordinator (request/reply): SubmitRequest → SubmitReply | ErrorReply."""
+        return f"{self.namespace}.req.submit"
+
+    def worker_run(self, worker_id: str) -> str:
+        """coordinator → one group leader (request/reply): RunRequest → RunAck."""
+        return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.run"
+
+    def worker_control(self, worker_id: str) -> str:
+        """coordinator → one worker: topology Prepare/Commit/Abort (request/reply → TopologyAck)."""
+        return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.control"
+
+    def stream(self, request_id: str) -> str:
+        """worker → gateway: TokenChunk frames of one request."""
+        return f"{self.namespace}.stream.{check_token(request_id, 'request id')}"
+
+    @property
+    def abort(self) -> str:
+        """anyone → all workers (broadcast): AbortRequest."""
+        return f"{self.namespace}.req.abort"
+
+    # membership
+    @property
+    def worker_stats(self) -> str:
+        """workers → coordinator: WorkerStats heartbeats."""
+        return f"{self.namespace}.stats.worker"
+
+    @property
+    def worker_lost(self) -> str:
+        """coordinator → gateways: WorkerLost."""
+        return f"{self.namespace}.event.worker_lost"
+
+    @property
+    def coordinator_up(self) -> str:
+        """coordinator → workers (broadcast, empty payload): a (re)started coordinator asks for fresh stats."""
+        return f"{self.namespace}.event.coordinator_up"
+
+    # flows
+    @property
+    def flow_submit(self) -> str:
+        """transfer agents → flow-scheduler: FlowSubmit (request/reply → FlowPermit)."""
+        return f"{self.namespace}.flow.submit"
+
+    @property
+    def flow_done(self) -> str:
+        """transfer agents → flow-scheduler: FlowCompletion."""
+        return f"{self.namespace}.flow.done"
+
+    def flow_permit(self, worker_id: str) -> str:
+        """flow-scheduler → one transfer agent: FlowPermit updates (promotions)."""
+        return f"{self.namespace}.flow.permit.{check_token(worker_id, 'worker id')}"
+
+    # admin (JSON)
+    def admin(self, command: str) -> str:
+        if command not in ADMIN_COMMANDS:
+            raise ValueError(f"unknown admin command {command!r}; known: {', '.join(ADMIN_COMMANDS)}")
+        return f"{self.namespace}.admin.{command}"
+
+    @property
+    def admin_wildcard(self) -> str:
+        return f"{self.namespace}.admin.>"
+
+    # health probes used by /ready
+    @property
+    def ping(self) -> str:
+        return f"{self.namespace}.ping"

@@ -1,0 +1,136 @@
+"""The admin plane: JSON over NATS under `<ns>.admin.>` (the stock `nats req nitsum.admin.status ''` works).
+
+Every command may carry an `id`; a repeated id gets the first answer again (idempotent retries).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from nitsum.wire.subjects import ADMIN_COMMANDS
+
+MAX_REMEMBERED_IDS = 1024
+ROLES = ("prefill", "decode", "hybrid")
+
+
+class AdminPlane:
+    def __init__(self, coordinator) -> None:
+        self.coordinator = coordinator
+        self._answers: OrderedDict[str, dict] = OrderedDict()
+
+    async def subscribe(self) -> None:
+        bus = self.coordinator.bus
+        for command in ADMIN_COMMANDS:
+            await bus.subscribe_json(bus.subjects.admin(command), self._handler(command))
+
+    def _handler(self, command: str):
+        method = getattr(self, "cmd_" + command.replace("-", "_"))
+
+        async def handle(body: dict, _delivery) -> dict:
+            command_id = body.get("id")
+            if command_id is not None and not isinstance(command_id, str):
+                return _error("bad_request", "'id' must be a string")
+            if command_id and command_id in self._answers:
+                return self._answers[command_id]
+            answer = await method(body)
+            if command_id:
+                self._answers[command_id] = answer
+                while len(self._answers) > MAX_REMEMBERED_IDS:
+                    self._answers.popitem(last=False)
+            return answer
+
+        return handle
+
+    async def cmd_status(self, _body: dict) -> dict:
+        c = self.coordinator
+        workers = []
+        groups: dict[str, dict[str, Any]] = {}
+        for worker_id, record in sorted(c.members.workers.items()):
+            s = record.stats
+            workers.append(
+                {
+                    "worker_id": worker_id,
+                    "node_id": s.node_id,
+                    "device_index": s.device_index,
+                    "device": s.device,
+                    "state": "draining" if record.draining_by_admin and s.state == "ready" else s.state,
+                    "role": s.role,
+                    "group_id": s.group_id,
+                    "tp": s.tp,
+                    "running": len(record.inflight()),
+                    "waiting": s.num_waiting,
+                    "kv_blocks_free": s.kv_blocks_free,
+                    "kv_blocks_total": s.kv_blocks_total,
+                    "model": s.model_name,
+                }
+            )
+            group = groups.setdefault(s.group_id, {"group_id": s.group_id, "tp": s.tp, "role": s.role, "node_id": s.node_id, "members": []})
+            group["members"].append(worker_id)
+        depth = c.members.outstanding_by_tier()
+        return {
+            "ok": True,
+            "policy": c.policy_spec,
+            "epoch": c.epoch,
+            "workers": workers,
+            "groups": list(groups.values()),
+            "queue_depth": {tier: depth.get(tier, 0) for tier in ("interactive", "background")},
+            "requests_in_flight": len(c.members.requests),
+        }
+
+    async def cmd_set_policy(self, body: dict) -> dict:
+        spec = body.get("policy")
+        if not isinstance(spec, str) or not spec:
+            return _error("bad_request", "set-policy needs 'policy': adaptive | static-tp:K | disagg | static-hybrid")
+        problem = validate_policy_spec(spec)
+        if problem:
+            return _error("bad_policy", problem)
+        previous = self.coordinator.policy_spec
+        self.coordinator.policy_spec = spec
+        return {"ok": True, "policy": spec, "previous": previous}
+
+    async def cmd_set_topology(self, body: dict) -> dict:
+        topology = body.get("topology")
+        if not isinstance(topology, str) or not topology:
+            return _error("bad_request", "set-topology needs 'topology', e.g. '[0-1 TP2 hybrid][2 TP1 decode][3 TP1 decode]'")
+        return _error("not_supported", "run-time TP changes are not available in this build: every worker serves TP=1")
+
+    async def cmd_drain(self, body: dict) -> dict:
+        worker_id = body.get("worker_id")
+        record = self.coordinator.members.workers.get(worker_id) if isinstance(worker_id, str) else None
+        if record is None:
+            return _error("unknown_worker", f"no worker {worker_id!r}")
+        undo = body.get("undo", False) is True
+        record.draining_by_admin = not undo
+        return {"ok": True, "worker_id": worker_id, "draining": record.draining_by_admin}
+
+    async def cmd_role(self, body: dict) -> dict:
+        worker_id, role = body.get("worker_id"), body.get("role")
+        if role not in ROLES:
+            return _error("bad_request", f"'role' must be one of {', '.join(ROLES)}")
+        if not isinstance(worker_id, str) or worker_id not in self.coordinator.members.workers:
+            return _error("unknown_worker", f"no worker {worker_id!r}")
+        return _error("not_supported", "run-time role changes are not available in this build")
+
+
+def validate_policy_spec(spec: str) -> str:
+    """'' when `spec` names a known policy, else why not."""
+    try:
+        from nitsum.policy.registry import make_policy  # the policy library, when present
+    except ImportError:
+        make_policy = None
+    if make_policy is not None:
+        try:
+            make_policy(spec)
+        except (ValueError, TypeError) as exc:
+            return str(exc)
+        return ""
+    if spec in ("adaptive", "disagg", "static-hybrid"):
+        return ""
+    if spec.startswith("static-tp:") and spec[len("static-tp:") :].isdigit():
+        return ""
+    return f"unknown policy {spec!r}: adaptive | static-tp:K | disagg | static-hybrid"
+
+
+def _error(code: str, message: str) -> dict:
+    return {"ok": False, "error": {"code": code, "message": message}}

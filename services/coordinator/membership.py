@@ -1,0 +1,112 @@
+"""The coordinator's view of the workers and of the requests in flight, rebuilt from WorkerStats.
+
+Pure and synchronous (the service calls it with `now_s`), so it is tested without NATS. After a
+coordinator restart the first heartbeats rebuild everything: each worker lists the requests it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nitsum.wire.messages import WorkerStats
+
+
+@dataclass
+class WorkerRecord:
+    stats: WorkerStats
+    last_seen_s: float
+    # request id -> time it was routed here; kept until a later heartbeat no longer lists it
+    assigned: dict[str, float] = field(default_factory=dict)
+    draining_by_admin: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.stats.worker_id
+
+    @property
+    def routable(self) -> bool:
+        return self.stats.state == "ready" and not self.draining_by_admin
+
+    def load(self) -> int:
+        return len(self.inflight())
+
+    def inflight(self) -> set[str]:
+        return set(self.stats.running_request_ids) | set(self.assigned)
+
+
+@dataclass
+class InflightRequest:
+    request_id: str
+    tier: str
+    worker_id: str
+    routed_s: float
+
+
+class Membership:
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.workers: dict[str, WorkerRecord] = {}
+        self.requests: dict[str, InflightRequest] = {}
+
+    def on_stats(self, stats: WorkerStats, now_s: float) -> None:
+        record = self.workers.get(stats.worker_id)
+        if record is None:
+            record = WorkerRecord(stats=stats, last_seen_s=now_s)
+            self.workers[stats.worker_id] = record
+        record.stats = stats
+        record.last_seen_s = now_s
+        if stats.state == "stopped":
+            self.workers.pop(stats.worker_id, None)
+            return
+        running = set(stats.running_request_ids)
+        for rid in running:
+            # Rebuild after a restart: a request we did not route is still ours to track.
+            if rid not in self.requests:
+                self.requests[rid] = InflightRequest(rid, "unknown", stats.worker_id, now_s)
+        # A request routed before this heartbeat was built and not listed in it has finished.
+        grace_s = 1.0
+        for rid, routed_s in list(record.assigned.items()):
+            if rid in running:
+                del record.assigned[rid]
+            elif now_s - routed_s > grace_s:
+                del record.assigned[rid]
+                self._forget(rid, stats.worker_id)
+        for rid, req in list(self.requests.items()):
+            if req.worker_id == stats.worker_id and rid not in running and rid not in record.assigned and now_s - req.routed_s > grace_s:
+                del self.requests[rid]
+
+    def _forget(self, request_id: str, worker_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and req.worker_id == worker_id:
+            del self.requests[request_id]
+
+    def assign(self, request_id: str, tier: str, worker_id: str, now_s: float) -> None:
+        self.workers[worker_id].assigned[request_id] = now_s
+        self.requests[request_id] = InflightRequest(request_id, tier, worker_id, now_s)
+
+    def unassign(self, request_id: str, worker_id: str) -> None:
+        record = self.workers.get(worker_id)
+        if record is not None:
+            record.assigned.pop(request_id, None)
+        self._forget(request_id, worker_id)
+
+    def expire(self, now_s: float) -> list[tuple[str, tuple[str, ...]]]:
+        """Workers silent for longer than the timeout: removed, with the requests they held."""
+        lost = []
+        for worker_id, record in list(self.workers.items()):
+            if now_s - record.last_seen_s > self.heartbeat_timeout_s:
+                rids = tuple(sorted(r for r, q in self.requests.items() if q.worker_id == worker_id))
+                for rid in rids:
+                    del self.requests[rid]
+                del self.workers[worker_id]
+                lost.append((worker_id, rids))
+        return lost
+
+    def routable(self, exclude: tuple[str, ...] = ()) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.routable and w.worker_id not in exclude]
+
+    def outstanding_by_tier(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for req in self.requests.values():
+            out[req.tier] = out.get(req.tier, 0) + 1
+        return out

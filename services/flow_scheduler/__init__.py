@@ -1,0 +1,1 @@
+"""nitsum flow_scheduler service."""

@@ -1,0 +1,1 @@
+"""nitsum gateway service."""

@@ -1,0 +1,207 @@
+"""One request's life at the gateway: submit, receive token chunks, re-route on worker loss.
+
+Chunks carry the output index of their first token, so the gateway keeps exactly one copy of every
+token: duplicates (a chunk replayed after a re-route) are cut, and a gap (a lost chunk) re-submits the
+request from the last token it holds. A worker that is lost, stops, or goes silent for
+NITSUM_STREAM_TIMEOUT_S gets the request re-submitted with the prompt and the tokens so far, to
+another worker, up to NITSUM_MAX_REROUTES times; after that the client gets a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+from nitsum.bus import Bus, BusError
+from nitsum.wire.messages import AbortRequest, SamplingSpec, SubmitReply, SubmitRequest, TokenChunk
+
+log = logging.getLogger("nitsum.gateway")
+
+RETRYABLE_CODES = frozenset({"worker_stopping", "engine_error", "worker_lost"})
+
+
+class GenerationError(Exception):
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    bus: Bus
+    request: SubmitRequest
+    stream_timeout_s: float
+    max_reroutes: int
+    submit_timeout_s: float
+    registry: "GenerationRegistry"
+    tokens: list[int] = field(default_factory=list)
+    worker_id: str = ""
+    reroutes: int = 0
+    num_cached_prompt_tokens: int = 0
+    first_token_s: float | None = None
+    finished: bool = False
+    finish_reason: str = ""
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _sub: object = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def start(self) -> None:
+        """Subscribe to the stream, then submit; raises GenerationError when the mesh refuses."""
+
+        async def on_chunk(chunk: TokenChunk, _delivery) -> None:
+            self._queue.put_nowait(chunk)
+
+        self._sub = await self.bus.subscribe(self.bus.subjects.stream(self.request_id), on_chunk, expected=TokenChunk)
+        self.registry.add(self)
+        try:
+            await self._submit(self.request)
+        except GenerationError:
+            await self.close()
+            raise
+
+    async def _submit(self, request: SubmitRequest) -> None:
+        try:
+            reply: SubmitReply = await self.bus.request(self.bus.subjects.submit, request, self.submit_timeout_s, expected=SubmitReply)
+        except BusError as exc:
+            raise GenerationError(503, "coordinator_unavailable", f"the coordinator did not answer: {exc}", retry_after_s=1.0) from None
+        if not reply.accepted:
+            code = {429: "rate_limited", 503: "no_capacity", 400: "invalid_request"}.get(reply.status, "rejected")
+            raise GenerationError(reply.status or 503, code, reply.reason, retry_after_s=reply.retry_after_s)
+        self.worker_id = reply.worker_id
+        self.registry.moved(self)
+
+    def worker_lost(self) -> None:
+        self._queue.put_nowait("worker_lost")
+
+    async def deltas(self):
+        """Yield Delta objects until the request finishes; raises GenerationError on a final failure."""
+        while not self.finished:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), timeout=self.stream_timeout_s)
+            except asyncio.TimeoutError:
+                await self._reroute("worker_silent", f"no token from {self.worker_id} for {self.stream_timeout_s:.0f} s")
+                continue
+            if item == "worker_lost":
+                await self._reroute("worker_lost", f"worker {self.worker_id} was lost")
+                continue
+            chunk: TokenChunk = item
+            if chunk.worker_id != self.worker_id:
+                continue  # a late chunk from a worker this request has left
+            if chunk.error_code:
+                if chunk.error_code in RETRYABLE_CODES:
+                    await self._reroute(chunk.error_code, chunk.error_message)
+                    continue
+                self.finished = True
+                raise GenerationError(400 if chunk.error_code == "invalid_request" else 500, chunk.error_code, chunk.error_message)
+            have = len(self.tokens)
+            if chunk.index > have:
+                await self._reroute("stream_gap", f"tokens {have}..{chunk.index - 1} were lost in transit")
+                continue
+            fresh = list(chunk.token_ids[have - chunk.index :])
+            self.num_cached_prompt_tokens = max(self.num_cached_prompt_tokens, chunk.num_cached_prompt_tokens)
+            if fresh and self.first_token_s is None:
+                self.first_token_s = time.monotonic()
+            self.tokens.extend(fresh)
+            text = chunk.text if chunk.index == have else ""
+            if chunk.finished:
+                self.finished = True
+                self.finish_reason = chunk.finish_reason or "stop"
+            if fresh or chunk.finished:
+                yield Delta(fresh, text, self.finish_reason if chunk.finished else None)
+
+    async def _reroute(self, code: str, why: str) -> None:
+        old = self.worker_id
+        await self._abort_at(old, f"rerouted: {code}")
+        if self.reroutes >= self.max_reroutes:
+            self.finished = True
+            raise GenerationError(503, code, f"{why}; gave up after {self.reroutes} re-route(s)", retry_after_s=1.0)
+        self.reroutes += 1
+        remaining = self.request.sampling.max_tokens - len(self.tokens)
+        if remaining <= 0:
+            self.finished = True
+            self.finish_reason = "length"
+            return
+        log.warning("re-routing %s (%s): %s", self.request_id, code, why)
+        resubmit = replace(
+            self.request,
+            sampling=replace(self.request.sampling, max_tokens=remaining),
+            output_token_ids=tuple(self.tokens),
+            attempt=self.reroutes,
+            exclude_workers=(old,) if old else (),
+        )
+        try:
+            await self._submit(resubmit)
+        except GenerationError as exc:
+            if exc.status == 503 and old:
+                # The only other choice may be the worker we left (it came back): allow it.
+                await self._submit(replace(resubmit, exclude_workers=()))
+            else:
+                raise
+
+    async def _abort_at(self, worker_id: str, reason: str) -> None:
+        if not worker_id:
+            return
+        try:
+            await self.bus.publish(self.bus.subjects.abort, AbortRequest(self.request_id, reason))
+        except Exception as exc:  # best effort: the worker also stops when its stream has no reader
+            log.debug("abort of %s not sent: %s", self.request_id, exc)
+
+    async def abort(self, reason: str) -> None:
+        if not self.finished:
+            self.finished = True
+            await self._abort_at(self.worker_id or "?", reason)
+
+    async def close(self) -> None:
+        self.registry.remove(self)
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:  # the connection may be closing
+                log.debug("unsubscribe failed: %s", exc)
+            self._sub = None
+
+
+class GenerationRegistry:
+    """Which generations run on which worker, so that a WorkerLost event reaches them."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, Generation] = {}
+
+    def add(self, gen: Generation) -> None:
+        self.by_id[gen.request_id] = gen
+
+    def moved(self, gen: Generation) -> None:
+        self.by_id[gen.request_id] = gen
+
+    def remove(self, gen: Generation) -> None:
+        self.by_id.pop(gen.request_id, None)
+
+    def on_worker_lost(self, worker_id: str) -> int:
+        hit = 0
+        for gen in list(self.by_id.values()):
+            if gen.worker_id == worker_id and not gen.finished:
+                gen.worker_lost()
+                hit += 1
+        return hit
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+
+def make_sampling(spec: SamplingSpec, max_tokens: int) -> SamplingSpec:
+    return replace(spec, max_tokens=max_tokens)

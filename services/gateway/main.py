@@ -1,0 +1,303 @@
+"""`nitsum serve gateway`: the OpenAI-compatible HTTP API in front of the mesh.
+
+Validates and authenticates, tokenizes, classifies the tier, submits to the coordinator, streams the
+tokens back (SSE with a final usage chunk) and re-routes requests whose worker is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from nitsum.config import GatewayConfig
+from nitsum.httpauth import auth_middleware, json_error
+from nitsum.modelpath import resolve_model_dir
+from nitsum.policy.tiers import UnknownTierError, resolve_slo
+from nitsum.service import ServiceContext, run_service
+from nitsum.telemetry.tracing import mark_error
+from nitsum.wire.messages import SamplingSpec, SubmitRequest, WorkerLost
+from nitsum_services.gateway.generation import Generation, GenerationError, GenerationRegistry
+from nitsum_services.gateway.model_info import ModelInfo
+from nitsum_services.gateway.openapi import OPENAPI
+from nitsum_services.gateway.protocol import ApiError, chunk, full_response, parse_chat, parse_completion, usage, usage_chunk
+from nitsum_services.gateway.slo import SloAccounting
+
+log = logging.getLogger("nitsum.gateway")
+
+DRAIN_TIMEOUT_S = 60.0
+
+
+class Gateway:
+    def __init__(self, ctx: ServiceContext, model: ModelInfo) -> None:
+        self.ctx = ctx
+        self.config: GatewayConfig = ctx.config
+        self.model = model
+        self.registry = GenerationRegistry()
+        self.draining = False
+        self.slo = SloAccounting(ctx.metrics)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    async def _json_body(self, request: web.Request):
+        if request.content_type != "application/json":
+            raise ApiError(400, f"Content-Type must be application/json, got {request.content_type or 'none'}", None, "invalid_content_type")
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            raise ApiError(413, f"the request body is over the {self.config.max_body_bytes}-byte limit", None, "body_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"the request body is over the {self.config.max_body_bytes}-byte limit", None, "body_too_large") from None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+
+    def _slo(self, request: web.Request):
+        tier = request.headers.get("x-request-tier") or self.config.default_tier
+        values = {}
+        for header in ("x-slo-ttft-ms", "x-slo-tpot-ms"):
+            raw = request.headers.get(header)
+            if raw is None:
+                values[header] = None
+                continue
+            try:
+                values[header] = float(raw)
+            except ValueError:
+                raise ApiError(400, f"header {header} must be a number of milliseconds, got {raw!r}", header) from None
+        try:
+            return resolve_slo(tier, values["x-slo-ttft-ms"], values["x-slo-tpot-ms"])
+        except UnknownTierError as exc:
+            raise ApiError(400, str(exc), "x-request-tier", "unknown_tier") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "x-slo", "invalid_slo") from None
+
+    def _check_model(self, name: str) -> None:
+        if name and name != self.model.name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model.name}'.", "model", "model_not_found")
+
+    # ---- routes ----------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        arrival_s = time.monotonic()
+        arrival_unix_ms = time.time() * 1000.0
+        tier_name = "unknown"
+        with self.ctx.tracer.start_as_current_span("gateway.request", attributes={"nitsum.request_id": request_id, "nitsum.route": request.path}) as span:
+            try:
+                if self.draining:
+                    raise ApiError(503, "the gateway is shutting down", None, "shutting_down", "service_unavailable", {"Retry-After": "1"})
+                body = await self._json_body(request)
+                slo = self._slo(request)
+                tier_name = slo.tier
+                span.set_attribute("nitsum.tier", slo.tier)
+                if kind == "chat":
+                    parsed, messages = parse_chat(body, self.config.max_messages)
+                    self._check_model(parsed.model)
+                    prompt_ids = self.model.encode_chat(messages)
+                else:
+                    parsed = parse_completion(body)
+                    self._check_model(parsed.model)
+                    prompt_ids = list(parsed.prompt_token_ids) if parsed.prompt_token_ids is not None else self.model.encode(parsed.prompt_text)
+                    if parsed.prompt_token_ids is not None:
+                        self.model.check_ids(prompt_ids)
+                sampling = self.model.fit_max_tokens(parsed.sampling, len(prompt_ids), fill_context=(kind == "chat" and not parsed.max_tokens_given))
+            except ApiError as exc:
+                mark_error(span, exc.code)
+                self.slo.outcome(tier_name, "rejected")
+                return json_error(exc.status, exc.message, exc.type, exc.code, exc.param, headers={"x-request-id": request_id, **exc.headers})
+            span.set_attribute("nitsum.prompt_tokens", len(prompt_ids))
+            submit = SubmitRequest(
+                request_id=request_id,
+                prompt_token_ids=tuple(prompt_ids),
+                sampling=sampling,
+                tier=slo.tier,
+                ttft_ms=slo.ttft_ms,
+                tpot_ms=slo.tpot_ms,
+                weight=slo.weight,
+                arrival_unix_ms=arrival_unix_ms,
+                stream_subject=self.ctx.bus.subjects.stream(request_id),
+            )
+            gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.request_timeout_s, self.registry)
+            headers = {"x-request-id": request_id, "x-request-tier": slo.tier}
+            try:
+                await gen.start()
+            except GenerationError as exc:
+                mark_error(span, f"{exc.code}: {exc.message}")
+                self.slo.outcome(slo.tier, "rejected" if exc.status in (429, 503) else "error")
+                extra = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.status in (429, 503) else {}
+                type_ = {429: "rate_limit_error", 503: "service_unavailable", 400: "invalid_request_error"}.get(exc.status, "server_error")
+                return json_error(exc.status, exc.message, type_, exc.code, headers={**headers, **extra})
+            try:
+                if parsed.stream:
+                    return await self._stream(request, gen, parsed, kind, headers, span, slo, arrival_s)
+                return await self._collect(gen, parsed, kind, headers, span, slo, arrival_s)
+            finally:
+                await gen.close()
+
+    async def _stream(self, request, gen: Generation, parsed, kind, headers, span, slo, arrival_s) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        created = int(time.time())
+        await response.prepare(request)
+        first = True
+        try:
+            async for delta in gen.deltas():
+                payload = chunk(kind, gen.request_id, self.model.name, created, delta.text, delta.finish_reason, first, delta.token_ids if parsed.return_token_ids else None)
+                first = False
+                await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        except GenerationError as exc:
+            mark_error(span, f"{exc.code}: {exc.message}")
+            self.slo.outcome(slo.tier, "error")
+            error = {"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}}
+            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            mark_error(span, "client_disconnected")
+            self.slo.outcome(slo.tier, "cancelled")
+            await gen.abort("client_disconnected")
+            raise
+        if parsed.include_usage:
+            u = usage(len(gen.request.prompt_token_ids), len(gen.tokens), gen.num_cached_prompt_tokens)
+            await response.write(b"data: " + json.dumps(usage_chunk(kind, gen.request_id, self.model.name, created, u)).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        self._finished(gen, span, slo, arrival_s)
+        return response
+
+    async def _collect(self, gen: Generation, parsed, kind, headers, span, slo, arrival_s) -> web.Response:
+        texts = []
+        try:
+            async for delta in gen.deltas():
+                texts.append(delta.text)
+        except GenerationError as exc:
+            mark_error(span, f"{exc.code}: {exc.message}")
+            self.slo.outcome(slo.tier, "error")
+            extra = {"Retry-After": "1"} if exc.status == 503 else {}
+            return json_error(exc.status, exc.message, "server_error", exc.code, headers={**headers, **extra})
+        except asyncio.CancelledError:
+            mark_error(span, "client_disconnected")
+            self.slo.outcome(slo.tier, "cancelled")
+            await gen.abort("client_disconnected")
+            raise
+        u = usage(len(gen.request.prompt_token_ids), len(gen.tokens), gen.num_cached_prompt_tokens)
+        body = full_response(kind, gen.request_id, self.model.name, int(time.time()), "".join(texts), gen.finish_reason, u, list(gen.tokens) if parsed.return_token_ids else None)
+        self._finished(gen, span, slo, arrival_s)
+        return web.json_response(body, headers=headers)
+
+    def _finished(self, gen: Generation, span, slo, arrival_s: float) -> None:
+        span.set_attribute("nitsum.output_tokens", len(gen.tokens))
+        span.set_attribute("nitsum.worker", gen.worker_id)
+        span.set_attribute("nitsum.reroutes", gen.reroutes)
+        self.slo.finished(slo, arrival_s, gen.first_token_s, time.monotonic(), len(gen.tokens))
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model.name, "object": "model", "created": 0, "owned_by": "nitsum", "max_model_len": self.model.max_model_len}]})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"ready": False, "reason": "shutting down"}, status=503, headers={"Retry-After": "1"})
+        submit = SubmitRequest(
+            request_id="ready-" + uuid.uuid4().hex,
+            prompt_token_ids=(self.model.probe_token_id,),
+            sampling=SamplingSpec(max_tokens=1, ignore_eos=True),
+            tier="interactive",
+            ttft_ms=self.config.ready_timeout_s * 1000.0,
+            tpot_ms=1000.0,
+            weight=0.0,
+            arrival_unix_ms=time.time() * 1000.0,
+            stream_subject="",
+        )
+        submit = SubmitRequest(**{**submit.__dict__, "stream_subject": self.ctx.bus.subjects.stream(submit.request_id)})
+        gen = Generation(self.ctx.bus, submit, self.config.ready_timeout_s, 0, self.config.ready_timeout_s, GenerationRegistry())
+        try:
+            async with asyncio.timeout(self.config.ready_timeout_s):
+                await gen.start()
+                async for _ in gen.deltas():
+                    pass
+        except (GenerationError, TimeoutError) as exc:
+            await gen.abort("ready_probe_failed")
+            reason = exc.message if isinstance(exc, GenerationError) else f"no token within {self.config.ready_timeout_s} s"
+            return web.json_response({"ready": False, "reason": reason}, status=503, headers={"Retry-After": "1"})
+        finally:
+            await gen.close()
+        return web.json_response({"ready": True, "worker": gen.worker_id})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        body, content_type = self.ctx.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def openapi(self, _request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
+
+ROUTES = (
+    ("POST", "/v1/chat/completions", "chat_completions"),
+    ("POST", "/v1/completions", "completions"),
+    ("GET", "/v1/models", "models"),
+    ("GET", "/health", "health"),
+    ("GET", "/ready", "ready"),
+    ("GET", "/metrics", "metrics"),
+    ("GET", "/openapi.json", "openapi"),
+)
+
+
+def build_app(gateway: Gateway, api_keys: tuple[str, ...]) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware(api_keys), _error_middleware], client_max_size=gateway.config.max_body_bytes)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, getattr(gateway, handler))
+    return app
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return json_error(413, f"the request body is over the limit ({exc.text})", "invalid_request_error", "body_too_large")
+    except web.HTTPNotFound:
+        return json_error(404, f"no route {request.method} {request.path}", "invalid_request_error", "not_found")
+    except web.HTTPMethodNotAllowed:
+        return json_error(405, f"method {request.method} is not allowed on {request.path}", "invalid_request_error", "method_not_allowed")
+
+
+async def body(ctx: ServiceContext) -> None:
+    config: GatewayConfig = ctx.config
+    model_dir = await asyncio.to_thread(resolve_model_dir, config.model)
+    model = await asyncio.to_thread(ModelInfo.load, model_dir, config.served_model_name)
+    gateway = Gateway(ctx, model)
+
+    async def on_worker_lost(msg: WorkerLost, _delivery) -> None:
+        n = gateway.registry.on_worker_lost(msg.worker_id)
+        if n:
+            log.warning("worker %s lost: re-routing %d request(s)", msg.worker_id, n)
+
+    await ctx.bus.subscribe(ctx.bus.subjects.worker_lost, on_worker_lost, expected=WorkerLost)
+    runner = web.AppRunner(build_app(gateway, config.resolved_api_keys()), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    log.info("gateway listening on http://%s:%d (model %s)", config.host, config.port, model.name)
+
+    async def drain() -> None:
+        gateway.draining = True
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while len(gateway.registry) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await runner.cleanup()
+
+    ctx.drain_hooks.append(drain)
+
+
+def main(argv: list[str]) -> int:
+    # The gateway serves /metrics on its API port; no separate metrics server.
+    return run_service("gateway", GatewayConfig, argv[1:] if argv[:1] == ["gateway"] else argv, body, metrics_port=lambda _c: 0)

@@ -1,0 +1,1 @@
+"""nitsum worker service."""
