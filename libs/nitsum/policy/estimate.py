@@ -127,6 +127,20 @@ def _buckets(budgets: list[float], scale: float) -> tuple[tuple[float, int], ...
     return tuple(out)
 
 
+def hybrid_chunk_tokens(cost: CostModel, tp: int, tpot_ms: float, max_chunk_tokens: int) -> int:
+    """Largest power-of-two prefill chunk (≤ max_chunk_tokens, ≥ 16) whose step with one decode sequence
+    takes at most 2/3 of tpot_ms, leaving the rest for the decode batch (Sarathi-style token budget)."""
+    key = ("chunk", tp, round(tpot_ms, 3), max_chunk_tokens)
+    hit = cost._memo.get(key)
+    if hit is not None:
+        return hit
+    c = max_chunk_tokens
+    while c > 16 and cost.step_time_ms(tp, 1, 1 + c, c) > tpot_ms * 2.0 / 3.0:
+        c //= 2
+    cost._memo[key] = c
+    return c
+
+
 @dataclass(frozen=True)
 class Estimate:
     score: float  # weighted goodput estimate (see module docstring)
@@ -159,14 +173,23 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
     ctx_sum = [0] * n  # KV tokens of the decode slots taken
     entries: list[tuple[int, float, float, float]] = []  # (class, count·weight, tokens left, start offset ms)
     pending_prefill = any(t.queued for t in load.tiers)
+    # Hybrid groups size their prefill chunks so that decode steps still meet the tightest TPOT around.
+    tightest_tpot = min((t.tpot_ms for t in load.tiers), default=math.inf)
     score = 0.0
     misses = 0
     latency_misses = 0
     order_hi = sorted(range(n), key=lambda i: (-tps[i], i))
     order_lo = sorted(range(n), key=lambda i: (tps[i], i))
 
+    def chunk(i: int) -> int:
+        """Prefill tokens a hybrid group mixes into each decode step (0: none pending, or not hybrid)."""
+        if roles[i] != "hybrid" or not pending_prefill:
+            return 0
+        return hybrid_chunk_tokens(cost, tps[i], min(cap[i], tightest_tpot), chunk_tokens)
+
     def slots(i: int, tpot: float, ctx: int) -> int:
-        extra = chunk_tokens if roles[i] == "hybrid" and pending_prefill else 0
+        extra = 0 if roles[i] != "hybrid" or not pending_prefill else hybrid_chunk_tokens(
+            cost, tps[i], min(tpot, tightest_tpot), chunk_tokens)
         return mult[i] * cost.max_decode_batch(tps[i], tpot, ctx, extra)
 
     def place(t: TierLoad, count: int, ctx: int, order: list[int]) -> list[tuple[int, int]]:
@@ -209,9 +232,10 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
                 if roles[i] == "hybrid" and used[i] > 0:
                     # Chunked prefill shares steps with this class's decode batch.
                     per_group = max(used[i] // mult[i], 1)
-                    steps = -(-t.prompt_tokens // chunk_tokens)
-                    s = steps * cost.step_time_ms(tps[i], per_group, per_group + chunk_tokens,
-                                                  per_group * t.running_ctx_tokens + chunk_tokens)
+                    c = max(chunk(i), 1)
+                    steps = -(-t.prompt_tokens // c)
+                    s = steps * cost.step_time_ms(tps[i], per_group, per_group + c,
+                                                  per_group * t.running_ctx_tokens + c)
                 service[i] = s
                 r_i = mult[i] / s
                 rate += r_i
@@ -256,7 +280,7 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
     for i in range(n):
         if used[i]:
             b = max(used[i] // mult[i], 1)
-            extra = chunk_tokens if roles[i] == "hybrid" and pending_prefill else 0
+            extra = chunk(i)
             ctx = quantize_tokens(ctx_sum[i] / mult[i])
             step[i] = cost.step_time_ms(tps[i], b, b + extra, ctx + extra)
     for i, w, left, offset in entries:
