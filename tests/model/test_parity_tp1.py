@@ -1,5 +1,6 @@
 """TP=1 logits and greedy tokens equal transformers' LlamaForCausalLM on the tiny checkpoint (fp32)."""
 
+import pytest
 import torch
 from engine_test_helpers import prompts_of_lengths, record_logits
 
@@ -12,7 +13,8 @@ def hf_reference(hf_model, prompt, tokens):
     """Logits at every position of prompt + tokens; greedy tokens from HF generate."""
     with torch.no_grad():
         generated = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
             pad_token_id=0,
         )[0, len(prompt):].tolist()
         logits = hf_model(torch.tensor([prompt + tokens])).logits[0]
@@ -51,3 +53,22 @@ def test_chunked_prefill_over_cached_prefix_matches_transformers(tiny_dir, hf_mo
     assert rows.shape[0] == 8
     assert (rows - hf_logits[36:44]).abs().max().item() <= 1e-4
     assert tokens == hf_logits[36:44].argmax(-1).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
+def test_logits_and_greedy_tokens_match_transformers_on_cuda(tiny_dir, hf_model):
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), device="cuda"))
+    [prompt] = prompts_of_lengths([37])
+    hf_cuda = hf_model.to("cuda")
+    try:
+        recorded = record_logits(engine)
+        [tokens] = engine.generate([prompt], SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
+        with torch.no_grad():
+            hf_logits = hf_cuda(torch.tensor([prompt + tokens], device="cuda")).logits[0].cpu()
+    finally:
+        hf_model.to("cpu")
+    ours = torch.cat([r.cpu() for r in recorded])
+    expected = hf_logits[len(prompt) - 1 : len(prompt) - 1 + NUM_TOKENS]
+    assert tokens == expected.argmax(-1).tolist()
+    assert (ours - expected).abs().max().item() <= 1e-4
