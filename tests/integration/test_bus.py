@@ -1,0 +1,147 @@
+"""The bus against a real nats-server: request/reply, queue groups, trace headers, bad frames, reconnect."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from opentelemetry import trace
+
+from nitsum.bus import Bus, BusTimeout, NoResponders, RemoteError
+from nitsum.config import CommonConfig
+from nitsum.natsserver import NatsServer
+from nitsum.telemetry.metrics import Metrics
+from nitsum.wire.messages import AbortRequest, ErrorReply, RunAck
+
+
+def _config(url: str) -> CommonConfig:
+    return CommonConfig(nats_url=url)
+
+
+async def test_request_reply_and_errors(nats_server):
+    a = await Bus.connect(_config(nats_server.url), "a")
+    b = await Bus.connect(_config(nats_server.url), "b", metrics=Metrics("b"))
+    try:
+        async def answer(msg: AbortRequest, _d):
+            if msg.request_id == "boom":
+                raise RuntimeError("handler bug")
+            if msg.request_id == "refuse":
+                return ErrorReply("nope", "refused on purpose")
+            return RunAck(msg.request_id, "w1", True)
+
+        await b.subscribe("t.req", answer, expected=AbortRequest, concurrent=True)
+        await b.flush()
+        ack = await a.request("t.req", AbortRequest("r1"), 2.0, expected=RunAck)
+        assert ack == RunAck("r1", "w1", True)
+        with pytest.raises(RemoteError) as info:
+            await a.request("t.req", AbortRequest("refuse"), 2.0)
+        assert info.value.code == "nope"
+        with pytest.raises(RemoteError) as info:
+            await a.request("t.req", AbortRequest("boom"), 2.0)
+        assert info.value.code == "internal" and "handler bug" in str(info.value)
+        # a frame that is not a message is answered with a coded error and counted
+        msg = await a.nc.request("t.req", b"\x00garbage", timeout=2.0)
+        from nitsum.wire import decode
+
+        reply = decode(msg.data)
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_frame"
+        rendered = b.metrics.render()[0].decode()
+        assert 'nitsum_dropped_frames_total{code="malformed",subject="t.req"} 1.0' in rendered
+        with pytest.raises(NoResponders):
+            await a.request("t.nobody", AbortRequest("x"), 0.5)
+    finally:
+        await a.drain()
+        await b.drain()
+
+
+async def test_timeout_is_typed(nats_server):
+    a = await Bus.connect(_config(nats_server.url), "a")
+    try:
+        async def slow(_m, _d):
+            await asyncio.sleep(1.0)
+
+        await a.subscribe("t.slow", slow, concurrent=True)
+        with pytest.raises(BusTimeout):
+            await a.request("t.slow", AbortRequest("x"), 0.2)
+    finally:
+        await a.drain()
+
+
+async def test_queue_group_spreads_work(nats_server):
+    sender = await Bus.connect(_config(nats_server.url), "s")
+    workers = [await Bus.connect(_config(nats_server.url), f"w{i}") for i in range(2)]
+    seen = {0: 0, 1: 0}
+    try:
+        for i, w in enumerate(workers):
+            async def handler(msg, _d, i=i):
+                seen[i] += 1
+                return RunAck(msg.request_id, f"w{i}", True)
+
+            await w.subscribe("t.pool", handler, queue="pool")
+            await w.flush()
+        answers = [await sender.request("t.pool", AbortRequest(str(n)), 2.0) for n in range(40)]
+        assert len(answers) == 40
+        assert seen[0] + seen[1] == 40  # each request handled exactly once
+        assert seen[0] > 0 and seen[1] > 0
+    finally:
+        for bus in [sender, *workers]:
+            await bus.drain()
+
+
+async def test_trace_context_rides_in_headers(nats_server):
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = TracerProvider()
+    tracer = provider.get_tracer("test")
+    a = await Bus.connect(_config(nats_server.url), "a")
+    b = await Bus.connect(_config(nats_server.url), "b")
+    got = asyncio.get_running_loop().create_future()
+    try:
+        async def handler(msg, delivery):
+            got.set_result((delivery.headers.get("traceparent", ""), trace.get_current_span().get_span_context().trace_id))
+
+        await b.subscribe("t.trace", handler)
+        await b.flush()
+        with tracer.start_as_current_span("root") as span:
+            await a.publish("t.trace", AbortRequest("x"))
+            trace_id = span.get_span_context().trace_id
+        header, remote_trace_id = await asyncio.wait_for(got, 2.0)
+        assert header.split("-")[1] == format(trace_id, "032x")
+        assert remote_trace_id == trace_id
+    finally:
+        await a.drain()
+        await b.drain()
+
+
+async def test_reconnects_after_server_restart(tmp_path):
+    from nitsum.natsserver import free_port
+
+    port = free_port()
+    server = NatsServer(port=port, config_path=None).start()
+    a = await Bus.connect(_config(server.url), "a")
+    b = await Bus.connect(_config(server.url), "b")
+    try:
+        async def echo(msg, _d):
+            return RunAck(msg.request_id, "b", True)
+
+        await b.subscribe("t.echo", echo)
+        await b.flush()
+        assert (await a.request("t.echo", AbortRequest("1"), 2.0)).accepted
+        server.stop()
+        await asyncio.sleep(0.3)
+        server = NatsServer(port=port, config_path=None).start()
+        deadline = asyncio.get_running_loop().time() + 10.0
+        while True:
+            try:
+                ack = await a.request("t.echo", AbortRequest("2"), 0.5)
+                break
+            except (BusTimeout, NoResponders, Exception):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        assert ack.request_id == "2"
+        assert a.reconnects >= 1 and b.reconnects >= 1
+    finally:
+        await a.drain()
+        await b.drain()
+        server.stop()
