@@ -151,15 +151,38 @@ def test_fair_sharing_finishes_the_same_p2d_flow_needlessly_early() -> None:
     assert finish == {"pd": 20}  # half the link from t = 0: earliness 980 ms taken from the bulk fetch
 
 
-def test_explicit_flow_of_a_finished_unit_is_promoted_on_the_periodic_timer() -> None:
+def test_explicit_flow_of_a_finished_unit_is_promoted_on_the_periodic_grid() -> None:
     s = rmlq(reevaluate_interval_ms=5.0)
-    s.on_arrival(p2d("pd", "u", size=10_000_000, deadline_ms=1000.0), 0.0)
+    s.on_arrival(p2d("pd", "u", size=10_000_000, deadline_ms=1003.0), 0.0)
+    # MLU(t) = 10 / (1003 − t) reaches Q_2 = 1/32 at t = 683 and Q_1 = 1/8 at t = 923; checks run on
+    # the 5 ms grid from arrival, so the promotions land at 685 and 925 however often we look.
     assert s.priorities(0.0) == {"pd": 3}
-    assert s.priorities(900.0) == {"pd": 2}  # the timer is due at 5; it catches up at 900 (MLU 0.1)
-    assert s.priorities(904.0) == {"pd": 2}  # re-armed for 905
-    assert s.priorities(919.0) == {"pd": 2}  # catches up at 919 (MLU 10/81 < 1/8), re-armed for 924
-    assert s.priorities(923.0) == {"pd": 2}
-    assert s.priorities(924.0) == {"pd": 1}  # MLU 10/76 ≥ 1/8
+    assert s.priorities(684.0) == {"pd": 3}
+    assert s.priorities(685.0) == {"pd": 2}
+    assert s.priorities(924.0) == {"pd": 2}
+    assert s.priorities(925.0) == {"pd": 1}
+    assert s.stats.promotions == 2
+    t = RmlqScheduler(RmlqConfig(link_bandwidth_bps={LINK: LINK_BPS}, reevaluate_interval_ms=5.0))
+    t.on_arrival(p2d("pd", "u", size=10_000_000, deadline_ms=1003.0), 0.0)
+    assert t.priorities(2000.0) == {"pd": 1}  # one late look: straight to P1 (MLU is infinite)
+    assert t.stats.promotions == 1
+
+
+def test_progress_delays_the_timed_promotion() -> None:
+    s = rmlq(reevaluate_interval_ms=5.0)
+    s.on_arrival(p2d("pd", "u", size=10_000_000, deadline_ms=1003.0), 0.0)
+    s.on_progress("pd", 5_000_000, 100.0)  # half sent: Q_1 now reached at t = 1003 − 40 = 963
+    assert s.priorities(960.0) == {"pd": 2}
+    assert s.priorities(965.0) == {"pd": 1}
+
+
+def test_a_rise_in_link_load_rearms_the_timer() -> None:
+    s = rmlq(reevaluate_interval_ms=5.0)
+    s.on_arrival(p2d("pd", "u", size=10_000_000, deadline_ms=1003.0), 0.0)
+    s.set_link_load(LINK, 0.5, now_ms=100.0)  # MLU doubles: Q_2 at 1003 − 640 = 363, Q_1 at 843
+    assert s.priorities(360.0) == {"pd": 3}
+    assert s.priorities(365.0) == {"pd": 2}
+    assert s.priorities(845.0) == {"pd": 1}
 
 
 def test_layer_boundaries_drive_explicit_flows_while_the_unit_computes() -> None:

@@ -196,7 +196,7 @@ def relative_layer_index(target_layer: int, current_layer: int) -> int:
 class _Flow:
     """Mutable per-flow record (internal); `FlowState` is its public snapshot."""
 
-    __slots__ = ("spec", "remaining", "level", "rli", "mlu", "seq", "pruned")
+    __slots__ = ("spec", "remaining", "level", "rli", "mlu", "seq", "pruned", "anchor_ms", "timer_gen")
 
     def __init__(self, spec: FlowSpec, seq: int) -> None:
         self.spec = spec
@@ -206,6 +206,8 @@ class _Flow:
         self.mlu: float | None = None
         self.seq = seq
         self.pruned = False
+        self.anchor_ms = 0.0  # origin of this flow's periodic re-evaluation grid
+        self.timer_gen = 0  # bumps on every re-arm: older heap entries are stale
 
 
 class _Unit:
@@ -430,44 +432,73 @@ class RmlqScheduler(FlowTable):
         self._thresholds = self.config.thresholds()
         self._bandwidth_bps = dict(self.config.link_bandwidth_bps)
         self._rho: dict[str, float] = {}
-        self._timer: list[tuple[float, int, str]] = []  # (due ms, seq, flow id) for periodic MLU checks
+        self._timer: list[tuple[float, int, str]] = []  # (due ms, timer gen, flow id): periodic MLU checks
 
-    def set_link_load(self, link_id: str, rho: float) -> None:
-        """Fraction of the link already taken by higher levels (from the flow-scheduler service)."""
+    def set_link_load(self, link_id: str, rho: float, now_ms: float | None = None) -> None:
+        """Fraction of the link already taken by higher levels (from the flow-scheduler service).
+
+        Rare control-plane update: re-arms the timed flows (O(active flows)); takes effect at each flow's
+        next check — layer boundary or grid tick — never as an immediate promotion."""
         if not 0.0 <= rho <= 1.0:
             raise ValueError(f"link load must be in [0, 1], got {rho}")
         self._rho[link_id] = rho
+        self._rearm_all(now_ms)
 
-    def set_link_bandwidth(self, link_id: str, bandwidth_bps: float) -> None:
+    def set_link_bandwidth(self, link_id: str, bandwidth_bps: float, now_ms: float | None = None) -> None:
         if bandwidth_bps <= 0.0:
             raise ValueError(f"bandwidth must be > 0, got {bandwidth_bps}")
         self._bandwidth_bps[link_id] = bandwidth_bps
+        self._rearm_all(now_ms)
 
-    def mlu(self, rec_spec: FlowSpec, remaining_bytes: int, now_ms: float) -> float:
-        """MLU on the path's bottleneck: the link with the least residual bandwidth B · (1 − ρ)."""
+    def _effective_bps(self, spec: FlowSpec) -> float:
+        """Residual bandwidth B · (1 − ρ) of the path's bottleneck link."""
         default = self.config.default_bandwidth_bps
-        if rec_spec.path:
-            effective = min(
-                self._bandwidth_bps.get(l, default) * (1.0 - self._rho.get(l, 0.0)) for l in rec_spec.path
-            )
-        else:
-            effective = default
-        assert rec_spec.deadline_ms is not None
-        return minimal_link_utilization(remaining_bytes, rec_spec.deadline_ms - now_ms, effective, 0.0)
+        if not spec.path:
+            return default
+        return min(self._bandwidth_bps.get(l, default) * (1.0 - self._rho.get(l, 0.0)) for l in spec.path)
+
+    def mlu(self, spec: FlowSpec, remaining_bytes: int, now_ms: float) -> float:
+        """MLU of a flow now, on its path's bottleneck."""
+        assert spec.deadline_ms is not None
+        return minimal_link_utilization(remaining_bytes, spec.deadline_ms - now_ms, self._effective_bps(spec), 0.0)
 
     def on_tick(self, now_ms: float) -> None:
+        """Run the periodic MLU checks that are due. Each flow is armed only for the grid tick at which
+        its MLU will first reach the next threshold (MLU only rises while a flow waits), so the cost is
+        per promotion, not per flow per interval; progress only delays a crossing, and a check that
+        fires early just re-arms."""
         timer = self._timer
-        interval = self.config.reevaluate_interval_ms
         while timer and timer[0][0] <= now_ms:
-            _, seq, fid = heapq.heappop(timer)
+            _, gen, fid = heapq.heappop(timer)
             rec = self._flows.get(fid)
-            if rec is None or rec.seq != seq:
-                continue  # completed since it was scheduled
+            if rec is None or rec.timer_gen != gen:
+                continue  # completed or re-armed since
             if self._units[rec.spec.unit_id].computing:
                 continue  # its unit's layer boundaries drive it again
             self._promote_explicit(rec, now_ms)
-            if rec.level > 1:  # P1 is the top: nothing left to promote
-                heapq.heappush(timer, (now_ms + interval, seq, fid))
+            self._arm(rec, now_ms)
+
+    def _arm(self, rec: _Flow, now_ms: float) -> None:
+        rec.timer_gen += 1
+        if rec.level <= 1 or rec.pruned:
+            return  # P1 is the top: nothing left to promote
+        assert rec.spec.deadline_ms is not None
+        q = self._thresholds[rec.level - 2]  # reaching Q_{level-1} promotes to level − 1
+        bps = self._effective_bps(rec.spec)
+        if bps <= 0.0:
+            cross_ms = now_ms
+        else:
+            cross_ms = rec.spec.deadline_ms - rec.remaining * 8000.0 / (q * bps)
+        interval = self.config.reevaluate_interval_ms
+        k = max(math.floor((now_ms - rec.anchor_ms) / interval) + 1,
+                math.ceil((cross_ms - rec.anchor_ms) / interval))
+        heapq.heappush(self._timer, (rec.anchor_ms + k * interval, rec.timer_gen, rec.spec.flow_id))
+
+    def _rearm_all(self, now_ms: float | None) -> None:
+        """Link bandwidth or load changed: crossings may come earlier, so re-arm every timed flow."""
+        for rec in self._flows.values():
+            if rec.spec.stage.explicit and not self._units[rec.spec.unit_id].computing:
+                self._arm(rec, rec.anchor_ms if now_ms is None else now_ms)
 
     def prune(self, now_ms: float, est_delay_ms: Mapping[str, float]) -> list[str]:
         """Overload control on σ; `est_delay_ms`: request id → its estimated compute + comm delay.
@@ -526,7 +557,8 @@ class RmlqScheduler(FlowTable):
         if rec.spec.stage.explicit:
             self._set_level(rec, self._explicit_level(rec, now_ms))
             if not unit.computing:
-                heapq.heappush(self._timer, (now_ms + self.config.reevaluate_interval_ms, rec.seq, rec.spec.flow_id))
+                rec.anchor_ms = now_ms
+                self._arm(rec, now_ms)
         else:
             self._set_level(rec, self._implicit_level(rec, unit))
 
@@ -539,7 +571,8 @@ class RmlqScheduler(FlowTable):
     def _unit_released(self, rec: _Flow, now_ms: float) -> None:
         if rec.spec.stage.explicit:
             self._promote_explicit(rec, now_ms)
-            heapq.heappush(self._timer, (now_ms + self.config.reevaluate_interval_ms, rec.seq, rec.spec.flow_id))
+            rec.anchor_ms = now_ms
+            self._arm(rec, now_ms)
 
     def _key(self, rec: _Flow) -> tuple[float, ...]:
         """Arbitration inside a level: implicit before explicit; implicit by RLI then σ (RED);

@@ -92,9 +92,9 @@ def veth_testbed(rate_mbit: float = 20.0, tag: str | None = None) -> Iterator[Te
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def run_plan(bed: Testbed, plan: list[dict[str, object]], port: int = 47000, timeout_s: float = 60.0,
-             python: str | None = None) -> dict[str, dict[str, object]]:
-    """Run one sender plan A → B on the testbed (see nitsum.transfer.testbed); returns its JSON result."""
+def run_plan(bed: Testbed, plan: list[dict[str, object]] | dict[str, object], port: int = 47000,
+             timeout_s: float = 60.0, python: str | None = None, mode: str = "send") -> dict[str, dict[str, object]]:
+    """Run one sender (`send` plan or `replay` load) A → B on the testbed; returns its JSON result."""
     import json
     import sys
 
@@ -110,7 +110,7 @@ def run_plan(bed: Testbed, plan: list[dict[str, object]], port: int = 47000, tim
         if line.strip() != "ready":
             raise RuntimeError(f"receiver did not start: {line!r} {rx.stderr.read() if rx.stderr else ''}")
         tx = subprocess.run(
-            [*bed.exec_prefix(bed.ns_a), py, *mod, "send", "--host", bed.addr_b, "--port", str(port),
+            [*bed.exec_prefix(bed.ns_a), py, *mod, mode, "--host", bed.addr_b, "--port", str(port),
              "--source", bed.addr_a],
             input=json.dumps(plan), capture_output=True, text=True, timeout=timeout_s,
         )

@@ -5,6 +5,11 @@ receive: a TcpTransferReceiver on --host/--port; prints "ready" once listening a
 send:    reads a JSON plan from stdin — [{"flow_id", "size_bytes", "level", "start_ms", "rate_bps"}] —
          sends every flow at its start time and level, and prints {"finish_ms": {id: ms}, "errors": {id: msg}}
          with times relative to the plan's start (ACK received = finished).
+replay:  reads {"scheduler", "rate_mbit", "layers", "requests": [...]} from stdin and plays each request
+         live under that scheduler: KV-reuse fetch → prefill layers (layer boundaries) → P2D transfer
+         with the TTFT deadline. Flows go out in chunks; each chunk is sent at the flow's level *now*
+         (promotion between messages, never inside one) after a host-side strict-priority gate on the
+         service keys, paced at `rates()` where the scheduler gives one. Prints {"ttft_ms": {id: ms}}.
 """
 
 from __future__ import annotations
@@ -58,9 +63,84 @@ async def _send(host: str, port: int, source: str | None, plan: list[dict[str, o
     return 0 if not errors else 1
 
 
+async def _replay(host: str, port: int, source: str | None, load: dict[str, object]) -> int:
+    from nitsum.policy.flow_baselines import make_flow_scheduler
+    from nitsum.policy.flows import FlowSpec, Stage
+
+    sched = make_flow_scheduler(str(load["scheduler"]))
+    link_bps = float(load["rate_mbit"]) * 1e6  # type: ignore[arg-type]
+    if hasattr(sched, "set_link_bandwidth"):
+        sched.set_link_bandwidth("link", link_bps)  # type: ignore[attr-defined]
+    num_layers = int(load["layers"])  # type: ignore[call-overload]
+    chunk = 32 * 1024
+    tx = TcpTransferSender(host, port, source_host=source, chunk_bytes=chunk, timeout_s=60.0)
+    loop = asyncio.get_running_loop()
+    gate = asyncio.Condition()
+    wanting: set[str] = set()
+
+    def now_ms() -> float:
+        return (loop.time() - t0) * 1000.0
+
+    async def transfer(spec: FlowSpec) -> None:
+        wanting.add(spec.flow_id)
+        sent = 0
+        try:
+            while sent < spec.size_bytes:
+                async with gate:  # host-side strict priority: wait while a smaller key wants to send
+                    while True:
+                        keys = sched.service_keys(now_ms())
+                        rates = sched.rates(now_ms(), {"link": link_bps}) or {}
+                        mine = keys.get(spec.flow_id)
+                        # Paced flows (Karuna) take only their rate: they never hold others back.
+                        if mine is None or all(keys.get(f, mine) >= mine or f in rates for f in wanting):
+                            break
+                        await gate.wait()
+                level = sched.priorities(now_ms()).get(spec.flow_id, sched.num_levels)
+                n = min(chunk, spec.size_bytes - sent)
+                await tx.send(f"{spec.flow_id}#{sent}", bytes(n), level=level, rate_bps=rates.get(spec.flow_id))
+                sent += n
+                sched.on_progress(spec.flow_id, spec.size_bytes - sent, now_ms())
+                async with gate:
+                    gate.notify_all()
+        finally:
+            wanting.discard(spec.flow_id)
+            sched.on_complete(spec.flow_id, now_ms())
+            async with gate:
+                gate.notify_all()
+
+    ttft_ms: dict[str, float] = {}
+
+    async def request(r: dict[str, object]) -> None:
+        rid = str(r["id"])
+        arrival_ms = float(r["arrival_ms"])  # type: ignore[arg-type]
+        await asyncio.sleep(max(arrival_ms - now_ms(), 0.0) / 1000.0)
+        deadline_ms = arrival_ms + float(r["slo_ms"])  # type: ignore[arg-type]
+        unit = f"u-{rid}"
+        sched.on_layer_boundary(unit, 0, now_ms())
+        await transfer(FlowSpec(f"{rid}-reuse", rid, unit, Stage.KV_REUSE, int(r["reuse_bytes"]), "A", "B",  # type: ignore[call-overload]
+                                ("link",), target_layer=1, request_deadlines_ms=(deadline_ms,),
+                                request_deadline_ms=deadline_ms))
+        layer_s = float(r["compute_ms"]) / num_layers / 1000.0  # type: ignore[arg-type]
+        for layer in range(1, num_layers + 1):
+            await asyncio.sleep(layer_s)
+            sched.on_layer_boundary(unit, layer, now_ms())
+        sched.on_unit_done(unit, now_ms())
+        await transfer(FlowSpec(f"{rid}-p2d", rid, unit, Stage.P2D, int(r["p2d_bytes"]), "A", "B", ("link",),  # type: ignore[call-overload]
+                                deadline_ms=deadline_ms, request_deadlines_ms=(deadline_ms,)))
+        ttft_ms[rid] = now_ms() - arrival_ms
+
+    for level in range(1, sched.num_levels + 1):  # connections up before the clock starts
+        await tx.send(f"warmup-{level}", b"", level=level)
+    t0 = loop.time()
+    await asyncio.gather(*(request(r) for r in load["requests"]))  # type: ignore[union-attr]
+    await tx.close()
+    print(json.dumps({"ttft_ms": ttft_ms}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nitsum.transfer.testbed")
-    p.add_argument("mode", choices=("receive", "send"))
+    p.add_argument("mode", choices=("receive", "send", "replay"))
     p.add_argument("--host", required=True, help="receiver address (inside the namespaces)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--source", default=None, help="sender's local address to bind")
@@ -68,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "receive":
         return asyncio.run(_receive(args.host, args.port))
     plan = json.loads(sys.stdin.read())
+    if args.mode == "replay":
+        if not isinstance(plan, dict):
+            p.error("the load on stdin must be a JSON object")
+        return asyncio.run(_replay(args.host, args.port, args.source, plan))
     if not isinstance(plan, list):
         p.error("the plan on stdin must be a JSON list")
     return asyncio.run(_send(args.host, args.port, args.source, plan))
