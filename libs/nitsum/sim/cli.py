@@ -1,0 +1,33 @@
+"""`nitsum sim <experiment> [--out DIR] [--quick] [--seed N]`: run one experiment, write CSV + PNG + Markdown."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from nitsum.sim.experiments import EXPERIMENTS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nitsum sim", description="cluster simulator experiments")
+    p.add_argument("experiment", choices=sorted(EXPERIMENTS), help="which experiment to run")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sim/<experiment>)")
+    p.add_argument("--quick", action="store_true", help="a small version (seconds), for tests and smoke checks")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (runs are deterministic for a seed)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    out = args.out if args.out is not None else Path("runs") / "sim" / args.experiment
+    module = importlib.import_module(EXPERIMENTS[args.experiment])
+    result = module.run(out, quick=args.quick, seed=args.seed)
+    print(result.get("speed", ""))
+    print(f"wrote {out}/{args.experiment}.csv, .png, .md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,482 @@
+"""The Nitsum cluster: nodes of D devices partitioned into TP groups, driven by a `nitsum.policy` Policy.
+
+What each piece does (the same decisions as the live coordinator, through the same objects):
+- arrival: `policy.admit(snapshot, request)`, then `policy.route(...)` to a prefill-capable group;
+- every policy epoch: `policy.shed(...)` and `policy.decide_topology(...)`; a new topology pauses the
+  groups it changes for the reconfiguration cost (switch cost + KV bytes / link bandwidth, from the cost
+  model, or a fixed override) and their requests are re-routed with their KV (never recomputed);
+- a group runs engine steps back to back: continuous batching, chunked prefill on hybrid groups, prefill
+  batches on prefill groups, decode only on decode groups; step time from `CostModel.step_time_ms`;
+- P/D hand-off (prefill group -> decode group, routed by `policy.route` with the request prefilled): the KV
+  moves over NVLink inside a node, over the NICs between nodes.
+Outputs are `nitsum.metrics.RequestRecord`s, summarized by the one metric schema.
+
+Decode accounting is O(1) per step: a running request's generated count is `step - join_step + base`, and
+finishes come off a heap keyed by the step index at which it emits its last token.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+from nitsum.metrics import RequestRecord, Report, summarize
+from nitsum.policy.base import PolicyConfig
+from nitsum.policy.costmodel import CostModel, cost_model
+from nitsum.policy.decisions import Topology
+from nitsum.policy.registry import make_policy
+from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+from nitsum.policy.tiers import DEFAULT_TIERS, Tier
+from nitsum.sim.engine import Event, Simulator
+from nitsum.workloads.request import TraceRequest
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str = "llama-3-70b"
+    device_kind: str = "h100"
+    num_nodes: int = 1
+    devices_per_node: int = 8
+    min_tp: int = 1
+    max_tp: int = 8
+    chunk_tokens: int = 512  # prefill tokens per step on a hybrid group (chunked prefill)
+    prefill_batch_tokens: int = 8192  # prefill tokens per step on a prefill group
+    max_batch: int = 256  # sequences in one decode batch
+    block_size_tokens: int = 16
+    epoch_ms: float = 1000.0  # NITSUM_RECONFIG_INTERVAL_MS
+    reconfig_cost_ms: float | None = None  # None: cost model; else this fixed pause per reconfiguration
+    inter_node_bandwidth_bps: float = 8 * 400e9  # P/D hand-off between nodes (8 x 400 Gb/s NICs)
+    drain_ms: float = 30_000.0  # after the last arrival, how long in-flight requests may still finish
+    tiers: tuple[tuple[str, Tier], ...] = tuple(DEFAULT_TIERS.items())
+
+    def policy_config(self) -> PolicyConfig:
+        from nitsum.policy.costmodel import model_spec
+
+        return PolicyConfig(model=model_spec(self.model), epoch_ms=self.epoch_ms,
+                            block_size_tokens=self.block_size_tokens, chunk_tokens=self.chunk_tokens)
+
+
+class _Req:
+    __slots__ = ("rid", "tier", "ttft_slo", "tpot_slo", "weight", "arrival", "prompt", "output", "prefill_done",
+                 "first_token", "finish", "group", "join_step", "base_gen", "error", "in_prefill", "kv_tokens")
+
+    def __init__(self, rid: str, t: TraceRequest, tier: Tier) -> None:
+        self.rid = rid
+        self.tier = tier.name
+        self.ttft_slo = tier.ttft_ms
+        self.tpot_slo = tier.tpot_ms
+        self.weight = tier.weight
+        self.arrival = t.arrival_ms
+        self.prompt = t.prompt_tokens
+        self.output = t.output_tokens
+        self.prefill_done = 0
+        self.first_token: float | None = None
+        self.finish: float | None = None
+        self.group: _Group | None = None
+        self.join_step = 0
+        self.base_gen = 0
+        self.error: str | None = None
+        self.in_prefill = False
+        self.kv_tokens = 0  # KV reserved on its group (prompt + output, reserved up front: no preemption)
+
+    def generated(self) -> int:
+        if self.first_token is None:
+            return 0
+        if self.group is None or self.group.running.get(self) is None:
+            return self.base_gen
+        return self.base_gen + self.group.step - self.join_step
+
+    def view(self) -> RequestView:
+        return RequestView(
+            request_id=self.rid, tier=self.tier, ttft_ms=self.ttft_slo, tpot_ms=self.tpot_slo, weight=self.weight,
+            arrival_ms=self.arrival, prompt_tokens=self.prompt, max_tokens=self.output,
+            output_tokens=self.generated(), first_token_ms=self.first_token,
+            group_id=None if self.group is None else self.group.gid,
+        )
+
+
+class _Group:
+    __slots__ = ("gid", "node", "start", "tp", "role", "cost", "waiting", "prefilling", "running", "finish_heap",
+                 "step", "ctx_base", "busy", "paused_until", "kv_total", "kv_used", "version", "retired", "seq")
+
+    def __init__(self, node: "_Node", start: int, tp: int, role: str, cost: CostModel, now: float,
+                 paused_until: float) -> None:
+        self.gid = group_id_for(node.node_id, start, tp)
+        self.node = node
+        self.start, self.tp, self.role = start, tp, role
+        self.cost = cost
+        self.waiting: list[tuple[float, int, _Req]] = []  # (TTFT deadline, seq, req): EDF
+        self.prefilling: list[_Req] = []
+        self.running: dict[_Req, int] = {}  # req -> step index of its last token
+        self.finish_heap: list[tuple[int, int, _Req]] = []
+        self.step = 0
+        self.ctx_base = 0  # sum over running of (prompt + base_gen - join_step)
+        self.busy = False
+        self.paused_until = paused_until
+        self.kv_total = cost.kv_capacity_tokens(tp)
+        self.kv_used = 0
+        self.version = 0
+        self.retired = False
+        self.seq = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.kv_total > 0
+
+    def view(self, block: int) -> GroupView:
+        return GroupView(
+            group_id=self.gid, devices=tuple(range(self.start, self.start + self.tp)), tp=self.tp, role=self.role,
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.prefilling),
+            kv_blocks_free=max(self.kv_total - self.kv_used, 0) // block, kv_blocks_total=self.kv_total // block,
+            healthy=self.healthy, draining=False,
+        )
+
+
+class _Node:
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.groups: list[_Group] = []
+        self.last_reconfig_ms: float | None = None
+
+
+@dataclass
+class ClusterResult:
+    records: list[RequestRecord]
+    report: Report
+    reconfigurations: int
+    reconfig_pause_ms: float
+    events: int
+    sim_ms: float
+    wall_s: float
+    topologies: list[tuple[float, str, str]] = field(default_factory=list)  # (time, node, topology)
+
+
+class ClusterSim:
+    """One run: a policy, a cluster, a workload. `run()` returns a ClusterResult."""
+
+    def __init__(self, policy: Any, config: ClusterConfig, workload: list[TraceRequest]) -> None:
+        self.policy = make_policy(policy, config.policy_config()) if isinstance(policy, str) else policy
+        self.config = config
+        self.tiers = dict(config.tiers)
+        self.cost = cost_model(config.model, config.device_kind)
+        self.workload = sorted(workload, key=lambda r: r.arrival_ms)
+        self.sim = Simulator()
+        self.nodes = [_Node(f"n{i}") for i in range(config.num_nodes)]
+        self.reqs: list[_Req] = []
+        self.live: dict[str, _Req] = {}
+        self.coordinator_queue: list[_Req] = []
+        self.reconfigs = 0
+        self.pause_ms = 0.0
+        self.topologies: list[tuple[float, str, str]] = []
+        self.end_arrivals_ms = self.workload[-1].arrival_ms if self.workload else 0.0
+        self.p2d_link = config.inter_node_bandwidth_bps / 8 / 1000  # bytes/ms
+        self.nvlink = self.cost.device.link_bandwidth_bytes_per_s * self.cost.device.link_efficiency / 1000
+        for node in self.nodes:
+            topo = self.policy.initial_topology(self._node_view(node))
+            self._build(node, topo, 0.0, 0.0)
+
+    # -- views ---------------------------------------------------------------------------------------------
+    def _node_view(self, node: _Node) -> NodeView:
+        c = self.config
+        return NodeView(node_id=node.node_id, num_devices=c.devices_per_node, min_tp=c.min_tp, max_tp=c.max_tp,
+                        groups=tuple(g.view(c.block_size_tokens) for g in node.groups), device_kind=c.device_kind,
+                        last_reconfig_ms=node.last_reconfig_ms)
+
+    def snapshot(self, full: bool = True) -> ClusterSnapshot:
+        """`full=False` lists only requests not yet prefilled: all that prefill routing, admission and
+        shedding read (their loads come from prefill work), and much cheaper at high load."""
+        if full:
+            views = tuple(r.view() for r in self.live.values())
+        else:
+            views = tuple(r.view() for r in self.live.values() if r.first_token is None)
+        return ClusterSnapshot(now_ms=self.sim.now_ms, nodes=tuple(self._node_view(n) for n in self.nodes),
+                               requests=views)
+
+    def _group(self, gid: str) -> _Group | None:
+        for n in self.nodes:
+            for g in n.groups:
+                if g.gid == gid:
+                    return g
+        return None
+
+    # -- topology ------------------------------------------------------------------------------------------
+    def _build(self, node: _Node, topo: Topology, now: float, pause_ms: float) -> list[_Group]:
+        topo.validate(self.config.devices_per_node, self.config.min_tp, self.config.max_tp)
+        keep = {(g.start, g.tp, g.role): g for g in node.groups}
+        new_groups, created = [], []
+        for spec in topo.groups:
+            g = keep.pop((spec.start, spec.tp, spec.role), None)
+            if g is None:
+                g = _Group(node, spec.start, spec.tp, spec.role, self.cost, now, now + pause_ms)
+                created.append(g)
+            new_groups.append(g)
+        for g in keep.values():
+            g.retired = True
+            g.version += 1
+        node.groups = new_groups
+        self.topologies.append((now, node.node_id, str(topo)))
+        return created
+
+    def _reconfigure(self, node: _Node, topo: Topology) -> list[Event]:
+        now = self.sim.now_ms
+        old = {(g.start, g.tp, g.role): g for g in node.groups}
+        changed = [g for key, g in old.items() if key not in {(s.start, s.tp, s.role) for s in topo.groups}]
+        moving: list[_Req] = []
+        for g in changed:
+            moving.extend(r for _, _, r in g.waiting)
+            moving.extend(g.prefilling)
+            moving.extend(g.running)
+        kv_bytes = sum(r.prompt + r.generated() for r in moving if r.prefill_done or r.first_token is not None) \
+            * self.cost.model.kv_bytes_per_token
+        devices = sum(g.tp for g in changed)
+        if self.config.reconfig_cost_ms is not None:
+            pause = self.config.reconfig_cost_ms
+        else:
+            pause = self.cost.reconfig_cost_ms(kv_bytes, devices)
+        # Snapshot each moving request's progress before its group goes away.
+        for r in moving:
+            r.base_gen = r.generated()
+            if r.group is not None and r in r.group.running:
+                g_old = r.group
+                g_old.ctx_base -= r.prompt + (r.base_gen - (g_old.step - r.join_step)) - r.join_step
+                del g_old.running[r]
+            if r.group is not None:
+                r.group.kv_used -= r.kv_tokens
+            r.kv_tokens = 0
+            r.in_prefill = False
+            r.group = None
+        self._build(node, topo, now, pause)
+        node.last_reconfig_ms = now
+        self.reconfigs += 1
+        self.pause_ms += pause
+        events: list[Event] = []
+        for r in moving:
+            events.extend(self._place(r, decode=r.first_token is not None, ready_at=now + pause))
+        for g in node.groups:
+            events.extend(self._kick(g))
+        return events
+
+    # -- request placement ---------------------------------------------------------------------------------
+    def _arrive(self, sim: Simulator, t: TraceRequest) -> list[Event]:
+        tier = self.tiers.get(t.tier) or DEFAULT_TIERS["interactive"]
+        r = _Req(f"r{len(self.reqs)}", t, tier)
+        self.reqs.append(r)
+        snap = self.snapshot(full=False)
+        decision = self.policy.admit(snap, r.view())
+        if not decision.admit:
+            r.error = f"http_{decision.status}"
+            return []
+        self.live[r.rid] = r
+        return self._place(r, decode=False, snap=snap)
+
+    def _place(self, r: _Req, decode: bool, snap: ClusterSnapshot | None = None, ready_at: float | None = None
+               ) -> list[Event]:
+        if snap is None:
+            snap = self.snapshot(full=decode)
+        d = self.policy.route(snap, r.view())
+        g = self._group(d.group_id) if d.group_id is not None else None
+        if g is None or not g.healthy:
+            self.coordinator_queue.append(r)
+            return []
+        if decode:
+            return self._join_decode(g, r, ready_at)
+        g.seq += 1
+        heapq.heappush(g.waiting, (r.arrival + r.ttft_slo, g.seq, r))
+        r.group = g
+        return self._kick(g)
+
+    def _join_decode(self, g: _Group, r: _Req, ready_at: float | None = None) -> list[Event]:
+        now = self.sim.now_ms
+        if ready_at is not None and ready_at > now:
+            return [(ready_at, self._join_decode_ev, (g, r, g.version))]
+        return self._join_decode_now(g, r)
+
+    def _join_decode_ev(self, sim: Simulator, payload: tuple) -> list[Event]:
+        g, r, version = payload
+        if g.retired or g.version != version:
+            return self._place(r, decode=True)
+        return self._join_decode_now(g, r)
+
+    def _join_decode_now(self, g: _Group, r: _Req) -> list[Event]:
+        r.group = g
+        need = r.prompt + r.output
+        r.kv_tokens = need
+        g.kv_used += need
+        left = r.output - r.base_gen
+        if left <= 0:
+            return self._finish(r, self.sim.now_ms)
+        r.join_step = g.step
+        g.running[r] = g.step + left
+        g.ctx_base += r.prompt + r.base_gen - g.step
+        g.seq += 1
+        heapq.heappush(g.finish_heap, (g.step + left, g.seq, r))
+        return self._kick(g)
+
+    def _finish(self, r: _Req, now: float) -> list[Event]:
+        r.finish = now
+        if r.group is not None:
+            r.group.kv_used -= r.kv_tokens
+        r.kv_tokens = 0
+        self.live.pop(r.rid, None)
+        return []
+
+    # -- engine steps --------------------------------------------------------------------------------------
+    def _kick(self, g: _Group) -> list[Event]:
+        if g.busy or g.retired:
+            return []
+        now = self.sim.now_ms
+        if g.paused_until > now:
+            g.busy = True
+            return [(g.paused_until, self._resume, (g, g.version))]
+        c = self.config
+        # admit waiting requests into prefill while KV and the token budget allow
+        budget = c.prefill_batch_tokens if g.role == "prefill" else (c.chunk_tokens if g.role == "hybrid" else 0)
+        planned: list[tuple[_Req, int]] = []
+        tokens = 0
+        for r in g.prefilling:
+            if tokens >= budget:
+                break
+            n = min(r.prompt - r.prefill_done, budget - tokens)
+            planned.append((r, n))
+            tokens += n
+        while g.waiting and tokens < budget and len(g.running) + len(g.prefilling) < c.max_batch:
+            r = g.waiting[0][2]
+            need = r.prompt + r.output
+            if g.kv_used + need > g.kv_total:
+                break
+            heapq.heappop(g.waiting)
+            g.kv_used += need
+            r.kv_tokens = need
+            r.in_prefill = True
+            g.prefilling.append(r)
+            n = min(r.prompt - r.prefill_done, budget - tokens)
+            planned.append((r, n))
+            tokens += n
+        n_dec = len(g.running) if g.role != "prefill" else 0
+        if not planned and n_dec == 0:
+            return []
+        ctx = (g.ctx_base + n_dec * g.step) if n_dec else 0
+        ctx += sum(r.prefill_done + n for r, n in planned)
+        step_ms = g.cost.step_time_ms(g.tp, n_dec + len(planned), n_dec + tokens, ctx)
+        g.busy = True
+        return [(now + step_ms, self._step_done, (g, g.version, planned))]
+
+    def _resume(self, sim: Simulator, payload: tuple) -> list[Event]:
+        g, version = payload
+        if g.version != version or g.retired:
+            return []
+        g.busy = False
+        return self._kick(g)
+
+    def _step_done(self, sim: Simulator, payload: tuple) -> list[Event]:
+        g, version, planned = payload
+        if g.version != version or g.retired:
+            return []  # the group was reconfigured away mid-step; its requests moved with their progress
+        now = sim.now_ms
+        # g stays busy while this step's outcomes are applied, so a join below cannot start a step early
+        events: list[Event] = []
+        if g.role != "prefill" and g.running:
+            g.step += 1
+            fh = g.finish_heap
+            while fh and fh[0][0] <= g.step:
+                _, _, r = heapq.heappop(fh)
+                if g.running.get(r) is None:
+                    continue
+                del g.running[r]
+                g.ctx_base -= r.prompt + r.base_gen - r.join_step  # its term, as added when it joined
+                r.base_gen = r.output
+                events.extend(self._finish(r, now))
+        for r, n in planned:
+            r.prefill_done += n
+            if r.prefill_done >= r.prompt:
+                g.prefilling.remove(r)
+                r.in_prefill = False
+                r.first_token = now
+                r.base_gen = 1
+                if r.output <= 1:
+                    events.extend(self._finish(r, now))
+                elif g.role == "hybrid":
+                    g.kv_used -= r.kv_tokens
+                    r.kv_tokens = 0
+                    events.extend(self._join_decode_now(g, r))
+                else:
+                    g.kv_used -= r.kv_tokens
+                    r.kv_tokens = 0
+                    events.extend(self._handoff(r, g))
+        g.busy = False
+        events.extend(self._kick(g))
+        return events
+
+    def _handoff(self, r: _Req, src: _Group) -> list[Event]:
+        """P/D: route to a decode group; the KV travels over NVLink (same node) or the NICs."""
+        snap = self.snapshot(full=True)
+        d = self.policy.route(snap, r.view())
+        g = self._group(d.group_id) if d.group_id is not None else None
+        if g is None:
+            self.coordinator_queue.append(r)
+            r.group = None
+            return []
+        kv_bytes = r.prompt * self.cost.model.kv_bytes_per_token
+        bw = self.nvlink * min(src.tp, g.tp) if g.node is src.node else self.p2d_link
+        r.group = None
+        return [(self.sim.now_ms + kv_bytes / bw, self._join_decode_ev, (g, r, g.version))]
+
+    # -- epochs --------------------------------------------------------------------------------------------
+    def _epoch(self, sim: Simulator, _: Any) -> list[Event]:
+        events: list[Event] = []
+        if self.coordinator_queue:
+            queued, self.coordinator_queue = self.coordinator_queue, []
+            for r in queued:
+                events.extend(self._place(r, decode=r.first_token is not None))
+        snap = self.snapshot(full=False)
+        for rid in self.policy.shed(snap):
+            r = self.live.get(rid)
+            if r is None or r.first_token is not None or r.in_prefill:
+                continue  # only requests still waiting can be shed
+            g = r.group
+            if g is not None:
+                g.waiting = [e for e in g.waiting if e[2] is not r]
+                heapq.heapify(g.waiting)
+            r.error = "shed"
+            self.live.pop(rid, None)
+        full = self.snapshot(full=True)
+        for decision in self.policy.decide_topology(full):
+            if decision.target is None:
+                continue
+            node = next(n for n in self.nodes if n.node_id == decision.node_id)
+            if Topology(tuple(sorted((s for s in decision.target.groups), key=lambda s: s.start))) == \
+                    Topology.of_node(self._node_view(node)):
+                continue
+            events.extend(self._reconfigure(node, decision.target))
+        if sim.now_ms < self.end_arrivals_ms + self.config.drain_ms and (self.live or sim.now_ms < self.end_arrivals_ms):
+            events.append((sim.now_ms + self.config.epoch_ms, self._epoch, None))
+        return events
+
+    # -- run -----------------------------------------------------------------------------------------------
+    def run(self, duration_s: float | None = None) -> ClusterResult:
+        sim = self.sim
+        for t in self.workload:
+            sim.schedule(t.arrival_ms, self._arrive, t)
+        sim.schedule(0.0, self._epoch, None)
+        sim.run(until_ms=self.end_arrivals_ms + self.config.drain_ms)
+        records = [self._record(r) for r in self.reqs]
+        window = duration_s if duration_s is not None else max(self.end_arrivals_ms / 1000.0, 1e-3)
+        report = summarize(records, duration_s=window, tier_order=tuple(self.tiers))
+        return ClusterResult(records, report, self.reconfigs, self.pause_ms, sim.events_run, sim.now_ms, sim.wall_s,
+                             self.topologies)
+
+    def _record(self, r: _Req) -> RequestRecord:
+        done = r.finish is not None and r.error is None
+        return RequestRecord(
+            request_id=r.rid, tier=r.tier, ttft_slo_ms=r.ttft_slo, tpot_slo_ms=r.tpot_slo, weight=r.weight,
+            send_ms=r.arrival, first_token_ms=r.first_token, finish_ms=r.finish if done else None,
+            output_tokens=r.output if done else r.generated(), prompt_tokens=r.prompt, error=r.error,
+        )
+
+
+def run_cluster(policy: str, config: ClusterConfig, workload: list[TraceRequest]) -> ClusterResult:
+    return ClusterSim(policy, config, workload).run()
+
+
+__all__ = ["ClusterConfig", "ClusterResult", "ClusterSim", "run_cluster"]
