@@ -4,8 +4,9 @@
         --tier-mix interactive=0.3,background=0.7 --max-requests 200 --duration 120 --out runs/conv
 
 Sources: --trace (azure-conv | azure-code | mooncake | servegen:<model> | a .csv / .jsonl path), --poisson RATE,
---gamma RATE,CV. Prompts are synthesized: text of N repeated words (about N tokens), or with
---prompt-format token-ids exactly N token ids (only on /v1/completions). Ctrl-C stops sending, cancels what is
+--gamma RATE,CV. Prompts are synthesized: text of repeated words (about N tokens), or with
+--prompt-format token-ids exactly N token ids (only on /v1/completions). The words-per-token
+ratio of text prompts is measured first with two 1-token requests (--no-calibrate: assume 1 token per word). Ctrl-C stops sending, cancels what is
 in flight (reported as unfinished) and still writes the report. `--from-log FILE` re-reports a lifecycle log.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 import time
@@ -23,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from nitsum.metrics import summarize
-from nitsum_load.client import ENDPOINTS, PROMPT_FORMATS, ClientConfig
+from nitsum_load.client import ENDPOINTS, PROMPT_FORMATS, ClientConfig, PromptScale, calibrate_prompt
 from nitsum_load.progress import ProgressBar
 from nitsum_load.report import format_table, read_lifecycle_log, write_all
 from nitsum_load.runner import Counters, run_open_loop
@@ -87,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most N requests in flight; later ones wait (their wait counts in TTFT)")
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat")
     p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="text")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="text prompts: assume one token per word instead of measuring it with two requests")
     p.add_argument("--max-prompt-tokens", type=_positive(int), default=None)
     p.add_argument("--max-output-tokens", type=_positive(int), default=None)
     p.add_argument("--prompt-tokens", type=_positive(int), default=256, help="--poisson/--gamma fixed prompt length")
@@ -127,6 +131,16 @@ async def discover_model(url: str, api_key: str | None, timeout_s: float = 10.0)
     return str(models[0]["id"])
 
 
+async def _calibrate(cfg: ClientConfig) -> PromptScale:
+    """Measured text-prompt scale; on failure a warning and one token per word (the run still goes ahead)."""
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await calibrate_prompt(session, cfg)
+    except RuntimeError as exc:
+        sys.stderr.write(f"nitsum load: warning: {exc}; assuming one token per word\n")
+        return PromptScale()
+
+
 def build_specs(args: argparse.Namespace) -> list:
     max_n = args.max_requests
     if args.trace:
@@ -158,6 +172,8 @@ async def run(args: argparse.Namespace) -> int:
     cfg = ClientConfig(base_url=args.url, model=model, endpoint=args.endpoint, api_key=args.api_key,
                        request_timeout_s=args.request_timeout, ignore_eos=args.ignore_eos,
                        return_token_ids=args.return_token_ids, prompt_format=args.prompt_format)
+    if args.calibrate and args.prompt_format == "text":
+        cfg = dataclasses.replace(cfg, prompt_scale=await _calibrate(cfg))
     specs = build_specs(args)
     if not specs:
         sys.stderr.write("nitsum load: the workload is empty (check --trace / --duration / --max-requests)\n")
@@ -183,7 +199,7 @@ async def run(args: argparse.Namespace) -> int:
     records = [t.to_record() for t in result.trackers]
     report = summarize(records)
     out = args.out or Path("runs") / time.strftime("load-%Y%m%d-%H%M%S")
-    meta = _meta(args, model=model, started_unix_s=started, elapsed_s=result.elapsed_s,
+    meta = _meta(args, model=model, prompt_scale=dataclasses.asdict(cfg.prompt_scale), started_unix_s=started, elapsed_s=result.elapsed_s,
                  interrupted=result.interrupted, planned_requests=len(specs), sent_requests=len(records))
     write_all(report, records, out, meta, log_rows=(t.to_log() for t in result.trackers))
     print(format_table(report))

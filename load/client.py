@@ -8,6 +8,7 @@ Ctrl-C) still holds everything observed so far. Times are ms on the runner's clo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,32 @@ ERROR_DETAIL_MAX_CHARS = 300
 
 
 @dataclass(frozen=True)
+class PromptScale:
+    """How many tokens a text prompt of W words costs on the server: tokens = overhead + W * tokens_per_word.
+
+    The default (1 token per word, no overhead) holds for common BPE vocabularies; `calibrate_prompt` measures
+    it (a byte-level tiny vocabulary spends ~6 tokens on " hello", and a chat template adds a fixed overhead).
+    """
+
+    tokens_per_word: float = 1.0
+    overhead_tokens: float = 0.0
+
+    def __post_init__(self) -> None:
+        assert self.tokens_per_word > 0, "a word costs at least some tokens"
+
+    def words_for(self, num_tokens: int) -> int:
+        return max(1, round((num_tokens - self.overhead_tokens) / self.tokens_per_word))
+
+    @classmethod
+    def fit(cls, words_a: int, tokens_a: int, words_b: int, tokens_b: int) -> PromptScale:
+        """The line through two measurements (words, prompt tokens); the default scale when they are unusable."""
+        if words_b == words_a or tokens_b <= tokens_a:
+            return cls()
+        per_word = (tokens_b - tokens_a) / (words_b - words_a)
+        return cls(tokens_per_word=per_word, overhead_tokens=max(0.0, tokens_a - words_a * per_word))
+
+
+@dataclass(frozen=True)
 class ClientConfig:
     base_url: str
     model: str
@@ -39,6 +66,7 @@ class ClientConfig:
     ignore_eos: bool = True
     return_token_ids: bool = False  # nitsum extension: exact token counts per chunk
     prompt_format: str = "text"  # see PROMPT_FORMATS; token ids only on /v1/completions
+    prompt_scale: PromptScale = PromptScale()  # text prompts: words per token
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -69,16 +97,18 @@ class RequestSpec:
     weight: float
 
 
-def synth_prompt(num_tokens: int, fmt: str, seed_index: int = 0) -> str | list[int]:
+def synth_prompt(num_tokens: int, fmt: str, seed_index: int = 0,
+                 scale: PromptScale | None = None) -> str | list[int]:
     """A prompt of about `num_tokens` tokens (exactly, for token ids). Deterministic."""
     assert num_tokens >= 1, "a prompt has at least one token"
     if fmt == "token-ids":
         return [PROMPT_TOKEN_ID_BASE + (seed_index + i) % PROMPT_TOKEN_ID_SPAN for i in range(num_tokens)]
-    return " ".join([PROMPT_WORD] * num_tokens)
+    words = (scale or PromptScale()).words_for(num_tokens)
+    return " ".join([PROMPT_WORD] * words)
 
 
 def build_body(cfg: ClientConfig, spec: RequestSpec, seed_index: int = 0) -> dict[str, Any]:
-    prompt = synth_prompt(spec.prompt_tokens, cfg.prompt_format, seed_index)
+    prompt = synth_prompt(spec.prompt_tokens, cfg.prompt_format, seed_index, cfg.prompt_scale)
     body: dict[str, Any] = {
         "model": cfg.model,
         "max_tokens": spec.output_tokens,
@@ -95,6 +125,38 @@ def build_body(cfg: ClientConfig, spec: RequestSpec, seed_index: int = 0) -> dic
     if cfg.return_token_ids:
         body["return_token_ids"] = True
     return body
+
+
+CALIBRATION_WORDS = (8, 40)
+
+
+async def calibrate_prompt(session: aiohttp.ClientSession, cfg: ClientConfig) -> PromptScale:
+    """Measure the server's prompt-token cost of text prompts with two 1-token requests (not part of the run).
+
+    Raises RuntimeError when the server does not answer them with a usage block."""
+    measured = []
+    for words in CALIBRATION_WORDS:
+        spec = RequestSpec(request_id=f"calibrate-{words}", arrival_ms=0.0, prompt_tokens=words, output_tokens=1,
+                           tier="background", ttft_slo_ms=1.0, tpot_slo_ms=1.0, weight=1.0)
+        body = build_body(dataclasses.replace(cfg, prompt_scale=PromptScale()), spec)
+        body["stream"] = False
+        body.pop("stream_options", None)
+        body.pop("return_token_ids", None)
+        headers = {k: v for k, v in build_headers(cfg, spec).items() if not k.startswith("x-slo-")}
+        try:
+            async with session.post(cfg.url, json=body, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s)) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"prompt calibration: HTTP {resp.status}: {(await resp.text())[:200]}")
+                data = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise RuntimeError(f"prompt calibration: {exc!r}") from exc
+        tokens = (data.get("usage") or {}).get("prompt_tokens")
+        if not isinstance(tokens, int):
+            raise RuntimeError("prompt calibration: the server's answer has no usage.prompt_tokens")
+        measured.append((words, tokens))
+    (wa, ta), (wb, tb) = measured
+    return PromptScale.fit(wa, ta, wb, tb)
 
 
 def build_headers(cfg: ClientConfig, spec: RequestSpec) -> dict[str, str]:

@@ -3,7 +3,7 @@
 Behaviour is chosen by the request's `model`: "ok" streams normally; "fail-429", "fail-503", "fail-400",
 "fail-500" answer with that status; "break" streams two tokens then drops the connection; "slow" waits 1 s
 before answering, "hang" 60 s; "no-done" ends with a finish_reason but no [DONE]; "in-stream-error" sends an error event;
-"multi" sends all tokens in one chunk with token_ids. Every request's headers and body are kept in `seen`.
+"multi" sends all tokens in one chunk with token_ids. Without `stream: true` it answers one JSON body. Every request's headers and body are kept in `seen`.
 """
 
 from __future__ import annotations
@@ -70,6 +70,13 @@ class FakeOpenAI:
         if mode == "hang":
             await asyncio.sleep(60.0)
         n = int(body["max_tokens"])
+        prompt = body.get("prompt") or body["messages"][0]["content"]
+        # A made-up tokenizer: 3 tokens per word, plus a 5-token chat template; token-id prompts count as sent.
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else 3 * len(prompt.split()) + (5 if chat else 0)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],
+                                      "usage": usage})
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-request-id": "srv-1",
                                                 "x-request-tier": request.headers.get("x-request-tier", "")})
         await resp.prepare(request)
@@ -104,10 +111,7 @@ class FakeOpenAI:
                 if i:
                     await asyncio.sleep(TOKEN_DELAY_S)
                 await event({"choices": [choice(i, f" t{i}", "length" if i == n - 1 else None)]})
-        prompt = body.get("prompt") or body["messages"][0]["content"]
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-        await event({"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                               "total_tokens": prompt_tokens + n}})
+        await event({"choices": [], "usage": usage})
         if mode != "no-done":
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

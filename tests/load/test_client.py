@@ -8,7 +8,16 @@ import socket
 import aiohttp
 import pytest
 
-from nitsum_load.client import ClientConfig, RequestSpec, RequestTracker, build_body, send, synth_prompt
+from nitsum_load.client import (
+    ClientConfig,
+    PromptScale,
+    RequestSpec,
+    RequestTracker,
+    build_body,
+    calibrate_prompt,
+    send,
+    synth_prompt,
+)
 
 SPEC = RequestSpec(request_id="r1", arrival_ms=0.0, prompt_tokens=6, output_tokens=5, tier="background",
                    ttft_slo_ms=10_000.0, tpot_slo_ms=100.0, weight=1.0)
@@ -29,7 +38,8 @@ async def test_streamed_lifecycle(fake_server, endpoint):
     tracker = await run_one(fake_server.url, "ok", endpoint=endpoint)
     rec = tracker.to_record()
     assert rec.error is None and rec.succeeded
-    assert rec.output_tokens == 5 and rec.prompt_tokens == 6
+    assert rec.output_tokens == 5
+    assert rec.prompt_tokens == (3 * 6 + 5 if endpoint == "chat" else 3 * 6)  # from usage (fake tokenizer)
     assert len(rec.token_times_ms) == 5
     assert list(rec.token_times_ms) == sorted(rec.token_times_ms)
     assert rec.first_token_ms == rec.token_times_ms[0] and rec.finish_ms == rec.token_times_ms[-1]
@@ -107,3 +117,27 @@ def test_body_and_prompt_synthesis():
     assert "ignore_eos" not in chat and "prompt" not in chat
     with pytest.raises(ValueError, match="token-id prompts"):
         ClientConfig(base_url="http://x", model="m", prompt_format="token-ids")
+
+
+def test_prompt_scale_fit_and_words():
+    scale = PromptScale.fit(8, 29, 40, 125)  # 3 tokens per word + 5
+    assert (scale.tokens_per_word, scale.overhead_tokens) == (3.0, 5.0)
+    assert [scale.words_for(n) for n in (1, 8, 35, 305)] == [1, 1, 10, 100]
+    assert PromptScale.fit(8, 30, 40, 30) == PromptScale()  # unusable: fall back to one token per word
+    assert synth_prompt(4, "text", scale=PromptScale(2.0, 0.0)) == "hello hello"
+
+
+@pytest.mark.parametrize(("endpoint", "overhead"), [("chat", 5.0), ("completions", 0.0)])
+async def test_calibrate_prompt_against_server(fake_server, endpoint, overhead):
+    cfg = ClientConfig(base_url=fake_server.url, model="ok", endpoint=endpoint)
+    async with aiohttp.ClientSession() as session:
+        scale = await calibrate_prompt(session, cfg)
+    assert scale == PromptScale(3.0, overhead)
+    assert fake_server.seen[-1]["body"]["stream"] is False
+
+
+async def test_calibrate_prompt_error_is_runtime_error(fake_server):
+    cfg = ClientConfig(base_url=fake_server.url, model="fail-500")
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(RuntimeError, match="HTTP 500"):
+            await calibrate_prompt(session, cfg)

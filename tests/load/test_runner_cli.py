@@ -128,6 +128,9 @@ def test_cli_poisson_writes_every_report_file(fake_server, tmp_path, capsys):
     assert rows[2]["requests"] == "24"
     records = read_lifecycle_log(out / "requests.jsonl")
     assert len(records) == 24 and all(r.output_tokens == 4 for r in records)
+    # Calibrated against the fake tokenizer (3 tokens/word + 5 for the chat template): 1 word = 8 tokens exactly.
+    assert summary["meta"]["prompt_scale"] == {"tokens_per_word": 3.0, "overhead_tokens": 5.0}
+    assert all(r.prompt_tokens == 8 for r in records)
     # The files agree with the shared metric code recomputed from the log.
     assert summarize(records).to_dict() == rep
     for png in ("latency_cdf.png", "timeline.png", "attainment.png"):
@@ -194,7 +197,7 @@ def test_ctrl_c_writes_partial_report(fake_server, tmp_path):
     before = len(fake_server.seen)
     proc = subprocess.Popen(
         [sys.executable, "-m", "nitsum.cli", "load", "--url", fake_server.url, "--model", "hang",
-         "--poisson", "50", "--max-requests", "400", "--out", str(out), "--progress", "off"],
+         "--poisson", "50", "--max-requests", "400", "--no-calibrate", "--out", str(out), "--progress", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # The SIGINT handler is installed before the first request goes out, so wait for one to arrive.
