@@ -232,7 +232,14 @@ class WorkerConfig(CommonConfig):
     role: str = setting("NITSUM_ROLE", "", "starting role: prefill | decode | hybrid (default: from the service name)")
 
     def resolved_worker_id(self) -> str:
-        return self.worker_id or f"{self.node_id}-{self.device_index}"
+        """NITSUM_WORKER_ID, else <node>-<device>-<host> (unique across compose replicas)."""
+        if self.worker_id:
+            return self.worker_id
+        import re
+        import socket
+
+        host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:32]
+        return f"{self.node_id}-{self.device_index}-{host}"
 
 
 @dataclass(frozen=True)
