@@ -19,6 +19,7 @@ from typing import Callable
 
 from nitsum.policy.costmodel import CostModel
 from nitsum.policy.decisions import AdmissionDecision
+from nitsum.policy.estimate import quantize_tokens
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView, RequestView
 from nitsum.policy.tiers import SHED_ORDER
 
@@ -42,10 +43,39 @@ def _any_fits(node: NodeView, cost: CostModel) -> bool:
 
 def hopeless(snap: ClusterSnapshot, cost_for: CostFor, r: RequestView) -> bool:
     """True when no node could produce r's first token before its TTFT deadline, even with no queue."""
-    if r.prefilled:
+    return _hopeless(snap.now_ms, _usable_nodes(snap, cost_for), r)
+
+
+def _usable_nodes(snap: ClusterSnapshot, cost_for: CostFor) -> list[tuple[NodeView, CostModel, int | None]]:
+    out = []
+    for n in snap.nodes:
+        if _usable(n):
+            cost = cost_for(n)
+            out.append((n, cost, _top_level(n, cost)))
+    return out
+
+
+def _hopeless(now_ms: float, nodes: list[tuple[NodeView, CostModel, int | None]], r: RequestView) -> bool:
+    if r.first_token_ms is not None:
         return False
-    left_ms = r.ttft_deadline_ms - snap.now_ms
-    return all(best_case_ttft_ms(n, cost_for(n), r) > left_ms for n in snap.nodes if _usable(n))
+    left_ms = r.arrival_ms + r.ttft_ms - now_ms
+    uncached = r.prompt_tokens - r.cached_prompt_tokens
+    for n, cost, top in nodes:
+        # Cheap sufficient test first: prefill time only grows with tokens, so if the prompt rounded up to a
+        # memo-friendly size fits at the top level, r is not hopeless (no exact cost-model call needed).
+        if top is not None and cost.prefill_time_ms(top, quantize_tokens(uncached)) <= left_ms:
+            return False
+        if best_case_ttft_ms(n, cost, r) <= left_ms:
+            return False
+    return True
+
+
+def _top_level(node: NodeView, cost: CostModel) -> int | None:
+    """Highest allowed TP level whose weights fit (memoized in the cost model)."""
+    key = ("top", node.min_tp, node.max_tp)
+    if key not in cost._memo:
+        cost._memo[key] = max((k for k in node.allowed_tp_levels() if cost.fits(k)), default=None)
+    return cost._memo[key]
 
 
 def _usable(node: NodeView) -> bool:
@@ -98,11 +128,13 @@ def shed(snap: ClusterSnapshot, cost_for: CostFor, queue_bounds: dict[str, int])
     victims: list[RequestView] = []
     victim_ids: set[str] = set()
     queued_by_tier: dict[str, list[RequestView]] = {}
+    nodes = _usable_nodes(snap, cost_for)
+    now_ms = snap.now_ms
     for r in snap.requests:
-        if r.prefilled:
+        if r.first_token_ms is not None:
             continue
         queued_by_tier.setdefault(r.tier, []).append(r)
-        if hopeless(snap, cost_for, r):
+        if _hopeless(now_ms, nodes, r):
             victims.append(r)
             victim_ids.add(r.request_id)
     for tier, rs in queued_by_tier.items():

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
@@ -44,36 +44,36 @@ class ModelSpec:
     num_experts: int = 1  # MoE: experts per layer (1 = dense)
     experts_per_token: int = 1
 
-    @property
+    @cached_property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    @property
+    @cached_property
     def attn_params_per_layer(self) -> int:
         q_o = 2 * self.hidden_size * self.hidden_size
         k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
         return q_o + k_v
 
-    @property
+    @cached_property
     def mlp_params_per_expert(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size  # gate, up, down
 
-    @property
+    @cached_property
     def total_params(self) -> int:
         per_layer = self.attn_params_per_layer + self.num_experts * self.mlp_params_per_expert
         return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters touched per token (MoE: only the routed experts)."""
         per_layer = self.attn_params_per_layer + self.experts_per_token * self.mlp_params_per_expert
         return self.num_layers * per_layer + self.vocab_size * self.hidden_size  # LM head; embedding is a gather
 
-    @property
+    @cached_property
     def weight_bytes(self) -> float:
         return self.total_params * self.bytes_per_param
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> float:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem
 
@@ -231,12 +231,16 @@ class CostModel:
     # -- capacity -----------------------------------------------------------------------------------------
     def kv_capacity_tokens(self, tp: int) -> int:
         """KV tokens a TP=tp group can hold after weights; 0 when the weights do not fit."""
+        key = ("kvcap", tp)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
         m, d = self.model, self.device
         usable = d.memory_bytes * (1.0 - d.memory_reserved_fraction) - m.weight_bytes / tp
-        if usable <= 0:
-            return 0
         per_token_per_rank = m.kv_bytes_per_token / min(tp, m.num_kv_heads)
-        return int(usable / per_token_per_rank)
+        out = int(usable / per_token_per_rank) if usable > 0 else 0
+        self._memo[key] = out
+        return out
 
     def fits(self, tp: int) -> bool:
         return self.kv_capacity_tokens(tp) > 0

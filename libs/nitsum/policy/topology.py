@@ -155,7 +155,7 @@ class AdaptivePolicy(BasePolicy):
         scored: list[tuple[float, Shape]] = []
         for sh in shapes:  # first pass: all-hybrid roles, the common case
             groups = role_variants(sh, False)[0]
-            net = self._net_score(cost, groups, load, node, snap, current)
+            net = self._net_score(cost, groups, load, node)
             scored.append((net, sh))
             if best is None or net > best[0]:
                 best = (net, Topology(groups))
@@ -167,7 +167,7 @@ class AdaptivePolicy(BasePolicy):
                 top = Topology(groups)
                 if top == current:
                     continue
-                net = self._net_score(cost, groups, load, node, snap, current)
+                net = self._net_score(cost, groups, load, node)
                 if best is None or net > best[0]:
                     best = (net, top)
         if best is None:
@@ -178,24 +178,23 @@ class AdaptivePolicy(BasePolicy):
                                     f"{cfg.hysteresis_margin:.2f}; keep", gain, path)
         return TopologyDecision(nid, best[1], f"{why}: {current} -> {best[1]} gains {gain:.2f}", gain, path)
 
-    def _net_score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView,
-                   snap: ClusterSnapshot, current: Topology) -> float:
+    def _net_score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> float:
         cfg = self.config
         est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens)
-        return est.score - cfg.reconfig_lambda_per_ms * self._reconfig_ms(cost, groups, node, snap, current)
+        return est.score - cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
-    @staticmethod
-    def _reconfig_ms(cost: CostModel, groups: tuple[GroupSpec, ...], node: NodeView, snap: ClusterSnapshot,
-                     current: Topology) -> float:
-        """Fixed switch cost + moving the KV of running requests on every group whose devices change."""
-        kept = {(g.start, g.tp) for g in groups}
-        kv_bytes = 0.0
-        moving = 0
-        for g in node.groups:
-            if (g.devices[0], g.tp) in kept:
-                continue
-            moving += g.tp
-            kv_bytes += snap.load_of(g.group_id).decode_context_tokens * cost.model.kv_bytes_per_token
-        if moving == 0:
-            return cost.reconfig_fixed_ms / 2  # roles only: views stay, queues move
-        return cost.reconfig_cost_ms(kv_bytes, moving)
+
+def reconfig_ms(cost: CostModel, groups: tuple[GroupSpec, ...], node: NodeView, load: NodeLoad) -> float:
+    """Fixed switch cost + moving the KV of running requests on every group whose devices change."""
+    kept = {(g.start, g.tp) for g in groups}
+    kv_tokens = dict(load.kv_tokens_by_group)
+    kv_bytes = 0.0
+    moving = 0
+    for g in node.groups:
+        if (g.devices[0], g.tp) in kept:
+            continue
+        moving += g.tp
+        kv_bytes += kv_tokens.get(g.group_id, 0) * cost.model.kv_bytes_per_token
+    if moving == 0:
+        return cost.reconfig_fixed_ms / 2  # roles only: views stay, queues move
+    return cost.reconfig_cost_ms(kv_bytes, moving)

@@ -1,0 +1,108 @@
+"""Cost model (ALGORITHMS.md §3): roofline bounds, monotonicity, capacity, device tables."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nitsum.policy.costmodel import (DEVICE_PRESETS, DeviceSpec, cost_model, device_spec, load_device_table,
+                                     model_spec)
+
+
+def test_llama70b_tp8_h100_decode_step_between_memory_floor_and_twice_it():
+    cm = cost_model("llama-3-70b", "h100")
+    floor = cm.memory_floor_ms(8, context_tokens=8 * 1024)
+    step = cm.decode_step_ms(8, batch_size=8, context_tokens=8 * 1024)
+    assert floor < step < 2 * floor
+    # Weights alone: 141 GB / 8 ranks / 3.35 TB/s ≈ 5.3 ms.
+    assert 5.0 < cm.memory_floor_ms(8) < 5.5
+
+
+def test_70b_shapes_give_about_70b_parameters():
+    assert 70.0e9 < model_spec("llama-3-70b").total_params < 71.0e9
+    assert 8.0e9 < model_spec("llama-3-8b").total_params < 8.1e9
+    m = model_spec("mixtral-8x22b")
+    assert 139e9 < m.total_params < 142e9 and 38e9 < m.active_params < 40e9
+
+
+@pytest.mark.parametrize("kind", ["h100", "h200", "a100"])
+def test_prefill_gets_faster_with_tp_and_decode_batch_costs_more(kind):
+    cm = cost_model("llama-3-70b", kind)
+    times = [cm.prefill_time_ms(k, 2000) for k in (2, 4, 8)]
+    assert times == sorted(times, reverse=True)
+    assert cm.decode_step_ms(4, 64, 64 * 1000) > cm.decode_step_ms(4, 1, 1000)
+
+
+def test_h200_decode_is_faster_than_h100_and_a100_slowest():
+    steps = {k: cost_model("llama-3-70b", k).decode_step_ms(8, 1, 1000) for k in ("a100", "h100", "h200")}
+    assert steps["h200"] < steps["h100"] < steps["a100"]
+
+
+def test_kv_capacity_zero_when_weights_do_not_fit():
+    cm = cost_model("llama-3-70b", "h100")
+    assert cm.kv_capacity_tokens(1) == 0 and not cm.fits(1)
+    assert 0 < cm.kv_capacity_tokens(2) < cm.kv_capacity_tokens(4) < cm.kv_capacity_tokens(8)
+    assert cm.max_decode_batch(1, 100.0, 1000) == 0
+
+
+def test_max_decode_batch_is_the_largest_batch_within_tpot():
+    cm = cost_model("llama-3-8b", "h100")
+    b = cm.max_decode_batch(1, 25.0, 1000)
+    assert b > 0
+    assert cm.decode_step_ms(1, b, b * 1000) <= 25.0
+    assert b == cm.kv_capacity_tokens(1) // 1000 or cm.decode_step_ms(1, b + 1, (b + 1) * 1000) > 25.0
+
+
+def test_tp1_has_no_all_reduce_and_chunked_prefill_costs_more():
+    cm = cost_model("llama-3-8b", "h100")
+    assert cm.prefill_time_ms(1, 4096, chunk_tokens=512) > cm.prefill_time_ms(1, 4096)
+    assert cm.prefill_time_ms(1, 4096, cached_tokens=4096) == 0.0
+
+
+def test_reconfig_cost_is_fixed_plus_bytes_over_parallel_links():
+    cm = cost_model("llama-3-70b", "h100")
+    assert cm.reconfig_cost_ms(0.0) == cm.reconfig_fixed_ms
+    one_pair = cm.reconfig_cost_ms(1e9, 2) - cm.reconfig_fixed_ms
+    four_pairs = cm.reconfig_cost_ms(1e9, 8) - cm.reconfig_fixed_ms
+    assert one_pair == pytest.approx(4 * four_pairs)
+    assert one_pair == pytest.approx(1e9 / (450e9 * 0.7) * 1e3)
+
+
+def test_shipped_cpu_table_is_a_labelled_placeholder():
+    cpu = load_device_table()
+    assert cpu.name == "cpu" and cpu.placeholder
+    assert "PLACEHOLDER" in cpu.source
+    assert device_spec("cpu") == cpu
+    assert cost_model("tiny", "cpu").decode_step_ms(1, 1, 10) > 0
+
+
+def test_device_table_json_round_trip_and_errors(tmp_path):
+    spec = DEVICE_PRESETS["h100"]
+    path = tmp_path / "h100.json"
+    path.write_text(spec.to_json())
+    assert load_device_table(path) == spec
+    data = json.loads(spec.to_json())
+    data["measurements"] = [{"tp": 1, "batch_size": 1, "step_ms": 3.0}]  # profile output keeps raw points
+    assert DeviceSpec.from_json(json.dumps(data)) == spec
+    with pytest.raises(ValueError, match="unknown device table fields: bogus"):
+        DeviceSpec.from_json(json.dumps({**json.loads(spec.to_json()), "bogus": 1}))
+    with pytest.raises(ValueError, match="schema"):
+        DeviceSpec.from_json(json.dumps({"name": "x"}))
+
+
+@pytest.mark.parametrize("fn, arg", [(device_spec, "tpu"), (model_spec, "gpt-5")])
+def test_unknown_presets_name_themselves(fn, arg):
+    with pytest.raises(ValueError, match=arg):
+        fn(arg)
+
+
+def test_policy_package_imports_only_the_standard_library():
+    mods = ["nitsum.policy." + m for m in ("tiers", "snapshot", "decisions", "costmodel", "estimate", "phases",
+                                          "topology", "routing", "admission", "baselines", "registry", "goodput",
+                                          "base", "bench")]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in mods) +
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'numpy', 'nats', 'asyncio', 'msgpack'))\nprint(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
