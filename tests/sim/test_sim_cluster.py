@@ -1,0 +1,103 @@
+"""The cluster simulator: golden metrics for a fixed-seed scenario, same policy classes as the services,
+cost-model sanity through the sim, the flow cluster, and the experiments' --quick modes."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from nitsum.policy.costmodel import cost_model
+from nitsum.policy.flow_baselines import make_flow_scheduler
+from nitsum.policy.registry import make_policy
+from nitsum.sim.cluster import ClusterConfig, ClusterSim, run_cluster
+from nitsum.sim.flowsim import FlowClusterConfig, FlowClusterSim
+from nitsum.workloads import assign_tiers, default_trace_path, poisson, read_azure, read_mooncake
+
+
+def small_workload():
+    lengths = read_azure(default_trace_path("azure-conv", prefer_excerpt=True))
+    reqs = poisson(6.0, duration_s=10.0, seed=42, lengths=lengths)
+    return assign_tiers(reqs, {"interactive": 0.3, "background": 0.7}, seed=42)
+
+
+@pytest.mark.parametrize(
+    "policy, slo_met, interactive_met, events",
+    [("static-tp:8", 63, 18, 1367), ("disagg", 45, 0, 1727)],
+)
+def test_golden_metrics_small_fixed_seed_scenario(policy, slo_met, interactive_met, events):
+    """Golden values: a change here means the simulator, the cost model or the policy changed behaviour."""
+    res = run_cluster(policy, ClusterConfig(), small_workload())
+    overall = res.report.overall
+    assert overall.requests == 64
+    assert overall.slo_met == slo_met
+    assert res.report.tiers["interactive"].slo_met == interactive_met
+    assert res.events == events
+
+
+def test_runs_are_deterministic():
+    a = run_cluster("static-tp:2", ClusterConfig(), small_workload())
+    b = run_cluster("static-tp:2", ClusterConfig(), small_workload())
+    assert [r.to_dict() for r in a.records] == [r.to_dict() for r in b.records]
+
+
+def test_simulator_uses_the_very_same_policy_classes_as_the_services():
+    for spec in ("adaptive", "static-tp:8", "disagg"):
+        sim = ClusterSim(spec, ClusterConfig(), [])
+        assert type(sim.policy) is type(make_policy(spec)), spec
+    flows = FlowClusterSim("rmlq", FlowClusterConfig(num_servers=4), [])
+    assert type(flows.sched) is type(make_flow_scheduler("rmlq"))
+    assert type(flows.sched).__module__ == "nitsum.policy.flows"
+
+
+def test_static_tp1_cannot_hold_llama70b_on_h100_and_says_so():
+    res = run_cluster("static-tp:1", ClusterConfig(), small_workload()[:5])
+    assert res.report.overall.errors == {"http_503": 5}
+
+
+def test_decode_step_llama70b_tp8_h100_between_memory_floor_and_twice_it():
+    cost = cost_model("llama-3-70b", "h100")
+    floor = cost.memory_floor_ms(8, context_tokens=32 * 1024)
+    step = cost.decode_step_ms(8, 32, 32 * 1024)
+    assert floor < step < 2 * floor
+
+
+def test_single_interactive_request_ttft_is_its_prefill_time():
+    """One 512-token request alone on TP8: TTFT = one hybrid step of 512 tokens (chunk = 512)."""
+    from nitsum.workloads import TraceRequest
+
+    res = run_cluster("static-tp:8", ClusterConfig(), [TraceRequest(0.0, 512, 4, tier="interactive")])
+    rec = res.records[0]
+    expected = cost_model("llama-3-70b", "h100").step_time_ms(8, 1, 512, 512)
+    assert rec.ttft_ms == pytest.approx(expected)
+    assert rec.finish_ms is not None and rec.output_tokens == 4
+
+
+def test_flow_cluster_schedulers_all_run_and_idle_load_meets_slo():
+    trace = read_mooncake(default_trace_path("mooncake-conv", prefer_excerpt=True))
+    reqs = poisson(2.0, duration_s=2.0, seed=3, lengths=trace)
+    for name in ("fs", "sjf", "edf", "karuna", "rmlq"):
+        out = FlowClusterSim(name, FlowClusterConfig(num_servers=8), reqs).run()
+        rep = out["report"].overall
+        assert rep.requests == len(reqs)
+        assert rep.slo_attainment == 1.0, name  # nearly idle: everyone within 3x idle TTFT
+        assert out["cct_ms"].count > 0
+
+
+@pytest.mark.parametrize("name", ["tiers", "reconfig", "flows"])
+def test_quick_experiments_write_csv_png_md(name, tmp_path):
+    from nitsum.sim.cli import main
+
+    assert main([name, "--quick", "--out", str(tmp_path), "--seed", "1"]) == 0
+    rows = list(csv.DictReader((tmp_path / f"{name}.csv").open()))
+    assert rows
+    assert (tmp_path / f"{name}.md").read_text().startswith(f"# sim {name}")
+    assert (tmp_path / f"{name}.png").stat().st_size > 1000
+
+
+def test_cli_rejects_unknown_experiment(capsys):
+    from nitsum.sim.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["nope"])
+    assert "invalid choice" in capsys.readouterr().err
