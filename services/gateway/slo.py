@@ -11,6 +11,9 @@ class SloAccounting:
         self.metrics = metrics
         self.finished_by_tier: dict[str, int] = {}
         self.met_by_tier: dict[str, int] = {}
+        # Create the families up front so that /metrics lists them before the first request.
+        for make in (metrics.requests_total, metrics.goodput_requests_total, metrics.ttft_seconds, metrics.tpot_seconds, metrics.slo_compliance_ratio):
+            make()
 
     def outcome(self, tier: str, outcome: str) -> None:
         self.metrics.requests_total().labels(tier=tier, outcome=outcome).inc()

@@ -1,0 +1,137 @@
+"""Bad input gets a clear OpenAI-shaped error and changes nothing; no worker means 503 + Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _post(url: str, path: str, body, headers=None, raw: bytes | None = None):
+    async with aiohttp.ClientSession() as session:
+        data = raw if raw is not None else json.dumps(body).encode()
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        async with session.post(url + path, data=data, headers=hdrs) as resp:
+            return resp.status, resp.headers.copy(), await resp.json(content_type=None)
+
+
+def _assert_openai_error(body, code=None, param=None):
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (CHAT, {"messages": "hi"}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "stop": 7}, "stop"),
+        (COMP, {"prompt": 12}, "prompt"),
+        (COMP, {"prompt": ""}, "prompt"),
+        (COMP, {"prompt": [1, -2]}, "prompt"),
+        (COMP, {"prompt": [10**9]}, "prompt"),
+        (COMP, {"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+        (COMP, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (COMP, {"prompt": "x", "logprobs": 3}, "logprobs"),
+        (COMP, {"prompt": "x", "seed": "s"}, "seed"),
+    ],
+)
+async def test_bad_fields_are_400_with_the_param(gateway_url, path, body, param):
+    status, headers, answer = await _post(gateway_url, path, body)
+    assert status == 400, answer
+    _assert_openai_error(answer, param=param)
+    assert headers["x-request-id"]
+
+
+async def test_malformed_json_and_content_type(gateway_url):
+    status, _, body = await _post(gateway_url, CHAT, None, raw=b'{"messages": [')
+    assert status == 400
+    _assert_openai_error(body, code="invalid_json")
+    status, _, body = await _post(gateway_url, CHAT, None, headers={"Content-Type": "text/plain"}, raw=b"hello")
+    assert status == 400
+    _assert_openai_error(body, code="invalid_content_type")
+    status, _, body = await _post(gateway_url, CHAT, [1, 2, 3])
+    assert status == 400
+    _assert_openai_error(body)
+
+
+async def test_unknown_tier_and_bad_slo_headers(gateway_url):
+    msg = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    status, _, body = await _post(gateway_url, CHAT, msg, headers={"x-request-tier": "platinum"})
+    assert status == 400
+    _assert_openai_error(body, code="unknown_tier", param="x-request-tier")
+    status, _, body = await _post(gateway_url, CHAT, msg, headers={"x-slo-ttft-ms": "soon"})
+    assert status == 400
+    _assert_openai_error(body, param="x-slo-ttft-ms")
+    status, _, body = await _post(gateway_url, CHAT, msg, headers={"x-slo-tpot-ms": "-5"})
+    assert status == 400
+
+
+async def test_body_over_the_limit_is_413_json(gateway_url):
+    big = {"prompt": "x" * (2 << 20), "max_tokens": 1}
+    status, _, body = await _post(gateway_url, COMP, big)
+    assert status == 413
+    _assert_openai_error(body, code="body_too_large")
+
+
+async def test_context_overflow_and_huge_message_lists_are_400_and_loop_stays_responsive(gateway_url):
+    long_prompt = list(range(5, 260)) * 12  # > 2048 tokens
+    status, _, body = await _post(gateway_url, COMP, {"prompt": long_prompt, "max_tokens": 1})
+    assert status == 400
+    _assert_openai_error(body, code="context_length_exceeded")
+    many = {"messages": [{"role": "user", "content": "a"}] * 100_000, "max_tokens": 1}
+
+    async def health_probe():
+        async with aiohttp.ClientSession() as session:
+            t0 = time.monotonic()
+            async with session.get(gateway_url + "/health") as resp:
+                return resp.status, time.monotonic() - t0
+
+    (status, _, body), (health_status, _) = await asyncio.gather(_post(gateway_url, CHAT, many), health_probe())
+    assert status in (400, 413)
+    _assert_openai_error(body)
+    assert health_status == 200
+
+
+async def test_unknown_model_and_route(gateway_url):
+    status, _, body = await _post(gateway_url, COMP, {"prompt": "x", "model": "gpt-9"})
+    assert status == 404
+    _assert_openai_error(body, code="model_not_found", param="model")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gateway_url + "/v2/nothing") as resp:
+            assert resp.status == 404
+            _assert_openai_error(await resp.json())
+
+
+async def test_no_worker_is_503_with_retry_after(gateway_url):
+    status, headers, body = await _post(gateway_url, CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert status == 503
+    assert int(headers["Retry-After"]) >= 1
+    _assert_openai_error(body)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gateway_url + "/ready") as resp:
+            assert resp.status == 503
+            assert "Retry-After" in resp.headers
+            assert (await resp.json())["ready"] is False
