@@ -106,3 +106,14 @@ def test_policy_package_imports_only_the_standard_library():
             "('torch', 'numpy', 'nats', 'asyncio', 'msgpack'))\nprint(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_tiny_preset_matches_the_tiny_checkpoint_config():
+    from nitsum.model.tiny import TINY_CONFIG
+
+    m = model_spec("tiny")
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, m.vocab_size,
+            m.head_dim) == (TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["hidden_size"],
+                            TINY_CONFIG["num_attention_heads"], TINY_CONFIG["num_key_value_heads"],
+                            TINY_CONFIG["intermediate_size"], TINY_CONFIG["vocab_size"], TINY_CONFIG["head_dim"])
+    assert m.bytes_per_param == 4.0 and TINY_CONFIG["torch_dtype"] == "float32"

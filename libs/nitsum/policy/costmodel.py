@@ -83,9 +83,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama-3-70b": ModelSpec("llama-3-70b", 80, 8192, 64, 8, 28672, 128256),
     "llama-3-8b": ModelSpec("llama-3-8b", 32, 4096, 32, 8, 14336, 128256),
     "mixtral-8x22b": ModelSpec("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, num_experts=8, experts_per_token=2),
-    # nitsum's deterministic tiny Llama (fp32 on CPU). Kept in step with nitsum/model/tiny.py by a test once
-    # that module exists.
-    "tiny": ModelSpec("tiny", 4, 128, 8, 4, 256, 384, bytes_per_param=4.0, kv_bytes_per_elem=4.0),
+    # nitsum's deterministic tiny Llama (fp32 on CPU); a test keeps it in step with nitsum/model/tiny.py.
+    "tiny": ModelSpec("tiny", 4, 128, 8, 4, 256, 320, bytes_per_param=4.0, kv_bytes_per_elem=4.0),
 }
 
 
