@@ -1,0 +1,192 @@
+"""`nitsum bench gateway`: what the gateway + NATS hop costs, against calling the engine in-process.
+
+Both sides serve the same 1-token requests (prompts of `--prompt-tokens` token ids, a different prompt per
+request so prefix caching treats both alike) with the same engine configuration: the in-process engine is
+built by the worker's own `build_engine` from the worker's default config (one torch thread).
+
+1. Latency: `--requests` requests one after another. In-process: `Engine.generate([prompt], max_tokens=1)`.
+   Through the mesh: a non-streaming POST /v1/completions, timed at the client (HTTP + gateway + NATS +
+   coordinator routing + worker + back). Reported: p50/p90 of both, the added latency and the ratio.
+2. Throughput: `--concurrency` requests in flight until `--requests` are done. In-process: batches of
+   `--concurrency` prompts through `Engine.generate`. Through the mesh: closed-loop clients. Reported:
+   requests/s of both and the ratio.
+
+The in-process baseline runs first, while no mesh is running, so the two never share the CPU. Without
+`--url`, the bench starts `nitsum up --devices 1` itself (one worker, like the in-process engine) and stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from nitsum.metrics import percentile
+from nitsum_load.mesh import start_mesh
+
+TOKEN_ID_BASE = 100
+TOKEN_ID_SPAN = 100
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    """n distinct prompts of `length` low token ids (present in every vocabulary)."""
+    return [[TOKEN_ID_BASE + (i * 7 + j) % TOKEN_ID_SPAN for j in range(length)] for i in range(n)]
+
+
+def in_process(model: str, latency_prompts: list[list[int]], tput_prompts: list[list[int]],
+               concurrency: int, warmup: int) -> dict[str, Any]:
+    import torch
+
+    from nitsum.config import WorkerConfig, load
+    from nitsum.engine.params import SamplingParams
+    from nitsum_services.worker.main import build_engine
+
+    config = load(WorkerConfig, argv=["--model", model], environ=os.environ)
+    engine = build_engine(config, "hybrid")
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    with torch.inference_mode():
+        for p in latency_prompts[:warmup]:
+            engine.generate([p], params)
+        lat_ms = []
+        for p in latency_prompts[warmup:]:
+            t = time.perf_counter()
+            engine.generate([p], params)
+            lat_ms.append((time.perf_counter() - t) * 1000.0)
+        t = time.perf_counter()
+        for i in range(0, len(tput_prompts), concurrency):
+            engine.generate(tput_prompts[i:i + concurrency], params)
+        tput_s = time.perf_counter() - t
+    return {"latency_ms": lat_ms, "requests_per_s": len(tput_prompts) / tput_s,
+            "torch_threads": torch.get_num_threads()}
+
+
+async def through_gateway(url: str, model: str, latency_prompts: list[list[int]], tput_prompts: list[list[int]],
+                          concurrency: int, warmup: int, timeout_s: float) -> dict[str, Any]:
+    endpoint = url.rstrip("/") + "/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
+        async with session.post(endpoint, json=body, timeout=timeout,
+                                headers={"x-request-tier": "interactive"}) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"gateway answered HTTP {resp.status}: {(await resp.text())[:200]}")
+            data = await resp.json()
+            if data["usage"]["completion_tokens"] != 1:
+                raise RuntimeError(f"expected 1 token, got {data['usage']}")
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for p in latency_prompts[:warmup]:
+            await one(session, p)
+        lat_ms = []
+        for p in latency_prompts[warmup:]:
+            t = time.perf_counter()
+            await one(session, p)
+            lat_ms.append((time.perf_counter() - t) * 1000.0)
+        queue = list(reversed(tput_prompts))
+
+        async def worker() -> None:
+            while queue:
+                await one(session, queue.pop())
+
+        t = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        tput_s = time.perf_counter() - t
+    return {"latency_ms": lat_ms, "requests_per_s": len(tput_prompts) / tput_s}
+
+
+def compare(engine: dict[str, Any], gateway: dict[str, Any]) -> dict[str, Any]:
+    def stats(xs: list[float]) -> dict[str, float | None]:
+        return {"p50": percentile(xs, 50), "p90": percentile(xs, 90)}
+
+    e, g = stats(engine["latency_ms"]), stats(gateway["latency_ms"])
+    return {
+        "engine_latency_ms": e,
+        "gateway_latency_ms": g,
+        "added_latency_p50_ms": g["p50"] - e["p50"],
+        "added_latency_p90_ms": g["p90"] - e["p90"],
+        "latency_ratio_p50": g["p50"] / e["p50"],
+        "engine_requests_per_s": engine["requests_per_s"],
+        "gateway_requests_per_s": gateway["requests_per_s"],
+        "throughput_ratio": gateway["requests_per_s"] / engine["requests_per_s"],
+    }
+
+
+def format_result(r: dict[str, Any]) -> str:
+    e, g = r["engine_latency_ms"], r["gateway_latency_ms"]
+    return "\n".join([
+        "1-token requests          in-process engine   through gateway + NATS   gateway / engine",
+        f"latency p50 (ms)          {e['p50']:17.2f}   {g['p50']:22.2f}   {r['latency_ratio_p50']:14.2f}x",
+        f"latency p90 (ms)          {e['p90']:17.2f}   {g['p90']:22.2f}   {g['p90'] / e['p90']:14.2f}x",
+        f"throughput (requests/s)   {r['engine_requests_per_s']:17.1f}   {r['gateway_requests_per_s']:22.1f}   "
+        f"{r['throughput_ratio']:14.2f}x",
+        f"added latency: p50 {r['added_latency_p50_ms']:.2f} ms, p90 {r['added_latency_p90_ms']:.2f} ms",
+    ])
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="nitsum bench gateway", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="measure this running mesh instead of starting one")
+    p.add_argument("--model", default="tiny", help="model the in-process engine loads (must match the mesh)")
+    p.add_argument("--requests", type=int, default=100, help="requests per phase (after warm-up)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per-request timeout")
+    p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
+    args = p.parse_args(argv)
+    for name in ("requests", "concurrency", "prompt_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    lat = prompts(args.warmup + args.requests, args.prompt_tokens)
+    tput = prompts(args.requests, args.prompt_tokens)
+    # Shift throughput prompts so they share no prefix block with the latency phase either.
+    tput = [[TOKEN_ID_BASE + (t + 50) % TOKEN_ID_SPAN for t in q] for q in tput]
+
+    print(f"in-process engine: {args.requests} sequential + {args.requests} at concurrency {args.concurrency} ...",
+          flush=True)
+    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup)
+    mesh = None
+    url = args.url
+    if url is None:
+        run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-gateway-"))
+        print(f"starting nitsum up --devices 1 (logs in {run_dir}) ...", flush=True)
+        mesh = start_mesh(run_dir, devices=1, extra_args=("--model", args.model))
+        url = mesh.url
+    try:
+        print(f"gateway {url}: the same requests ...", flush=True)
+        gateway = asyncio.run(through_gateway(url, _served_model(url), lat, tput, args.concurrency, args.warmup,
+                                              args.timeout))
+    finally:
+        if mesh is not None:
+            mesh.stop()
+    result = compare(engine, gateway)
+    result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                         "engine_torch_threads": engine["torch_threads"]}
+    result["date"] = time.strftime("%Y-%m-%d")
+    print(format_result(result))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _served_model(url: str) -> str:
+    async def get() -> str:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url.rstrip("/") + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return str((await r.json())["data"][0]["id"])
+
+    return asyncio.run(get())

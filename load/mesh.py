@@ -1,0 +1,63 @@
+"""Start and stop a local `nitsum up` for benchmarks that measure the live mesh.
+
+The mesh runs as a subprocess in its own session (process group) on a free port, exactly as a user starts it;
+`LocalMesh.stop()` sends Ctrl-C (SIGINT) and, if it does not exit in time, kills that process group only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalMesh:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return int(self.process.returncode)
+
+
+def start_mesh(run_dir: Path, *, devices: int = 1, extra_args: tuple[str, ...] = (),
+               ready_timeout_s: float = 150.0) -> LocalMesh:
+    """`nitsum up --devices N` on a free port; returns once it prints that it is ready (raises otherwise)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log_path = run_dir / "up.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "nitsum.cli", "up", "--devices", str(devices), "--port", str(port),
+             "--run-dir", str(run_dir / "run"), "--ready-timeout", str(ready_timeout_s), *extra_args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    mesh = LocalMesh(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + ready_timeout_s + 10
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"nitsum up exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        if b"ready in" in log_path.read_bytes():
+            return mesh
+        time.sleep(0.3)
+    mesh.stop()
+    raise RuntimeError(f"nitsum up was not ready within {ready_timeout_s} s:\n{log_path.read_text()[-3000:]}")

@@ -1,0 +1,32 @@
+"""The gateway benchmark's pure parts (the benchmark itself is run by hand: benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nitsum_load import bench_gateway as bg
+
+
+def test_prompts_distinct_and_in_range():
+    ps = bg.prompts(20, 16)
+    assert len(ps) == 20 and all(len(p) == 16 for p in ps)
+    assert len({tuple(p[:16]) for p in ps}) == 20  # no two share a 16-token prefix block
+    assert min(min(p) for p in ps) >= 100 and max(max(p) for p in ps) < 200
+
+
+def test_compare_and_format():
+    engine = {"latency_ms": [1.0, 2.0, 3.0], "requests_per_s": 100.0}
+    gateway = {"latency_ms": [3.0, 4.0, 7.0], "requests_per_s": 25.0}
+    r = bg.compare(engine, gateway)
+    assert r["engine_latency_ms"] == {"p50": 2.0, "p90": pytest.approx(2.8)}
+    assert r["gateway_latency_ms"] == {"p50": 4.0, "p90": pytest.approx(6.4)}  # rank 1.8: 4 + 0.8 * 3
+    assert r["added_latency_p50_ms"] == 2.0 and r["latency_ratio_p50"] == 2.0
+    assert r["throughput_ratio"] == 0.25
+    text = bg.format_result(r)
+    assert "2.00x" in text and "0.25x" in text and "added latency: p50 2.00 ms" in text
+
+
+def test_usage_errors(capsys):
+    with pytest.raises(SystemExit):
+        bg.main(["--requests", "0"])
+    assert "--requests must be >= 1" in capsys.readouterr().err
