@@ -82,10 +82,10 @@ def decision_times(name: str, num_flows: int, num_events: int, seed: int) -> dic
     return out
 
 
-def generated_load(seed: int, num_requests: int, rate_mbit: float) -> list[dict[str, object]]:
-    """Tight interactive requests (small P2D, short SLO) among loose background ones (big P2D, long SLO).
-
-    Arrivals are Poisson at ~60 % of the link for the P2D + reuse bytes, so the link is contended in bursts.
+def generated_load(seed: int, num_requests: int, rate_mbit: float, utilization: float = 0.85,
+                   ) -> list[dict[str, object]]:
+    """Tight interactive requests (small P2D, SLO 2× their unloaded time) among loose background ones
+    (big P2D, SLO 4×). Poisson arrivals offer `utilization` of the link, so it is contended in bursts.
     """
     rng = random.Random(seed)
     link_bytes_per_ms = rate_mbit * 1e6 / 8 / 1000.0
@@ -98,9 +98,9 @@ def generated_load(seed: int, num_requests: int, rate_mbit: float) -> list[dict[
         alone_ms = (reuse + p2d) / link_bytes_per_ms + 40.0
         out.append({"id": f"q{i}", "tier": "interactive" if tight else "background", "arrival_ms": round(t_ms, 3),
                     "reuse_bytes": reuse, "p2d_bytes": p2d, "compute_ms": 40.0,
-                    "slo_ms": round(alone_ms * (3.0 if tight else 6.0), 3)})
+                    "slo_ms": round(alone_ms * (2.0 if tight else 4.0), 3)})
         mean_bytes = 0.5 * (40_000 + 175_000) + 0.5 * (200_000 + 900_000)
-        t_ms += rng.expovariate(1.0 / (mean_bytes / link_bytes_per_ms / 0.6))
+        t_ms += rng.expovariate(1.0 / (mean_bytes / link_bytes_per_ms / utilization))
     return out
 
 
@@ -111,9 +111,9 @@ def _testbed(args: argparse.Namespace) -> None:
     if reason is not None:
         print(f"\ntestbed: skipped ({reason})")
         return
-    requests = generated_load(args.seed, args.requests, args.rate_mbit)
+    requests = generated_load(args.seed, args.requests, args.rate_mbit, args.utilization)
     print(f"\ntestbed: {len(requests)} requests, veth at {args.rate_mbit} Mbit/s (htb, 3 DSCP classes), "
-          f"seed {args.seed}")
+          f"offered load {args.utilization}, seed {args.seed}")
     print(f"{'scheduler':>10} {'attain all':>10} {'interactive':>11} {'background':>10} {'p50 TTFT ms':>11}")
     base: float | None = None
     with netns.veth_testbed(args.rate_mbit, tag=f"b{__import__('os').getpid()}") as bed:
@@ -142,6 +142,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--requests", type=int, default=40, help="requests in the testbed load")
     p.add_argument("--rate-mbit", type=float, default=20.0, help="testbed link rate")
+    p.add_argument("--utilization", type=float, default=0.85, help="offered load of the testbed link")
     p.add_argument("--schedulers", nargs="+", default=list(SCHEDULER_NAMES), choices=SCHEDULER_NAMES)
     p.add_argument("--no-testbed", action="store_true", help="decision time only")
     args = p.parse_args(argv)
