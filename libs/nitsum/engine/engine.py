@@ -19,7 +19,7 @@ from nitsum.engine.plan import PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, ChunkPlan, St
 from nitsum.engine.runner import ModelRunner
 from nitsum.engine.sampling import make_generator, sample
 from nitsum.engine.scheduler import Scheduler, SchedulerOutput
-from nitsum.engine.sequence import Sequence, Status
+from nitsum.engine.sequence import Sequence
 from nitsum.kv import KVCacheManager
 from nitsum.model.loader import read_raw_config
 from nitsum.model.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -8,7 +8,6 @@ anything again.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,6 +211,3 @@ def dtype_of(name: str) -> torch.dtype:
 def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
     return max(1, cfg.num_kv_heads // size)
 
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)
