@@ -37,10 +37,18 @@ class FakeOpenAI:
 
     def stop(self) -> None:
         # shutdown_timeout: do not wait out a handler still sleeping for a client that already gave up.
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+        # Handlers still sleeping ("hang") for clients that left: cancel them so none outlives the loop.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     async def _start(self) -> None:
         app = web.Application()
