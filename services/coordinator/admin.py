@@ -76,17 +76,17 @@ class AdminPlane:
             "groups": list(groups.values()),
             "queue_depth": {tier: depth.get(tier, 0) for tier in ("interactive", "background")},
             "requests_in_flight": len(c.members.requests),
+            "last_decisions": c.last_decisions,
         }
 
     async def cmd_set_policy(self, body: dict) -> dict:
         spec = body.get("policy")
         if not isinstance(spec, str) or not spec:
             return _error("bad_request", "set-policy needs 'policy': adaptive | static-tp:K | disagg | static-hybrid")
-        problem = validate_policy_spec(spec)
+        previous = self.coordinator.policy_spec
+        problem = self.coordinator.set_policy(spec)
         if problem:
             return _error("bad_policy", problem)
-        previous = self.coordinator.policy_spec
-        self.coordinator.policy_spec = spec
         return {"ok": True, "policy": spec, "previous": previous}
 
     async def cmd_set_topology(self, body: dict) -> dict:
@@ -111,25 +111,6 @@ class AdminPlane:
         if not isinstance(worker_id, str) or worker_id not in self.coordinator.members.workers:
             return _error("unknown_worker", f"no worker {worker_id!r}")
         return _error("not_supported", "run-time role changes are not available in this build")
-
-
-def validate_policy_spec(spec: str) -> str:
-    """'' when `spec` names a known policy, else why not."""
-    try:
-        from nitsum.policy.registry import make_policy  # the policy library, when present
-    except ImportError:
-        make_policy = None
-    if make_policy is not None:
-        try:
-            make_policy(spec)
-        except (ValueError, TypeError) as exc:
-            return str(exc)
-        return ""
-    if spec in ("adaptive", "disagg", "static-hybrid"):
-        return ""
-    if spec.startswith("static-tp:") and spec[len("static-tp:") :].isdigit():
-        return ""
-    return f"unknown policy {spec!r}: adaptive | static-tp:K | disagg | static-hybrid"
 
 
 def _error(code: str, message: str) -> dict:

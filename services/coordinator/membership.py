@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nitsum.policy.snapshot import RequestView
 from nitsum.wire.messages import WorkerStats
 
 
@@ -40,6 +41,7 @@ class InflightRequest:
     tier: str
     worker_id: str
     routed_s: float
+    view: RequestView | None = None  # what the policy sees (None after a restart: rebuilt from stats only)
 
 
 class Membership:
@@ -80,9 +82,9 @@ class Membership:
         if req is not None and req.worker_id == worker_id:
             del self.requests[request_id]
 
-    def assign(self, request_id: str, tier: str, worker_id: str, now_s: float) -> None:
+    def assign(self, request_id: str, tier: str, worker_id: str, now_s: float, view: RequestView | None = None) -> None:
         self.workers[worker_id].assigned[request_id] = now_s
-        self.requests[request_id] = InflightRequest(request_id, tier, worker_id, now_s)
+        self.requests[request_id] = InflightRequest(request_id, tier, worker_id, now_s, view)
 
     def unassign(self, request_id: str, worker_id: str) -> None:
         record = self.workers.get(worker_id)

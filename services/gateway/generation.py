@@ -107,7 +107,8 @@ class Generation:
                     await self._reroute(chunk.error_code, chunk.error_message)
                     continue
                 self.finished = True
-                raise GenerationError(400 if chunk.error_code == "invalid_request" else 500, chunk.error_code, chunk.error_message)
+                status = {"invalid_request": 400, "shed": 503}.get(chunk.error_code, 500)
+                raise GenerationError(status, chunk.error_code, chunk.error_message, retry_after_s=1.0 if status == 503 else 0.0)
             have = len(self.tokens)
             if chunk.index > have:
                 await self._reroute("stream_gap", f"tokens {have}..{chunk.index - 1} were lost in transit")

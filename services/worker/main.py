@@ -63,7 +63,7 @@ def make_body(service_name: str):
                 node_id=config.node_id,
                 device_index=config.device_index,
                 device=config.device,
-                role=role,
+                role=engine_role,
                 state=state["value"],
                 group_id=worker_id,
                 tp=1,

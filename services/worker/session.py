@@ -77,10 +77,19 @@ class WorkerSession:
             self._inbox.append(("add", req))
         self._wake.set()
 
+    # Aborts for these reasons end the stream with an error chunk (the client must hear why); the others
+    # (client gone, request moved elsewhere) end it silently.
+    TOLD_REASONS = ("shed", "admin")
+
     def abort(self, request_id: str, reason: str) -> bool:
-        state = self.running.pop(request_id, None)
+        state = self.running.get(request_id)
         if state is None:
             return False
+        if reason.split(":")[0] in self.TOLD_REASONS:
+            chunk = TokenChunk(request_id, self.worker_id, state.next_index, (), finished=True, finish_reason="error", error_code=reason, error_message=f"the request was {reason}: it cannot meet its SLO")
+            task = asyncio.ensure_future(self.bus.publish(state.request.stream_subject, chunk))
+            task.add_done_callback(lambda t: t.exception())
+        self.running.pop(request_id, None)
         with self._inbox_lock:
             self._inbox.append(("abort", request_id))
         self._wake.set()

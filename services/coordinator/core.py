@@ -1,0 +1,179 @@
+"""The coordinator's core: admission, routing and policy epochs over the membership tables.
+
+Every decision is made by the same `nitsum.policy` objects the simulator runs: the coordinator builds a
+ClusterSnapshot (membership + requests in flight), asks the policy, and carries the answer out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nitsum.bus import BusError, RemoteError
+from nitsum.config import CoordinatorConfig
+from nitsum.policy.base import PolicyConfig
+from nitsum.policy.registry import make_policy
+from nitsum.policy.snapshot import ClusterSnapshot, RequestView
+from nitsum.service import ServiceContext
+from nitsum.telemetry.tracing import mark_error
+from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
+from nitsum_services.coordinator.membership import Membership
+from nitsum_services.coordinator.snapshot import build_snapshot
+
+log = logging.getLogger("nitsum.coordinator")
+
+RUN_TIMEOUT_S = 2.0
+EXPIRE_PERIOD_S = 0.25
+
+
+def policy_config(config: CoordinatorConfig) -> PolicyConfig:
+    return PolicyConfig(
+        epoch_ms=float(config.reconfig_interval_ms),
+        queue_bounds=(("interactive", config.queue_limit_interactive), ("background", config.queue_limit_background)),
+    )
+
+
+class Coordinator:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.config: CoordinatorConfig = ctx.config
+        self.bus = ctx.bus
+        self.members = Membership(self.config.heartbeat_timeout_ms / 1000.0)
+        self.policy_spec = self.config.policy
+        self.policy = make_policy(self.policy_spec, policy_config(self.config))
+        self.epoch = 0
+        self.last_decisions: list[dict] = []
+        self.last_reconfig_ms: dict[str, float] = {}
+
+    # ---- policy ----------------------------------------------------------------------------------
+    @staticmethod
+    def now_ms() -> float:
+        return time.monotonic() * 1000.0
+
+    def snapshot(self) -> ClusterSnapshot:
+        return build_snapshot(self.members, self.now_ms(), self.epoch, self.config.max_tp, self.config.min_tp, self.config.device_kind, self.last_reconfig_ms)
+
+    def set_policy(self, spec: str) -> str:
+        """Switch policy; '' on success, else why not (nothing changes)."""
+        try:
+            policy = make_policy(spec, policy_config(self.config))
+        except (ValueError, TypeError) as exc:
+            return str(exc)
+        self.policy, self.policy_spec = policy, spec
+        return ""
+
+    def limit_for(self, tier: str) -> int:
+        return self.config.queue_limit_background if tier == "background" else self.config.queue_limit_interactive
+
+    # ---- request path ----------------------------------------------------------------------------
+    async def on_submit(self, req: SubmitRequest, _delivery) -> SubmitReply:
+        with self.ctx.tracer.start_as_current_span(
+            "coordinator.route", attributes={"nitsum.request_id": req.request_id, "nitsum.tier": req.tier, "nitsum.attempt": req.attempt}
+        ) as span:
+            candidates = self.members.routable(exclude=req.exclude_workers)
+            if not candidates:
+                mark_error(span, "no_worker")
+                return SubmitReply(req.request_id, False, status=503, retry_after_s=1.0, reason="no worker is ready to serve requests")
+            now_ms = self.now_ms()
+            view = RequestView(
+                request_id=req.request_id,
+                tier=req.tier,
+                ttft_ms=req.ttft_ms,
+                tpot_ms=req.tpot_ms,
+                weight=req.weight,
+                arrival_ms=now_ms,
+                prompt_tokens=len(req.prompt_token_ids) + len(req.output_token_ids),
+                max_tokens=req.sampling.max_tokens,
+            )
+            snap = self.snapshot()
+            if req.attempt == 0:
+                outstanding = self.members.outstanding_by_tier().get(req.tier, 0)
+                if outstanding >= self.limit_for(req.tier):
+                    mark_error(span, "queue_full")
+                    return SubmitReply(req.request_id, False, status=429, retry_after_s=1.0, reason=f"the {req.tier} queue is full ({outstanding} requests)")
+                admission = self.policy.admit(snap, view)
+                if not admission.admit:
+                    mark_error(span, f"rejected: {admission.reason}")
+                    return SubmitReply(req.request_id, False, status=admission.status, retry_after_s=admission.retry_after_s, reason=admission.reason)
+            decision = self.policy.route(snap, view)
+            span.set_attribute("nitsum.route_reason", decision.reason)
+            # The policy's group first; the rest by load, so that a refusal still finds a home.
+            candidates.sort(key=lambda w: (w.stats.group_id != decision.group_id, w.load(), w.worker_id))
+            reasons = []
+            for record in candidates:
+                worker_id = record.worker_id
+                self.members.assign(req.request_id, req.tier, worker_id, time.monotonic(), view)
+                try:
+                    ack = await self.bus.request(self.bus.subjects.worker_run(worker_id), RunRequest(req, self.epoch), RUN_TIMEOUT_S, expected=RunAck)
+                except (BusError, RemoteError) as exc:
+                    self.members.unassign(req.request_id, worker_id)
+                    reasons.append(f"{worker_id}: {exc}")
+                    continue
+                if ack.accepted:
+                    span.set_attribute("nitsum.worker", worker_id)
+                    return SubmitReply(req.request_id, True, worker_id=worker_id, group_id=record.stats.group_id)
+                self.members.unassign(req.request_id, worker_id)
+                reasons.append(f"{worker_id}: {ack.reason}")
+                if "exceeds the model context" in ack.reason or ack.reason == "empty prompt":
+                    return SubmitReply(req.request_id, False, status=400, reason=ack.reason)
+            mark_error(span, "; ".join(reasons))
+            return SubmitReply(req.request_id, False, status=503, retry_after_s=1.0, reason="no worker accepted the request: " + "; ".join(reasons))
+
+    async def on_stats(self, stats: WorkerStats, _delivery) -> None:
+        self.members.on_stats(stats, time.monotonic())
+
+    # ---- background loops ------------------------------------------------------------------------
+    async def watch(self) -> None:
+        """Expire silent workers (announcing their requests for re-routing) and refresh gauges."""
+        while not self.ctx.stop.is_set():
+            for worker_id, request_ids in self.members.expire(time.monotonic()):
+                log.warning("worker %s lost (no heartbeat); %d request(s) to re-route", worker_id, len(request_ids))
+                try:
+                    await self.bus.publish(self.bus.subjects.worker_lost, WorkerLost(worker_id, request_ids, "heartbeat timeout"))
+                except Exception as exc:  # NATS down: gateways fall back to their stream timeout
+                    log.warning("could not announce the loss of %s: %s", worker_id, exc)
+            self.update_metrics()
+            await _sleep_or_stop(self.ctx.stop, EXPIRE_PERIOD_S)
+
+    async def epochs(self) -> None:
+        """Every policy epoch: topology decisions and shedding."""
+        period_s = self.config.reconfig_interval_ms / 1000.0
+        while not self.ctx.stop.is_set():
+            await _sleep_or_stop(self.ctx.stop, period_s)
+            if not self.members.workers:
+                continue
+            snap = self.snapshot()
+            t0 = time.perf_counter()
+            decisions = self.policy.decide_topology(snap)
+            decide_ms = (time.perf_counter() - t0) * 1000.0
+            self.ctx.metrics.reconfiguration_duration_ms().labels(phase="decide").observe(decide_ms)
+            self.last_decisions = [
+                {"node_id": d.node_id, "target": str(d.target) if d.target is not None else None, "reason": d.reason, "path": d.path, "score_gain": d.score_gain}
+                for d in decisions
+            ]
+            for d in decisions:
+                if d.target is not None:
+                    log.info("policy %s wants %s on %s (%s); run-time TP changes are not wired into this build", self.policy_spec, d.target, d.node_id, d.reason)
+            for request_id in self.policy.shed(snap):
+                log.warning("shedding %s: it cannot meet its SLO", request_id)
+                try:
+                    await self.bus.publish(self.bus.subjects.abort, AbortRequest(request_id, "shed"))
+                except Exception as exc:
+                    log.warning("could not shed %s: %s", request_id, exc)
+
+    def update_metrics(self) -> None:
+        depth = self.members.outstanding_by_tier()
+        gauge = self.ctx.metrics.queue_depth()
+        for tier in ("interactive", "background"):
+            gauge.labels(tier=tier).set(depth.get(tier, 0))
+        tp = self.ctx.metrics.current_tp_level()
+        for worker_id, record in self.members.workers.items():
+            tp.labels(worker=worker_id).set(record.stats.tp)
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass

@@ -1,0 +1,61 @@
+"""Build the policy's read-only ClusterSnapshot from the coordinator's membership tables.
+
+Times are milliseconds on the coordinator's monotonic clock (the policy only compares them).
+"""
+
+from __future__ import annotations
+
+from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView
+from nitsum_services.coordinator.membership import Membership
+
+ROLE_FOR_POLICY = {"prefill": "prefill", "decode": "decode", "hybrid": "hybrid"}
+
+
+def build_snapshot(members: Membership, now_ms: float, epoch: int, max_tp: int, min_tp: int, device_kind: str, last_reconfig_ms: dict[str, float] | None = None) -> ClusterSnapshot:
+    nodes: dict[str, list] = {}
+    seen_groups: set[str] = set()
+    for record in members.workers.values():
+        s = record.stats
+        if s.group_id in seen_groups:
+            continue
+        seen_groups.add(s.group_id)
+        start = s.device_index - s.device_index % max(s.tp, 1)
+        group = GroupView(
+            group_id=s.group_id,
+            devices=tuple(range(start, start + s.tp)),
+            tp=s.tp,
+            role=ROLE_FOR_POLICY.get(s.role, "hybrid"),
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_blocks_free=s.kv_blocks_free,
+            kv_blocks_total=s.kv_blocks_total,
+            healthy=s.state in ("ready", "draining"),
+            draining=not record.routable,
+        )
+        nodes.setdefault(s.node_id, []).append(group)
+    node_views = []
+    for node_id, groups in sorted(nodes.items()):
+        groups.sort(key=lambda g: g.start)
+        num_devices = max(g.start + g.tp for g in groups)
+        # A node with missing devices (a dead worker) still gets a contiguous, aligned view of what is left.
+        node_max_tp = max_tp
+        while node_max_tp > 1 and num_devices % node_max_tp:
+            node_max_tp //= 2
+        node_views.append(
+            NodeView(
+                node_id=node_id,
+                num_devices=num_devices,
+                min_tp=min(min_tp, node_max_tp),
+                max_tp=node_max_tp,
+                groups=tuple(groups),
+                device_kind=device_kind,
+                last_reconfig_ms=(last_reconfig_ms or {}).get(node_id),
+            )
+        )
+    requests = []
+    for req in members.requests.values():
+        if req.view is None:
+            continue
+        group_id = members.workers[req.worker_id].stats.group_id if req.worker_id in members.workers else None
+        requests.append(RequestView(**{**req.view.__dict__, "group_id": group_id}))
+    return ClusterSnapshot(now_ms=now_ms, nodes=tuple(node_views), requests=tuple(requests), epoch=epoch)
