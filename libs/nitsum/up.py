@@ -47,6 +47,8 @@ class Child:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
+        log.write(f"\n--- nitsum up: starting {self.name} ({time.strftime('%H:%M:%S')}) ---\n".encode())
+        log.flush()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "nitsum.cli", "serve", self.service],
             env=self.env,
@@ -177,6 +179,7 @@ def main(argv: list[str]) -> int:
 
     for child in children:
         child.start()
+    write_pids(children, run_dir)
     api_keys = [k for k in os.environ.get("NITSUM_API_KEYS", "").split(",") if k.strip()]
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}"
     code = 0
@@ -184,7 +187,7 @@ def main(argv: list[str]) -> int:
         code = _wait_ready(children, url, api_keys[0] if api_keys else "", args.ready_timeout, stopping)
         if code == 0:
             print(f"nitsum up: ready in {time.monotonic() - t0:.1f} s — OpenAI-compatible API at {url}/v1 (Ctrl-C stops everything)", flush=True)
-            code = _supervise(children, stopping)
+            code = _supervise(children, stopping, run_dir)
     finally:
         _stop_all(children)
         if nats is not None:
@@ -222,7 +225,15 @@ def _wait_ready(children: list[Child], url: str, api_key: str, timeout_s: float,
     return 1
 
 
-def _supervise(children: list[Child], stopping: dict) -> int:
+def write_pids(children: list[Child], run_dir: Path) -> None:
+    """run_dir/processes.json: child name -> pid (operators and the fault tests use it)."""
+    pids = {c.name: c.process.pid for c in children if c.process is not None}
+    tmp = run_dir / "processes.json.tmp"
+    tmp.write_text(json.dumps(pids))
+    tmp.replace(run_dir / "processes.json")
+
+
+def _supervise(children: list[Child], stopping: dict, run_dir: Path) -> int:
     while not stopping["flag"]:
         for child in children:
             status = child.process.poll()
@@ -237,6 +248,7 @@ def _supervise(children: list[Child], stopping: dict) -> int:
             print(f"nitsum up: {child.name} died ({why}); restarting it. Last lines of {child.log_path}:\n{child.tail()}", file=sys.stderr, flush=True)
             child.restarts.append(now)
             child.start()
+            write_pids(children, run_dir)
         time.sleep(0.5)
     return 0
 

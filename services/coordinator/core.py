@@ -121,18 +121,22 @@ class Coordinator:
             return SubmitReply(req.request_id, False, status=503, retry_after_s=1.0, reason="no worker accepted the request: " + "; ".join(reasons))
 
     async def on_stats(self, stats: WorkerStats, _delivery) -> None:
-        self.members.on_stats(stats, time.monotonic())
+        for worker_id, request_ids in self.members.on_stats(stats, time.monotonic()):
+            await self.announce_lost(worker_id, request_ids, "worker restarted")
+
+    async def announce_lost(self, worker_id: str, request_ids: tuple[str, ...], reason: str) -> None:
+        log.warning("worker %s lost (%s); %d request(s) to re-route", worker_id, reason, len(request_ids))
+        try:
+            await self.bus.publish(self.bus.subjects.worker_lost, WorkerLost(worker_id, request_ids, reason))
+        except Exception as exc:  # NATS down: gateways fall back to their stream timeout
+            log.warning("could not announce the loss of %s: %s", worker_id, exc)
 
     # ---- background loops ------------------------------------------------------------------------
     async def watch(self) -> None:
         """Expire silent workers (announcing their requests for re-routing) and refresh gauges."""
         while not self.ctx.stop.is_set():
             for worker_id, request_ids in self.members.expire(time.monotonic()):
-                log.warning("worker %s lost (no heartbeat); %d request(s) to re-route", worker_id, len(request_ids))
-                try:
-                    await self.bus.publish(self.bus.subjects.worker_lost, WorkerLost(worker_id, request_ids, "heartbeat timeout"))
-                except Exception as exc:  # NATS down: gateways fall back to their stream timeout
-                    log.warning("could not announce the loss of %s: %s", worker_id, exc)
+                await self.announce_lost(worker_id, request_ids, "heartbeat timeout")
             self.update_metrics()
             await _sleep_or_stop(self.ctx.stop, EXPIRE_PERIOD_S)
 

@@ -50,8 +50,18 @@ class Membership:
         self.workers: dict[str, WorkerRecord] = {}
         self.requests: dict[str, InflightRequest] = {}
 
-    def on_stats(self, stats: WorkerStats, now_s: float) -> None:
+    def on_stats(self, stats: WorkerStats, now_s: float) -> list[tuple[str, tuple[str, ...]]]:
+        """Apply one heartbeat. Returns the (worker, request ids) lost when a worker restarted under the same id."""
+        lost: list[tuple[str, tuple[str, ...]]] = []
         record = self.workers.get(stats.worker_id)
+        if record is not None and record.stats.instance_id != stats.instance_id:
+            # The process behind this id restarted: whatever the old one ran is gone.
+            rids = tuple(sorted(r for r, q in self.requests.items() if q.worker_id == stats.worker_id))
+            for rid in rids:
+                del self.requests[rid]
+            del self.workers[stats.worker_id]
+            lost.append((stats.worker_id, rids))
+            record = None
         if record is None:
             record = WorkerRecord(stats=stats, last_seen_s=now_s)
             self.workers[stats.worker_id] = record
@@ -59,7 +69,7 @@ class Membership:
         record.last_seen_s = now_s
         if stats.state == "stopped":
             self.workers.pop(stats.worker_id, None)
-            return
+            return lost
         running = set(stats.running_request_ids)
         for rid in running:
             # Rebuild after a restart: a request we did not route is still ours to track.
@@ -76,6 +86,7 @@ class Membership:
         for rid, req in list(self.requests.items()):
             if req.worker_id == stats.worker_id and rid not in running and rid not in record.assigned and now_s - req.routed_s > grace_s:
                 del self.requests[rid]
+        return lost
 
     def _forget(self, request_id: str, worker_id: str) -> None:
         req = self.requests.get(request_id)

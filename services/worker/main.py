@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import torch
 
@@ -50,6 +51,7 @@ def make_body(service_name: str):
         # On CPU one worker process stands for one device; a lone worker serves whole requests (hybrid).
         engine_role = "hybrid"
         worker_id = config.resolved_worker_id()
+        instance_id = uuid.uuid4().hex[:12]
         engine = await asyncio.to_thread(build_engine, config, engine_role)
         bus = ctx.bus
         session = WorkerSession(engine, bus, worker_id, ctx.metrics, ctx.tracer)
@@ -80,6 +82,7 @@ def make_body(service_name: str):
                 num_prefill_tokens_computed=s.num_prefill_tokens_computed,
                 num_cached_prompt_tokens=s.num_cached_prompt_tokens,
                 num_aborted=session.num_aborted,
+                instance_id=instance_id,
             )
 
         async def publish_stats() -> None:

@@ -152,6 +152,7 @@ class WorkerStats:
     num_prefill_tokens_computed: int = 0
     num_cached_prompt_tokens: int = 0
     num_aborted: int = 0
+    instance_id: str = ""  # new on every process start: a restarted worker is a new instance
 
 
 @dataclass(frozen=True)
