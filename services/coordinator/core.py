@@ -159,7 +159,10 @@ class Coordinator:
             for d in decisions:
                 if d.target is not None:
                     log.info("policy %s wants %s on %s (%s); run-time TP changes are not wired into this build", self.policy_spec, d.target, d.node_id, d.reason)
-            for request_id in self.policy.shed(snap):
+            # Only work still waiting at the coordinator is shed; a request a worker has started is never killed
+            # (its tokens are already being paid for, and the client is waiting for them).
+            waiting = {r.request_id for r in snap.requests if r.group_id is None}
+            for request_id in (r for r in self.policy.shed(snap) if r in waiting):
                 log.warning("shedding %s: it cannot meet its SLO", request_id)
                 try:
                     await self.bus.publish(self.bus.subjects.abort, AbortRequest(request_id, "shed"))

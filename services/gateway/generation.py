@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+from opentelemetry import trace
+
 from nitsum.bus import Bus, BusError
 from nitsum.wire.messages import AbortRequest, SamplingSpec, SubmitReply, SubmitRequest, TokenChunk
 
@@ -138,6 +140,7 @@ class Generation:
             self.finish_reason = "length"
             return
         log.warning("re-routing %s (%s): %s", self.request_id, code, why)
+        trace.get_current_span().add_event("rerouted", {"nitsum.reason": code, "nitsum.detail": why, "nitsum.from_worker": old, "nitsum.tokens_so_far": len(self.tokens)})
         resubmit = replace(
             self.request,
             sampling=replace(self.request.sampling, max_tokens=remaining),

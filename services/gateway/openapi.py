@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from nitsum_services.gateway.protocol import MAX_INT_OPTION, MAX_STOP_STRINGS, MAX_TOKEN_ID
+
 _ERROR = {
     "type": "object",
     "required": ["error"],
@@ -30,16 +32,28 @@ _USAGE = {
     },
 }
 
+# Bounds below are the ones protocol.py enforces (a value outside is a 400 there). max_tokens has one more,
+# model-dependent limit the static document cannot state: prompt + max_tokens must fit the model's context
+# (`max_model_len` in /v1/models), else 400 context_length_exceeded.
+_MAX_TOKENS = {
+    "type": "integer",
+    "minimum": 1,
+    "maximum": MAX_INT_OPTION,
+    "nullable": True,
+    "description": "prompt tokens + max_tokens must fit the model's context (max_model_len in /v1/models), else 400 context_length_exceeded",
+}
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID - 1}
+
 _SAMPLING = {
     "model": {"type": "string"},
-    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+    "max_tokens": _MAX_TOKENS,
     "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
     "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
-    "top_k": {"type": "integer", "minimum": -1, "nullable": True},
-    "seed": {"type": "integer", "nullable": True},
+    "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_INT_OPTION, "nullable": True},
+    "seed": {"type": "integer", "format": "int64", "minimum": -(1 << 63), "maximum": (1 << 63) - 1, "nullable": True},
     "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": True},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}], "nullable": True},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "nullable": True},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}], "nullable": True},
+    "stop_token_ids": {"type": "array", "items": _TOKEN_ID, "nullable": True},
     "stream": {"type": "boolean", "nullable": True},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "nullable": True},
     "ignore_eos": {"type": "boolean", "nullable": True},
@@ -57,28 +71,77 @@ def _errors(*codes: int) -> dict:
     return {str(c): {"description": "error", "content": {"application/json": {"schema": _ERROR}}} for c in codes}
 
 
-_CHOICE_COMMON = {"index": {"type": "integer"}, "finish_reason": {"type": "string", "nullable": True}, "logprobs": {"nullable": True}, "token_ids": {"type": "array", "items": {"type": "integer"}}}
+_FINISH_REASON = {"type": "string", "enum": ["stop", "length", "abort"], "nullable": True}
+_CHOICE_COMMON = {"index": {"type": "integer", "minimum": 0}, "finish_reason": _FINISH_REASON, "logprobs": {"nullable": True}, "token_ids": {"type": "array", "items": _TOKEN_ID}}
 
-_COMPLETION_RESPONSE = {
-    "type": "object",
-    "required": ["id", "object", "created", "model", "choices"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"type": "string"},
-        "created": {"type": "integer"},
-        "model": {"type": "string"},
-        "choices": {"type": "array", "items": {"type": "object", "properties": {**_CHOICE_COMMON, "text": {"type": "string"}, "message": {"type": "object"}}}},
-        "usage": _USAGE,
-    },
+
+def _response(object_name: str, choice_props: dict, choice_required: list[str], usage_required: bool) -> dict:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", *(["usage"] if usage_required else [])],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": [object_name]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {"type": "object", "required": ["index", *choice_required], "properties": {**_CHOICE_COMMON, **choice_props}}},
+            "usage": _USAGE,
+        },
+    }
+
+
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}
+_DELTA = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}
+_COMPLETION = _response("text_completion", {"text": {"type": "string"}}, ["text", "finish_reason"], True)
+_COMPLETION_CHUNK = _response("text_completion", {"text": {"type": "string"}}, ["text", "finish_reason"], False)
+_CHAT = _response("chat.completion", {"message": _MESSAGE}, ["message", "finish_reason"], True)
+_CHAT_CHUNK = _response("chat.completion.chunk", {"delta": _DELTA}, ["delta", "finish_reason"], False)
+
+
+_CONTENT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}
+_MESSAGE_IN = {
+    "oneOf": [
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {"role": {"type": "string", "enum": ["system", "user", "developer", "tool"]}, "content": {"oneOf": [{"type": "string"}, _CONTENT_PARTS]}},
+        },
+        {
+            "type": "object",
+            "required": ["role"],
+            "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"nullable": True, "oneOf": [{"type": "string"}, _CONTENT_PARTS]}},
+        },
+    ]
 }
 
-_GENERATION_RESPONSES = {
-    "200": {
-        "description": "the completion (JSON), or an SSE stream of chunks when stream is true",
-        "content": {"application/json": {"schema": _COMPLETION_RESPONSE}, "text/event-stream": {"schema": {"type": "string"}}},
-    },
-    **_errors(400, 401, 404, 413, 429, 500, 503),
-}
+
+def _sse_event(chunk_schema: dict) -> dict:
+    """One server-sent event (OpenAPI 3.0: the schema of text/event-stream describes each event): its data
+    is a JSON chunk, a JSON error (a failure after the stream started) or the final `[DONE]`."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "anyOf": [
+                    {"enum": ["[DONE]"]},
+                    {"contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk_schema, _ERROR]}},
+                ],
+            }
+        },
+    }
+
+
+def _generation_responses(body: dict, chunk_schema: dict) -> dict:
+    return {
+        "200": {
+            "description": "the completion (JSON), or an SSE stream of chunks when stream is true (a last chunk carries usage, then `data: [DONE]`)",
+            "content": {"application/json": {"schema": body}, "text/event-stream": {"schema": _sse_event(chunk_schema)}},
+        },
+        **_errors(400, 401, 404, 413, 429, 500, 503),
+    }
+
 
 OPENAPI = {
     "openapi": "3.0.3",
@@ -98,14 +161,22 @@ OPENAPI = {
                                 "type": "object",
                                 "required": ["prompt"],
                                 "properties": {
-                                    "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
+                                    "prompt": {
+                                        "description": "one prompt: text, or token ids (each below the vocabulary size, else 400)",
+                                        "oneOf": [
+                                            {"type": "string", "minLength": 1},
+                                            {"type": "array", "minItems": 1, "items": _TOKEN_ID},
+                                            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+                                            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID}},
+                                        ],
+                                    },
                                     **_SAMPLING,
                                 },
                             }
                         }
                     },
                 },
-                "responses": _GENERATION_RESPONSES,
+                "responses": _generation_responses(_COMPLETION, _COMPLETION_CHUNK),
             }
         },
         "/v1/chat/completions": {
@@ -123,20 +194,16 @@ OPENAPI = {
                                     "messages": {
                                         "type": "array",
                                         "minItems": 1,
-                                        "items": {
-                                            "type": "object",
-                                            "required": ["role", "content"],
-                                            "properties": {"role": {"type": "string", "enum": ["system", "user", "assistant", "developer"]}, "content": {"type": "string"}},
-                                        },
+                                        "items": _MESSAGE_IN,
                                     },
-                                    "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+                                    "max_completion_tokens": _MAX_TOKENS,
                                     **_SAMPLING,
                                 },
                             }
                         }
                     },
                 },
-                "responses": _GENERATION_RESPONSES,
+                "responses": _generation_responses(_CHAT, _CHAT_CHUNK),
             }
         },
         "/v1/models": {

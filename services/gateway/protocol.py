@@ -15,6 +15,14 @@ from nitsum.wire.messages import SamplingSpec
 
 MAX_STOP_STRINGS = 16
 MAX_TOKEN_ID = 1 << 31
+MAX_INT_OPTION = 1 << 20  # bound of max_tokens and top_k (a sanity limit; the context bounds max_tokens further)
+# The worker samples in fp32. A temperature this small already makes sampling argmax in effect, but
+# dividing fp32 logits by it can overflow to inf (NaN probabilities), so it is served as greedy, as vLLM does.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# A top_p at or below the top token's probability keeps that token alone. That probability is >= 1/vocab,
+# so any top_p under 1e-6 means the same for vocabularies under a million tokens; raising it to 1e-6 keeps
+# it from rounding to 0 in fp32 (5e-324 does), where the top-p filter would drop every token.
+MIN_TOP_P = 1e-6
 
 
 class ApiError(Exception):
@@ -99,9 +107,9 @@ def parse_sampling(body: dict, max_tokens_default: int, max_tokens_name: str = "
         if _number(body, penalty, 0.0, -2.0, 2.0) != 0.0:
             raise _bad(f"'{penalty}' other than 0 is not supported", penalty)
     given = body.get(max_tokens_name) is not None or body.get("max_tokens") is not None
-    max_tokens = _integer(body, max_tokens_name, None, 1, 1 << 20)
+    max_tokens = _integer(body, max_tokens_name, None, 1, MAX_INT_OPTION)
     if max_tokens is None and max_tokens_name != "max_tokens":
-        max_tokens = _integer(body, "max_tokens", None, 1, 1 << 20)
+        max_tokens = _integer(body, "max_tokens", None, 1, MAX_INT_OPTION)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -117,11 +125,15 @@ def parse_sampling(body: dict, max_tokens_default: int, max_tokens_name: str = "
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < (1 << 63)):
         raise _bad("'seed' must be an integer", "seed")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0.0:
+        raise _bad("'top_p' must be > 0", "top_p")
     spec = SamplingSpec(
         max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(body, "top_k", 0, -1, 1 << 20) or 0,
+        temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
+        top_p=max(top_p, MIN_TOP_P),
+        top_k=_integer(body, "top_k", 0, -1, MAX_INT_OPTION) or 0,
         seed=seed,
         stop=stops,
         stop_token_ids=_token_ids(stop_ids, "stop_token_ids") if stop_ids is not None else (),
@@ -129,8 +141,6 @@ def parse_sampling(body: dict, max_tokens_default: int, max_tokens_name: str = "
     )
     if spec.top_k < 0:
         spec = SamplingSpec(**{**spec.__dict__, "top_k": 0})
-    if spec.top_p <= 0.0:
-        raise _bad("'top_p' must be > 0", "top_p")
     return spec, given
 
 
