@@ -141,6 +141,10 @@ def test_client_disconnects_abort_at_the_workers_and_free_kv(mesh2):
     assert all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in status["workers"]), status
     results = asyncio.run(_many(mesh2.url, batch[:1], 5))
     assert results[0].status == 200 and len(results[0].token_ids) == 5
+    cancelled = [s for s in _spans(mesh2) if s["name"] == "gateway.request" and s["attributes"].get("nitsum.error") == "client_disconnected"]
+    assert len(cancelled) == 100 and all(s["status"] == "ERROR" for s in cancelled)
+    aborted_at_worker = [s for s in _spans(mesh2) if s["name"] == "worker.generate" and s["status"] == "ERROR" and "client_disconnected" in s["status_description"]]
+    assert len(aborted_at_worker) == 100
 
 
 def _metric(mesh, service: str, name: str, label: str) -> float:
