@@ -1,0 +1,56 @@
+"""The coordinator's tables: rebuilt from heartbeats, expiry, restarts under the same id."""
+
+from __future__ import annotations
+
+from nitsum.wire.messages import WorkerStats
+from nitsum_services.coordinator.membership import Membership
+
+
+def _stats(worker="w0", running=(), state="ready", instance="a", device=0):
+    return WorkerStats(worker, "node0", device, "cpu", "hybrid", state, worker, 1, "tiny", 2048, len(running), 0, 10, 10, tuple(running), instance_id=instance)
+
+
+def test_rebuild_from_heartbeats_after_a_restart():
+    m = Membership(heartbeat_timeout_s=1.0)
+    assert m.on_stats(_stats("w0", running=("r1", "r2")), now_s=0.0) == []
+    assert sorted(m.requests) == ["r1", "r2"]
+    assert m.requests["r1"].worker_id == "w0"
+
+
+def test_assignment_lives_until_a_later_heartbeat_omits_it():
+    m = Membership(1.0)
+    m.on_stats(_stats(), 0.0)
+    m.assign("r1", "interactive", "w0", now_s=10.0)
+    m.on_stats(_stats(running=()), 10.5)  # built before the request reached the worker: keep it
+    assert "r1" in m.requests and m.workers["w0"].load() == 1
+    m.on_stats(_stats(running=("r1",)), 10.8)
+    assert m.outstanding_by_tier() == {"interactive": 1}
+    m.on_stats(_stats(running=()), 12.0)  # finished
+    assert m.requests == {} and m.workers["w0"].load() == 0
+
+
+def test_expiry_returns_the_lost_requests():
+    m = Membership(1.0)
+    m.on_stats(_stats("w0", running=("r1",)), 0.0)
+    m.on_stats(_stats("w1", device=1), 0.0)
+    m.on_stats(_stats("w1", device=1), 1.5)
+    assert m.expire(now_s=1.6) == [("w0", ("r1",))]
+    assert list(m.workers) == ["w1"] and m.requests == {}
+
+
+def test_a_new_instance_under_the_same_id_is_a_loss():
+    m = Membership(5.0)
+    m.on_stats(_stats(running=("r1", "r2"), instance="a"), 0.0)
+    lost = m.on_stats(_stats(running=(), instance="b"), 0.5)
+    assert lost == [("w0", ("r1", "r2"))]
+    assert m.workers["w0"].stats.instance_id == "b" and m.requests == {}
+
+
+def test_routable_excludes_draining_and_stopped():
+    m = Membership(1.0)
+    m.on_stats(_stats("w0"), 0.0)
+    m.on_stats(_stats("w1", state="draining", device=1), 0.0)
+    assert [w.worker_id for w in m.routable()] == ["w0"]
+    assert m.routable(exclude=("w0",)) == []
+    m.on_stats(_stats("w0", state="stopped"), 0.1)
+    assert "w0" not in m.workers
