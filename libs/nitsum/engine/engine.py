@@ -29,12 +29,21 @@ MAX_REPORTED_HASHES = 1024
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, group: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        group: TPGroup | None = None,
+        runner: ModelRunner | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """`runner` and `tokenizer` may be handed in (a TP change builds the runner from weight views and
+        keeps the tokenizer), so that constructing an engine reads nothing from disk."""
         self.cfg = cfg
         self.group = group or TPGroup.single(cfg.device)
         assert self.group.is_leader, "only rank 0 constructs the Engine; peers call run_peer"
-        self.runner = _make_runner(cfg, self.group)
-        self.tokenizer = Tokenizer(cfg.model_dir, read_raw_config(cfg.model_dir))
+        self.runner = runner or _make_runner(cfg, self.group)
+        assert self.runner.group.size == self.group.size, "the runner is cut for another TP size"
+        self.tokenizer = tokenizer or Tokenizer(cfg.model_dir, read_raw_config(cfg.model_dir))
         self.model_name = Path(cfg.model_dir).resolve().name
         self.max_model_len = self.runner.max_model_len
         self.block_size = cfg.block_size
@@ -236,10 +245,10 @@ def _make_runner(cfg: EngineConfig, group: TPGroup) -> ModelRunner:
     )
 
 
-def run_peer(cfg: EngineConfig, group: TPGroup) -> int:
+def run_peer(cfg: EngineConfig, group: TPGroup, runner: ModelRunner | None = None) -> int:
     """A non-leader rank: run every plan the leader broadcasts until it says shutdown. Returns steps run."""
     assert not group.is_leader, "rank 0 leads; it constructs Engine instead"
-    runner = _make_runner(cfg, group)
+    runner = runner or _make_runner(cfg, group)
     num_steps = 0
     while True:
         plan = StepPlan.decode(group.broadcast_bytes(None))

@@ -23,15 +23,19 @@ class ModelRunner:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_mb: int = 64,
+        weights: dict[str, torch.Tensor] | None = None,
+        config: loader.ModelConfig | None = None,
     ) -> None:
+        """`weights` (full-size tensors, e.g. a shared store's) are used as they are: this rank's parameters
+        become views of them and nothing is read from disk. Without them the checkpoint is loaded."""
         self.group = group
         self.device = torch.device(group.device if group.size > 1 else device)
         self.dtype = loader.dtype_of(dtype)
         self.block_size = block_size
-        self.config = loader.load_config(model_dir)
+        self.config = config or loader.load_config(model_dir)
         self.config.check_tp(group.size)
         # Full-size weights stay referenced: this rank's parameters are views into them.
-        self.weights = loader.load_weights(model_dir, self.dtype, str(self.device))
+        self.weights = weights if weights is not None else loader.load_weights(model_dir, self.dtype, str(self.device))
         shards = loader.shard_weights(self.weights, self.config, group.rank, group.size)
         self.model = build_model(self.config, group, shards)
         self.max_model_len = self.config.max_model_len
@@ -39,8 +43,7 @@ class ModelRunner:
 
         cfg = self.config
         self.num_kv_heads = loader.kv_heads_per_rank(cfg, group.size)
-        block_bytes = 2 * cfg.num_layers * block_size * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        self.num_kv_blocks = num_kv_blocks or max(1, (kv_cache_mb * 2**20) // block_bytes)
+        self.num_kv_blocks = num_kv_blocks_for(cfg, group.size, block_size, self.dtype, num_kv_blocks, kv_cache_mb)
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, self.num_kv_blocks, block_size, self.num_kv_heads, cfg.head_dim,
@@ -111,3 +114,14 @@ class ModelRunner:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
+
+
+def num_kv_blocks_for(
+    cfg: loader.ModelConfig, tp: int, block_size: int, dtype: torch.dtype, num_kv_blocks: int | None, kv_cache_mb: int
+) -> int:
+    """KV blocks of one rank of a TP=tp group: the configured count, or as many as fit in kv_cache_mb."""
+    if num_kv_blocks:
+        return num_kv_blocks
+    heads = loader.kv_heads_per_rank(cfg, tp)
+    block_bytes = 2 * cfg.num_layers * block_size * heads * cfg.head_dim * dtype.itemsize
+    return max(1, (kv_cache_mb * 2**20) // block_bytes)

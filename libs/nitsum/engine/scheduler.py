@@ -74,6 +74,21 @@ class Scheduler:
         assert seq.status is Status.WAITING, f"{seq.request_id} must be new"
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence, prefill_target: int | None = None) -> None:
+        """Take over a sequence moved from another engine, in the state it had there (its KV blocks, if
+        any, already adopted by the KV manager). Appended after the sequences of the same status."""
+        if seq.status is Status.RUNNING:
+            self.running.append(seq)
+            self._prefill_target[seq.request_id] = prefill_target or seq.num_tokens
+        elif seq.status is Status.PINNED:
+            self.pinned[seq.request_id] = seq
+        else:
+            assert seq.status is Status.WAITING, f"{seq.request_id}: cannot adopt a {seq.status} sequence"
+            self.waiting.append(seq)
+
+    def prefill_target(self, request_id: str) -> int | None:
+        return self._prefill_target.get(request_id)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

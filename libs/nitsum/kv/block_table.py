@@ -96,6 +96,16 @@ class KVCacheManager:
         table.block_ids.extend(new_ids)
         return new_ids
 
+    def adopt(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Take a table whose KV was written from elsewhere (a TP change or P/D import moved it here).
+
+        Blocks repeated across adopted tables are shared (reference counted). The blocks get their
+        prefix hashes at the next `commit`.
+        """
+        assert request_id not in self._tables, f"request {request_id} already holds blocks"
+        self.pool.touch(block_ids)
+        self._tables[request_id] = _Table(block_ids=list(block_ids))
+
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Hash and cache every block that became full now that `num_computed_tokens` are computed."""
         if not self.enable_prefix_caching:

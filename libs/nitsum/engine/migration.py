@@ -1,0 +1,169 @@
+"""Moving requests and their KV between engines: the executor under a TP change (and, later, P/D import).
+
+Three pieces, all driven by a `nitsum.kv.reshard` plan that every worker computed identically:
+- `snapshot_kv` / `export_states`: what an old group's leader knows about its requests (block tables,
+  computed tokens; then the full request state: tokens, sampling params, generator, detokenizer, text).
+- `execute_transfers`: this worker's part of the plan's KV moves, all pairs at once (every send and
+  receive is posted before any is waited on). A move within one worker is a local copy; between workers
+  it is a point-to-point message over the node's world (gloo on CPU, NCCL peer copies on CUDA).
+- `install_states`: the new group's leader adopts the moved requests into its fresh engine, in order,
+  with the tables the plan chose, so decoding continues with the next token -- none repeated, none lost.
+
+States travel as msgpack-ready dicts (no pickle): a torch generator's state as bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from nitsum.engine.params import SamplingParams
+from nitsum.engine.sequence import Sequence, Status
+from nitsum.kv.reshard import Group, Placement, RequestKV, Transfer, kv_head_range
+from nitsum.model.tokenizer import IncrementalDetokenizer
+
+
+def sequences_in_order(engine: Any) -> list[Sequence]:
+    """Running (in scheduling order), then waiting (queue order), then pinned."""
+    sched = engine.scheduler
+    return [*sched.running, *sched.waiting, *sched.pinned.values()]
+
+
+def snapshot_kv(engine: Any, group: Group) -> list[RequestKV]:
+    kv = engine.kv
+    return [
+        RequestKV(s.request_id, group, s.num_computed_tokens if kv.has(s.request_id) else 0,
+                  tuple(kv.block_table(s.request_id)) if kv.has(s.request_id) else ())
+        for s in sequences_in_order(engine)
+    ]
+
+
+def export_state(engine: Any, seq: Sequence) -> dict[str, Any]:
+    detok = seq.detokenizer
+    return {
+        "id": seq.request_id,
+        "prompt": list(seq.prompt_token_ids),
+        "tokens": list(seq.token_ids),
+        "params": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(seq.params).items()},
+        "computed": seq.num_computed_tokens,
+        "cached_prompt": seq.num_cached_prompt_tokens,
+        "status": seq.status.value,
+        "preemptions": seq.num_preemptions,
+        "generator": bytes(seq.generator.get_state().numpy().tobytes()) if seq.generator is not None else None,
+        "detok": [list(detok.token_ids), detok._prefix_offset, detok._read_offset] if detok is not None else None,
+        "text": seq.text,
+        "emitted": seq.num_text_emitted,
+        "prefill_target": engine.scheduler.prefill_target(seq.request_id),
+    }
+
+
+def export_states(engine: Any) -> list[dict[str, Any]]:
+    return [export_state(engine, s) for s in sequences_in_order(engine)]
+
+
+def install_states(engine: Any, states: SequenceABC[dict[str, Any]], placements: dict[str, Placement]) -> None:
+    """Adopt moved requests, in order. A request placed with `recompute` re-queues like a preempted one."""
+    for state in states:
+        placement = placements.get(state["id"])
+        install_state(engine, state, placement)
+
+
+def install_state(engine: Any, state: dict[str, Any], placement: Placement | None) -> Sequence:
+    rid = state["id"]
+    if rid in engine._seqs:
+        raise ValueError(f"duplicate request id {rid!r}")
+    params = SamplingParams(**state["params"])
+    seq = Sequence(rid, list(state["prompt"]), params, arrival_index=engine._arrivals)
+    engine._arrivals += 1
+    seq.token_ids = list(state["tokens"])
+    seq.num_cached_prompt_tokens = state["cached_prompt"]
+    seq.num_preemptions = state["preemptions"]
+    seq.text = state["text"]
+    seq.num_text_emitted = state["emitted"]
+    if state["generator"] is not None:
+        generator = torch.Generator(device="cpu")
+        generator.set_state(torch.frombuffer(bytearray(state["generator"]), dtype=torch.uint8))
+        seq.generator = generator
+    detok = IncrementalDetokenizer(engine.tokenizer)
+    if state["detok"] is not None:
+        detok.token_ids, detok._prefix_offset, detok._read_offset = list(state["detok"][0]), *state["detok"][1:]
+    seq.detokenizer = detok
+    status = Status(state["status"])
+    has_kv = placement is not None and not placement.recompute and bool(placement.dst_block_ids)
+    if status in (Status.RUNNING, Status.PINNED) and has_kv:
+        assert placement is not None
+        assert placement.num_moved_tokens == state["computed"], (
+            f"{rid}: {placement.num_moved_tokens} KV tokens moved but {state['computed']} computed"
+        )
+        engine.kv.adopt(rid, placement.dst_block_ids)
+        seq.num_computed_tokens = state["computed"]
+        engine.kv.commit(rid, seq.token_ids, seq.num_computed_tokens)
+        seq.status = status
+    elif status is Status.WAITING:
+        seq.status = Status.WAITING
+    else:
+        # No KV came along (no room in the new pool): recompute, as after a preemption.
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+    engine._seqs[rid] = seq
+    engine.scheduler.adopt(seq, state["prefill_target"])
+    return seq
+
+
+def execute_transfers(
+    world: Any,
+    transfers: SequenceABC[Transfer],
+    me: int,
+    old_kv: torch.Tensor | None,
+    old_heads: tuple[int, int] | None,
+    new_kv: torch.Tensor | None,
+    new_heads: tuple[int, int] | None,
+) -> int:
+    """Run this worker's part of `transfers`; returns the bytes it sent to other workers.
+
+    `old_kv`/`new_kv`: [layers, K/V, blocks, block_size, local_kv_heads, head_dim]; `*_heads` the global KV
+    heads [start, end) each holds. A transfer's index in the plan is its message tag, so every pair of
+    workers matches its sends and receives without further coordination.
+    """
+    sends: list[tuple[Any, torch.Tensor]] = []
+    recvs: list[tuple[Transfer, torch.Tensor, Any]] = []
+    bytes_sent = 0
+    for tag, t in enumerate(transfers):
+        if t.src_worker == me:
+            assert old_kv is not None and old_heads is not None, f"worker {me} sends KV it does not hold"
+            src_index = torch.tensor(t.src_block_ids, dtype=torch.long, device=old_kv.device)
+            h0, h1 = t.head_start - old_heads[0], t.head_end - old_heads[0]
+            # [layers', 2, n, block_size, heads', head_dim]
+            buf = old_kv[t.layer_start : t.layer_end, :, src_index, :, h0:h1].contiguous()
+            if t.dst_worker == me:
+                _write(new_kv, new_heads, t, buf)
+            else:
+                sends.append((world.isend(buf, t.dst_worker, tag), buf))
+                bytes_sent += buf.numel() * buf.element_size()
+        elif t.dst_worker == me:
+            assert new_kv is not None, f"worker {me} receives KV but has no new cache"
+            shape = (t.layer_end - t.layer_start, 2, t.num_blocks, new_kv.shape[3], t.head_end - t.head_start,
+                     new_kv.shape[5])
+            buf = torch.empty(shape, dtype=new_kv.dtype, device=new_kv.device)
+            recvs.append((t, buf, world.irecv(buf, t.src_worker, tag)))
+    for t, buf, handle in recvs:
+        handle.wait()
+        _write(new_kv, new_heads, t, buf)
+    for handle, _ in sends:
+        handle.wait()
+    return bytes_sent
+
+
+def _write(new_kv: torch.Tensor | None, new_heads: tuple[int, int] | None, t: Transfer, buf: torch.Tensor) -> None:
+    assert new_kv is not None and new_heads is not None, "a KV write needs the new cache"
+    dst_index = torch.tensor(t.dst_block_ids, dtype=torch.long, device=new_kv.device)
+    h0, h1 = t.head_start - new_heads[0], t.head_end - new_heads[0]
+    new_kv[t.layer_start : t.layer_end, :, dst_index, :, h0:h1] = buf
+
+
+def heads_of(num_kv_heads: int, group: Group, worker: int) -> tuple[int, int]:
+    return kv_head_range(num_kv_heads, group.tp, worker - group.start)

@@ -1,0 +1,160 @@
+"""Run one worker of a node from argv and a scripted coordinator (tests and `nitsum bench reconfigure`).
+
+    python -m nitsum.engine.node_run --model-dir D --rank R --world-size N --master-port P \
+        --script script.json --out out.json [--shm-dir DIR] [--num-kv-blocks 64] [--fail-prepare-epoch E]
+
+The script stands in for the coordinator: {"topology": [[start, tp], ...], "events": [...]}, each event
+{"tick": T, "kind": "add" | "prepare" | "commit" | "abort", ...}; "add" names the leader that gets the
+request ("leader", "request_id", "prompt", "max_tokens"), "prepare" the new topology ("groups"). A leader
+counts its loop iterations as ticks and applies the events of each tick before that tick's step; all
+leaders apply a topology command at the same tick, which is the step boundary the protocol needs.
+
+Every worker writes --out (JSON): the tokens each leader emitted ([tick, request_id, index, token,
+finished]), every ack, checks made after boot and after each commit (weights are views of the boot store,
+checkpoint bytes read), and at exit the engine's KV integrity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from nitsum.engine.node import NodeCommand, NodeRuntime
+from nitsum.engine.params import EngineConfig, SamplingParams
+from nitsum.kv.reshard import Topology
+from nitsum.model import loader
+from nitsum.parallel.weights import DEFAULT_SHM_DIR, SharedWeightStore
+from nitsum.parallel.world import NodeWorld
+
+IDLE_SLEEP_S = 0.002
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nitsum.engine.node_run")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--min-tp", type=int, default=1)
+    parser.add_argument("--max-tp", type=int, default=None)
+    parser.add_argument("--shm-dir", default=DEFAULT_SHM_DIR)
+    parser.add_argument("--num-kv-blocks", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--script", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--fail-prepare-epoch", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.num_threads)
+    script = json.loads(open(args.script).read())
+    t_boot = time.perf_counter()
+    world = NodeWorld(args.rank, args.world_size, args.master_addr, args.master_port,
+                      min_tp=args.min_tp, max_tp=args.max_tp)
+    store = SharedWeightStore.open(args.model_dir, "float32", args.shm_dir)
+    cfg = EngineConfig(model_dir=args.model_dir, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                       enable_prefix_caching=True)
+
+    def failure_hook(phase: str, epoch: int) -> None:
+        if phase == "prepare" and epoch == args.fail_prepare_epoch:
+            raise RuntimeError("injected failure")
+
+    runtime = NodeRuntime(world, cfg, store.tensors, Topology.of(args.world_size, script["topology"]), failure_hook)
+    boot_ms = (time.perf_counter() - t_boot) * 1000.0
+    report: dict = {
+        "rank": args.rank, "num_groups": world.num_groups, "store_created": store.created,
+        "boot_bytes_read": loader.bytes_read, "boot_ms": boot_ms, "records": [], "acks": [], "checks": [],
+    }
+
+    def check(label: str) -> None:
+        params = list(runtime.runner.model.parameters())
+        report["checks"].append({
+            "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],
+            "views_of_store": all(store.contains(p) for p in params), "num_params": len(params),
+            "bytes_read": loader.bytes_read,
+        })
+
+    check("boot")
+    events = sorted(script["events"], key=lambda e: e["tick"])
+    last_tick = max((e["tick"] for e in events), default=0)
+    tick = 0
+    skip_events_at = -1  # a peer promoted by a commit resumes at that tick, its events already applied
+    try:
+        while True:
+            if not runtime.is_leader:
+                kind = runtime.follow()
+                if kind == "control":
+                    _record_ack(report, -1, runtime.last_ack)
+                    if runtime.last_ack.phase == "commit" and runtime.last_ack.ok:
+                        check("commit")
+                    if runtime.is_leader:  # promoted: step from the tick the commit came at
+                        tick = skip_events_at = _tick_of(events, runtime.last_ack)
+                if kind == "shutdown":
+                    break
+                continue
+            if tick != skip_events_at:
+                for event in (e for e in events if e["tick"] == tick):
+                    _apply(runtime, event, report, tick, check)
+            if not runtime.is_leader:
+                continue  # it became a peer at this tick's commit
+            # A token's index in its stream, from the engine's own count (moved along with the request).
+            emitted = {rid: seq.num_output_tokens for rid, seq in runtime.engine._seqs.items()}
+            outputs = runtime.step()
+            for out in outputs:
+                index = emitted[out.request_id]
+                for token in out.new_token_ids:
+                    report["records"].append([tick, out.request_id, index, token, out.finished])
+                    index += 1
+            if tick > last_tick and not runtime.has_unfinished():
+                runtime.shutdown()
+                break
+            if not outputs:
+                time.sleep(IDLE_SLEEP_S)
+            tick += 1
+        if runtime.engine is not None:
+            runtime.engine.check_integrity()
+            stats = runtime.engine.stats()
+            report["final"] = {"free": stats.num_kv_blocks_free, "total": stats.num_kv_blocks_total}
+        report["final_group"] = [runtime.group.start, runtime.group.tp]
+        report["end_bytes_read"] = loader.bytes_read
+        report["epoch"] = runtime.epoch
+        world.barrier()
+    finally:
+        with open(args.out, "w") as handle:
+            json.dump(report, handle)
+        world.destroy()
+    return 0
+
+
+def _apply(runtime: NodeRuntime, event: dict, report: dict, tick: int, check) -> None:
+    kind = event["kind"]
+    if kind == "add":
+        if event["leader"] != runtime.rank:
+            return
+        params = SamplingParams(max_tokens=event["max_tokens"], ignore_eos=True)
+        runtime.add_request(event["request_id"], event["prompt"], params)
+        return
+    cmd = NodeCommand(kind, event["epoch"], tuple(tuple(g) for g in event.get("groups", ())))
+    ack = runtime.command(cmd)
+    _record_ack(report, tick, ack)
+    if ack.phase == "commit" and ack.ok:
+        check("commit")
+
+
+def _record_ack(report: dict, tick: int, ack) -> None:
+    report["acks"].append([tick, ack.phase, ack.epoch, ack.ok, ack.reason, ack.duration_ms, ack.bytes_moved])
+
+
+def _tick_of(events: list[dict], ack) -> int:
+    for e in events:
+        if e["kind"] == ack.phase and e["epoch"] == ack.epoch:
+            return e["tick"]
+    raise AssertionError(f"no scripted event for {ack}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

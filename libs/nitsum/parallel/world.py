@@ -1,0 +1,114 @@
+"""A node's process world: all D workers join one process group at boot, and every aligned group at every
+allowed TP level is created once, right then (8 devices, levels 1..8: 8 + 4 + 2 + 1 = 15 groups).
+
+A TP change *selects* one of these groups; nothing here creates or destroys a process group after boot.
+`torch.distributed.new_group` must be called by every rank in the same order, so the order is fixed:
+levels ascending, then starts ascending. A TP=1 "group" is the plain path (`TPGroup.single`, no process
+group, collectives are the identity), as everywhere else in the engine.
+
+The world also carries the few node-level collectives a transition needs (an all-gather of msgpack
+bytes, point-to-point KV moves); gloo on CPU, NCCL on CUDA. Ranks are device indices.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nitsum.parallel.group import TPGroup
+
+
+def allowed_levels(min_tp: int, max_tp: int) -> tuple[int, ...]:
+    """Powers of two from min_tp to max_tp."""
+    assert min_tp >= 1 and max_tp >= min_tp, f"bad TP range [{min_tp}, {max_tp}]"
+    assert min_tp & (min_tp - 1) == 0 and max_tp & (max_tp - 1) == 0, "TP levels are powers of two"
+    levels = []
+    tp = min_tp
+    while tp <= max_tp:
+        levels.append(tp)
+        tp *= 2
+    return tuple(levels)
+
+
+class NodeWorld:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        master_addr: str,
+        master_port: int,
+        device: str = "cpu",
+        min_tp: int = 1,
+        max_tp: int | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        assert 0 <= rank < size, f"rank {rank} outside a node of {size}"
+        self.rank = rank
+        self.size = size
+        self.levels = allowed_levels(min_tp, max_tp or size)
+        assert self.levels[-1] <= size, f"max_tp {self.levels[-1]} exceeds the node's {size} workers"
+        self.backend = "nccl" if device.startswith("cuda") else "gloo"
+        if self.backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device = f"cuda:{torch.cuda.current_device()}"
+        self.device = device
+        self._store = dist.TCPStore(
+            master_addr, master_port, size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s)
+        )
+        dist.init_process_group(
+            backend=self.backend, store=self._store, rank=rank, world_size=size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        # (start, tp) -> process group (only for groups this rank belongs to; None at TP=1).
+        self._groups: dict[tuple[int, int], Any] = {}
+        self.num_groups = 0
+        for tp in self.levels:
+            for start in range(0, size, tp):
+                self.num_groups += 1
+                members = list(range(start, start + tp))
+                pg = dist.new_group(ranks=members, backend=self.backend) if tp > 1 else None
+                if rank in members:
+                    self._groups[(start, tp)] = pg
+
+    def group(self, start: int, tp: int) -> TPGroup:
+        """This rank's view of the pre-built group [start, start + tp)."""
+        key = (start, tp)
+        assert key in self._groups, f"rank {self.rank} is not in a pre-built group {key}"
+        if tp == 1:
+            return TPGroup.single(self.device)
+        return TPGroup(rank=self.rank - start, size=tp, process_group=self._groups[key], device=self.device)
+
+    # -- node-level collectives ---------------------------------------------------------------------
+    def all_gather_bytes(self, payload: bytes, start: int, tp: int) -> list[bytes]:
+        """Every member's payload, in rank order, over the pre-built group [start, start + tp)."""
+        if tp == 1:
+            return [payload]
+        pg = self._groups[(start, tp)]
+        dev = self.device
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+        lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(tp)]
+        dist.all_gather(lengths, length, group=pg)
+        sizes = [int(x.item()) for x in lengths]
+        longest = max(sizes)
+        data = torch.zeros(longest, dtype=torch.uint8, device=dev)
+        if payload:
+            data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+        parts = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(tp)]
+        dist.all_gather(parts, data, group=pg)
+        return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        return dist.isend(tensor, dst=dst, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        return dist.irecv(tensor, src=src, tag=tag)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,168 @@
+"""Adaptive TP at the engine level: 4 worker processes (gloo on 127.0.0.1), greedy requests of different
+lengths in flight across merges (4xTP1 -> TP4, 2xTP2 -> TP4) and splits (TP4 -> 2xTP2 -> 4xTP1).
+
+One scripted run covers the whole chain plus a prepare that fails on one worker (then aborts) and a stale
+epoch; the assertions are exact: tokens equal a run with no change, every token index exactly once,
+weights in use are views of the boot store, no checkpoint byte read after boot, every KV block free.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from engine_test_helpers import prompts_of_lengths
+
+from nitsum.engine import Engine, EngineConfig, SamplingParams
+
+WORLD = 4
+TP1 = [[0, 1], [1, 1], [2, 1], [3, 1]]
+TP2 = [[0, 2], [2, 2]]
+TP4 = [[0, 4]]
+# (request id, leader it arrives at, tick, prompt length, max tokens)
+REQUESTS = [
+    ("a", 0, 0, 5, 70), ("b", 1, 0, 23, 30), ("c", 2, 0, 40, 45), ("d", 3, 0, 11, 60),
+    ("e", 0, 7, 17, 50), ("f", 0, 12, 9, 24), ("g", 0, 25, 30, 20), ("h", 3, 36, 6, 10),
+]
+TOPOLOGY_EVENTS = [
+    (4, "prepare", 1, TP4), (6, "commit", 1, None),  # merge 4xTP1 -> TP4 (f arrives between the two)
+    (10, "prepare", 2, TP2), (13, "commit", 2, None),  # split TP4 -> 2xTP2
+    (16, "prepare", 3, TP4), (17, "abort", 3, None),  # worker 3 fails during prepare
+    (18, "prepare", 2, TP4),  # stale epoch: refused
+    (20, "prepare", 4, TP4), (22, "commit", 4, None),  # merge 2xTP2 -> TP4
+    (27, "prepare", 5, TP2), (29, "commit", 5, None),  # split TP4 -> 2xTP2
+    (32, "prepare", 6, TP1), (34, "commit", 6, None),  # split 2xTP2 -> 4xTP1
+]
+FAILING_WORKER, FAILING_EPOCH = 3, 3
+BLOCK_SIZE = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_script(prompts):
+    events = [
+        {"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
+        for (rid, leader, tick, _, n), prompt in zip(REQUESTS, prompts)
+    ]
+    for tick, kind, epoch, groups in TOPOLOGY_EVENTS:
+        event = {"tick": tick, "kind": kind, "epoch": epoch}
+        if groups is not None:
+            event["groups"] = groups
+        events.append(event)
+    return {"topology": TP1, "events": events}
+
+
+def run_node(model_dir, script, tmp_path, shm_dir):
+    script_path = tmp_path / "script.json"
+    script_path.write_text(json.dumps(script))
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in range(WORLD):
+        argv = [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", str(model_dir), "--rank", str(rank),
+                "--world-size", str(WORLD), "--master-port", str(port), "--script", str(script_path),
+                "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(shm_dir),
+                "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64"]
+        if rank == FAILING_WORKER:
+            argv += ["--fail-prepare-epoch", str(FAILING_EPOCH)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=150)
+            logs.append(out.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * WORLD, f"worker exit codes {codes}:\n" + "\n---\n".join(logs)
+    return [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def node_run(tiny_dir, tmp_path_factory):
+    prompts = prompts_of_lengths([r[3] for r in REQUESTS], seed=11)
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
+        reports = run_node(tiny_dir, make_script(prompts), tmp_path_factory.mktemp("node"), Path(shm_dir))
+    return prompts, reports
+
+
+def test_tokens_equal_a_run_without_topology_changes(tiny_dir, node_run):
+    prompts, reports = node_run
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=256))
+    expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in REQUESTS])
+    records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
+    got = {rid: [r[3] for r in records if r[1] == rid] for rid, *_ in REQUESTS}
+    assert got == {rid: tokens for (rid, *_), tokens in zip(REQUESTS, expected)}
+    # The stream view: every index of every request exactly once (no duplicate, no gap), one final record.
+    for rid, *_, max_tokens in REQUESTS:
+        assert [r[2] for r in records if r[1] == rid] == list(range(max_tokens)), rid
+        assert [r[4] for r in records if r[1] == rid].count(True) == 1, rid
+
+
+def test_requests_were_in_flight_across_every_transition(node_run):
+    _, reports = node_run
+    records = [r for rep in reports for r in rep["records"]]
+    commit_ticks = [t for t, kind, *_ in TOPOLOGY_EVENTS if kind == "commit"]
+    for tick in commit_ticks:
+        before = {r[1] for r in records if r[0] < tick}
+        after = {r[1] for r in records if r[0] >= tick}
+        assert len(before & after) >= 3, f"commit at tick {tick}: only {before & after} spanned it"
+    # The requests really moved: b began on worker 1 (TP1), went to the TP4 leader 0, then the split
+    # placed it on the second TP2 group (led by 2), the lighter one at that moment.
+    b_ranks = {rep["rank"] for rep in reports for r in rep["records"] if r[1] == "b"}
+    assert b_ranks == {0, 1, 2}
+
+
+def test_acks_prepare_failure_aborts_and_stale_epoch_is_refused(node_run):
+    _, reports = node_run
+    leader0 = [(kind, epoch, ok) for _, kind, epoch, ok, *_ in reports[0]["acks"]]
+    assert leader0 == [
+        ("prepare", 1, True), ("commit", 1, True), ("prepare", 2, True), ("commit", 2, True),
+        ("prepare", 3, False), ("abort", 3, True), ("prepare", 2, False),
+        ("prepare", 4, True), ("commit", 4, True), ("prepare", 5, True), ("commit", 5, True),
+        ("prepare", 6, True), ("commit", 6, True),
+    ]
+    failed = next(a for a in reports[0]["acks"] if a[1] == "prepare" and a[2] == 3)
+    assert "worker 3" in failed[4] and "injected failure" in failed[4]
+    stale = next(a for a in reports[0]["acks"] if a[1] == "prepare" and a[2] == 2 and not a[3])
+    assert "stale epoch 2" in stale[4]
+    # Pre-copy moved KV between workers at every prepare that merged or split.
+    assert all(a[6] > 0 for rep in reports for a in rep["acks"] if a[1] == "prepare" and a[3] and a[2] in (1,))
+    assert [rep["epoch"] for rep in reports] == [6] * WORLD
+    assert [rep["final_group"] for rep in reports] == TP1
+
+
+def test_weights_are_views_of_the_boot_store_and_nothing_is_reread(tiny_dir, node_run):
+    _, reports = node_run
+    checkpoint_bytes = sum(p.stat().st_size for p in Path(tiny_dir).glob("*.safetensors"))
+    # One worker of the host read the checkpoint (into the shared store); the others mapped it.
+    assert sorted(rep["store_created"] for rep in reports) == [False, False, False, True]
+    creator = next(rep for rep in reports if rep["store_created"])
+    assert 0.99 * checkpoint_bytes < creator["boot_bytes_read"] <= checkpoint_bytes
+    assert [rep["boot_bytes_read"] for rep in reports if not rep["store_created"]] == [0, 0, 0]
+    for rep in reports:
+        assert [c["label"] for c in rep["checks"]] == ["boot"] + ["commit"] * 5
+        assert all(c["views_of_store"] for c in rep["checks"]), rep["checks"]
+        assert {c["bytes_read"] for c in rep["checks"]} == {rep["boot_bytes_read"]}
+        assert rep["end_bytes_read"] == rep["boot_bytes_read"]
+        assert rep["num_groups"] == 4 + 2 + 1  # every aligned group at TP 1, 2, 4, built at boot
+    groups = [[c["group"] for c in rep["checks"]] for rep in reports]
+    assert groups[2] == [[2, 1], [0, 4], [2, 2], [0, 4], [2, 2], [2, 1]]
+
+
+def test_every_kv_block_is_free_afterwards(node_run):
+    _, reports = node_run
+    # check_integrity() ran in every final leader (it raises on a broken invariant: exit code != 0).
+    assert [rep["final"]["free"] == rep["final"]["total"] == 64 for rep in reports] == [True] * WORLD
