@@ -138,8 +138,12 @@ def test_acks_prepare_failure_aborts_and_stale_epoch_is_refused(node_run):
     assert "worker 3" in failed[4] and "injected failure" in failed[4]
     stale = next(a for a in reports[0]["acks"] if a[1] == "prepare" and a[2] == 2 and not a[3])
     assert "stale epoch 2" in stale[4]
-    # Pre-copy moved KV between workers at every prepare that merged or split.
-    assert all(a[6] > 0 for rep in reports for a in rep["acks"] if a[1] == "prepare" and a[3] and a[2] in (1,))
+    # Every merge and split moved KV between workers both at prepare (full blocks, while the old groups
+    # kept decoding) and at commit (the delta); the failed epoch moved nothing.
+    for phase in ("prepare", "commit"):
+        moved = {e: sum(a[6] for rep in reports for a in rep["acks"] if a[1] == phase and a[2] == e)
+                 for e in (1, 2, 3, 4, 5, 6)}
+        assert [e for e, n in moved.items() if n > 0] == [1, 2, 4, 5, 6], (phase, moved)
     assert [rep["epoch"] for rep in reports] == [6] * WORLD
     assert [rep["final_group"] for rep in reports] == TP1
 
@@ -166,3 +170,38 @@ def test_every_kv_block_is_free_afterwards(node_run):
     _, reports = node_run
     # check_integrity() ran in every final leader (it raises on a broken invariant: exit code != 0).
     assert [rep["final"]["free"] == rep["final"]["total"] == 64 for rep in reports] == [True] * WORLD
+
+
+def test_prefill_export_then_decode_import_equals_the_hybrid_path(tiny_dir):
+    """The P/D use of the same KV-move primitive: a prefill engine's pinned request, exported (through
+    its msgpack form) and imported into a decode engine, decodes the hybrid path's greedy tokens."""
+    from nitsum.engine.migration import KVExport
+
+    prompts = prompts_of_lengths([21, 8, 37], seed=5)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cfg = dict(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=32)
+    expected = Engine(EngineConfig(**cfg)).generate(prompts, params)
+    prefill = Engine(EngineConfig(**cfg, role="prefill"))
+    decode = Engine(EngineConfig(**cfg, role="decode"))
+    decode.add_request("warm", prompts[0][:5], SamplingParams(max_tokens=3, ignore_eos=True))
+    decode.step()  # the pool is not fresh: imported blocks land elsewhere than on the prefill side
+    first = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params)
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            first[out.request_id] = list(out.new_token_ids)
+    for i in range(len(prompts)):
+        export = KVExport.from_bytes(prefill.export_kv(f"r{i}").to_bytes())
+        assert export.num_tokens == len(prompts[i])
+        assert prefill.release(f"r{i}")
+        assert decode.import_request(export)
+    got = {rid: list(tokens) for rid, tokens in first.items()}
+    while decode.has_unfinished():
+        for out in decode.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    prefill.check_integrity()
+    decode.check_integrity()
+    assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total
+    assert prefill.stats().num_kv_blocks_free == prefill.stats().num_kv_blocks_total

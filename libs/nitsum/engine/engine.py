@@ -101,6 +101,21 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # -- moving a request between engines (P/D; TP changes use the same code, see engine/node.py) -----
+    def export_kv(self, request_id: str):
+        """The request's state and its computed KV (`migration.KVExport`); the request stays here until
+        `release`/`abort`. TP=1 engines."""
+        from nitsum.engine import migration
+
+        return migration.export_kv(self, request_id)
+
+    def import_request(self, export) -> bool:
+        """Adopt a request exported by another engine (prompt + first token, KV of the prompt) and decode
+        it from there. False when the KV pool has no room now. TP=1 engines."""
+        from nitsum.engine import migration
+
+        return migration.import_request(self, export)
+
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that got a new token (or finished)."""

@@ -15,9 +15,10 @@ States travel as msgpack-ready dicts (no pickle): a torch generator's state as b
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgpack
 import torch
 
 from nitsum.engine.params import SamplingParams
@@ -71,7 +72,10 @@ def install_states(engine: Any, states: SequenceABC[dict[str, Any]], placements:
         install_state(engine, state, placement)
 
 
-def install_state(engine: Any, state: dict[str, Any], placement: Placement | None) -> Sequence:
+def install_state(
+    engine: Any, state: dict[str, Any], placement: Placement | None, kv_adopted: bool = False
+) -> Sequence:
+    """Adopt one request; `kv_adopted`: the caller already allocated its table in `engine.kv`."""
     rid = state["id"]
     if rid in engine._seqs:
         raise ValueError(f"duplicate request id {rid!r}")
@@ -98,7 +102,8 @@ def install_state(engine: Any, state: dict[str, Any], placement: Placement | Non
         assert placement.num_moved_tokens == state["computed"], (
             f"{rid}: {placement.num_moved_tokens} KV tokens moved but {state['computed']} computed"
         )
-        engine.kv.adopt(rid, placement.dst_block_ids)
+        if not kv_adopted:
+            engine.kv.adopt(rid, placement.dst_block_ids)
         seq.num_computed_tokens = state["computed"]
         engine.kv.commit(rid, seq.token_ids, seq.num_computed_tokens)
         seq.status = status
@@ -167,3 +172,69 @@ def _write(new_kv: torch.Tensor | None, new_heads: tuple[int, int] | None, t: Tr
 
 def heads_of(num_kv_heads: int, group: Group, worker: int) -> tuple[int, int]:
     return kv_head_range(num_kv_heads, group.tp, worker - group.start)
+
+
+# -- P/D disaggregation: one request's KV out of one engine and into another ---------------------------
+@dataclass(frozen=True)
+class KVExport:
+    """A request's full state and the KV of its computed tokens, as one rank holds it.
+
+    `kv`: [layers, K/V, num_blocks, block_size, heads, head_dim] for global KV heads `heads`; a TP=1
+    engine holds them all. `to_bytes`/`from_bytes` give a msgpack form for the transfer data plane.
+    """
+
+    state: dict[str, Any]
+    num_tokens: int
+    heads: tuple[int, int]
+    kv: torch.Tensor
+
+    def to_bytes(self) -> bytes:
+        dtype = str(self.kv.dtype).removeprefix("torch.")
+        raw = self.kv.contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
+        return msgpack.packb(
+            [self.state, self.num_tokens, list(self.heads), dtype, list(self.kv.shape), raw], use_bin_type=True
+        )
+
+    @staticmethod
+    def from_bytes(payload: bytes) -> KVExport:
+        state, num_tokens, heads, dtype, shape, raw = msgpack.unpackb(payload, raw=False)
+        torch_dtype = getattr(torch, dtype)
+        kv = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype).view(shape)
+        return KVExport(state, int(num_tokens), (int(heads[0]), int(heads[1])), kv)
+
+
+def export_kv(engine: Any, request_id: str) -> KVExport:
+    """Copy out a request's state and KV (e.g. a prefill worker's pinned request, for its decode worker)."""
+    assert engine.group.size == 1, "export_kv reads one rank's cache: TP=1 engines only for now"
+    seq = engine._seqs.get(request_id)
+    if seq is None or not engine.kv.has(request_id):
+        raise KeyError(f"request {request_id!r} holds no KV here")
+    state = export_state(engine, seq)
+    blocks = engine.kv.block_table(request_id)[: engine.kv.blocks_for(seq.num_computed_tokens)]
+    cache = engine.runner.kv_cache
+    index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
+    kv = cache[:, :, index].cpu()
+    return KVExport(state, seq.num_computed_tokens, (0, engine.runner.config.num_kv_heads), kv)
+
+
+def import_request(engine: Any, export: KVExport) -> bool:
+    """Adopt an exported request with its KV and continue decoding it here. False: no room now."""
+    assert engine.group.size == 1, "import_request writes one rank's cache: TP=1 engines only for now"
+    state = dict(export.state)
+    rid = state["id"]
+    if rid in engine._seqs:
+        raise ValueError(f"duplicate request id {rid!r}")
+    assert export.heads == (0, engine.runner.config.num_kv_heads), "the export must hold every KV head"
+    block_ids = engine.kv.allocate(rid, export.num_tokens)
+    if block_ids is None:
+        return False
+    cache = engine.runner.kv_cache
+    index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+    cache[:, :, index] = export.kv.to(device=cache.device, dtype=cache.dtype)
+    # Whatever the source did with it (a prefill worker pins it), it now decodes from its first token.
+    state["status"] = Status.RUNNING.value
+    state["computed"] = export.num_tokens
+    state["prefill_target"] = export.num_tokens
+    group = Group(0, 1)
+    install_state(engine, state, Placement(rid, group, group, tuple(block_ids), export.num_tokens), kv_adopted=True)
+    return True
