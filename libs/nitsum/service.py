@@ -110,6 +110,9 @@ async def _main(name, config, body, needs_bus, metrics_port) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_tracing(name, run_dir, instance=f"{name}-{os.getpid()}")
     metrics = Metrics(name)
+    # Counted when /metrics is scraped (on this loop's thread: the services serve /metrics from aiohttp), so a
+    # leak of tasks shows as growth over time without a sampling task of its own.
+    metrics.asyncio_tasks().set_function(lambda: len(asyncio.all_tasks(loop)))
     async with AsyncExitStack() as stack:
         ctx = ServiceContext(name=name, config=config, metrics=metrics, stack=stack, stop=stop)
         stack.callback(shutdown_tracing)

@@ -81,6 +81,10 @@ class Metrics:
     def dropped_frames_total(self) -> Counter:
         return self._get("dropped", lambda: Counter("nitsum_dropped_frames_total", "undecodable frames dropped", ["subject", "code"], registry=self.registry))
 
+    # process health (the soak benchmark watches it stay flat)
+    def asyncio_tasks(self) -> Gauge:
+        return self._get("tasks", lambda: Gauge("nitsum_asyncio_tasks", "asyncio tasks alive on the service's event loop", registry=self.registry))
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
