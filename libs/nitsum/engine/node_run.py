@@ -10,7 +10,7 @@ counts its loop iterations as ticks and applies the events of each tick before t
 leaders apply a topology command at the same tick, which is the step boundary the protocol needs.
 
 Every worker writes --out (JSON): the tokens each leader emitted ([tick, request_id, index, token,
-finished]), every ack, checks made after boot and after each commit (weights are views of the boot store,
+finished, unix time]), every ack, checks made after boot and after each commit (weights are views of the boot store,
 checkpoint bytes read), and at exit the engine's KV integrity.
 """
 
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     boot_ms = (time.perf_counter() - t_boot) * 1000.0
     report: dict = {
         "rank": args.rank, "num_groups": world.num_groups, "store_created": store.created,
-        "boot_bytes_read": loader.bytes_read, "boot_ms": boot_ms, "records": [], "acks": [], "checks": [],
+        "boot_bytes_read": loader.bytes_read, "boot_ms": boot_ms, "ready_unix": time.time(),
+        "records": [], "acks": [], "checks": [],
     }
 
     def check(label: str) -> None:
@@ -104,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             # A token's index in its stream, from the engine's own count (moved along with the request).
             emitted = {rid: seq.num_output_tokens for rid, seq in runtime.engine._seqs.items()}
             outputs = runtime.step()
+            now = time.time()
             for out in outputs:
                 index = emitted[out.request_id]
                 for token in out.new_token_ids:
-                    report["records"].append([tick, out.request_id, index, token, out.finished])
+                    report["records"].append([tick, out.request_id, index, token, out.finished, now])
                     index += 1
             if tick > last_tick and not runtime.has_unfinished():
                 runtime.shutdown()
