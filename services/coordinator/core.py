@@ -23,7 +23,6 @@ from nitsum_services.coordinator.snapshot import build_snapshot
 
 log = logging.getLogger("nitsum.coordinator")
 
-RUN_TIMEOUT_S = 2.0
 EXPIRE_PERIOD_S = 0.25
 
 
@@ -105,7 +104,7 @@ class Coordinator:
                 worker_id = record.worker_id
                 self.members.assign(req.request_id, req.tier, worker_id, time.monotonic(), view)
                 try:
-                    ack = await self.bus.request(self.bus.subjects.worker_run(worker_id), RunRequest(req, self.epoch), RUN_TIMEOUT_S, expected=RunAck)
+                    ack = await self.bus.request(self.bus.subjects.worker_run(worker_id), RunRequest(req, self.epoch), self.config.run_timeout_s, expected=RunAck)
                 except (BusError, RemoteError) as exc:
                     self.members.unassign(req.request_id, worker_id)
                     reasons.append(f"{worker_id}: {exc}")

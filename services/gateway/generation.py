@@ -51,6 +51,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     worker_id: str = ""
     reroutes: int = 0
+    left_workers: set[str] = field(default_factory=set)
     num_cached_prompt_tokens: int = 0
     first_token_s: float | None = None
     finished: bool = False
@@ -103,7 +104,13 @@ class Generation:
                 continue
             chunk: TokenChunk = item
             if chunk.worker_id != self.worker_id:
-                continue  # a late chunk from a worker this request has left
+                # A worker this request was re-routed away from may still send late chunks: never take them.
+                # Any other worker continuing exactly where we are is a hand-off (a TP change moved the
+                # request to its new group leader): follow it.
+                if chunk.worker_id in self.left_workers or chunk.index != len(self.tokens):
+                    continue
+                self.worker_id = chunk.worker_id
+                self.registry.moved(self)
             if chunk.error_code:
                 if chunk.error_code in RETRYABLE_CODES:
                     await self._reroute(chunk.error_code, chunk.error_message)
@@ -129,6 +136,7 @@ class Generation:
 
     async def _reroute(self, code: str, why: str) -> None:
         old = self.worker_id
+        self.left_workers.add(old)
         await self._abort_at(old, f"rerouted: {code}")
         if self.reroutes >= self.max_reroutes:
             self.finished = True
@@ -161,7 +169,8 @@ class Generation:
         if not worker_id:
             return
         try:
-            await self.bus.publish(self.bus.subjects.abort, AbortRequest(self.request_id, reason))
+            # Aimed at the worker we leave, so that it cannot hit the request's new home.
+            await self.bus.publish(self.bus.subjects.abort, AbortRequest(self.request_id, reason, worker_id=worker_id if worker_id != "?" else ""))
         except Exception as exc:  # best effort: the worker also stops when its stream has no reader
             log.debug("abort of %s not sent: %s", self.request_id, exc)
 

@@ -126,7 +126,7 @@ class Gateway:
                 arrival_unix_ms=arrival_unix_ms,
                 stream_subject=self.ctx.bus.subjects.stream(request_id),
             )
-            gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.request_timeout_s, self.registry)
+            gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.submit_timeout_s, self.registry)
             headers = {"x-request-id": request_id, "x-request-tier": slo.tier}
             try:
                 await gen.start()

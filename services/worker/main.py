@@ -104,6 +104,8 @@ def make_body(service_name: str):
             return RunAck(rid, worker_id, True)
 
         async def on_abort(msg: AbortRequest, _delivery) -> None:
+            if msg.worker_id and msg.worker_id != worker_id:
+                return
             if session.abort(msg.request_id, msg.reason):
                 log.info("aborted %s (%s)", msg.request_id, msg.reason)
 

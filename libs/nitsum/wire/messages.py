@@ -123,6 +123,7 @@ class AbortRequest:
     VERSION: ClassVar[int] = 1
     request_id: str
     reason: str = "client_disconnected"
+    worker_id: str = ""  # only this worker acts on it ("" = whichever runs the request)
 
 
 @dataclass(frozen=True)
