@@ -407,6 +407,9 @@ async def measure_capacity(cfg: ClientConfig, args: argparse.Namespace) -> tuple
         rate *= 1.5
         await asyncio.sleep(2.0)  # let any tail finish before the next step
     sustained = [s.rate_per_s for s in steps if s.sustained]
+    if steps[-1].sustained:
+        print(f"  the ramp ran out of steps before overload: capacity is at least {steps[-1].rate_per_s:.2f} req/s "
+              "(raise --ramp-max-steps to find it)", flush=True)
     return (max(sustained) if sustained else steps[0].rate_per_s / 1.5), steps
 
 
@@ -492,19 +495,16 @@ def write_plot(samples: Sequence[Sample], outcomes: Sequence[Outcome], faults: S
 
     fig = Figure(figsize=(11, 9), layout="constrained")
     ax_rss, ax_tasks, ax_req = fig.subplots(3, 1, sharex=True)
-    for process in sorted({s.process for s in samples}):
+    for i, process in enumerate(sorted({s.process for s in samples})):
         mine = [s for s in samples if s.process == process]
-        # A restarted worker's new pid starts a new line: the series are per process instance.
-        for pid in dict.fromkeys(s.pid for s in mine):
+        # A restarted worker's new pid starts a new line (same colour): the series are per process instance.
+        for k, pid in enumerate(dict.fromkeys(s.pid for s in mine)):
             seg = [s for s in mine if s.pid == pid]
-            color = None
             for ax, metric in ((ax_rss, "rss_mib"), (ax_tasks, "asyncio_tasks")):
                 pts = [(s.t_s, getattr(s, metric)) for s in seg if getattr(s, metric) is not None]
                 if pts:
-                    first = pid == next(iter(dict.fromkeys(s.pid for s in mine)))
-                    line, = ax.plot([t for t, _ in pts], [v for _, v in pts], linewidth=1,
-                                    label=process if first else None, color=color)
-                    color = line.get_color()
+                    ax.plot([t for t, _ in pts], [v for _, v in pts], linewidth=1, color=f"C{i % 10}",
+                            label=process if k == 0 else None)
     bin_s = max(1.0, run_end_s / 60.0)
     nbins = max(1, int(run_end_s / bin_s) + 1)
     edges = [i * bin_s for i in range(nbins + 1)]
@@ -543,7 +543,7 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"Date: {result['date']}; machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs; "
         f"{result['devices']} workers.",
         "",
-        f"Capacity: {_num(result['capacity_rps'])} req/s (ramp) -> offered {result['rate_rps']:.2f} req/s "
+        f"Capacity: {_capacity(result)} -> offered {result['rate_rps']:.2f} req/s "
         f"Poisson for {result['duration_s']:.0f} s; prompt {result['prompt_tokens']} / output "
         f"{result['output_tokens']} tokens.",
         "",
@@ -573,6 +573,14 @@ def format_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {s['process']} | {s['metric']} | {s['samples']} | {_num(s['first'])} | {_num(s['last'])} "
                      f"| {_num(s['max'])} | {_num(s['slope_per_min'], 2)} |")
     return "\n".join(lines) + "\n"
+
+
+def _capacity(result: dict[str, Any]) -> str:
+    if result["capacity_rps"] is None:
+        return "not measured (--rate given)"
+    ramp = result["ramp"]
+    bound = ">= " if ramp and ramp[-1]["sustained"] else ""  # the ramp never reached overload
+    return f"{bound}{result['capacity_rps']:.2f} req/s (Poisson ramp, {len(ramp)} steps)"
 
 
 def _num(x: float | None, digits: int = 1) -> str:
@@ -678,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--ramp-start-rate", type=float, default=2.0, metavar="RPS")
     p.add_argument("--ramp-step-s", type=float, default=None, help="seconds per ramp step (default 8; --quick 4)")
-    p.add_argument("--ramp-max-steps", type=int, default=None, help="default 8; --quick 5")
+    p.add_argument("--ramp-max-steps", type=int, default=None, help="default 12; --quick 5")
     p.add_argument("--ramp-ttft-ms", type=float, default=1000.0, help="a ramp step with TTFT p90 above is overload")
     p.add_argument("--grace-s", type=float, default=15.0, help="a fault window ends this long after recovery")
     p.add_argument("--warmup-s", type=float, default=None, help="series slopes start here (default 60; --quick 10)")
@@ -694,7 +702,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else {"minutes": 10.0, "kill_every": 2.0, "max_kills": None, "warmup_s": 60.0,
-                                         "sample_s": 5.0, "ramp_step_s": 8.0, "ramp_max_steps": 8}
+                                         "sample_s": 5.0, "ramp_step_s": 8.0, "ramp_max_steps": 12}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
