@@ -23,7 +23,7 @@ def small_workload():
 
 @pytest.mark.parametrize(
     "policy, slo_met, interactive_met, events",
-    [("static-tp:8", 63, 18, 1367), ("disagg", 45, 0, 1727)],
+    [("static-tp:8", 63, 18, 1434), ("disagg", 45, 0, 1727)],
 )
 def test_golden_metrics_small_fixed_seed_scenario(policy, slo_met, interactive_met, events):
     """Golden values: a change here means the simulator, the cost model or the policy changed behaviour."""

@@ -69,10 +69,12 @@ def test_reconfig_cost_is_fixed_plus_bytes_over_parallel_links():
     assert one_pair == pytest.approx(1e9 / (450e9 * 0.7) * 1e3)
 
 
-def test_shipped_cpu_table_is_a_labelled_placeholder():
+def test_shipped_cpu_table_loads_and_says_where_it_comes_from():
+    # `nitsum bench profile` replaced the placeholder with a measured table (commit 932b85c); either way the
+    # table names its source, and a placeholder says so.
     cpu = load_device_table()
-    assert cpu.name == "cpu" and cpu.placeholder
-    assert "PLACEHOLDER" in cpu.source
+    assert cpu.name == "cpu" and cpu.source
+    assert ("PLACEHOLDER" in cpu.source) == cpu.placeholder
     assert device_spec("cpu") == cpu
     assert cost_model("tiny", "cpu").decode_step_ms(1, 1, 10) > 0
 

@@ -113,15 +113,18 @@ def test_margin_prevents_flapping_under_a_mild_oscillation():
     base = PolicyConfig(model=model_spec("llama-3-70b"), min_dwell_ms=0.0)
     assert _oscillate(base, MILD_A, MILD_B, TP4X2) == []
     # Without the margin the same load flips the topology every epoch: the margin is what holds it.
-    assert _oscillate(replace(base, hysteresis_margin=0.0), MILD_A, MILD_B, TP4X2) == list(range(1, 20))
+    assert _oscillate(replace(base, hysteresis_margin=0.0, hysteresis_fraction=0.0), MILD_A, MILD_B, TP4X2) == list(range(1, 20))
 
 
 def test_dwell_bounds_changes_under_a_strong_oscillation():
     base = PolicyConfig(model=model_spec("llama-3-8b"))
-    flapping = _oscillate(replace(base, min_dwell_ms=0.0, hysteresis_margin=0.0), SURGE, BACKLOG, TP1X8, min_tp=1)
+    flapping = _oscillate(replace(base, min_dwell_ms=0.0, hysteresis_margin=0.0, hysteresis_fraction=0.0), SURGE, BACKLOG, TP1X8, min_tp=1)
     assert flapping == list(range(20))  # every epoch: consolidate, split, consolidate, ...
-    changes = _oscillate(base, SURGE, BACKLOG, TP1X8, min_tp=1)
+    changes = _oscillate(replace(base, hysteresis_fraction=0.0), SURGE, BACKLOG, TP1X8, min_tp=1)
     assert changes == [0, 3, 6, 9, 12, 15, 18]  # at most one change per 3 s dwell
+    # The default relative margin (10% of the current score) holds the consolidated layout after the first
+    # change: the 1000-request backlog's split gains less than a tenth of what the layout already scores.
+    assert _oscillate(base, SURGE, BACKLOG, TP1X8, min_tp=1) == [0]
 
 
 def test_decisions_are_deterministic_across_policy_objects():

@@ -26,10 +26,14 @@ class PolicyConfig:
     latency_sensitive_ttft_ms: float = 1000.0
     queue_bounds: tuple[tuple[str, int], ...] = (("interactive", 256), ("background", 4096))
     chunk_tokens: int = 512  # chunked-prefill size on hybrid groups
+    prefill_batch_tokens: int = 8192  # tokens per step on prefill-role groups (head-of-line delay estimate)
     # Adaptive policy (topology.py):
     horizon_ms: float = 5000.0  # goodput is estimated over this much future
     reconfig_lambda_per_ms: float = 0.05  # weighted requests lost per ms of reconfiguration cost
     hysteresis_margin: float = 5.0  # switch only when the gain exceeds this (weighted requests)
+    # ... and exceeds this fraction of the current layout's score: with arrival streams in the estimate the
+    # scores grow with the load, and a fixed margin alone let noise in the measured rates flip the layout.
+    hysteresis_fraction: float = 0.1
     min_dwell_ms: float = 3000.0  # no change sooner than this after the last one
     max_steps: int = 2  # candidates: at most this many merge/split steps from the current topology
     interactive_backlog_threshold: int = 1  # fast path: queued latency-sensitive requests to call it a surge

@@ -20,6 +20,16 @@ The fluid model (ours; ALGORITHMS.md leaves it open):
    decode slot; slots turn over as running requests finish within the horizon.
 4. A request projected to meet both TTFT and TPOT counts weight × (0.5 + 0.5 · the fraction of its
    remaining tokens produced within the horizon): meeting the SLO counts most, finishing sooner breaks ties.
+5. Stream (only when the snapshot carries `arrivals`): the requests expected to arrive within the horizon,
+   per tier in the same priority order, against the candidate's steady-state capacity. A tier's stream uses
+   u = rate · mean pooled prefill time of the pool (averaged over its prompt-length quantiles); higher tiers
+   have taken U already, so a fraction min(1, (1 − U) / u) of it is served at all. Its queueing delay is the
+   M/D/1 wait ρ/(2(1 − ρ)) · mean service at ρ = U + u (unbounded at ρ ≥ 1: the queue grows without end);
+   a quantile meets TTFT when that wait plus its fastest prefill fits the TTFT target. Those need decode
+   slots in steady state (Little: rate · output tokens · step time) from what higher streams left. Each one
+   projected to meet its SLO counts weight · STREAM_CREDIT. Without this term a layout that is slightly
+   overloaded (static TP8 for Llama-3-70B at 20 req/s of Azure conv) looks as good as one that keeps up,
+   until its backlog is already hopeless.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ from nitsum.policy.costmodel import CostModel
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView
 
 MAX_BUCKETS = 8
+# A future arrival meeting its SLO counts less than a request already here (it may not come; it finishes
+# later within the horizon): the mean of the 0.5 + 0.5 · fraction-done credit of rule 4.
+STREAM_CREDIT = 0.75
 
 
 def quantize_tokens(n: float) -> int:
@@ -57,10 +70,25 @@ class TierLoad:
 
 
 @dataclass(frozen=True)
+class StreamLoad:
+    """One tier's expected arrivals (from the snapshot's ArrivalStats, scaled by the node's share)."""
+
+    tier: str
+    weight: float
+    latency_sensitive: bool
+    rate_per_ms: float
+    ttft_ms: float
+    tpot_ms: float
+    prompt_tokens: tuple[int, ...]  # quantized equal-mass quantiles
+    output_tokens: float
+
+
+@dataclass(frozen=True)
 class NodeLoad:
     tiers: tuple[TierLoad, ...]  # priority order
     # KV tokens of the requests running on each group (what a reconfiguration of that group must move).
     kv_tokens_by_group: tuple[tuple[str, int], ...] = ()
+    streams: tuple[StreamLoad, ...] = ()  # priority order; empty when the snapshot has no arrivals
 
     @property
     def idle(self) -> bool:
@@ -131,8 +159,17 @@ def summarize(snap: ClusterSnapshot, node: NodeView, latency_ttft_ms: float) -> 
     kv: dict[str, int] = {}
     for rs in running_lists:
         for r in rs:
+            if r.group_id is None:
+                continue  # prefilled, between groups (a P/D hand-off in flight): no group holds its KV yet
             kv[r.group_id] = kv.get(r.group_id, 0) + r.prompt_tokens + r.output_tokens
-    return NodeLoad(tuple(tiers), tuple(sorted(kv.items())))
+    # Routing spreads arrivals over the nodes: each node expects its share of the stream.
+    node_share = 1.0 / len(snap.nodes)
+    streams = [StreamLoad(a.tier, a.weight, a.ttft_ms <= latency_ttft_ms, a.rate_per_s * node_share / 1e3,
+                          a.ttft_ms, a.tpot_ms, tuple(quantize_tokens(p) for p in a.prompt_tokens),
+                          a.output_tokens)
+               for a in snap.arrivals if a.rate_per_s > 0 and a.prompt_tokens]
+    streams.sort(key=lambda t: (not t.latency_sensitive, -t.weight, t.tier))
+    return NodeLoad(tuple(tiers), tuple(sorted(kv.items())), tuple(streams))
 
 
 def _buckets(budgets: list[float], scale: float) -> tuple[tuple[float, int], ...]:
@@ -149,17 +186,28 @@ def _buckets(budgets: list[float], scale: float) -> tuple[tuple[float, int], ...
     return tuple(out)
 
 
-def hybrid_chunk_tokens(cost: CostModel, tp: int, tpot_ms: float, max_chunk_tokens: int) -> int:
-    """Largest power-of-two prefill chunk (≤ max_chunk_tokens, ≥ 16) whose step with one decode sequence
-    takes at most 2/3 of tpot_ms, leaving the rest for the decode batch (Sarathi-style token budget)."""
-    key = ("chunk", tp, round(tpot_ms, 3), max_chunk_tokens)
+# Smallest prefill chunk a hybrid step carries while prefill is pending: decodes come first, but prefill
+# never stalls completely. The simulator's hybrid groups use the same rule (ClusterConfig.min_chunk_tokens).
+MIN_CHUNK_TOKENS = 32
+
+
+def hybrid_chunk_tokens(cost: CostModel, tp: int, tpot_ms: float, max_chunk_tokens: int, batch: int = 0,
+                        context_tokens: int = 0, min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> int:
+    """Sarathi-style SLO-aware token budget: the prefill chunk a hybrid step carries beside `batch` decodes
+    (attending to `context_tokens` in all): max_chunk_tokens halved until the step fits tpot_ms, but never
+    below min_chunk_tokens. With no decode batch (batch 0) there is no TPOT to protect: the full chunk."""
+    if batch <= 0 or math.isinf(tpot_ms):
+        return max_chunk_tokens
+    key = ("chunk", tp, round(tpot_ms, 3), max_chunk_tokens, batch, context_tokens, min_chunk_tokens)
     hit = cost._memo.get(key)
     if hit is not None:
         return hit
     c = max_chunk_tokens
-    while c > 16 and cost.step_time_ms(tp, 1, 1 + c, c) > tpot_ms * 2.0 / 3.0:
-        c //= 2
-    cost._memo[key] = c
+    floor = min(min_chunk_tokens, max_chunk_tokens)
+    while c > floor and cost.step_time_ms(tp, batch + 1, batch + c, context_tokens + c) > tpot_ms:
+        c = max(c // 2, floor)
+    if len(cost._memo) < 65536:
+        cost._memo[key] = c
     return c
 
 
@@ -184,7 +232,9 @@ def classes_of(groups) -> tuple[GroupClass, ...]:
 
 
 def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, horizon_ms: float,
-             chunk_tokens: int) -> Estimate:
+             chunk_tokens: int, prefill_batch_tokens: int = 0) -> Estimate:
+    """Score one candidate (module docstring). `prefill_batch_tokens` > 0: prefill-role groups run batches of
+    that many tokens, so a new request first waits, on average, half such a step (head-of-line delay)."""
     n = len(classes)
     tps = [c[0] for c in classes]
     roles = [c[1] for c in classes]
@@ -195,8 +245,8 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
     ctx_sum = [0] * n  # KV tokens of the decode slots taken
     entries: list[tuple[int, float, float, float]] = []  # (class, count·weight, tokens left, start offset ms)
     pending_prefill = any(t.queued for t in load.tiers)
-    # Hybrid groups size their prefill chunks so that decode steps still meet the tightest TPOT around.
-    tightest_tpot = min((t.tpot_ms for t in load.tiers), default=math.inf)
+    # Hybrid groups size each step's prefill chunk so that the step still meets the tightest TPOT among the
+    # decodes it carries (hybrid_chunk_tokens, the simulator's rule too).
     score = 0.0
     misses = 0
     latency_misses = 0
@@ -207,11 +257,18 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
         """Prefill tokens a hybrid group mixes into each decode step (0: none pending, or not hybrid)."""
         if roles[i] != "hybrid" or not pending_prefill:
             return 0
-        return hybrid_chunk_tokens(cost, tps[i], min(cap[i], tightest_tpot), chunk_tokens)
+        b = used[i] // mult[i]
+        return hybrid_chunk_tokens(cost, tps[i], cap[i], chunk_tokens, b,
+                                   quantize_tokens(ctx_sum[i] / mult[i]) if b else 0)
+
+    def hol(i: int) -> float:
+        if roles[i] != "prefill" or prefill_batch_tokens <= 0:
+            return 0.0
+        return cost.step_time_ms(tps[i], 1, prefill_batch_tokens, prefill_batch_tokens) / 2.0
 
     def slots(i: int, tpot: float, ctx: int) -> int:
-        extra = 0 if roles[i] != "hybrid" or not pending_prefill else hybrid_chunk_tokens(
-            cost, tps[i], min(tpot, tightest_tpot), chunk_tokens)
+        # Decodes come first: a hybrid step keeps only the minimum chunk beside a full decode batch.
+        extra = MIN_CHUNK_TOKENS if roles[i] == "hybrid" and pending_prefill else 0
         return mult[i] * cost.max_decode_batch(tps[i], tpot, ctx, extra)
 
     def place(t: TierLoad, count: int, ctx: int, order: list[int]) -> list[tuple[int, int]]:
@@ -262,7 +319,7 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
                 r_i = mult[i] / s
                 rate += r_i
                 base_acc += r_i * busy_ms[i]
-                shortest = min(shortest, s)
+                shortest = min(shortest, s + hol(i))
             met = 0
             if rate > 0:
                 base = base_acc / rate
@@ -297,6 +354,12 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
         misses += lost
         if t.latency_sensitive:
             latency_misses += lost
+    # 5. the arrival stream over the horizon, against steady-state capacity.
+    if load.streams:
+        s_score, s_misses = _stream(cost, load.streams, tps, roles, mult, used, ctx_sum, slots, order_hi,
+                                    order_lo, horizon_ms, chunk, hol)
+        score += s_score
+        misses += s_misses
     # 4. credit, with the step time each class ends up with.
     step = [0.0] * n
     for i in range(n):
@@ -310,3 +373,72 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
         frac = 1.0 if left <= 0 else min(1.0, tokens / left)
         score += w * (0.5 + 0.5 * frac)
     return Estimate(score, latency_misses, misses)
+
+
+def _stream(cost: CostModel, streams: tuple[StreamLoad, ...], tps: list[int], roles: list[str], mult: list[int],
+            used: list[int], ctx_sum: list[int], slots, order_hi: list[int], order_lo: list[int], horizon_ms: float,
+            chunk, hol) -> tuple[float, int]:
+    """Rule 5 of the module docstring: (score, expected misses) of the arrivals within the horizon."""
+    n = len(tps)
+    util = 0.0  # prefill-pool time fraction taken by higher-priority streams
+    slots_taken = [0.0] * n  # steady-state decode slots taken by higher-priority streams
+    score = 0.0
+    misses = 0.0
+    for st in streams:
+        order = order_hi if st.latency_sensitive else order_lo
+        expected = st.rate_per_ms * horizon_ms
+        inv_rates = []  # mean time between completions of the pool, per prompt quantile
+        fastest = []
+        for p in st.prompt_tokens:
+            rate = 0.0
+            best = math.inf
+            for i in order:
+                if roles[i] == "decode":
+                    continue
+                s = cost.prefill_time_ms(tps[i], p)
+                if roles[i] == "hybrid" and used[i] > 0:
+                    per_group = max(used[i] // mult[i], 1)
+                    c = max(chunk(i), 1)
+                    ctx_dec = quantize_tokens(ctx_sum[i] / mult[i])
+                    s = -(-p // c) * cost.step_time_ms(tps[i], per_group, per_group + c, ctx_dec + c)
+                r_i = mult[i] / s
+                if roles[i] == "hybrid":
+                    # A hybrid group decodes what it prefills: in steady state it can take on no more
+                    # requests than its decode slots turn over (Llama-3-70B TP2 on H100 holds ~8 k KV tokens).
+                    turnover = slots(i, st.tpot_ms, quantize_tokens(p + st.output_tokens / 2.0)) / max(
+                        st.output_tokens * st.tpot_ms, 1.0)
+                    r_i = min(r_i, turnover)
+                rate += r_i
+                best = min(best, s + hol(i))
+            inv_rates.append(1.0 / rate if rate > 0 else math.inf)
+            fastest.append(best)
+        mean_service = sum(inv_rates) / len(inv_rates)
+        u = st.rate_per_ms * mean_service
+        if u <= 0 or math.isinf(u):
+            misses += expected
+            continue
+        served = min(1.0, max(1.0 - util, 0.0) / u)
+        rho = util + u
+        wait = rho / (2.0 * (1.0 - rho)) * mean_service if rho < 1.0 else math.inf
+        in_time = sum(1 for f in fastest if wait + f <= st.ttft_ms) / len(fastest)
+        util = min(util + u, 1.0)
+        # Decode, steady state (Little): the served-in-time part keeps rate · output tokens · step slots busy.
+        # A full class steps at about the TPOT target (max_decode_batch sizes it so), hence tokens/ms per
+        # slot = 1 / TPOT: conservative when the class is not full.
+        demand = st.rate_per_ms * served * in_time * st.output_tokens  # tokens/ms
+        left = demand
+        ctx = quantize_tokens(sum(st.prompt_tokens) / len(st.prompt_tokens) + st.output_tokens / 2.0)
+        for i in order:
+            if left <= 0:
+                break
+            if roles[i] == "prefill":
+                continue
+            free = max(slots(i, st.tpot_ms, ctx) - slots_taken[i], 0.0)
+            take = min(free / st.tpot_ms, left)
+            slots_taken[i] += take * st.tpot_ms
+            left -= take
+        decoded = 1.0 if demand <= 0 else 1.0 - left / demand
+        good = expected * served * in_time * decoded
+        score += st.weight * good * STREAM_CREDIT
+        misses += expected - good
+    return score, int(round(misses))

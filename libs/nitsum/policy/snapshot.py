@@ -126,11 +126,42 @@ class NodeView:
 
 
 @dataclass(frozen=True)
+class ArrivalStats:
+    """Recent arrivals of one tier, measured by the caller over a sliding window (optional input).
+
+    The live set of requests says what is queued now, not what keeps coming: a layout that drains today's
+    backlog can still fall behind the arrival stream. With these the adaptive policy also scores whether
+    a candidate sustains the stream (estimate.evaluate, "stream"); without them it scores the backlog only.
+    """
+
+    tier: str
+    rate_per_s: float  # arrivals per second offered to the cluster (admitted or not)
+    ttft_ms: float
+    tpot_ms: float
+    weight: float
+    prompt_tokens: tuple[int, ...]  # equal-mass quantiles of uncached prompt lengths, ascending (see measure)
+    output_tokens: float  # mean max_tokens
+
+    @staticmethod
+    def measure(tier: str, window_ms: float, ttft_ms: float, tpot_ms: float, weight: float,
+                lengths: "list[tuple[int, int]]", quantiles: int = 4) -> "ArrivalStats":
+        """From the (prompt tokens, max tokens) of the tier's arrivals in the last `window_ms`: the rate,
+        the prompt length at the midpoint of each of `quantiles` equal-mass slices, the mean output."""
+        assert window_ms > 0 and quantiles >= 1
+        n = len(lengths)
+        prompts = sorted(p for p, _ in lengths)
+        mids = tuple(prompts[min(int((j + 0.5) * n / quantiles), n - 1)] for j in range(quantiles)) if n else ()
+        out = sum(o for _, o in lengths) / n if n else 0.0
+        return ArrivalStats(tier, n / window_ms * 1e3, ttft_ms, tpot_ms, weight, mids, out)
+
+
+@dataclass(frozen=True)
 class ClusterSnapshot:
     now_ms: float
     nodes: tuple[NodeView, ...]
     requests: tuple[RequestView, ...] = ()
     epoch: int = 0
+    arrivals: tuple[ArrivalStats, ...] = ()  # per tier; empty: the caller does not measure arrivals
 
     # Indexes below are built on first use (cached_property writes the instance __dict__ directly, which a
     # frozen dataclass allows); they are derived data, not fields, so equality and hashing ignore them.

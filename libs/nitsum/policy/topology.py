@@ -17,11 +17,13 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
               sibling groups of TP k → one of 2k) or splits (TP k → two of k/2), plus the uniform layout at
               each allowed TP level and the two-lane layouts (half the node at a high TP, half at a low TP);
               each with the role variants of phases.py (all hybrid; P/D split when prefill is pending).
-    score   ─ estimate.evaluate(): estimated weighted goodput over `horizon_ms`, minus
+    score   ─ estimate.evaluate(): estimated weighted goodput over `horizon_ms` (the backlog, plus the
+              arrival stream when the snapshot carries measured `arrivals`), minus
               λ · reconfiguration cost (fixed switch cost + KV bytes of the running requests on groups that
               change / link bandwidth, all pairs in parallel — costmodel.reconfig_cost_ms).
-    hysteresis ─ switch only if best − current > `hysteresis_margin` (in weighted requests); together with
-              the dwell time this stops flapping under an oscillating load.
+    hysteresis ─ switch only if best − current > max(`hysteresis_margin` (weighted requests),
+              `hysteresis_fraction` · |current score|); together with the dwell time this stops flapping
+              under an oscillating load or noisy measured arrival rates.
 
 Everything is pure: the decision depends only on the snapshot (which carries `now_ms` and the node's
 `last_reconfig_ms`) and the frozen config. Cost-model results are memoized inside the policy object; that
@@ -132,7 +134,7 @@ class AdaptivePolicy(BasePolicy):
         cost = self.cost_for(node)
         current = Topology.of_node(node)
         cur_shape = current.shape()
-        cur_est = evaluate(cost, classes_of(current.groups), load, cfg.horizon_ms, cfg.chunk_tokens)
+        cur_est = evaluate(cost, classes_of(current.groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
         levels = tuple(k for k in node.allowed_tp_levels() if cost.fits(k)) or node.allowed_tp_levels()
 
         shapes = candidate_shapes(cur_shape, node.num_devices, levels, cfg.max_steps)
@@ -173,14 +175,15 @@ class AdaptivePolicy(BasePolicy):
         if best is None:
             return keep(f"{why}: no candidate in that direction", path)
         gain = best[0] - cur_est.score
-        if gain <= cfg.hysteresis_margin:
+        margin = max(cfg.hysteresis_margin, cfg.hysteresis_fraction * abs(cur_est.score))
+        if gain <= margin:
             return TopologyDecision(nid, None, f"{why}: best {best[1]} gains {gain:.2f} <= margin "
-                                    f"{cfg.hysteresis_margin:.2f}; keep", gain, path)
+                                    f"{margin:.2f}; keep", gain, path)
         return TopologyDecision(nid, best[1], f"{why}: {current} -> {best[1]} gains {gain:.2f}", gain, path)
 
     def _net_score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> float:
         cfg = self.config
-        est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens)
+        est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
         return est.score - cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
 

@@ -18,15 +18,16 @@ finishes come off a heap keyed by the step index at which it emits its last toke
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nitsum.metrics import RequestRecord, Report, summarize
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import CostModel, cost_model
 from nitsum.policy.decisions import Topology
+from nitsum.policy.estimate import MIN_CHUNK_TOKENS
 from nitsum.policy.registry import make_policy
-from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
 from nitsum.policy.tiers import DEFAULT_TIERS, Tier
 from nitsum.sim.engine import Event, Simulator
 from nitsum.workloads.request import TraceRequest
@@ -40,13 +41,22 @@ class ClusterConfig:
     devices_per_node: int = 8
     min_tp: int = 1
     max_tp: int = 8
-    chunk_tokens: int = 512  # prefill tokens per step on a hybrid group (chunked prefill)
+    chunk_tokens: int = 512  # largest prefill chunk per step on a hybrid group (chunked prefill)
+    # Sarathi-style SLO-aware token budget: a hybrid step's prefill chunk is halved (down to
+    # min_chunk_tokens) until the step fits the tightest TPOT among the group's running requests. With a
+    # fixed 512-token chunk a Llama-3-70B TP8 step takes 26 ms, so every interactive request (25 ms TPOT)
+    # decoding beside a prefill missed its TPOT whatever the topology. False: always chunk_tokens.
+    tpot_aware_chunks: bool = True
+    min_chunk_tokens: int = MIN_CHUNK_TOKENS  # prefill never stalls completely behind a decode batch
     prefill_batch_tokens: int = 8192  # prefill tokens per step on a prefill group
     max_batch: int = 256  # sequences in one decode batch
     block_size_tokens: int = 16
     epoch_ms: float = 1000.0  # NITSUM_RECONFIG_INTERVAL_MS
     reconfig_cost_ms: float | None = None  # None: cost model; else this fixed pause per reconfiguration
     inter_node_bandwidth_bps: float = 8 * 400e9  # P/D hand-off between nodes (8 x 400 Gb/s NICs)
+    # Arrivals per tier over this sliding window go into each epoch's snapshot (ClusterSnapshot.arrivals),
+    # as a coordinator would measure them; 0 leaves them out (the policy then scores the backlog only).
+    arrival_window_ms: float = 5000.0
     drain_ms: float = 30_000.0  # after the last arrival, how long in-flight requests may still finish
     tiers: tuple[tuple[str, Tier], ...] = tuple(DEFAULT_TIERS.items())
 
@@ -54,12 +64,14 @@ class ClusterConfig:
         from nitsum.policy.costmodel import model_spec
 
         return PolicyConfig(model=model_spec(self.model), epoch_ms=self.epoch_ms,
-                            block_size_tokens=self.block_size_tokens, chunk_tokens=self.chunk_tokens)
+                            block_size_tokens=self.block_size_tokens, chunk_tokens=self.chunk_tokens,
+                            prefill_batch_tokens=self.prefill_batch_tokens)
 
 
 class _Req:
     __slots__ = ("rid", "tier", "ttft_slo", "tpot_slo", "weight", "arrival", "prompt", "output", "prefill_done",
-                 "first_token", "finish", "group", "join_step", "base_gen", "error", "in_prefill", "kv_tokens")
+                 "first_token", "finish", "group", "join_step", "base_gen", "error", "in_prefill", "kv_tokens",
+                 "deadline")
 
     def __init__(self, rid: str, t: TraceRequest, tier: Tier) -> None:
         self.rid = rid
@@ -79,6 +91,7 @@ class _Req:
         self.error: str | None = None
         self.in_prefill = False
         self.kv_tokens = 0  # KV reserved on its group (prompt + output, reserved up front: no preemption)
+        self.deadline = t.arrival_ms + tier.ttft_ms  # TTFT deadline: prefill order is EDF
 
     def generated(self) -> int:
         if self.first_token is None:
@@ -96,9 +109,14 @@ class _Req:
         )
 
 
+def _by_deadline(r: _Req) -> float:
+    return r.deadline
+
+
 class _Group:
     __slots__ = ("gid", "node", "start", "tp", "role", "cost", "waiting", "prefilling", "running", "finish_heap",
-                 "step", "ctx_base", "busy", "paused_until", "kv_total", "kv_used", "version", "retired", "seq")
+                 "step", "ctx_base", "busy", "paused_until", "kv_total", "kv_used", "version", "retired", "seq",
+                 "tpot_counts")
 
     def __init__(self, node: "_Node", start: int, tp: int, role: str, cost: CostModel, now: float,
                  paused_until: float) -> None:
@@ -119,6 +137,17 @@ class _Group:
         self.version = 0
         self.retired = False
         self.seq = 0
+        self.tpot_counts: dict[float, int] = {}  # TPOT target -> running requests with it (tightest = min)
+
+    def add_running_tpot(self, tpot_ms: float) -> None:
+        self.tpot_counts[tpot_ms] = self.tpot_counts.get(tpot_ms, 0) + 1
+
+    def drop_running_tpot(self, tpot_ms: float) -> None:
+        left = self.tpot_counts[tpot_ms] - 1
+        if left:
+            self.tpot_counts[tpot_ms] = left
+        else:
+            del self.tpot_counts[tpot_ms]
 
     @property
     def healthy(self) -> bool:
@@ -166,6 +195,8 @@ class ClusterSim:
         self.reqs: list[_Req] = []
         self.live: dict[str, _Req] = {}
         self.coordinator_queue: list[_Req] = []
+        self.recent: list[_Req] = []  # arrivals in order; recent[recent_lo:] are inside the window
+        self.recent_lo = 0
         self.reconfigs = 0
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
@@ -192,6 +223,26 @@ class ClusterSim:
             views = tuple(r.view() for r in self.live.values() if r.first_token is None)
         return ClusterSnapshot(now_ms=self.sim.now_ms, nodes=tuple(self._node_view(n) for n in self.nodes),
                                requests=views)
+
+    def arrival_stats(self) -> tuple[ArrivalStats, ...]:
+        """Per tier, the arrivals of the last `arrival_window_ms` (shorter at the start of the run)."""
+        w = self.config.arrival_window_ms
+        now = self.sim.now_ms
+        if w <= 0 or now <= 0:
+            return ()
+        lo = self.recent_lo
+        while lo < len(self.recent) and self.recent[lo].arrival < now - w:
+            lo += 1
+        self.recent_lo = lo
+        by_tier: dict[str, list[tuple[int, int]]] = {}
+        for r in self.recent[lo:]:
+            by_tier.setdefault(r.tier, []).append((r.prompt, r.output))
+        window = min(w, now)
+        out = []
+        for name, lengths in by_tier.items():
+            tier = self.tiers.get(name) or DEFAULT_TIERS["interactive"]
+            out.append(ArrivalStats.measure(name, window, tier.ttft_ms, tier.tpot_ms, tier.weight, lengths))
+        return tuple(out)
 
     def _group(self, gid: str) -> _Group | None:
         for n in self.nodes:
@@ -241,6 +292,7 @@ class ClusterSim:
                 g_old = r.group
                 g_old.ctx_base -= r.prompt + (r.base_gen - (g_old.step - r.join_step)) - r.join_step
                 del g_old.running[r]
+                g_old.drop_running_tpot(r.tpot_slo)
             if r.group is not None:
                 r.group.kv_used -= r.kv_tokens
             r.kv_tokens = 0
@@ -262,6 +314,7 @@ class ClusterSim:
         tier = self.tiers.get(t.tier) or DEFAULT_TIERS["interactive"]
         r = _Req(f"r{len(self.reqs)}", t, tier)
         self.reqs.append(r)
+        self.recent.append(r)
         snap = self.snapshot(full=False)
         decision = self.policy.admit(snap, r.view())
         if not decision.admit:
@@ -308,6 +361,7 @@ class ClusterSim:
             return self._finish(r, self.sim.now_ms)
         r.join_step = g.step
         g.running[r] = g.step + left
+        g.add_running_tpot(r.tpot_slo)
         g.ctx_base += r.prompt + r.base_gen - g.step
         g.seq += 1
         heapq.heappush(g.finish_heap, (g.step + left, g.seq, r))
@@ -330,37 +384,65 @@ class ClusterSim:
             g.busy = True
             return [(g.paused_until, self._resume, (g, g.version))]
         c = self.config
-        # admit waiting requests into prefill while KV and the token budget allow
-        budget = c.prefill_batch_tokens if g.role == "prefill" else (c.chunk_tokens if g.role == "hybrid" else 0)
+        n_dec = len(g.running) if g.role != "prefill" else 0
+        dec_ctx = (g.ctx_base + n_dec * g.step) if n_dec else 0
+        pre = sorted(g.prefilling, key=_by_deadline)  # a copy: admissions below append to g.prefilling
+        if g.role == "prefill":
+            budget = c.prefill_batch_tokens
+        elif g.role == "hybrid":
+            # The chunk attends to the prompt tokens already prefilled: the head of the EDF line's.
+            head = pre[0] if pre else None
+            if g.waiting and (head is None or g.waiting[0][2].deadline < head.deadline):
+                head = g.waiting[0][2]
+            budget = self._hybrid_budget(g, n_dec, dec_ctx + (head.prefill_done if head is not None else 0))
+        else:
+            budget = 0
+        # Prefill work in earliest-TTFT-deadline order over both the requests already part-way through their
+        # prefill and the waiting ones: an interactive arrival is not stuck behind a long background prompt's
+        # remaining chunks (those keep their KV and resume later).
         planned: list[tuple[_Req, int]] = []
         tokens = 0
-        for r in g.prefilling:
-            if tokens >= budget:
+        i = 0
+        take_waiting = True
+        while tokens < budget:
+            p = pre[i] if i < len(pre) else None
+            w = g.waiting[0][2] if take_waiting and g.waiting else None
+            if w is not None and (p is None or w.deadline < p.deadline):
+                need = w.prompt + w.output
+                if g.kv_used + need > g.kv_total or len(g.running) + len(g.prefilling) >= c.max_batch:
+                    take_waiting = False
+                    continue
+                heapq.heappop(g.waiting)
+                g.kv_used += need
+                w.kv_tokens = need
+                w.in_prefill = True
+                g.prefilling.append(w)
+                r = w
+            elif p is not None:
+                i += 1
+                r = p
+            else:
                 break
             n = min(r.prompt - r.prefill_done, budget - tokens)
             planned.append((r, n))
             tokens += n
-        while g.waiting and tokens < budget and len(g.running) + len(g.prefilling) < c.max_batch:
-            r = g.waiting[0][2]
-            need = r.prompt + r.output
-            if g.kv_used + need > g.kv_total:
-                break
-            heapq.heappop(g.waiting)
-            g.kv_used += need
-            r.kv_tokens = need
-            r.in_prefill = True
-            g.prefilling.append(r)
-            n = min(r.prompt - r.prefill_done, budget - tokens)
-            planned.append((r, n))
-            tokens += n
-        n_dec = len(g.running) if g.role != "prefill" else 0
         if not planned and n_dec == 0:
             return []
-        ctx = (g.ctx_base + n_dec * g.step) if n_dec else 0
-        ctx += sum(r.prefill_done + n for r, n in planned)
+        ctx = dec_ctx + sum(r.prefill_done + n for r, n in planned)
         step_ms = g.cost.step_time_ms(g.tp, n_dec + len(planned), n_dec + tokens, ctx)
         g.busy = True
         return [(now + step_ms, self._step_done, (g, g.version, planned))]
+
+    def _hybrid_budget(self, g: _Group, n_dec: int, dec_ctx: int) -> int:
+        """Prefill tokens this hybrid step may carry (see ClusterConfig.tpot_aware_chunks)."""
+        c = self.config.chunk_tokens
+        if not self.config.tpot_aware_chunks or n_dec == 0:
+            return c
+        tpot = min(g.tpot_counts)
+        floor = min(self.config.min_chunk_tokens, c)
+        while c > floor and g.cost.step_time_ms(g.tp, n_dec + 1, n_dec + c, dec_ctx + c) > tpot:
+            c = max(c // 2, floor)
+        return c
 
     def _resume(self, sim: Simulator, payload: tuple) -> list[Event]:
         g, version = payload
@@ -384,6 +466,7 @@ class ClusterSim:
                 if g.running.get(r) is None:
                     continue
                 del g.running[r]
+                g.drop_running_tpot(r.tpot_slo)
                 g.ctx_base -= r.prompt + r.base_gen - r.join_step  # its term, as added when it joined
                 r.base_gen = r.output
                 events.extend(self._finish(r, now))
@@ -441,6 +524,7 @@ class ClusterSim:
             r.error = "shed"
             self.live.pop(rid, None)
         full = self.snapshot(full=True)
+        full = replace(full, arrivals=self.arrival_stats())
         for decision in self.policy.decide_topology(full):
             if decision.target is None:
                 continue

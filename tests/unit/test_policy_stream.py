@@ -1,0 +1,79 @@
+"""The adaptive policy's estimator with measured arrival streams, P/D head-of-line delay, and a hand-off in
+flight (estimate.py rules 5 and the prefill-batch term; ALGORITHMS.md §1.5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nitsum.policy.costmodel import cost_model
+from nitsum.policy.decisions import Topology
+from nitsum.policy.estimate import classes_of, evaluate, summarize
+from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+
+TP8 = "[0-7 TP8 hybrid]"
+TP4X2 = "[0-3 TP4 hybrid][4-7 TP4 hybrid]"
+PD = "[0-3 TP4 prefill][4-7 TP4 decode]"
+PROMPTS = (400, 1000, 1200, 2000)  # Azure-conv-like quartile midpoints
+
+
+def node(top: str) -> NodeView:
+    groups = tuple(GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role)
+                   for g in Topology.parse(top).groups)
+    return NodeView("n0", 8, 1, 8, groups, "h100")
+
+
+def stream_snapshot(rate_per_s: float, requests=()) -> ClusterSnapshot:
+    arrivals = (ArrivalStats("interactive", 0.3 * rate_per_s, 200.0, 25.0, 10.0, PROMPTS, 200.0),
+                ArrivalStats("background", 0.7 * rate_per_s, 10_000.0, 100.0, 1.0, PROMPTS, 200.0))
+    return ClusterSnapshot(0.0, (node(TP8),), tuple(requests), arrivals=arrivals)
+
+
+def score(top: str, snap: ClusterSnapshot, prefill_batch_tokens: int = 0):
+    load = summarize(snap, snap.nodes[0], 1000.0)
+    cost = cost_model("llama-3-70b", "h100")
+    return evaluate(cost, classes_of(Topology.parse(top).groups), load, 5000.0, 512, prefill_batch_tokens)
+
+
+def test_measure_takes_rate_quantile_midpoints_and_mean_output():
+    a = ArrivalStats.measure("bg", 2000.0, 10_000.0, 100.0, 1.0, [(p, 10 * i) for i, p in enumerate(range(100, 900, 100))])
+    assert a.rate_per_s == 4.0  # 8 arrivals in 2 s
+    assert a.prompt_tokens == (200, 400, 600, 800)  # midpoints of four equal-mass slices of 100..800
+    assert a.output_tokens == 35.0
+
+
+def test_stream_shows_a_layout_that_cannot_keep_up():
+    # 20 req/s: one TP8 group cannot prefill 23 k tokens/s (all-reduce costs it ~1/3 of its prefill rate);
+    # two TP4 groups can. The backlog alone (empty here) says nothing.
+    busy = stream_snapshot(20.0)
+    tp8, tp4 = score(TP8, busy), score(TP4X2, busy)
+    assert tp4.score > tp8.score and tp8.misses > tp4.misses
+    # At 4 req/s both keep up; TP8 then loses nothing (its faster prefill fits every interactive quantile).
+    light = stream_snapshot(4.0)
+    assert score(TP8, light).score >= score(TP4X2, light).score
+    # Without measured arrivals there is no stream term.
+    assert score(TP8, ClusterSnapshot(0.0, (node(TP8),))).score == 0.0
+
+
+def test_prefill_batches_delay_interactive_on_a_prefill_group():
+    # An 8192-token prefill batch takes ~0.6 s at TP4: a new interactive prompt waits half of it on average.
+    snap = stream_snapshot(4.0)
+    with_hol, without = score(PD, snap, prefill_batch_tokens=8192), score(PD, snap)
+    assert with_hol.misses > without.misses and with_hol.score < without.score
+
+
+def test_summarize_skips_a_request_between_groups():
+    # Prefilled, on its way to a decode group (group_id None): no group holds its KV; summarize used to crash
+    # sorting a None group id among the others.
+    on_group = RequestView("a", "interactive", 200.0, 25.0, 10.0, 0.0, 100, 10, 2, 50.0, group_id_for("n0", 0, 8))
+    in_flight = RequestView("b", "interactive", 200.0, 25.0, 10.0, 0.0, 100, 10, 1, 60.0, None)
+    load = summarize(ClusterSnapshot(100.0, (node(TP8),), (on_group, in_flight)), node(TP8), 1000.0)
+    assert load.kv_tokens_by_group == ((group_id_for("n0", 0, 8), 102),)
+
+
+@pytest.mark.parametrize("nodes, share", [(1, 1.0), (4, 0.25)])
+def test_each_node_expects_its_share_of_the_stream(nodes, share):
+    snap = stream_snapshot(20.0)
+    many = ClusterSnapshot(0.0, tuple(NodeView(f"n{i}", 8, 1, 8, node(TP8).groups, "h100") for i in range(nodes)),
+                           arrivals=snap.arrivals)
+    load = summarize(many, many.nodes[0], 1000.0)
+    assert [s.rate_per_ms for s in load.streams] == pytest.approx([6.0 * share / 1e3, 14.0 * share / 1e3])
