@@ -4,6 +4,7 @@ table loads with the cost model's loader and predicts the measured steps within 
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -95,11 +96,14 @@ def test_quick_live_profile_writes_a_loadable_table_that_predicts_the_measuremen
     points = json.loads(out.read_text())["measurements"]["points"]
     assert len(points) == 7 and {p["kind"] for p in points} == {"decode", "prefill"}
     model = CostModel(TINY, device)
+    ratios = []
     for p in points:
         predicted = model.step_time_ms(1, p["batch_size"], p["num_tokens"], p["context_tokens"])
         assert predicted == pytest.approx(p["predicted_ms"], rel=1e-3, abs=1e-4)  # the table is the fit
-        # A sane factor, not a timing threshold: the fitted model explains each measured step within 4x.
-        assert p["step_ms"] / 4 <= predicted <= p["step_ms"] * 4, p
+        ratios.append(predicted / p["step_ms"])
+    # A sane factor, not a timing threshold: the fitted model explains the typical (median) measured step
+    # within 3x. The median, because on a shared machine any single point can be slowed by a neighbour.
+    assert 1 / 3 <= statistics.median(ratios) <= 3, ratios
     assert "mean absolute percentage error" in capsys.readouterr().out
 
 

@@ -364,8 +364,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny checkpoint, made in a temp dir)")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds; used by the tests)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the workers run)")
-    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 12; --quick 3)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed prefill steps per point (default 7; --quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 12; --quick 5)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed prefill steps per point (default 7; --quick 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the device table (JSON) here")
     parser.add_argument("--write-default", action="store_true", help=f"write the device table to the shipped {DEFAULT_TABLE_PATH.relative_to(DEFAULT_TABLE_PATH.parents[3])}")
@@ -374,8 +374,8 @@ def main(argv: list[str]) -> int:
         parser.error("--threads must be >= 1")
     if args.model is not None and not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there")
-    steps = args.steps or (3 if args.quick else 12)
-    repeats = args.repeats or (2 if args.quick else 7)
+    steps = args.steps or (5 if args.quick else 12)
+    repeats = args.repeats or (3 if args.quick else 7)
     if steps < 1 or repeats < 1:
         parser.error("--steps and --repeats must be >= 1")
 
