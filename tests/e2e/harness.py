@@ -131,7 +131,11 @@ class ManualMesh:
         deadline = time.monotonic() + timeout_s
         status = {}
         while time.monotonic() < deadline:
-            status = self.admin_status()
+            try:
+                status = self.admin_status()
+            except Exception:  # a coordinator that is (re)starting answers nothing for a moment
+                time.sleep(0.2)
+                continue
             ready = [w for w in status.get("workers", []) if w["state"] == "ready"]
             if len(ready) == count:
                 return status

@@ -190,8 +190,16 @@ def test_graceful_drain_of_a_worker_and_of_the_gateway(mesh2):
     async def run():
         timeout = aiohttp.ClientTimeout(total=HANG_GUARD_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            tasks = [asyncio.create_task(stream_completion(session, mesh2.url, p, 200)) for p in batch]
-            await asyncio.sleep(0.3)
+            progress = {"tokens": 0}
+            going = asyncio.Event()
+
+            def on_token(_n):
+                progress["tokens"] += 1
+                if progress["tokens"] >= 20:
+                    going.set()
+
+            tasks = [asyncio.create_task(stream_completion(session, mesh2.url, p, 200, on_token=on_token)) for p in batch]
+            await asyncio.wait_for(going.wait(), HANG_GUARD_S)
             mesh2.services["worker-0"].signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             later = [asyncio.create_task(stream_completion(session, mesh2.url, p, 5)) for p in batch[:4]]
@@ -208,8 +216,17 @@ def test_graceful_drain_of_a_worker_and_of_the_gateway(mesh2):
     async def drain_gateway():
         timeout = aiohttp.ClientTimeout(total=HANG_GUARD_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            tasks = [asyncio.create_task(stream_completion(session, mesh2.url, p, 300)) for p in batch[:3]]
-            await asyncio.sleep(0.3)
+            started = {"n": 0}
+            first_tokens = asyncio.Event()
+
+            def on_token(n):
+                if n == 1:
+                    started["n"] += 1
+                    if started["n"] == 3:
+                        first_tokens.set()
+
+            tasks = [asyncio.create_task(stream_completion(session, mesh2.url, p, 300, on_token=on_token)) for p in batch[:3]]
+            await asyncio.wait_for(first_tokens.wait(), HANG_GUARD_S)  # every stream is in flight
             mesh2.services["gateway"].signal(signal.SIGTERM)
             await asyncio.sleep(0.1)
             async with session.get(mesh2.url + "/ready") as resp:
