@@ -47,7 +47,9 @@ def test_interactive_surge_consolidates_to_higher_tp():
     d = decide(pol, TP2X4, [inter(i) for i in range(8)], min_tp=2)
     assert d.path == "fast"
     assert d.reason.startswith("interactive surge")
-    assert str(d.target) == "[0-3 TP4 hybrid][4-5 TP2 hybrid][6-7 TP2 hybrid]"
+    # Not [0-3 TP4][4-5 TP2][6-7 TP2]: a TP2 group keeps ~8.8 k KV tokens after 70B weights, fewer than
+    # MIN_BATCH_SEQS (8) requests of 1.2 k tokens, so TP2 is no candidate level for this load.
+    assert str(d.target) == "[0-3 TP4 hybrid][4-7 TP4 hybrid]"
     assert mean_tp(d.target.shape()) > mean_tp(Topology.parse(TP2X4).shape())
     # The estimator agrees the consolidated layout serves the surge and the old one did not.
     snap = ClusterSnapshot(NOW, (node_of(TP2X4, 2),), tuple(inter(i) for i in range(8)))
@@ -55,8 +57,8 @@ def test_interactive_surge_consolidates_to_higher_tp():
     cost = pol.cost_for(snap.nodes[0])
     before = evaluate(cost, classes_of(Topology.parse(TP2X4).groups), load, 5000.0, 512)
     after = evaluate(cost, classes_of(d.target.groups), load, 5000.0, 512)
-    # Five of eight make it: the TP4 group decodes them all, the TP2 groups help prefill.
-    assert (before.latency_misses, after.latency_misses) == (8, 3)
+    # Four of eight make it: two TP4 groups prefill them in time, half of them within 200 ms.
+    assert (before.latency_misses, after.latency_misses) == (8, 4)
 
 
 def test_background_backlog_without_interactive_splits_to_lower_tp():
@@ -112,8 +114,10 @@ BACKLOG = lambda now: tuple(bg(i, now, age=i) for i in range(1000))  # noqa: E73
 def test_margin_prevents_flapping_under_a_mild_oscillation():
     base = PolicyConfig(model=model_spec("llama-3-70b"), min_dwell_ms=0.0)
     assert _oscillate(base, MILD_A, MILD_B, TP4X2) == []
-    # Without the margin the same load flips the topology every epoch: the margin is what holds it.
-    assert _oscillate(replace(base, hysteresis_margin=0.0, hysteresis_fraction=0.0), MILD_A, MILD_B, TP4X2) == list(range(1, 20))
+    # This load used to flip [TP4 x2] <-> a layout with TP2 groups every epoch without the margin; TP2 is no
+    # longer a candidate for 70B on H100 (MIN_BATCH_SEQS), so it holds even without one. What the margin
+    # holds is shown by test_dwell_bounds_changes_under_a_strong_oscillation.
+    assert _oscillate(replace(base, hysteresis_margin=0.0, hysteresis_fraction=0.0), MILD_A, MILD_B, TP4X2) == []
 
 
 def test_dwell_bounds_changes_under_a_strong_oscillation():

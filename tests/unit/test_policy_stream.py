@@ -77,3 +77,25 @@ def test_each_node_expects_its_share_of_the_stream(nodes, share):
                            arrivals=snap.arrivals)
     load = summarize(many, many.nodes[0], 1000.0)
     assert [s.rate_per_ms for s in load.streams] == pytest.approx([6.0 * share / 1e3, 14.0 * share / 1e3])
+
+
+def test_background_leaves_its_low_tp_lane_once_the_queue_eats_half_its_budget():
+    from nitsum.policy.base import PolicyConfig
+    from nitsum.policy.costmodel import model_spec
+    from nitsum.policy.registry import make_policy
+
+    pol = make_policy("adaptive", PolicyConfig(model=model_spec("llama-3-70b")))
+    lane = GroupView(group_id_for("n0", 0, 4), (0, 1, 2, 3), 4, "hybrid")  # the low-TP lane
+    big = GroupView(group_id_for("n1", 0, 8), tuple(range(8)), 8, "hybrid")
+    nodes = (NodeView("n0", 4, 1, 4, (lane,), "h100"), NodeView("n1", 8, 1, 8, (big,), "h100"))
+    new = RequestView("new", "background", 10_000.0, 100.0, 1.0, 0.0, 1000, 100)
+
+    def queued(n):
+        return tuple(RequestView(f"q{i}", "background", 10_000.0, 100.0, 1.0, 0.0, 1000, 100,
+                                 group_id=lane.group_id) for i in range(n))
+
+    # 20 queued prompts (~1.9 s of TP4 prefill): background keeps to the low-TP lane.
+    assert pol.route(ClusterSnapshot(0.0, nodes, queued(20)), new).group_id == lane.group_id
+    # 50 (~6.4 s): it would still meet its 10 s TTFT there (the old rule sent it), but with under half the
+    # budget to spare it goes to the idle TP8 group instead of deepening the lane's queue.
+    assert pol.route(ClusterSnapshot(0.0, nodes, queued(50)), new).group_id == big.group_id

@@ -6,8 +6,8 @@ slack(r, g) = deadline(r) − now − estimated remaining time of r on g:
 - prefilled (a P→D hand-off): the TPOT budget over the tokens left; remaining = those tokens at the decode
   step time g would have with r added. Candidates: usable decode and hybrid groups.
 
-Choice, in order: a group with free KV blocks for it; a group where slack ≥ 0; the TP preference of the
-request's class (latency-sensitive: highest TP, so interactive work lands on the consolidated groups;
+Choice, in order: a group with free KV blocks for it; a group where slack ≥ 0; a group where prefill slack
+is at least COMFORT_FRACTION of the TTFT target; among those, the TP preference of the request's class (latency-sensitive: highest TP, so interactive work lands on the consolidated groups;
 others: lowest TP, leaving big groups free); then the most slack per device (margin per unit of capacity);
 then the lower group id. When no group has slack ≥ 0 the request goes where it is least late.
 """
@@ -21,6 +21,7 @@ from nitsum.policy.decisions import RouteDecision
 from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView
 
 CostFor = Callable[[NodeView], CostModel]
+COMFORT_FRACTION = 0.5  # prefill slack, as a fraction of the TTFT target, under which TP preference yields
 
 
 def prefill_slack_ms(snap: ClusterSnapshot, cost: CostModel, group: GroupView, r: RequestView) -> float:
@@ -70,10 +71,14 @@ def route_by_slack(
                 slack = prefill_slack_ms(snap, cost, g, request)
             fits = _kv_fits(g, request, block_size_tokens)
             meets = slack >= 0.0
+            # The TP lane preference holds only while the group has most of the budget to spare: a lax
+            # target (background TTFT 10 s) otherwise let one low-TP group collect the whole cluster's
+            # background work until its queue was 10 s deep.
+            comfortable = slack >= COMFORT_FRACTION * request.ttft_ms if not decode_phase else meets
             tp_pref = g.tp if latency_sensitive else -g.tp
             # Sort key, larger is better. A late request ignores TP preference: least late wins.
             margin = slack / g.tp if meets else slack
-            key = (fits, meets, tp_pref if meets else 0, margin)
+            key = (fits, meets, comfortable, tp_pref if comfortable else 0, margin)
             if best is None or key > best or (key == best and g.group_id < best_group.group_id):
                 best, best_group, best_slack = key, g, slack
     if best_group is None:

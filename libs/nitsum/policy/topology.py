@@ -39,7 +39,18 @@ from nitsum.policy.estimate import NodeLoad, classes_of, evaluate, summarize
 from nitsum.policy.phases import Shape, role_variants
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView
 
-__all__ = ["AdaptivePolicy", "GroupSpec", "Topology", "candidate_shapes", "mean_tp"]
+MIN_BATCH_SEQS = 8
+
+
+def typical_context_tokens(load: NodeLoad) -> int:
+    """Largest per-tier mean context (prompt + output) among the tiers present, queued or arriving."""
+    sizes = [t.prompt_tokens + t.queued_out_tokens for t in load.tiers if t.queued]
+    sizes += [t.running_ctx_tokens + t.running_left_tokens for t in load.tiers if t.running]
+    sizes += [sum(s.prompt_tokens) / len(s.prompt_tokens) + s.output_tokens for s in load.streams]
+    return int(max(sizes, default=1))
+
+
+__all__ = ["AdaptivePolicy", "MIN_BATCH_SEQS", "typical_context_tokens", "GroupSpec", "Topology", "candidate_shapes", "mean_tp"]
 
 
 def mean_tp(shape: Shape) -> float:
@@ -135,7 +146,11 @@ class AdaptivePolicy(BasePolicy):
         current = Topology.of_node(node)
         cur_shape = current.shape()
         cur_est = evaluate(cost, classes_of(current.groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
-        levels = tuple(k for k in node.allowed_tp_levels() if cost.fits(k)) or node.allowed_tp_levels()
+        # A level whose KV room holds fewer than MIN_BATCH_SEQS typical requests cannot batch: Llama-3-70B at
+        # TP2 on H100 keeps ~8.8 k KV tokens after weights, and routing background work there starved it.
+        need = MIN_BATCH_SEQS * typical_context_tokens(load)
+        levels = (tuple(k for k in node.allowed_tp_levels() if cost.kv_capacity_tokens(k) >= need)
+                  or tuple(k for k in node.allowed_tp_levels() if cost.fits(k)) or node.allowed_tp_levels())
 
         shapes = candidate_shapes(cur_shape, node.num_devices, levels, cfg.max_steps)
         shapes = [sh for sh in shapes if all(k in levels for _, k in sh)]
