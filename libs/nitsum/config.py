@@ -232,6 +232,12 @@ class WorkerConfig(CommonConfig):
     enable_reload_free_weights: bool = setting("NITSUM_ENABLE_RELOAD_FREE_WEIGHTS", True, "cut weights once at max_tp granularity and switch TP on views")
     nvlink_p2p_migration: bool = setting("NITSUM_NVLINK_P2P_MIGRATION", False, "map peer weight blocks / copy KV peer-to-peer (CUDA)")
     role: str = setting("NITSUM_ROLE", "", "starting role: prefill | decode | hybrid (default: from the service name)")
+    node_size: int = setting("NITSUM_NODE_SIZE", 0, "workers in this node's world for run-time TP changes (0: standalone TP=1)", check=non_negative)
+    node_master_addr: str = setting("NITSUM_NODE_MASTER_ADDR", "127.0.0.1", "rendezvous address of the node world (device 0 hosts it)")
+    node_master_port: int = setting("NITSUM_NODE_MASTER_PORT", 29400, "rendezvous port of the node world", check=port)
+    min_tp: int = setting("NITSUM_MIN_TP", 1, "smallest TP level of a group", check=power_of_two)
+    fault_prepare_epoch: int = setting("NITSUM_FAULT_PREPARE_EPOCH", 0, "fault injection for tests: fail the prepare of this topology epoch (0: off)", check=non_negative)
+    world_timeout_s: float = setting("NITSUM_WORLD_TIMEOUT_S", 30.0, "timeout of one collective in the node world", check=positive)
 
     def resolved_worker_id(self) -> str:
         """NITSUM_WORKER_ID, else <node>-<device>-<host> (unique across compose replicas)."""

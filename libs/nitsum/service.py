@@ -37,6 +37,7 @@ class ServiceContext:
     stop: asyncio.Event
     bus: Bus | None = None
     drain_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    state: dict = field(default_factory=dict)  # facts the service hands back to its main() after the run
 
     @property
     def tracer(self):
@@ -82,6 +83,7 @@ def run_service(
     *,
     needs_bus: bool = True,
     metrics_port: Callable[[Any], int] | None = None,
+    state: dict | None = None,
 ) -> int:
     """Parse config, then run `body(ctx)` (which registers its work) until a stop signal; return an exit code."""
     try:
@@ -98,10 +100,10 @@ def run_service(
         uvloop.install()
     except ImportError:  # uvloop is a dependency; plain asyncio still works without it
         pass
-    return asyncio.run(_main(name, config, body, needs_bus, metrics_port))
+    return asyncio.run(_main(name, config, body, needs_bus, metrics_port, {} if state is None else state))
 
 
-async def _main(name, config, body, needs_bus, metrics_port) -> int:
+async def _main(name, config, body, needs_bus, metrics_port, state) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -114,7 +116,7 @@ async def _main(name, config, body, needs_bus, metrics_port) -> int:
     # leak of tasks shows as growth over time without a sampling task of its own.
     metrics.asyncio_tasks().set_function(lambda: len(asyncio.all_tasks(loop)))
     async with AsyncExitStack() as stack:
-        ctx = ServiceContext(name=name, config=config, metrics=metrics, stack=stack, stop=stop)
+        ctx = ServiceContext(name=name, config=config, metrics=metrics, stack=stack, stop=stop, state=state)
         stack.callback(shutdown_tracing)
         try:
             if needs_bus:

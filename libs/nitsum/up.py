@@ -80,6 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default="", help="logs and spans go here (default: NITSUM_HOME/run/<time>)")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for /ready")
     p.add_argument("--prefill-workers", type=int, default=0, help="how many of the workers start as prefill-workers")
+    p.add_argument("--no-node-world", action="store_true", help="standalone TP=1 workers: no run-time TP changes")
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error("--devices must be >= 1")
@@ -164,9 +165,12 @@ def main(argv: list[str]) -> int:
         Child("coordinator", "coordinator", env_for("coordinator"), run_dir / "coordinator.log"),
         Child("flow-scheduler", "flow-scheduler", env_for("flow-scheduler"), run_dir / "flow-scheduler.log"),
     ]
+    # Workers of the node join one process world (pre-built groups, shared weights) so that the
+    # coordinator can merge and split them at run time.
+    world = {} if args.no_node_world or args.max_tp == 1 else {"NITSUM_NODE_SIZE": str(args.devices), "NITSUM_NODE_MASTER_PORT": str(free_port())}
     for i in range(args.devices):
         service = "prefill-worker" if i < args.prefill_workers else "decode-worker"
-        children.append(Child(f"worker-{i}", service, env_for("worker", NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=f"node0-{i}"), run_dir / f"worker-{i}.log"))
+        children.append(Child(f"worker-{i}", service, env_for("worker", NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=f"node0-{i}", **world), run_dir / f"worker-{i}.log"))
     children.append(Child("gateway", "gateway", env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host), run_dir / "gateway.log"))
 
     stopping = {"flag": False}
@@ -247,6 +251,11 @@ def _supervise(children: list[Child], stopping: dict, run_dir: Path) -> int:
                 return 1
             print(f"nitsum up: {child.name} died ({why}); restarting it. Last lines of {child.log_path}:\n{child.tail()}", file=sys.stderr, flush=True)
             child.restarts.append(now)
+            if child.env.get("NITSUM_NODE_SIZE", "0") != "0":
+                # A process world cannot take a member back: the restarted worker serves standalone (TP=1)
+                # and the coordinator stops changing TP on this node until the mesh is restarted.
+                child.env = {**child.env, "NITSUM_NODE_SIZE": "0"}
+                print(f"nitsum up: {child.name} rejoins as a standalone TP=1 worker; run-time TP changes on this node are off until restart", file=sys.stderr, flush=True)
             child.start()
             write_pids(children, run_dir)
         time.sleep(0.5)

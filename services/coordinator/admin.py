@@ -63,6 +63,9 @@ class AdminPlane:
                     "kv_blocks_free": s.kv_blocks_free,
                     "kv_blocks_total": s.kv_blocks_total,
                     "model": s.model_name,
+                    "leader": s.leader,
+                    "epoch": s.epoch,
+                    "in_world": s.in_world,
                 }
             )
             group = groups.setdefault(s.group_id, {"group_id": s.group_id, "tp": s.tp, "role": s.role, "node_id": s.node_id, "members": []})
@@ -77,6 +80,7 @@ class AdminPlane:
             "queue_depth": {tier: depth.get(tier, 0) for tier in ("interactive", "background")},
             "requests_in_flight": len(c.members.requests),
             "last_decisions": c.last_decisions,
+            "transitions": c.transitions.history[-5:],
         }
 
     async def cmd_set_policy(self, body: dict) -> dict:
@@ -93,7 +97,23 @@ class AdminPlane:
         topology = body.get("topology")
         if not isinstance(topology, str) or not topology:
             return _error("bad_request", "set-topology needs 'topology', e.g. '[0-1 TP2 hybrid][2 TP1 decode][3 TP1 decode]'")
-        return _error("not_supported", "run-time TP changes are not available in this build: every worker serves TP=1")
+        from nitsum.policy.decisions import Topology
+        from nitsum_services.coordinator.transition import TransitionError
+
+        node_id = body.get("node_id", "node0")
+        if not isinstance(node_id, str):
+            return _error("bad_request", "'node_id' must be a string")
+        try:
+            target = Topology.parse(topology)
+        except (ValueError, AssertionError) as exc:
+            return _error("bad_topology", f"cannot parse {topology!r}: {exc}")
+        try:
+            report = await self.coordinator.transitions.apply(node_id, target, "admin set-topology")
+        except TransitionError as exc:
+            return _error("cannot_change", str(exc))
+        if not report["ok"]:
+            return {"ok": False, "error": {"code": "transition_failed", "message": report.get("error", "")}, "transition": report}
+        return {"ok": True, "transition": report}
 
     async def cmd_drain(self, body: dict) -> dict:
         worker_id = body.get("worker_id")

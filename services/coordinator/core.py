@@ -20,6 +20,7 @@ from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
 from nitsum_services.coordinator.membership import Membership
 from nitsum_services.coordinator.snapshot import build_snapshot
+from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
 log = logging.getLogger("nitsum.coordinator")
 
@@ -44,6 +45,7 @@ class Coordinator:
         self.epoch = 0
         self.last_decisions: list[dict] = []
         self.last_reconfig_ms: dict[str, float] = {}
+        self.transitions = TransitionAgent(self)
 
     # ---- policy ----------------------------------------------------------------------------------
     @staticmethod
@@ -156,8 +158,15 @@ class Coordinator:
                 for d in decisions
             ]
             for d in decisions:
-                if d.target is not None:
-                    log.info("policy %s wants %s on %s (%s); run-time TP changes are not wired into this build", self.policy_spec, d.target, d.node_id, d.reason)
+                if d.target is None or self.transitions.lock.locked():
+                    continue
+                try:
+                    self.transitions.check(d.node_id, d.target)
+                except TransitionError as exc:
+                    log.debug("policy %s wants %s on %s but: %s", self.policy_spec, d.target, d.node_id, exc)
+                    continue
+                task = asyncio.create_task(self.transitions.apply(d.node_id, d.target, f"policy {self.policy_spec}: {d.reason}", decide_ms))
+                task.add_done_callback(_log_failure)
             # Only work still waiting at the coordinator is shed; a request a worker has started is never killed
             # (its tokens are already being paid for, and the client is waiting for them).
             waiting = {r.request_id for r in snap.requests if r.group_id is None}
@@ -176,6 +185,11 @@ class Coordinator:
         tp = self.ctx.metrics.current_tp_level()
         for worker_id, record in self.members.workers.items():
             tp.labels(worker=worker_id).set(record.stats.tp)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("transition failed: %s", task.exception())
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

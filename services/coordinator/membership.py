@@ -26,7 +26,7 @@ class WorkerRecord:
 
     @property
     def routable(self) -> bool:
-        return self.stats.state == "ready" and not self.draining_by_admin
+        return self.stats.state == "ready" and not self.draining_by_admin and self.stats.leader
 
     def load(self) -> int:
         return len(self.inflight())
@@ -75,6 +75,13 @@ class Membership:
             # Rebuild after a restart: a request we did not route is still ours to track.
             if rid not in self.requests:
                 self.requests[rid] = InflightRequest(rid, "unknown", stats.worker_id, now_s)
+            elif self.requests[rid].worker_id != stats.worker_id:
+                # A TP change moved it to this worker (its new group leader).
+                moved = self.requests[rid]
+                old = self.workers.get(moved.worker_id)
+                if old is not None:
+                    old.assigned.pop(rid, None)
+                moved.worker_id = stats.worker_id
         # A request routed before this heartbeat was built and not listed in it has finished.
         grace_s = 1.0
         for rid, routed_s in list(record.assigned.items()):

@@ -14,7 +14,8 @@ ROLE_FOR_POLICY = {"prefill": "prefill", "decode": "decode", "hybrid": "hybrid"}
 def build_snapshot(members: Membership, now_ms: float, epoch: int, max_tp: int, min_tp: int, device_kind: str, last_reconfig_ms: dict[str, float] | None = None) -> ClusterSnapshot:
     nodes: dict[str, list] = {}
     seen_groups: set[str] = set()
-    for record in members.workers.values():
+    # One view per group, from its leader (it holds the group's queue and KV numbers).
+    for record in sorted(members.workers.values(), key=lambda r: not r.stats.leader):
         s = record.stats
         if s.group_id in seen_groups:
             continue

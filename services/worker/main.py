@@ -1,14 +1,20 @@
 """`nitsum serve prefill-worker|decode-worker`: one engine per device, driven over NATS.
 
-Subscriptions: `worker.<id>.run` (RunRequest → RunAck), the abort broadcast, `coordinator_up` (answer with
-fresh stats at once). Heartbeats: WorkerStats every NITSUM_HEARTBEAT_INTERVAL_MS. SIGTERM: report
-`draining` (no new work is routed here), let running requests finish, hand the rest back, exit.
+Subscriptions: `worker.<id>.run` (RunRequest → RunAck), `worker.<id>.control` (topology Prepare / Commit /
+Abort → TopologyAck), the abort broadcast, `coordinator_up` (answer with fresh stats at once).
+Heartbeats: WorkerStats every NITSUM_HEARTBEAT_INTERVAL_MS. SIGTERM: report `draining` (no new work is
+routed here), let running requests finish, hand the rest back, exit.
+
+With NITSUM_NODE_SIZE > 1 every worker of the node joins one process world at boot (pre-built groups for
+every aligned TP group) and maps the host-wide shared weight store, so the coordinator can merge and
+split groups at run time; otherwise the worker is a standalone TP=1 engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 
@@ -17,49 +23,85 @@ import torch
 from nitsum.config import WorkerConfig
 from nitsum.modelpath import resolve_model_dir
 from nitsum.service import ServiceContext, run_service
-from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, WorkerStats
+from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
+from nitsum_services.worker.backend import NodeBackend, PlainBackend
 from nitsum_services.worker.session import WorkerSession
 
 log = logging.getLogger("nitsum.worker")
 
 DRAIN_TIMEOUT_S = 30.0
+CONTROL_TIMEOUT_S = 120.0
+
+
+def _engine_config(config: WorkerConfig, role: str):
+    from nitsum.engine import EngineConfig
+
+    model_dir = resolve_model_dir(config.model)
+    return EngineConfig(
+        model_dir=str(model_dir),
+        device=config.device if config.device == "cpu" else f"cuda:{config.device_index}",
+        dtype=config.dtype,
+        block_size=config.block_size,
+        kv_cache_mb=config.kv_cache_mb,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        role=role,
+    )
 
 
 def build_engine(config: WorkerConfig, role: str):
-    from nitsum.engine import Engine, EngineConfig
+    from nitsum.engine import Engine
 
     torch.set_num_threads(config.torch_threads)
-    model_dir = resolve_model_dir(config.model)
-    return Engine(
-        EngineConfig(
-            model_dir=str(model_dir),
-            device=config.device if config.device == "cpu" else f"cuda:{config.device_index}",
-            dtype=config.dtype,
-            block_size=config.block_size,
-            kv_cache_mb=config.kv_cache_mb,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            role=role,
-        )
+    return Engine(_engine_config(config, role))
+
+
+def build_backend(config: WorkerConfig, role: str):
+    """A standalone engine, or this worker's share of the node world (boot store + pre-built groups)."""
+    torch.set_num_threads(config.torch_threads)
+    if config.node_size <= 1:
+        return PlainBackend(build_engine(config, role), config.device_index)
+    from nitsum.engine.node import NodeRuntime
+    from nitsum.kv.reshard import Topology
+    from nitsum.parallel.weights import SharedWeightStore
+    from nitsum.parallel.world import NodeWorld
+
+    cfg = _engine_config(config, role)
+    world = NodeWorld(
+        config.device_index, config.node_size, config.node_master_addr, config.node_master_port,
+        device=config.device, min_tp=config.min_tp, max_tp=config.max_tp, timeout_s=config.world_timeout_s,
     )
+    store = SharedWeightStore.open(cfg.model_dir, cfg.dtype)
+    def failure_hook(phase: str, epoch: int) -> None:
+        if phase == "prepare" and epoch == config.fault_prepare_epoch:
+            raise RuntimeError(f"injected failure (NITSUM_FAULT_PREPARE_EPOCH={epoch})")
+
+    runtime = NodeRuntime(world, cfg, store.tensors, Topology.uniform(config.node_size, 1), failure_hook)
+    engine = runtime.engine
+    return NodeBackend(runtime, engine.model_name, engine.max_model_len)
+
+
+def group_id_of(node_id: str, start: int, tp: int) -> str:
+    return f"{node_id}-g{start}-tp{tp}"
 
 
 def make_body(service_name: str):
     async def body(ctx: ServiceContext) -> None:
         config: WorkerConfig = ctx.config
         role = config.role or ("prefill" if service_name == "prefill-worker" else "decode")
-        # On CPU one worker process stands for one device; a lone worker serves whole requests (hybrid).
+        # On CPU one worker process stands for one device; every group serves whole requests (hybrid).
         engine_role = "hybrid"
         worker_id = config.resolved_worker_id()
         instance_id = uuid.uuid4().hex[:12]
-        engine = await asyncio.to_thread(build_engine, config, engine_role)
+        backend = await asyncio.to_thread(build_backend, config, engine_role)
+        ctx.state["in_world"] = backend.in_world
         bus = ctx.bus
-        session = WorkerSession(engine, bus, worker_id, ctx.metrics, ctx.tracer)
+        session = WorkerSession(backend, bus, worker_id, ctx.metrics, ctx.tracer)
         state = {"value": "ready"}
-        ctx.metrics.current_tp_level().labels(worker=worker_id).set(1)
 
         def stats_message() -> WorkerStats:
             s = session.stats()
+            start, tp = backend.group
             return WorkerStats(
                 worker_id=worker_id,
                 node_id=config.node_id,
@@ -67,10 +109,10 @@ def make_body(service_name: str):
                 device=config.device,
                 role=engine_role,
                 state=state["value"],
-                group_id=worker_id,
-                tp=1,
-                model_name=engine.model_name,
-                max_model_len=engine.max_model_len,
+                group_id=group_id_of(config.node_id, start, tp),
+                tp=tp,
+                model_name=backend.model_name,
+                max_model_len=backend.max_model_len,
                 num_running=len(session.running),
                 num_waiting=s.num_waiting,
                 kv_blocks_free=s.num_kv_blocks_free,
@@ -83,15 +125,21 @@ def make_body(service_name: str):
                 num_cached_prompt_tokens=s.num_cached_prompt_tokens,
                 num_aborted=session.num_aborted,
                 instance_id=instance_id,
+                epoch=backend.epoch,
+                in_world=backend.in_world,
+                leader=backend.is_leader,
             )
 
         async def publish_stats() -> None:
+            ctx.metrics.current_tp_level().labels(worker=worker_id).set(backend.group[1])
             ctx.metrics.worker_requests_running().labels(worker=worker_id).set(len(session.running))
             ctx.metrics.kv_blocks_free().labels(worker=worker_id).set(session.stats().num_kv_blocks_free)
             try:
                 await bus.publish(bus.subjects.worker_stats, stats_message())
             except Exception as exc:  # NATS may be restarting; the next beat retries
                 log.debug("stats not sent: %s", exc)
+
+        session.on_topology_change = publish_stats
 
         async def on_run(run: RunRequest, _delivery) -> RunAck:
             rid = run.request.request_id
@@ -103,11 +151,36 @@ def make_body(service_name: str):
             session.submit(run)
             return RunAck(rid, worker_id, True)
 
+        async def on_control(msg, _delivery) -> TopologyAck:
+            phase = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "abort"}[type(msg)]
+            if not isinstance(backend, NodeBackend):
+                return TopologyAck(worker_id, msg.epoch, False, phase, "this worker is not in a node world (NITSUM_NODE_SIZE)")
+            if not backend.is_leader:
+                return TopologyAck(worker_id, msg.epoch, False, phase, "commands enter a group through its leader")
+            from nitsum.engine.node import NodeCommand
+
+            groups = tuple(sorted((g.start, g.tp) for g in msg.groups)) if phase == "prepare" else ()
+            with ctx.tracer.start_as_current_span(f"worker.topology.{phase}", attributes={"nitsum.epoch": msg.epoch, "nitsum.worker": worker_id}) as span:
+                try:
+                    ack = await asyncio.wait_for(session.control(NodeCommand(phase, msg.epoch, groups)), CONTROL_TIMEOUT_S)
+                except (asyncio.TimeoutError, RuntimeError) as exc:
+                    span.set_attribute("nitsum.error", str(exc))
+                    return TopologyAck(worker_id, msg.epoch, False, phase, f"{type(exc).__name__}: {exc}")
+                span.set_attribute("nitsum.ok", ack.ok)
+                if not ack.ok:
+                    span.set_attribute("nitsum.error", ack.reason)
+            if phase == "commit" and ack.ok:
+                ctx.metrics.kv_migration_bytes_total().inc(ack.bytes_moved)
+            return TopologyAck(worker_id, ack.epoch, ack.ok, ack.phase, ack.reason, ack.duration_ms)
+
         async def on_abort(msg: AbortRequest, _delivery) -> None:
             if msg.worker_id and msg.worker_id != worker_id:
                 return
             if session.abort(msg.request_id, msg.reason):
                 log.info("aborted %s (%s)", msg.request_id, msg.reason)
+
+        async def on_coordinator_up(_msg) -> None:
+            await publish_stats()
 
         async def heartbeat() -> None:
             period_s = config.heartbeat_interval_ms / 1000.0
@@ -119,11 +192,9 @@ def make_body(service_name: str):
                     pass
 
         await bus.subscribe(bus.subjects.worker_run(worker_id), on_run, expected=RunRequest)
+        await bus.subscribe(bus.subjects.worker_control(worker_id), on_control, expected=(TopologyPrepare, TopologyCommit, TopologyAbort), concurrent=True)
         await bus.subscribe(bus.subjects.abort, on_abort, expected=AbortRequest)
-        async def on_coordinator_up_raw(_msg) -> None:
-            await publish_stats()
-
-        await bus.nc.subscribe(bus.subjects.coordinator_up, cb=on_coordinator_up_raw)
+        await bus.nc.subscribe(bus.subjects.coordinator_up, cb=on_coordinator_up)
         engine_stop = asyncio.Event()
         loop_task = asyncio.create_task(session.run(engine_stop))
         beat_task = asyncio.create_task(heartbeat())
@@ -150,4 +221,9 @@ def make_body(service_name: str):
 
 def main(argv: list[str]) -> int:
     service_name = argv[0] if argv and argv[0] in ("prefill-worker", "decode-worker") else "decode-worker"
-    return run_service(service_name, WorkerConfig, argv[1:] if argv and argv[0] == service_name else argv, make_body(service_name))
+    state: dict = {}
+    code = run_service(service_name, WorkerConfig, argv[1:] if argv and argv[0] == service_name else argv, make_body(service_name), state=state)
+    if state.get("in_world"):
+        # A peer's step thread may sit in a collective that will never complete now; do not wait for it.
+        os._exit(code)
+    return code

@@ -1,7 +1,10 @@
 """The worker's async half: feeds requests into the engine, steps it in a thread, streams tokens out.
 
-The engine is not thread-safe, so the event loop never touches it while a step runs: adds and aborts
-go into an inbox that the step thread applies right before each step.
+The engine is not thread-safe, so the event loop never touches it while a step runs: adds, aborts and
+topology commands go into an inbox that the step thread applies right before each step. A worker that
+is a peer in a TP>1 group takes no requests: its thread follows the group leader's step plans. A
+topology commit can turn a leader into a peer (its requests now live with the new leader) or a peer into
+a leader (it adopts the requests moved to it and streams their tokens from the next index on).
 """
 
 from __future__ import annotations
@@ -25,15 +28,21 @@ log = logging.getLogger("nitsum.worker")
 
 @dataclass
 class Running:
-    request: SubmitRequest
+    request_id: str
+    stream_subject: str
+    prompt_len: int
     next_index: int
     span: trace.Span
     started_s: float = field(default_factory=time.monotonic)
 
 
 class WorkerSession:
-    def __init__(self, engine, bus: Bus, worker_id: str, metrics: Metrics, tracer: trace.Tracer) -> None:
-        self.engine = engine
+    # Aborts for these reasons end the stream with an error chunk (the client must hear why); the others
+    # (client gone, request moved elsewhere) end it silently.
+    TOLD_REASONS = ("shed", "admin")
+
+    def __init__(self, backend, bus: Bus, worker_id: str, metrics: Metrics, tracer: trace.Tracer) -> None:
+        self.backend = backend
         self.bus = bus
         self.worker_id = worker_id
         self.metrics = metrics
@@ -44,17 +53,20 @@ class WorkerSession:
         self._wake = asyncio.Event()
         self.step_ms_ewma = 0.0
         self.num_aborted = 0
-        self._stats = engine.stats()
+        self._stats = backend.stats()
+        self.on_topology_change = None  # async callback after a commit changed this worker's group
 
     # ---- called from the event loop -------------------------------------------------------------
     def validate(self, run: RunRequest) -> str:
         """Why this request cannot run here ("" when it can)."""
         req = run.request
+        if not self.backend.is_leader:
+            return "not a group leader"
         if req.request_id in self.running:
             return "duplicate request id"
         total = len(req.prompt_token_ids) + len(req.output_token_ids) + req.sampling.max_tokens
-        if total > self.engine.max_model_len:
-            return f"prompt + max_tokens = {total} exceeds the model context of {self.engine.max_model_len}"
+        if total > self.backend.max_model_len:
+            return f"prompt + max_tokens = {total} exceeds the model context of {self.backend.max_model_len}"
         if not req.prompt_token_ids:
             return "empty prompt"
         return ""
@@ -72,14 +84,19 @@ class WorkerSession:
                 "nitsum.attempt": req.attempt,
             },
         )
-        self.running[req.request_id] = Running(req, next_index=len(req.output_token_ids), span=span)
-        with self._inbox_lock:
-            self._inbox.append(("add", req))
-        self._wake.set()
+        self.running[req.request_id] = Running(req.request_id, req.stream_subject, len(req.prompt_token_ids), len(req.output_token_ids), span)
+        self._put(("add", req))
 
-    # Aborts for these reasons end the stream with an error chunk (the client must hear why); the others
-    # (client gone, request moved elsewhere) end it silently.
-    TOLD_REASONS = ("shed", "admin")
+    def control(self, command) -> asyncio.Future:
+        """Queue a topology command for the next step boundary; the future resolves to its ack."""
+        future = asyncio.get_running_loop().create_future()
+        self._put(("control", (command, future)))
+        return future
+
+    def _put(self, item) -> None:
+        with self._inbox_lock:
+            self._inbox.append(item)
+        self._wake.set()
 
     def abort(self, request_id: str, reason: str) -> bool:
         state = self.running.get(request_id)
@@ -87,14 +104,12 @@ class WorkerSession:
             return False
         if reason.split(":")[0] in self.TOLD_REASONS:
             chunk = TokenChunk(request_id, self.worker_id, state.next_index, (), finished=True, finish_reason="error", error_code=reason, error_message=f"the request was {reason}: it cannot meet its SLO")
-            task = asyncio.ensure_future(self.bus.publish(state.request.stream_subject, chunk))
+            task = asyncio.ensure_future(self.bus.publish(state.stream_subject, chunk))
             task.add_done_callback(lambda t: t.exception())
         self.running.pop(request_id, None)
-        with self._inbox_lock:
-            self._inbox.append(("abort", request_id))
-        self._wake.set()
+        self._put(("abort", request_id))
         self.num_aborted += 1
-        self.metrics.aborted_requests_total().labels(reason=reason).inc()
+        self.metrics.aborted_requests_total().labels(reason=reason.split(":")[0]).inc()
         mark_error(state.span, f"aborted: {reason}")
         state.span.end()
         return True
@@ -106,11 +121,18 @@ class WorkerSession:
     def idle(self) -> bool:
         return not self.running and not self._inbox
 
-    # ---- the step loop ----------------------------------------------------------------------------
-    def _apply_inbox_and_step(self):
+    # ---- the step thread ----------------------------------------------------------------------------
+    def _iteration(self):
+        """One turn of the step thread: (outputs, rejected, stats, control results, followed plan kind)."""
         from nitsum.engine import SamplingParams
 
+        backend = self.backend
+        if not backend.is_leader:
+            kind = backend.follow()  # blocks until the leader's next plan
+            acks = [(None, backend.runtime.last_ack)] if kind == "control" else []
+            return [], [], backend.stats(), acks, kind
         rejected: list[tuple[str, str]] = []
+        acks = []
         with self._inbox_lock:
             items = list(self._inbox)
             self._inbox.clear()
@@ -120,34 +142,39 @@ class WorkerSession:
                 s = req.sampling
                 try:
                     params = SamplingParams(
-                        max_tokens=s.max_tokens,
-                        temperature=s.temperature,
-                        top_p=s.top_p,
-                        top_k=s.top_k,
-                        seed=s.seed,
-                        stop=s.stop,
-                        stop_token_ids=s.stop_token_ids,
-                        ignore_eos=s.ignore_eos,
+                        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
                     )
-                    self.engine.add_request(req.request_id, list(req.prompt_token_ids) + list(req.output_token_ids), params)
-                except ValueError as exc:
+                    backend.add_request(req.request_id, list(req.prompt_token_ids) + list(req.output_token_ids), params)
+                except (ValueError, AssertionError) as exc:
                     rejected.append((req.request_id, str(exc)))
+            elif op == "abort":
+                backend.abort(payload)
             else:
-                self.engine.abort(payload)
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
-        return outputs, rejected, self.engine.stats()
+                command, future = payload
+                acks.append((future, backend.command(command)))
+                if not backend.is_leader:
+                    break  # this worker became a peer: the rest of the inbox is answered by the loop
+        outputs = backend.step() if backend.is_leader and backend.has_unfinished() else []
+        if not outputs and backend.is_leader and not backend.has_unfinished():
+            backend.idle_tick()
+        return outputs, rejected, backend.stats(), acks, "step"
 
     async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
         while not stop.is_set():
-            if not self._inbox and not self.engine.has_unfinished():
+            if self.backend.is_leader and not self._inbox and not self.backend.has_unfinished():
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)
                 except asyncio.TimeoutError:
+                    if getattr(self.backend, "in_world", False):
+                        await loop.run_in_executor(None, self.backend.idle_tick)
                     continue
+            leader_before = self.backend.is_leader
             t0 = time.perf_counter()
             try:
-                outputs, rejected, self._stats = await asyncio.to_thread(self._apply_inbox_and_step)
+                outputs, rejected, self._stats, acks, _kind = await loop.run_in_executor(None, self._iteration)
             except Exception as exc:  # an engine failure fails the requests in flight, loudly
                 log.exception("engine step failed")
                 await self._fail_all("engine_error", f"{type(exc).__name__}: {exc}")
@@ -155,10 +182,41 @@ class WorkerSession:
             step_ms = (time.perf_counter() - t0) * 1000.0
             if outputs:
                 self.step_ms_ewma = step_ms if self.step_ms_ewma == 0 else 0.9 * self.step_ms_ewma + 0.1 * step_ms
+            for future, ack in acks:
+                if future is not None and not future.done():
+                    future.set_result(ack)
+            if acks and any(a.phase == "commit" and a.ok for _, a in acks):
+                await self._after_commit(leader_before)
             for request_id, reason in rejected:
                 await self._finish_error(request_id, "invalid_request", reason)
             for out in outputs:
                 await self._publish(out)
+            if not self.backend.is_leader:
+                self._refuse_queued("not a group leader any more")
+
+    async def _after_commit(self, was_leader: bool) -> None:
+        """Reconcile the streams this worker publishes with the requests its engine now holds."""
+        held = self.backend.output_counts()
+        for request_id in [r for r in self.running if r not in held]:
+            state = self.running.pop(request_id)
+            state.span.add_event("migrated", {"nitsum.group": str(self.backend.group)})
+            state.span.end()
+        for request_id, produced in held.items():
+            if request_id not in self.running:
+                span = self.tracer.start_span("worker.generate", attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.adopted": True})
+                self.running[request_id] = Running(request_id, self.bus.subjects.stream(request_id), 0, produced, span)
+        if self.on_topology_change is not None:
+            await self.on_topology_change()
+
+    def _refuse_queued(self, reason: str) -> None:
+        with self._inbox_lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for op, payload in items:
+            if op == "control":
+                _command, future = payload
+                if not future.done():
+                    future.set_exception(RuntimeError(reason))
 
     async def _publish(self, out) -> None:
         state = self.running.get(out.request_id)
@@ -173,7 +231,7 @@ class WorkerSession:
             text=out.text_delta,
             finished=out.finished,
             finish_reason=out.finish_reason or "",
-            num_prompt_tokens=len(state.request.prompt_token_ids),
+            num_prompt_tokens=state.prompt_len,
             num_cached_prompt_tokens=out.num_cached_prompt_tokens,
         )
         state.next_index += len(tokens)
@@ -184,7 +242,7 @@ class WorkerSession:
             state.span.set_attribute("nitsum.finish_reason", out.finish_reason or "")
             state.span.end()
         try:
-            await self.bus.publish(state.request.stream_subject, chunk)
+            await self.bus.publish(state.stream_subject, chunk)
         except Exception as exc:  # NATS down: the gateway's stream timeout re-routes the request
             log.warning("could not publish tokens of %s: %s", out.request_id, exc)
 
@@ -205,12 +263,11 @@ class WorkerSession:
             error_message=message,
         )
         try:
-            await self.bus.publish(state.request.stream_subject, chunk)
+            await self.bus.publish(state.stream_subject, chunk)
         except Exception as exc:
             log.warning("could not report the failure of %s: %s", request_id, exc)
 
     async def _fail_all(self, code: str, message: str) -> None:
         for request_id in list(self.running):
-            with self._inbox_lock:
-                self._inbox.append(("abort", request_id))
+            self._put(("abort", request_id))
             await self._finish_error(request_id, code, message)

@@ -35,7 +35,7 @@ import torch
 from nitsum.engine import migration
 from nitsum.engine.engine import Engine
 from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
-from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
+from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
 from nitsum.engine.runner import ModelRunner, num_kv_blocks_for
 from nitsum.kv.reshard import (
     Group,
@@ -175,6 +175,12 @@ class NodeRuntime:
             tp_group.broadcast_bytes(StepPlan(kind=PLAN_KIND_CONTROL, step_id=0, control=cmd.encode()).encode())
         return self.apply(cmd)
 
+    def keepalive(self) -> None:
+        """Leader, while idle: tell the peers there is nothing to run (keeps their broadcast alive)."""
+        tp_group = self._tp_group(self.group)
+        if self.is_leader and tp_group.size > 1:
+            tp_group.broadcast_bytes(StepPlan(kind=PLAN_KIND_NOOP, step_id=0).encode())
+
     def shutdown(self) -> None:
         assert self.engine is not None, "the leader shuts its group down"
         self.engine.shutdown()
@@ -188,6 +194,8 @@ class NodeRuntime:
             self.runner.execute(plan)
         elif plan.kind == PLAN_KIND_CONTROL:
             self.last_ack = self.apply(NodeCommand.decode(plan.control))
+        elif plan.kind == PLAN_KIND_NOOP:
+            pass
         else:
             assert plan.kind == PLAN_KIND_SHUTDOWN, f"unexpected plan kind {plan.kind}"
         return plan.kind

@@ -15,6 +15,9 @@ PLAN_KIND_STEP = "step"
 PLAN_KIND_SHUTDOWN = "shutdown"
 # A topology command (msgpack in `control`) every member runs at this step boundary, see engine/node.py.
 PLAN_KIND_CONTROL = "control"
+# Nothing to run: an idle leader sends it now and then so that peers waiting in a broadcast never hit
+# the process group's timeout.
+PLAN_KIND_NOOP = "noop"
 PLAN_SCHEMA_VERSION = 1
 MAX_PLAN_BYTES = 64 * 1024 * 1024
 
@@ -47,7 +50,7 @@ class StepPlan:
         if len(payload) > MAX_PLAN_BYTES:
             raise ValueError(f"step plan of {len(payload)} bytes exceeds {MAX_PLAN_BYTES}")
         kind, version, step_id, body, *rest = msgpack.unpackb(payload, raw=False)
-        if kind not in (PLAN_KIND_STEP, PLAN_KIND_SHUTDOWN, PLAN_KIND_CONTROL):
+        if kind not in (PLAN_KIND_STEP, PLAN_KIND_SHUTDOWN, PLAN_KIND_CONTROL, PLAN_KIND_NOOP):
             raise ValueError(f"unknown step plan kind {kind!r}")
         if version != PLAN_SCHEMA_VERSION:
             raise ValueError(f"step plan schema {version} != {PLAN_SCHEMA_VERSION}")

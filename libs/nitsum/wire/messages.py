@@ -154,6 +154,9 @@ class WorkerStats:
     num_cached_prompt_tokens: int = 0
     num_aborted: int = 0
     instance_id: str = ""  # new on every process start: a restarted worker is a new instance
+    epoch: int = 0  # the last topology epoch this worker committed
+    in_world: bool = False  # member of its node's process world (can take part in TP changes)
+    leader: bool = True  # leads its group (only leaders take requests)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,112 @@
+"""What the worker session drives: a plain TP=1 engine, or this worker's share of a node whose TP groups
+change at run time (`NodeRuntime`). Both answer the same calls; only the node backend can become a peer
+(it then follows its group leader's step plans instead of taking requests)."""
+
+from __future__ import annotations
+
+import time
+
+from nitsum.engine.params import EngineStats
+
+KEEPALIVE_S = 5.0
+_IDLE_STATS = EngineStats(
+    num_running=0, num_waiting=0, num_kv_blocks_total=0, num_kv_blocks_free=0, num_prefill_tokens_computed=0,
+    num_cached_prompt_tokens=0, cached_block_hashes=[], num_preemptions=0, num_pinned=0,
+)
+
+
+class PlainBackend:
+    in_world = False
+    epoch = 0
+
+    def __init__(self, engine, device_index: int) -> None:
+        self.engine = engine
+        self.device_index = device_index
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+
+    @property
+    def is_leader(self) -> bool:
+        return True
+
+    @property
+    def group(self) -> tuple[int, int]:
+        return (self.device_index, 1)
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.engine.add_request(request_id, prompt, params)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def step(self):
+        return self.engine.step()
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def output_counts(self) -> dict[str, int]:
+        return {}
+
+    def idle_tick(self) -> None:
+        return None
+
+
+class NodeBackend:
+    in_world = True
+
+    def __init__(self, runtime, model_name: str, max_model_len: int) -> None:
+        self.runtime = runtime
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._last_broadcast_s = time.monotonic()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.runtime.is_leader
+
+    @property
+    def epoch(self) -> int:
+        return self.runtime.epoch
+
+    @property
+    def group(self) -> tuple[int, int]:
+        g = self.runtime.group
+        return (g.start, g.tp)
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.runtime.add_request(request_id, prompt, params)
+
+    def abort(self, request_id: str) -> bool:
+        return self.runtime.engine.abort(request_id) if self.runtime.engine is not None else False
+
+    def step(self):
+        self._last_broadcast_s = time.monotonic()
+        return self.runtime.step()
+
+    def has_unfinished(self) -> bool:
+        return self.runtime.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return self.runtime.engine.stats() if self.runtime.engine is not None else _IDLE_STATS
+
+    def output_counts(self) -> dict[str, int]:
+        """Requests this leader's engine holds -> output tokens so far (adopted ones included)."""
+        engine = self.runtime.engine
+        return {rid: seq.num_output_tokens for rid, seq in engine._seqs.items()} if engine is not None else {}
+
+    def command(self, cmd):
+        self._last_broadcast_s = time.monotonic()
+        return self.runtime.command(cmd)
+
+    def follow(self) -> str:
+        return self.runtime.follow()
+
+    def idle_tick(self) -> None:
+        """Leader with nothing to run: keep peers' broadcasts from timing out."""
+        if self.runtime.is_leader and time.monotonic() - self._last_broadcast_s > KEEPALIVE_S:
+            self.runtime.keepalive()
+            self._last_broadcast_s = time.monotonic()

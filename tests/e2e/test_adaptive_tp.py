@@ -1,0 +1,110 @@
+"""Run-time TP changes on the live CPU mesh (4 workers, tiny model, greedy): requests in flight across a
+merge and a split keep exactly their tokens; KV is all free afterwards; a failed prepare changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tests.e2e.conftest import start_mesh, stop_mesh
+from tests.e2e.harness import prompts, stream_completion
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+TP1 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
+MERGE4 = "[0-3 TP4 hybrid]"
+SPLIT2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
+
+
+@pytest.fixture(scope="module")
+def mesh4(tmp_path_factory):
+    mesh = start_mesh(tmp_path_factory.mktemp("adaptive"), devices=4, env_extra={"NITSUM_FAULT_PREPARE_EPOCH": "4", "NITSUM_RECONFIG_INTERVAL_MS": "600000"})
+    yield mesh
+    stop_mesh(mesh.process)
+
+
+def admin(mesh, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "nitsum.cli", "admin", "--timeout", "120", *args], env=mesh.env(), capture_output=True, text=True, timeout=180)
+    return json.loads(out.stdout)
+
+
+def topology_of(status: dict) -> list[tuple[int, int]]:
+    return sorted((w["device_index"], w["tp"]) for w in status["workers"] if w["leader"])
+
+
+LENGTHS = [40, 90, 150, 220, 300, 120]
+
+
+async def _run(mesh, changes: list[str] | None):
+    """Stream the batch; when every stream has tokens, apply each topology change in turn."""
+    batch = prompts(len(LENGTHS), seed=5)
+    counts = [0] * len(batch)
+    reports = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        def tracker(i):
+            def on_token(n):
+                counts[i] = n
+            return on_token
+
+        tasks = [asyncio.create_task(stream_completion(session, mesh.url, p, n, on_token=tracker(i))) for i, (p, n) in enumerate(zip(batch, LENGTHS))]
+        for change in changes or []:
+            while min(counts) < 3 and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            reports.append(await asyncio.to_thread(admin, mesh, "set-topology", change))
+            marks = list(counts)
+            # let every stream move on before the next change
+            while any(c <= m and c < n for c, m, n in zip(counts, marks, LENGTHS)) and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+        results = await asyncio.gather(*tasks)
+    return results, reports
+
+
+def test_streams_survive_merge_and_split_with_identical_tokens(mesh4):
+    assert topology_of(admin(mesh4, "status")) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    reference, _ = asyncio.run(_run(mesh4, None))
+    assert all(r.status == 200 and len(r.token_ids) == n for r, n in zip(reference, LENGTHS))
+    results, reports = asyncio.run(_run(mesh4, [MERGE4, SPLIT2, TP1]))
+    assert [r["ok"] for r in reports] == [True, True, True], reports
+    assert [r["transition"]["topology"] for r in reports] == [MERGE4, SPLIT2, TP1]
+    for ref, got, n in zip(reference, results, LENGTHS):
+        assert got.status == 200 and got.error is None
+        assert len(got.token_ids) == n  # no duplicated, no missing token
+        assert got.token_ids == ref.token_ids
+    # Afterwards every block is free again on every group leader.
+    deadline = time.monotonic() + 20
+    while True:
+        status = admin(mesh4, "status")
+        if all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in status["workers"] if w["leader"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in status["workers"] if w["leader"]), status["workers"]
+    assert topology_of(status) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert [t["epoch"] for t in status["transitions"][-3:]] == [1, 2, 3]
+
+
+def test_failed_prepare_keeps_the_old_topology_serving(mesh4):
+    before = topology_of(admin(mesh4, "status"))
+    answer = admin(mesh4, "set-topology", "[0-1 TP2 hybrid][2 TP1 hybrid][3 TP1 hybrid]")  # epoch 4 fails by injection
+    assert answer["ok"] is False
+    assert answer["transition"]["phase"] == "prepare" and "injected failure" in answer["transition"]["error"]
+    assert topology_of(admin(mesh4, "status")) == before
+    results, _ = asyncio.run(_run(mesh4, None))
+    assert all(r.status == 200 and len(r.token_ids) == n for r, n in zip(results, LENGTHS))
+    # The next epoch goes through.
+    answer = admin(mesh4, "set-topology", "[0-1 TP2 hybrid][2 TP1 hybrid][3 TP1 hybrid]")
+    assert answer["ok"] is True and answer["transition"]["epoch"] == 5
+    assert topology_of(admin(mesh4, "status")) == [(0, 2), (2, 1), (3, 1)]
+
+
+def test_bad_topologies_are_refused_and_change_nothing(mesh4):
+    before = topology_of(admin(mesh4, "status"))
+    for bad in ("[0-2 TP3 hybrid][3 TP1 hybrid]", "[1-2 TP2 hybrid][0 TP1 hybrid][3 TP1 hybrid]", "nonsense", "[0-7 TP8 hybrid]"):
+        answer = admin(mesh4, "set-topology", bad)
+        assert answer["ok"] is False and answer["error"]["code"] in ("bad_topology", "cannot_change"), (bad, answer)
+    assert topology_of(admin(mesh4, "status")) == before
