@@ -505,7 +505,7 @@ def write_plot(samples: Sequence[Sample], outcomes: Sequence[Outcome], faults: S
                 if pts:
                     ax.plot([t for t, _ in pts], [v for _, v in pts], linewidth=1, color=f"C{i % 10}",
                             label=process if k == 0 else None)
-    bin_s = max(1.0, run_end_s / 60.0)
+    bin_s = float(max(1, round(run_end_s / 60.0)))
     nbins = max(1, int(run_end_s / bin_s) + 1)
     edges = [i * bin_s for i in range(nbins + 1)]
     for status, color in (("ok", "tab:green"), ("failed", "tab:red"), ("lost", "black")):

@@ -22,7 +22,8 @@ def test_quick_soak_loses_nothing_and_writes_its_report(tmp_path, monkeypatch, t
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     out = tmp_path / "soak"
     # 30 s at a fixed rate (no ramp): NATS restarts at 7.5 s, worker-0 is killed at 15 s.
-    code = main(["--quick", "--minutes", "0.5", "--rate", "3", "--warmup-s", "5", "--out", str(out)])
+    code = main(["--quick", "--minutes", "0.5", "--kill-every", "0.25", "--rate", "3", "--warmup-s", "5",
+                 "--out", str(out)])
     assert code == 0
     for name in FILES:
         assert (out / name).is_file(), name
