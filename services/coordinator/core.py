@@ -19,7 +19,7 @@ from nitsum.service import ServiceContext
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
 from nitsum_services.coordinator.membership import Membership
-from nitsum_services.coordinator.snapshot import build_snapshot
+from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
 log = logging.getLogger("nitsum.coordinator")
@@ -46,6 +46,7 @@ class Coordinator:
         self.last_decisions: list[dict] = []
         self.last_reconfig_ms: dict[str, float] = {}
         self.transitions = TransitionAgent(self)
+        self.arrivals = ArrivalWindow()
 
     # ---- policy ----------------------------------------------------------------------------------
     @staticmethod
@@ -53,7 +54,8 @@ class Coordinator:
         return time.monotonic() * 1000.0
 
     def snapshot(self) -> ClusterSnapshot:
-        return build_snapshot(self.members, self.now_ms(), self.epoch, self.config.max_tp, self.config.min_tp, self.config.device_kind, self.last_reconfig_ms)
+        now_ms = self.now_ms()
+        return build_snapshot(self.members, now_ms, self.epoch, self.config.max_tp, self.config.min_tp, self.config.device_kind, self.last_reconfig_ms, self.arrivals.stats(now_ms))
 
     def set_policy(self, spec: str) -> str:
         """Switch policy; '' on success, else why not (nothing changes)."""
@@ -87,6 +89,8 @@ class Coordinator:
                 prompt_tokens=len(req.prompt_token_ids) + len(req.output_token_ids),
                 max_tokens=req.sampling.max_tokens,
             )
+            if req.attempt == 0:
+                self.arrivals.add(now_ms, req.tier, req.ttft_ms, req.tpot_ms, req.weight, view.prompt_tokens, view.max_tokens)
             snap = self.snapshot()
             if req.attempt == 0:
                 outstanding = self.members.outstanding_by_tier().get(req.tier, 0)

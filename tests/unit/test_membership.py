@@ -54,3 +54,17 @@ def test_routable_excludes_draining_and_stopped():
     assert m.routable(exclude=("w0",)) == []
     m.on_stats(_stats("w0", state="stopped"), 0.1)
     assert "w0" not in m.workers
+
+
+def test_arrival_window_measures_recent_arrivals_per_tier():
+    from nitsum_services.coordinator.snapshot import ArrivalWindow
+
+    w = ArrivalWindow(window_ms=1000.0)
+    w.add(0.0, "background", 10000.0, 100.0, 1.0, 100, 50)
+    for t in (500.0, 600.0):
+        w.add(t, "interactive", 200.0, 25.0, 10.0, 20, 8)
+    stats = {a.tier: a for a in w.stats(now_ms=900.0)}
+    assert stats["interactive"].rate_per_s == 2.0 and stats["interactive"].output_tokens == 8.0
+    assert stats["background"].rate_per_s == 1.0
+    assert [a.tier for a in w.stats(now_ms=1200.0)] == ["interactive"]  # the old one left the window
+    assert w.stats(now_ms=5000.0) == ()
