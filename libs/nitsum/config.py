@@ -211,6 +211,8 @@ class CoordinatorConfig(CommonConfig):
     run_timeout_s: float = setting("NITSUM_RUN_TIMEOUT_S", 3.0, "longest wait for one worker to accept a request before trying the next", check=positive)
     queue_limit_interactive: int = setting("NITSUM_QUEUE_LIMIT_INTERACTIVE", 256, "queued interactive requests before 429", check=positive)
     queue_limit_background: int = setting("NITSUM_QUEUE_LIMIT_BACKGROUND", 1024, "queued background requests before 429", check=positive)
+    model: str = setting("NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny': the cost model's shapes")
+    dtype: str = setting("NITSUM_DTYPE", "float32", "weights' dtype on the workers (cost model bytes per parameter)", check=one_of("float32", "bfloat16", "float16"))
     device_kind: str = setting("NITSUM_DEVICE_KIND", "cpu", "cost-model table: cpu | h100 | h200 | a100", check=one_of("cpu", "h100", "h200", "a100"))
 
 

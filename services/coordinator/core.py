@@ -7,12 +7,15 @@ ClusterSnapshot (membership + requests in flight), asks the policy, and carries 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
 from nitsum.bus import BusError, RemoteError
 from nitsum.config import CoordinatorConfig
+from nitsum.modelpath import resolve_model_dir
 from nitsum.policy.base import PolicyConfig
+from nitsum.policy.costmodel import ModelSpec
 from nitsum.policy.registry import make_policy
 from nitsum.policy.snapshot import ClusterSnapshot, RequestView
 from nitsum.service import ServiceContext
@@ -27,8 +30,26 @@ log = logging.getLogger("nitsum.coordinator")
 EXPIRE_PERIOD_S = 0.25
 
 
+def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
+    """The cost model's view of the served model, from its Hugging Face config.json."""
+    hf = json.loads((resolve_model_dir(config.model) / "config.json").read_text())
+    bytes_per = 4.0 if config.dtype == "float32" else 2.0
+    return ModelSpec(
+        name=hf.get("_name_or_path") or hf.get("model_type", "model"),
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_heads=int(hf["num_attention_heads"]),
+        num_kv_heads=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
+        intermediate_size=int(hf["intermediate_size"]),
+        vocab_size=int(hf["vocab_size"]),
+        bytes_per_param=bytes_per,
+        kv_bytes_per_elem=bytes_per,
+    )
+
+
 def policy_config(config: CoordinatorConfig) -> PolicyConfig:
     return PolicyConfig(
+        model=model_spec_of(config),
         epoch_ms=float(config.reconfig_interval_ms),
         queue_bounds=(("interactive", config.queue_limit_interactive), ("background", config.queue_limit_background)),
     )

@@ -39,6 +39,7 @@ from nitsum.policy.estimate import NodeLoad, classes_of, evaluate, summarize
 from nitsum.policy.phases import Shape, role_variants
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView
 
+THROUGHPUT_DWELL_FACTOR = 2.0  # a split for throughput waits this many dwell times after the last change
 MIN_BATCH_SEQS = 8
 
 
@@ -155,6 +156,7 @@ class AdaptivePolicy(BasePolicy):
         shapes = candidate_shapes(cur_shape, node.num_devices, levels, cfg.max_steps)
         shapes = [sh for sh in shapes if all(k in levels for _, k in sh)]
         cur_mean = mean_tp(cur_shape)
+        throughput_split = False
         if load.latency_queued() >= cfg.interactive_backlog_threshold and cur_est.latency_misses > 0:
             path, why = "fast", f"interactive surge: {cur_est.latency_misses} projected latency-tier misses"
             shapes = [sh for sh in shapes if mean_tp(sh) > cur_mean]
@@ -163,6 +165,7 @@ class AdaptivePolicy(BasePolicy):
             path, why = "fast", f"throughput backlog ({load.throughput_queued()} queued), no interactive work"
             shapes = [sh for sh in shapes if mean_tp(sh) < cur_mean]
             allow_same_shape = False
+            throughput_split = True
         else:
             path, why = "scored", "mixed load"
             allow_same_shape = True
@@ -191,6 +194,14 @@ class AdaptivePolicy(BasePolicy):
             return keep(f"{why}: no candidate in that direction", path)
         gain = best[0] - cur_est.score
         margin = max(cfg.hysteresis_margin, cfg.hysteresis_fraction * abs(cur_est.score))
+        settled = node.last_reconfig_ms is None or snap.now_ms - node.last_reconfig_ms >= THROUGHPUT_DWELL_FACTOR * cfg.min_dwell_ms
+        if throughput_split and gain > -margin and settled:
+            # ALGORITHMS.md §1.5: with no interactive work, split to maximise batch throughput. Goodput
+            # alone cannot show the gain when the background SLOs are loose (both layouts meet them), so
+            # here the margin guards against a loss instead of demanding a win; the dwell time and the
+            # requirement of zero interactive work keep it from flapping: a split waits THROUGHPUT_DWELL_FACTOR
+            # times the dwell after the last change, so that consolidation (latency) reacts faster than splitting.
+            return TopologyDecision(nid, best[1], f"{why}: {current} -> {best[1]} for throughput (goodput change {gain:.2f})", gain, path)
         if gain <= margin:
             return TopologyDecision(nid, None, f"{why}: best {best[1]} gains {gain:.2f} <= margin "
                                     f"{margin:.2f}; keep", gain, path)
