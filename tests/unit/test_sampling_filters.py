@@ -50,3 +50,17 @@ def test_seeded_draw_sequence_is_independent_of_other_rows():
     batched = [sample(torch.stack([LOGITS, LOGITS]), [p, p], [other, gen_b])[1] for _ in range(20)]
     assert alone == batched
     assert len(set(alone)) > 1  # it really samples
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_top_token():
+    # 5e-324 is 0 in fp32: without the guard every token is dropped and softmax gives NaN.
+    params = SamplingParams(temperature=1.0, top_p=5e-324)
+    assert kept(params) == [1]
+    assert sample(LOGITS[None], [params], [make_generator(1)]) == [1]
+
+
+def test_temperature_that_overflows_the_logits_is_greedy():
+    # 1e-45 scales every positive logit to +inf; the limit of a vanishing temperature is the argmax.
+    params = SamplingParams(temperature=1e-45)
+    assert kept(params) == [1]
+    assert sample(LOGITS[None], [params], [make_generator(1)]) == [1]

@@ -19,7 +19,12 @@ def make_generator(seed: int) -> torch.Generator:
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """One row [V] of fp32 logits -> temperature-scaled logits with top-k/top-p outside set to -inf."""
-    logits = logits / params.temperature
+    scaled = logits / params.temperature
+    if torch.isposinf(scaled.max()):
+        # A temperature so small that the scaling overflows (several logits become +inf, and softmax
+        # would see inf - inf = NaN): its limit is greedy, so keep only the largest unscaled logits.
+        return torch.where(logits == logits.max(), 0.0, float("-inf"))
+    logits = scaled
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -29,6 +34,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop_sorted = mass_before >= params.top_p
+        # A top_p that rounds to 0 in fp32 (e.g. 5e-324) would drop the top token too and leave nothing
+        # to sample: the top-1 token is kept whatever top_p is.
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
