@@ -36,7 +36,7 @@ def permissions(namespace: str = "nitsum") -> dict[str, dict]:
             "allow_responses": True,
         },
         "worker": {
-            "publish": [f"{ns}.stream.>", f"{ns}.stats.worker", f"{ns}.flow.submit", f"{ns}.flow.done"],
+            "publish": [f"{ns}.stream.>", f"{ns}.stats.worker", f"{ns}.flow.submit", f"{ns}.flow.done", f"{ns}.worker.*.kv", f"{ns}.worker.*.kvfetch"],
             "subscribe": [f"{ns}.worker.>", f"{ns}.req.abort", f"{ns}.event.coordinator_up", f"{ns}.flow.permit.>", inbox],
             "allow_responses": True,
         },

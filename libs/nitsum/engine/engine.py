@@ -116,6 +116,36 @@ class Engine:
 
         return migration.import_request(self, export)
 
+    # -- stage-1 KV reuse: cached prefix blocks between engines ------------------------------------------
+    def export_cached_blocks(self, block_hashes: list[int]):
+        """(hashes found, KV [layers, K/V, n, block_size, kv_heads, head_dim] on CPU) for the longest leading
+        run of `block_hashes` this engine has cached. TP=1 engines."""
+        import torch
+
+        assert self.group.size == 1, "export_cached_blocks reads one rank's cache: TP=1 engines only"
+        block_ids = self.kv.cached_prefix(block_hashes)
+        cache = self.runner.kv_cache
+        index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        return list(block_hashes[: len(block_ids)]), cache[:, :, index].cpu()
+
+    def import_cached_blocks(self, block_hashes: list[int], kv) -> int:
+        """Adopt another engine's cached prefix blocks (`kv` as `export_cached_blocks` returns it) into this
+        engine's prefix cache, so a later request with that prefix computes only the rest. Blocks already
+        cached here are skipped; stops when the pool is full. Returns the number of blocks written."""
+        import torch
+
+        assert self.group.size == 1, "import_cached_blocks writes one rank's cache: TP=1 engines only"
+        assert kv.shape[2] == len(block_hashes), f"{kv.shape[2]} blocks of KV for {len(block_hashes)} hashes"
+        reserved = self.kv.reserve_import(block_hashes)
+        if not reserved:
+            return 0
+        cache = self.runner.kv_cache
+        positions = torch.tensor([p for p, _ in reserved], dtype=torch.long)
+        index = torch.tensor([b for _, b in reserved], dtype=torch.long, device=cache.device)
+        cache[:, :, index] = kv[:, :, positions].to(device=cache.device, dtype=cache.dtype)
+        self.kv.finish_import([b for _, b in reserved])
+        return len(reserved)
+
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that got a new token (or finished)."""

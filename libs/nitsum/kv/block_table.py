@@ -119,6 +119,37 @@ class KVCacheManager:
             table.hashes.append(block_hash)
             self.pool.cache(table.block_ids[index], block_hash)
 
+    def cached_prefix(self, block_hashes: Sequence[int]) -> list[int]:
+        """Block ids of the longest leading run of `block_hashes` cached here (a stage-1 fetch's source)."""
+        block_ids: list[int] = []
+        for block_hash in block_hashes:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def reserve_import(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """Stage-1 import, step 1: (position in `block_hashes`, block id) for every hash not cached here yet,
+        each in a fresh block registered under its hash and held (ref 1) so nothing evicts it while the
+        caller writes its KV. Stops early when the pool has no free block left. Then `finish_import`."""
+        reserved: list[tuple[int, int]] = []
+        if not self.enable_prefix_caching:
+            return reserved
+        for position, block_hash in enumerate(block_hashes):
+            if self.pool.lookup(block_hash) is not None:
+                continue
+            new_ids = self.pool.allocate(1)
+            if new_ids is None:
+                break
+            self.pool.cache(new_ids[0], block_hash)
+            reserved.append((position, new_ids[0]))
+        return reserved
+
+    def finish_import(self, block_ids: Sequence[int]) -> None:
+        """Stage-1 import, step 2: the KV is written; the blocks become free but cached (a prefix hit revives them)."""
+        self.pool.free(reversed(list(block_ids)))
+
     def free(self, request_id: str) -> bool:
         """Release a request's blocks (tail first, so its prefix head is evicted last)."""
         table = self._tables.pop(request_id, None)

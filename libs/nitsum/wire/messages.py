@@ -9,7 +9,10 @@ Channels (see subjects.py):
                  TokenChunk (worker → gateway, one subject per request), AbortRequest (anyone → workers)
   membership     WorkerStats (worker → coordinator, heartbeat), WorkerLost (coordinator → gateways)
   topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers)
-  flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler)
+  flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler), FlowSubmitBatch →
+                 FlowPermitBatch (one round trip for every flow of a request)
+  KV hand-off    KvLayer → KvAck (worker ↔ worker: one layer of a P/D hand-off or of a stage-1 prefix fetch,
+                 its bytes in shared memory), KvFetch → KvFetchReply (a worker asks another for cached blocks)
   generic        ErrorReply (a coded failure answer to any request)
 """
 
@@ -82,6 +85,11 @@ class RunRequest:
     VERSION: ClassVar[int] = 1
     request: SubmitRequest
     epoch: int = 0
+    # P/D: run the prefill here, then hand the request (KV + state) to this decode worker.
+    decode_worker: str = ""
+    # KV reuse (stage 1): before prefilling, fetch these chained prefix-block hashes from `reuse_from`.
+    reuse_from: str = ""
+    reuse_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,10 @@ class WorkerStats:
     epoch: int = 0  # the last topology epoch this worker committed
     in_world: bool = False  # member of its node's process world (can take part in TP changes)
     leader: bool = True  # leads its group (only leaders take requests)
+    block_size: int = 0  # tokens per KV block (the coordinator hashes prompts with it for KV reuse)
+    num_kv_imported: int = 0  # requests adopted from a prefill worker (P/D)
+    num_reused_blocks: int = 0  # prefix blocks fetched from other workers instead of computed (stage 1)
+    num_transfer_failures: int = 0  # KV transfers that failed at this end (either side)
 
 
 @dataclass(frozen=True)
@@ -264,6 +276,83 @@ class FlowCompletion:
 
 
 @dataclass(frozen=True)
+class FlowSubmitBatch:
+    """Transfer agent → flow-scheduler: several flows of one request in one round trip."""
+
+    KIND: ClassVar[str] = "flow_submit_batch"
+    VERSION: ClassVar[int] = 1
+    flows: tuple[FlowSubmit, ...]
+
+
+@dataclass(frozen=True)
+class FlowPermitBatch:
+    KIND: ClassVar[str] = "flow_permit_batch"
+    VERSION: ClassVar[int] = 1
+    permits: tuple[FlowPermit, ...]
+
+
+@dataclass(frozen=True)
+class KvLayer:
+    """Worker → worker (request/reply → KvAck): one layer of a request's KV, its bytes in a shared-memory
+    segment the sender owns until the ack (`segment`, `size_bytes`, `crc32`).
+
+    `purpose` "pd": a prefill worker hands a request to its decode worker; `state` (msgpack: the request's
+    state, token count, KV heads, dtype, per-layer shape) lets the receiver adopt it once every layer landed.
+    `purpose` "reuse": cached prefix blocks for `block_hashes` (stage 1), imported into the prefix cache.
+    """
+
+    KIND: ClassVar[str] = "kv_layer"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    src_worker: str
+    purpose: str  # "pd" | "reuse"
+    layer: int
+    num_layers: int
+    flow_id: str
+    segment: str
+    size_bytes: int
+    crc32: int
+    state: bytes = b""
+    stream_subject: str = ""
+    block_hashes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KvAck:
+    KIND: ClassVar[str] = "kv_ack"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    layer: int
+    ok: bool
+    reason: str = ""
+    complete: bool = False  # every layer landed and the request (or the blocks) were adopted
+
+
+@dataclass(frozen=True)
+class KvFetch:
+    """Worker → worker (request/reply → KvFetchReply): send me the cached blocks of this prefix (stage 1).
+
+    The holder pushes them back as KvLayer messages ("reuse") and answers once they were acked."""
+
+    KIND: ClassVar[str] = "kv_fetch"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    dst_worker: str
+    block_hashes: tuple[int, ...]
+    deadline_unix_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class KvFetchReply:
+    KIND: ClassVar[str] = "kv_fetch_reply"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    ok: bool
+    num_blocks: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class ErrorReply:
     """A coded failure answer to any request (code is a short stable identifier, message is for humans)."""
 
@@ -293,5 +382,11 @@ MESSAGE_TYPES: tuple[type, ...] = (
     FlowSubmit,
     FlowPermit,
     FlowCompletion,
+    FlowSubmitBatch,
+    FlowPermitBatch,
+    KvLayer,
+    KvAck,
+    KvFetch,
+    KvFetchReply,
     ErrorReply,
 )

@@ -43,6 +43,14 @@ class Subjects:
         """coordinator → one worker: topology Prepare/Commit/Abort (request/reply → TopologyAck)."""
         return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.control"
 
+    def worker_kv(self, worker_id: str) -> str:
+        """worker → worker (request/reply): KvLayer → KvAck (P/D hand-off, stage-1 prefix blocks)."""
+        return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.kv"
+
+    def worker_kv_fetch(self, worker_id: str) -> str:
+        """worker → the worker holding a prefix (request/reply): KvFetch → KvFetchReply."""
+        return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.kvfetch"
+
     def stream(self, request_id: str) -> str:
         """worker → gateway: TokenChunk frames of one request."""
         return f"{self.namespace}.stream.{check_token(request_id, 'request id')}"
