@@ -2,6 +2,12 @@
 
 Every decision is made by the same `nitsum.policy` objects the simulator runs: the coordinator builds a
 ClusterSnapshot (membership + requests in flight), asks the policy, and carries the answer out.
+
+P/D: when standalone prefill workers (role "prefill") and standalone hybrid workers share a node, a fresh
+request is prefilled on a prefill worker and handed to the least loaded hybrid worker of its node
+(`RunRequest.decode_worker`); re-submitted requests (a failed hand-off, a lost worker) run hybrid.
+KV reuse (stage 1): when another worker of the node has cached more of the prompt's prefix blocks than the
+chosen one (WorkerStats.cached_block_hashes), the chosen one is told to fetch them first (`reuse_from`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import time
 
 from nitsum.bus import BusError, RemoteError
 from nitsum.config import CoordinatorConfig
+from nitsum.kv import block_hashes
 from nitsum.modelpath import resolve_model_dir
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import ModelSpec
@@ -21,13 +28,72 @@ from nitsum.policy.snapshot import ClusterSnapshot, RequestView
 from nitsum.service import ServiceContext
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
-from nitsum_services.coordinator.membership import Membership
+from nitsum_services.coordinator.membership import Membership, WorkerRecord
 from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
 log = logging.getLogger("nitsum.coordinator")
 
 EXPIRE_PERIOD_S = 0.25
+# A prefix fetch costs a round trip per layer; below this many blocks computing them is as cheap.
+MIN_REUSE_BLOCKS = 2
+
+
+def _standalone_ready(record: WorkerRecord) -> bool:
+    return not record.stats.in_world and record.stats.state == "ready"
+
+
+def pd_plan(req: SubmitRequest, candidates: list[WorkerRecord], preferred_group: str | None) -> list[tuple[WorkerRecord, str]]:
+    """(worker, decode worker or "") in the order to try them. P/D pairs first (prefill worker, least loaded
+    hybrid worker of its node) for fresh requests with more than one token to generate; then hybrid workers.
+    Prefill workers never run a request alone."""
+    key = lambda w: (w.stats.group_id != preferred_group, w.load(), w.worker_id)  # noqa: E731
+    prefill = sorted((w for w in candidates if w.stats.role == "prefill"), key=key)
+    hybrid = sorted((w for w in candidates if w.stats.role != "prefill"), key=key)
+    plan: list[tuple[WorkerRecord, str]] = []
+    fresh = req.attempt == 0 and not req.output_token_ids and req.sampling.max_tokens > 1
+    if fresh:
+        for p in prefill:
+            if not _standalone_ready(p):
+                continue
+            decode = [d for d in hybrid if _standalone_ready(d) and d.stats.node_id == p.stats.node_id]
+            if decode:
+                plan.append((p, min(decode, key=lambda w: (w.load(), w.worker_id)).worker_id))
+    return plan + [(h, "") for h in hybrid]
+
+
+def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[WorkerRecord]) -> tuple[str, tuple[int, ...]]:
+    """(holder, block hashes to fetch from it) when another worker of the node caches a longer prefix of the
+    prompt than `chosen` by at least MIN_REUSE_BLOCKS blocks; ("", ()) otherwise."""
+    bs = chosen.stats.block_size
+    if bs <= 0 or chosen.stats.in_world:
+        return "", ()
+    tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
+    # The engine computes at least the last token itself, so a whole-prompt prefix is never fetched.
+    hashes = block_hashes(tokens[: len(tokens) - 1], bs)
+    if len(hashes) < MIN_REUSE_BLOCKS:
+        return "", ()
+
+    def leading(record: WorkerRecord) -> int:
+        cached = set(record.stats.cached_block_hashes)
+        n = 0
+        while n < len(hashes) and hashes[n] in cached:
+            n += 1
+        return n
+
+    mine = leading(chosen)
+    best, holder = mine, ""
+    for other in candidates:
+        if other.worker_id == chosen.worker_id or not _standalone_ready(other) or other.stats.node_id != chosen.stats.node_id:
+            continue
+        if other.stats.block_size != bs:
+            continue
+        n = leading(other)
+        if n > best or (n == best and holder and other.worker_id < holder):
+            best, holder = n, other.worker_id
+    if not holder or best - mine < MIN_REUSE_BLOCKS:
+        return "", ()
+    return holder, tuple(hashes[mine:best])
 
 
 def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
@@ -68,6 +134,9 @@ class Coordinator:
         self.last_reconfig_ms: dict[str, float] = {}
         self.transitions = TransitionAgent(self)
         self.arrivals = ArrivalWindow()
+        # Set on queue events that should not wait for the next epoch (a latency-tier request arrives while
+        # its tier already has work queued): the policy looks again at once.
+        self.trigger = asyncio.Event()
 
     # ---- policy ----------------------------------------------------------------------------------
     @staticmethod
@@ -110,6 +179,8 @@ class Coordinator:
                 prompt_tokens=len(req.prompt_token_ids) + len(req.output_token_ids),
                 max_tokens=req.sampling.max_tokens,
             )
+            if req.attempt == 0 and req.ttft_ms <= 1000.0 and self.members.outstanding_by_tier().get(req.tier, 0) > 0:
+                self.trigger.set()
             if req.attempt == 0:
                 self.arrivals.add(now_ms, req.tier, req.ttft_ms, req.tpot_ms, req.weight, view.prompt_tokens, view.max_tokens)
             snap = self.snapshot()
@@ -124,14 +195,22 @@ class Coordinator:
                     return SubmitReply(req.request_id, False, status=admission.status, retry_after_s=admission.retry_after_s, reason=admission.reason)
             decision = self.policy.route(snap, view)
             span.set_attribute("nitsum.route_reason", decision.reason)
-            # The policy's group first; the rest by load, so that a refusal still finds a home.
-            candidates.sort(key=lambda w: (w.stats.group_id != decision.group_id, w.load(), w.worker_id))
+            # The policy's group first; the rest by load, so that a refusal still finds a home. P/D pairs
+            # (a prefill worker and its decode worker) come before hybrid workers when the mesh has them.
+            plan = pd_plan(req, candidates, decision.group_id)
             reasons = []
-            for record in candidates:
+            for record, decode_worker in plan:
                 worker_id = record.worker_id
+                reuse_from, reuse_hashes = reuse_hint(req, record, candidates)
+                if decode_worker:
+                    span.set_attribute("nitsum.decode_worker", decode_worker)
+                if reuse_from:
+                    span.set_attribute("nitsum.reuse_from", reuse_from)
+                    span.set_attribute("nitsum.reuse_blocks", len(reuse_hashes))
                 self.members.assign(req.request_id, req.tier, worker_id, time.monotonic(), view)
+                run = RunRequest(req, self.epoch, decode_worker=decode_worker, reuse_from=reuse_from, reuse_hashes=reuse_hashes)
                 try:
-                    ack = await self.bus.request(self.bus.subjects.worker_run(worker_id), RunRequest(req, self.epoch), self.config.run_timeout_s, expected=RunAck)
+                    ack = await self.bus.request(self.bus.subjects.worker_run(worker_id), run, self.config.run_timeout_s, expected=RunAck)
                 except (BusError, RemoteError) as exc:
                     self.members.unassign(req.request_id, worker_id)
                     reasons.append(f"{worker_id}: {exc}")
@@ -170,7 +249,14 @@ class Coordinator:
         """Every policy epoch: topology decisions and shedding."""
         period_s = self.config.reconfig_interval_ms / 1000.0
         while not self.ctx.stop.is_set():
-            await _sleep_or_stop(self.ctx.stop, period_s)
+            # An epoch ends when its period is over, or early on a queue event (see on_submit).
+            try:
+                await asyncio.wait_for(self.trigger.wait(), timeout=period_s)
+            except asyncio.TimeoutError:
+                pass
+            self.trigger.clear()
+            if self.ctx.stop.is_set():
+                break
             if not self.members.workers:
                 continue
             snap = self.snapshot()

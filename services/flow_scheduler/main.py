@@ -1,8 +1,10 @@
 """`nitsum serve flow-scheduler`: the central half of Nuska.
 
-Transfer agents submit flows (FlowSubmit → FlowPermit with the flow's current level and DSCP) and report
-completions; every tick the scheduler re-evaluates MLU/RLI, and each promotion is pushed to the source
-agent as a new FlowPermit. Counters go to `nitsum_flow_permits_total{stage,level}` and friends.
+Transfer agents submit flows (FlowSubmit → FlowPermit with the flow's current level and DSCP, or a
+FlowSubmitBatch → FlowPermitBatch for every flow of one request) and report completions; every tick the
+scheduler re-evaluates MLU/RLI, and each promotion is pushed to the source agent as a new FlowPermit.
+Counters: `nitsum_flow_permits_total{stage,level}`, `nitsum_flow_bytes_total{stage}`,
+`nitsum_flow_promotions_total{stage}`, `nitsum_flow_pruned_total{stage}` (flows refused a permit).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from nitsum.config import FlowSchedulerConfig
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, RmlqConfig, RmlqScheduler, Stage, dscp_table
 from nitsum.service import ServiceContext, run_service
-from nitsum.wire.messages import FlowCompletion, FlowPermit, FlowSubmit
+from nitsum.wire.messages import FlowCompletion, FlowPermit, FlowPermitBatch, FlowSubmit, FlowSubmitBatch
+from prometheus_client import Counter
 
 log = logging.getLogger("nitsum.flow_scheduler")
 
@@ -44,7 +47,16 @@ class FlowService:
         self.ctx.metrics.flow_permits_total().labels(stage=stage.value, level=str(level)).inc()
         return FlowPermit(flow_id=flow_id, level=level, dscp=self.dscp.get(level, 0))
 
-    async def on_submit(self, msg: FlowSubmit, _delivery) -> FlowPermit:
+    def _count(self, key: str, name: str, doc: str, stage: str) -> None:
+        metrics = self.ctx.metrics
+        metrics._get(key, lambda: Counter(name, doc, ["stage"], registry=metrics.registry)).labels(stage=stage).inc()
+
+    async def on_submit(self, msg: FlowSubmit | FlowSubmitBatch, _delivery) -> FlowPermit | FlowPermitBatch:
+        if isinstance(msg, FlowSubmitBatch):
+            return FlowPermitBatch(tuple(self.submit_one(f) for f in msg.flows))
+        return self.submit_one(msg)
+
+    def submit_one(self, msg: FlowSubmit) -> FlowPermit:
         try:
             stage = Stage(msg.stage)
             spec = FlowSpec(
@@ -60,7 +72,10 @@ class FlowService:
                 request_deadlines_ms=msg.request_deadlines_unix_ms,
             )
         except ValueError as exc:
+            self._count("flow_pruned", "nitsum_flow_pruned_total", "flows refused a permit (invalid or pruned)", msg.stage)
             return FlowPermit(flow_id=msg.flow_id, level=0, dscp=0, pruned=True, reason=f"invalid flow: {exc}")
+        if msg.flow_id in self.stages:  # a retry of a flow already known: its current permit
+            return self._permit(msg.flow_id, self.levels[msg.flow_id])
         self.stages[msg.flow_id] = stage
         self.sources[msg.flow_id] = msg.src
         self.scheduler.on_arrival(spec, _now_ms())
@@ -86,6 +101,7 @@ class FlowService:
                 for flow_id, level in self.scheduler.priorities(now).items():
                     if flow_id in self.levels and level != self.levels[flow_id]:
                         self.levels[flow_id] = level
+                        self._count("flow_promotions", "nitsum_flow_promotions_total", "flows moved to a higher level", self.stages[flow_id].value)
                         try:
                             await bus.publish(bus.subjects.flow_permit(self.sources[flow_id]), self._permit(flow_id, level))
                         except Exception as exc:  # the agent keeps its old level until the next change
@@ -99,7 +115,7 @@ class FlowService:
 async def body(ctx: ServiceContext) -> None:
     service = FlowService(ctx)
     bus = ctx.bus
-    await bus.subscribe(bus.subjects.flow_submit, service.on_submit, queue="flow-scheduler", expected=FlowSubmit)
+    await bus.subscribe(bus.subjects.flow_submit, service.on_submit, queue="flow-scheduler", expected=(FlowSubmit, FlowSubmitBatch))
     await bus.subscribe(bus.subjects.flow_done, service.on_done, expected=FlowCompletion)
     task = asyncio.create_task(service.tick())
 

@@ -8,6 +8,12 @@ routed here), let running requests finish, hand the rest back, exit.
 With NITSUM_NODE_SIZE > 1 every worker of the node joins one process world at boot (pre-built groups for
 every aligned TP group) and maps the host-wide shared weight store, so the coordinator can merge and
 split groups at run time; otherwise the worker is a standalone TP=1 engine.
+
+P/D: a standalone prefill-worker (NITSUM_ROLE=prefill, or the `prefill-worker` service) runs its engine in
+role "prefill" and reports role "prefill"; a RunRequest with `decode_worker` is prefilled here and handed
+to that worker (services/worker/transfer.py). Every other worker serves whole requests (role "hybrid") and
+adopts hand-offs. A RunRequest with `reuse_from` first fetches the prompt's cached prefix blocks from that
+worker (stage 1), then prefills only the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
 from nitsum_services.worker.backend import NodeBackend, PlainBackend
 from nitsum_services.worker.session import WorkerSession
+from nitsum_services.worker.transfer import KvMover, TransferAgent
 
 log = logging.getLogger("nitsum.worker")
 
@@ -89,14 +96,19 @@ def make_body(service_name: str):
     async def body(ctx: ServiceContext) -> None:
         config: WorkerConfig = ctx.config
         role = config.role or ("prefill" if service_name == "prefill-worker" else "decode")
-        # On CPU one worker process stands for one device; every group serves whole requests (hybrid).
-        engine_role = "hybrid"
+        # A standalone prefill worker prefills and hands off (P/D); every other group serves whole requests
+        # (hybrid) and adopts hand-offs. Node-world workers stay hybrid: their groups change at run time.
+        engine_role = "prefill" if role == "prefill" and config.node_size <= 1 else "hybrid"
         worker_id = config.resolved_worker_id()
         instance_id = uuid.uuid4().hex[:12]
         backend = await asyncio.to_thread(build_backend, config, engine_role)
         ctx.state["in_world"] = backend.in_world
         bus = ctx.bus
         session = WorkerSession(backend, bus, worker_id, ctx.metrics, ctx.tracer)
+        session.prefill_role = engine_role == "prefill"
+        agent = TransferAgent(bus, worker_id, ctx.metrics)
+        mover = KvMover(session, agent, bus, worker_id, ctx.metrics)
+        session.on_handoff = mover.hand_off
         state = {"value": "ready"}
 
         def stats_message() -> WorkerStats:
@@ -128,6 +140,10 @@ def make_body(service_name: str):
                 epoch=backend.epoch,
                 in_world=backend.in_world,
                 leader=backend.is_leader,
+                block_size=config.block_size,
+                num_kv_imported=mover.num_imported,
+                num_reused_blocks=mover.num_reused_blocks,
+                num_transfer_failures=mover.num_failures,
             )
 
         async def publish_stats() -> None:
@@ -146,10 +162,32 @@ def make_body(service_name: str):
             if state["value"] != "ready":
                 return RunAck(rid, worker_id, False, f"worker is {state['value']}")
             problem = session.validate(run)
+            if not problem and engine_role == "prefill" and not run.decode_worker:
+                problem = "a prefill worker runs requests only with a decode worker to hand them to"
+            if not problem and (run.decode_worker or run.reuse_from) and backend.in_world:
+                problem = "KV hand-offs need a standalone worker"
             if problem:
                 return RunAck(rid, worker_id, False, problem)
-            session.submit(run)
+            if run.reuse_from and run.reuse_hashes:
+                session.submit(run, hold=True)
+                task = asyncio.create_task(fetch_then_start(run))
+                fetches.add(task)
+                task.add_done_callback(fetches.discard)
+            else:
+                session.submit(run)
             return RunAck(rid, worker_id, True)
+
+        fetches: set[asyncio.Task] = set()
+
+        async def fetch_then_start(run: RunRequest) -> None:
+            req = run.request
+            with ctx.tracer.start_as_current_span("worker.kv_fetch", attributes={"nitsum.request_id": req.request_id, "nitsum.holder": run.reuse_from, "nitsum.blocks": len(run.reuse_hashes)}) as span:
+                try:
+                    deadline = req.arrival_unix_ms + req.ttft_ms if req.arrival_unix_ms > 0 else None
+                    span.set_attribute("nitsum.fetched_blocks", await mover.fetch(req.request_id, run.reuse_from, run.reuse_hashes, deadline))
+                finally:
+                    # Whatever the fetch did, the request runs: at worst it computes its whole prompt.
+                    session.start_held(req.request_id)
 
         async def on_control(msg, _delivery) -> TopologyAck:
             phase = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "abort"}[type(msg)]
@@ -195,6 +233,8 @@ def make_body(service_name: str):
         await bus.subscribe(bus.subjects.worker_control(worker_id), on_control, expected=(TopologyPrepare, TopologyCommit, TopologyAbort), concurrent=True)
         await bus.subscribe(bus.subjects.abort, on_abort, expected=AbortRequest)
         await bus.nc.subscribe(bus.subjects.coordinator_up, cb=on_coordinator_up)
+        await agent.start()
+        await mover.start()
         engine_stop = asyncio.Event()
         loop_task = asyncio.create_task(session.run(engine_stop))
         beat_task = asyncio.create_task(heartbeat())
@@ -213,6 +253,7 @@ def make_body(service_name: str):
             await publish_stats()
             engine_stop.set()
             await asyncio.wait({loop_task, beat_task}, timeout=5.0)
+            mover.close()
 
         ctx.drain_hooks.append(drain)
 

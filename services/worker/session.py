@@ -5,6 +5,11 @@ topology commands go into an inbox that the step thread applies right before eac
 is a peer in a TP>1 group takes no requests: its thread follows the group leader's step plans. A
 topology commit can turn a leader into a peer (its requests now live with the new leader) or a peer into
 a leader (it adopts the requests moved to it and streams their tokens from the next index on).
+
+P/D: on a prefill worker (engine role "prefill") a request with a decode worker ends its run here after the
+first token; the session publishes that token as not finished and hands the request to `on_handoff` (the
+KV mover ships it). On the decode worker the mover `adopt`s it and this session streams it from index 1.
+`call` runs a function on the backend in the step thread (KV exports and imports), between steps.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class Running:
     next_index: int
     span: trace.Span
     started_s: float = field(default_factory=time.monotonic)
+    decode_worker: str = ""  # P/D: hand the request to this worker after its first token
+    max_tokens: int = 0
+    tpot_ms: float = 0.0
 
 
 class WorkerSession:
@@ -55,6 +63,10 @@ class WorkerSession:
         self.num_aborted = 0
         self._stats = backend.stats()
         self.on_topology_change = None  # async callback after a commit changed this worker's group
+        self.on_handoff = None  # P/D: callback(Running) once a prefill finished; it owns the request then
+        self.prefill_role = False  # the engine pins every finished request (release it after its hand-off)
+        self._held: dict[str, SubmitRequest] = {}  # accepted, waiting for a stage-1 prefix fetch
+        self._handoffs: set[asyncio.Task] = set()
 
     # ---- called from the event loop -------------------------------------------------------------
     def validate(self, run: RunRequest) -> str:
@@ -71,7 +83,8 @@ class WorkerSession:
             return "empty prompt"
         return ""
 
-    def submit(self, run: RunRequest) -> None:
+    def submit(self, run: RunRequest, hold: bool = False) -> None:
+        """Accept a request; with `hold` it waits (listed as running) until `start_held` (a prefix fetch)."""
         req = run.request
         span = self.tracer.start_span(
             "worker.generate",
@@ -84,8 +97,48 @@ class WorkerSession:
                 "nitsum.attempt": req.attempt,
             },
         )
-        self.running[req.request_id] = Running(req.request_id, req.stream_subject, len(req.prompt_token_ids), len(req.output_token_ids), span)
-        self._put(("add", req))
+        self.running[req.request_id] = Running(
+            req.request_id, req.stream_subject, len(req.prompt_token_ids), len(req.output_token_ids), span,
+            decode_worker=run.decode_worker, max_tokens=req.sampling.max_tokens, tpot_ms=req.tpot_ms,
+        )
+        if hold:
+            self._held[req.request_id] = req
+        else:
+            self._put(("add", req))
+
+    def start_held(self, request_id: str) -> None:
+        req = self._held.pop(request_id, None)
+        if req is not None and request_id in self.running:
+            self._put(("add", req))
+
+    def call(self, fn) -> asyncio.Future:
+        """Run `fn(backend)` in the step thread at the next step boundary; the future gets its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._put(("call", (fn, future)))
+        return future
+
+    def release_pinned(self, request_id: str) -> None:
+        self._put(("release", request_id))
+
+    def handed_off(self, request_id: str) -> None:
+        """P/D: the decode worker owns the request now; this worker stops tracking it."""
+        state = self.running.pop(request_id, None)
+        if state is not None:
+            state.span.end()
+
+    async def fail(self, request_id: str, code: str, message: str) -> None:
+        await self._finish_error(request_id, code, message)
+
+    def adopt(self, request_id: str, stream_subject: str, prompt_len: int, produced: int) -> None:
+        """P/D decode side: stream an imported request from output index `produced` on."""
+        span = self.tracer.start_span("worker.generate", attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.imported": True})
+        self.running[request_id] = Running(request_id, stream_subject, prompt_len, produced, span)
+
+    def forget(self, request_id: str) -> None:
+        state = self.running.pop(request_id, None)
+        if state is not None:
+            mark_error(state.span, "import failed")
+            state.span.end()
 
     def control(self, command) -> asyncio.Future:
         """Queue a topology command for the next step boundary; the future resolves to its ack."""
@@ -107,6 +160,7 @@ class WorkerSession:
             task = asyncio.ensure_future(self.bus.publish(state.stream_subject, chunk))
             task.add_done_callback(lambda t: t.exception())
         self.running.pop(request_id, None)
+        self._held.pop(request_id, None)
         self._put(("abort", request_id))
         self.num_aborted += 1
         self.metrics.aborted_requests_total().labels(reason=reason.split(":")[0]).inc()
@@ -119,20 +173,21 @@ class WorkerSession:
 
     @property
     def idle(self) -> bool:
-        return not self.running and not self._inbox
+        return not self.running and not self._inbox and not self._handoffs
 
     # ---- the step thread ----------------------------------------------------------------------------
     def _iteration(self):
-        """One turn of the step thread: (outputs, rejected, stats, control results, followed plan kind)."""
+        """One turn of the step thread: (outputs, rejected, stats, control results, followed plan kind, call results)."""
         from nitsum.engine import SamplingParams
 
         backend = self.backend
         if not backend.is_leader:
             kind = backend.follow()  # blocks until the leader's next plan
             acks = [(None, backend.runtime.last_ack)] if kind == "control" else []
-            return [], [], backend.stats(), acks, kind
+            return [], [], backend.stats(), acks, kind, []
         rejected: list[tuple[str, str]] = []
         acks = []
+        calls: list[tuple[asyncio.Future, object, BaseException | None]] = []
         with self._inbox_lock:
             items = list(self._inbox)
             self._inbox.clear()
@@ -150,6 +205,14 @@ class WorkerSession:
                     rejected.append((req.request_id, str(exc)))
             elif op == "abort":
                 backend.abort(payload)
+            elif op == "release":
+                backend.engine.release(payload)
+            elif op == "call":
+                fn, future = payload
+                try:
+                    calls.append((future, fn(backend), None))
+                except Exception as exc:  # handed to the caller, which reports it
+                    calls.append((future, None, exc))
             else:
                 command, future = payload
                 acks.append((future, backend.command(command)))
@@ -158,7 +221,7 @@ class WorkerSession:
         outputs = backend.step() if backend.is_leader and backend.has_unfinished() else []
         if not outputs and backend.is_leader and not backend.has_unfinished():
             backend.idle_tick()
-        return outputs, rejected, backend.stats(), acks, "step"
+        return outputs, rejected, backend.stats(), acks, "step", calls
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -174,7 +237,7 @@ class WorkerSession:
             leader_before = self.backend.is_leader
             t0 = time.perf_counter()
             try:
-                outputs, rejected, self._stats, acks, _kind = await loop.run_in_executor(None, self._iteration)
+                outputs, rejected, self._stats, acks, _kind, calls = await loop.run_in_executor(None, self._iteration)
             except Exception as exc:  # an engine failure fails the requests in flight, loudly
                 log.exception("engine step failed")
                 await self._fail_all("engine_error", f"{type(exc).__name__}: {exc}")
@@ -185,6 +248,12 @@ class WorkerSession:
             for future, ack in acks:
                 if future is not None and not future.done():
                     future.set_result(ack)
+            for future, result, error in calls:
+                if not future.done():
+                    if error is not None:
+                        future.set_exception(error)
+                    else:
+                        future.set_result(result)
             if acks and any(a.phase == "commit" and a.ok for _, a in acks):
                 await self._after_commit(leader_before)
             for request_id, reason in rejected:
@@ -223,28 +292,45 @@ class WorkerSession:
         if state is None:  # aborted while the step ran
             return
         tokens = tuple(out.new_token_ids)
+        # P/D: a prefill worker's run ends at the first token; unless the request itself is done then
+        # (a stop token, or max_tokens reached), it continues on the decode worker.
+        handoff = bool(
+            state.decode_worker and out.finished and out.finish_reason == "length"
+            and state.next_index + len(tokens) < state.max_tokens
+        )
+        finished = out.finished and not handoff
         chunk = TokenChunk(
             request_id=out.request_id,
             worker_id=self.worker_id,
             index=state.next_index,
             token_ids=tokens,
             text=out.text_delta,
-            finished=out.finished,
-            finish_reason=out.finish_reason or "",
+            finished=finished,
+            finish_reason=(out.finish_reason or "") if finished else "",
             num_prompt_tokens=state.prompt_len,
             num_cached_prompt_tokens=out.num_cached_prompt_tokens,
         )
         state.next_index += len(tokens)
         self.metrics.generated_tokens_total().labels(worker=self.worker_id).inc(len(tokens))
-        if out.finished:
+        if finished:
             self.running.pop(out.request_id, None)
             state.span.set_attribute("nitsum.output_tokens", state.next_index)
             state.span.set_attribute("nitsum.finish_reason", out.finish_reason or "")
             state.span.end()
+            if self.prefill_role:
+                self.release_pinned(out.request_id)
         try:
             await self.bus.publish(state.stream_subject, chunk)
         except Exception as exc:  # NATS down: the gateway's stream timeout re-routes the request
             log.warning("could not publish tokens of %s: %s", out.request_id, exc)
+        if handoff:
+            if self.on_handoff is None:
+                await self._finish_error(out.request_id, "engine_error", "this worker cannot hand requests off")
+                self.release_pinned(out.request_id)
+            else:
+                task = asyncio.create_task(self.on_handoff(state))
+                self._handoffs.add(task)
+                task.add_done_callback(self._handoffs.discard)
 
     async def _finish_error(self, request_id: str, code: str, message: str) -> None:
         state = self.running.pop(request_id, None)
