@@ -198,10 +198,11 @@ class Coordinator:
             # The policy's group first; the rest by load, so that a refusal still finds a home. P/D pairs
             # (a prefill worker and its decode worker) come before hybrid workers when the mesh has them.
             plan = pd_plan(req, candidates, decision.group_id)
+            holders = self.members.routable()  # a worker excluded from running it may still serve its prefix
             reasons = []
             for record, decode_worker in plan:
                 worker_id = record.worker_id
-                reuse_from, reuse_hashes = reuse_hint(req, record, candidates)
+                reuse_from, reuse_hashes = reuse_hint(req, record, holders)
                 if decode_worker:
                     span.set_attribute("nitsum.decode_worker", decode_worker)
                 if reuse_from:
