@@ -9,7 +9,14 @@ import torch
 
 from nitsum.engine.plan import StepPlan
 from nitsum.model import loader
-from nitsum.model.model import AttentionMetadata, MultiTokenSpan, build_model, rope_tables
+from nitsum.model.model import (
+    AttentionMetadata,
+    MultiTokenSpan,
+    Workspace,
+    build_model,
+    pack_for_fusion,
+    rope_tables,
+)
 from nitsum.parallel import TPGroup
 
 
@@ -35,7 +42,13 @@ class ModelRunner:
         self.config = config or loader.load_config(model_dir)
         self.config.check_tp(group.size)
         # Full-size weights stay referenced: this rank's parameters are views into them.
-        self.weights = weights if weights is not None else loader.load_weights(model_dir, self.dtype, str(self.device))
+        if weights is None:
+            weights = loader.load_weights(model_dir, self.dtype, str(self.device))
+            if group.size == 1:
+                # Our own copy at TP=1: lay q/k/v and gate/up back to back so those matmuls run fused.
+                # (At TP>1, and on a shared store's views, the projections stay separate matmuls.)
+                weights = pack_for_fusion(weights, self.config)
+        self.weights = weights
         shards = loader.shard_weights(self.weights, self.config, group.rank, group.size)
         self.model = build_model(self.config, group, shards)
         self.max_model_len = self.config.max_model_len
@@ -49,70 +62,90 @@ class ModelRunner:
             cfg.num_layers, 2, self.num_kv_blocks, block_size, self.num_kv_heads, cfg.head_dim,
             dtype=self.dtype, device=self.device,
         )
+        self.workspace = Workspace()  # reused gather buffers of the decode attention
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Logits [num_sampled_chunks, vocab] (fp32), rows in plan order of the chunks with `sample`."""
         bs = self.block_size
+        dev = self.device
         chunks = plan.chunks
-        # One-token chunks first: their attention runs as one batched call.
-        order = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        num_single = len(order)
-        order += [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+        # One-token chunks first: their attention runs as one batched call. Then fresh prompts grouped by
+        # length (each group is one batched causal call), then chunks that extend a cached prefix.
+        singles = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+        multis = sorted((i for i, c in enumerate(chunks) if len(c.token_ids) > 1),
+                        key=lambda i: (chunks[i].start_pos > 0, 0 if chunks[i].start_pos else len(chunks[i].token_ids)))
 
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_row: dict[int, int] = {}
+        for i in singles:
+            chunk = chunks[i]
+            pos = chunk.start_pos
+            last_row[i] = len(token_ids)
+            token_ids.append(chunk.token_ids[0])
+            positions.append(pos)
+            slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
+
         multi: list[MultiTokenSpan] = []
-        for i in order:
+        for i in multis:
             chunk = chunks[i]
             row0 = len(token_ids)
             n = len(chunk.token_ids)
+            start, end = chunk.start_pos, chunk.start_pos + n
             table = chunk.block_table
             token_ids.extend(chunk.token_ids)
-            for pos in range(chunk.start_pos, chunk.start_pos + n):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
+            chunk_positions = range(start, end)
+            positions.extend(chunk_positions)
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in chunk_positions)
             last_row[i] = row0 + n - 1
-            if n > 1:
-                mask = None
-                if chunk.start_pos > 0:
-                    context = chunk.start_pos + n
-                    q_pos = torch.arange(chunk.start_pos, context, device=self.device)
-                    mask = torch.arange(context, device=self.device)[None, :] <= q_pos[:, None]
-                blocks_needed = -(-(chunk.start_pos + n) // bs)
-                multi.append(MultiTokenSpan(
-                    token_start=row0, num_tokens=n, start_pos=chunk.start_pos,
-                    block_table=torch.tensor(table[:blocks_needed], dtype=torch.long, device=self.device),
-                    mask=mask,
-                ))
+            prev = multi[-1] if multi else None
+            if start == 0 and prev is not None and prev.start_pos == 0 and prev.num_tokens == n:
+                prev.num_seqs += 1  # rows are consecutive: same batched call
+                continue
+            mask = None
+            if start > 0:
+                q_pos = torch.arange(start, end, device=dev)
+                mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]
+            multi.append(MultiTokenSpan(
+                token_start=row0, num_tokens=n, start_pos=start,
+                block_table=torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=dev),
+                mask=mask,
+            ))
 
-        single_tables = single_mask = None
-        if num_single:
-            singles = [chunks[i] for i in order[:num_single]]
-            context_lens = [c.start_pos + 1 for c in singles]
-            max_blocks = -(-max(context_lens) // bs)
-            padded = [list(c.block_table[:max_blocks]) + [0] * (max_blocks - min(len(c.block_table), max_blocks))
-                      for c in singles]
-            single_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
-            lens = torch.tensor(context_lens, device=self.device)
-            single_mask = (torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        single_ids = single_mask = None
+        single_context = 0
+        if singles:
+            context_lens = [chunks[i].start_pos + 1 for i in singles]
+            single_context = max(context_lens)
+            max_blocks = -(-single_context // bs)
+            ids: list[int] = []
+            for i in singles:
+                table = chunks[i].block_table[:max_blocks]
+                ids.extend(table)
+                ids.extend([0] * (max_blocks - len(table)))  # padding: masked out (or sliced off)
+            single_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+            if min(context_lens) < single_context:
+                lens = torch.tensor(context_lens, device=dev)
+                single_mask = (torch.arange(single_context, device=dev)[None, :] < lens[:, None])[:, None, None, :]
 
-        pos_tensor = torch.tensor(positions, dtype=torch.long, device=self.device)
+        pos_tensor = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_single=num_single,
-            single_block_tables=single_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_single=len(singles),
+            single_block_ids=single_ids,
+            single_context_len=single_context,
             single_mask=single_mask,
             multi=multi,
+            workspace=self.workspace,
         )
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, self._cos[pos_tensor], self._sin[pos_tensor], meta, self.kv_cache)
+        ids_tensor = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        hidden = self.model(ids_tensor, self._cos[pos_tensor], self._sin[pos_tensor], meta, self.kv_cache)
         sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.sample]
         if not sample_rows:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden[rows]).float()
 
 

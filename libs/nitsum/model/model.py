@@ -27,22 +27,46 @@ from nitsum.parallel import TPGroup
 
 @dataclass
 class MultiTokenSpan:
-    """One sequence with more than one query token in this step (a prefill chunk)."""
+    """Sequences with more than one query token in this step (prefill chunks): one sequence, or
+    `num_seqs` fresh prompts (start_pos == 0) of equal length in consecutive rows, attended in one call."""
 
     token_start: int  # first row in the step's flat token tensors
-    num_tokens: int
+    num_tokens: int  # query tokens of each sequence
     start_pos: int  # tokens of this sequence already in the KV cache before this step
     block_table: torch.Tensor  # [num_blocks] long
     mask: torch.Tensor | None  # [num_tokens, start_pos + num_tokens] bool; None when start_pos == 0
+    num_seqs: int = 1  # > 1 only when start_pos == 0
+
+
+class Workspace:
+    """Reused scratch memory for the decode attention's K/V gathers.
+
+    Why: a fresh tensor of tens of MB is a fresh mmap on every call, and the kernel zero-fills each page
+    on first touch; at batch 32 x 1024 context that page-faulting cost several times the copy itself
+    (the 30-66 ms decode steps). The gather writes into these buffers instead (index_select out=).
+    Layers run one after another, so one K and one V buffer serve them all."""
+
+    def __init__(self) -> None:
+        self._k = torch.empty(0)
+        self._v = torch.empty(0)
+
+    def buffers(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat tensors of `numel` elements (dtype/device of `like`), valid until the next call."""
+        if self._k.numel() < numel or self._k.dtype != like.dtype or self._k.device != like.device:
+            self._k = like.new_empty(numel)
+            self._v = like.new_empty(numel)
+        return self._k[:numel], self._v[:numel]
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset for every token
     num_single: int  # rows [0, num_single) are one-query-token sequences (decodes), batched together
-    single_block_tables: torch.Tensor | None  # [num_single, max_blocks] long (padded)
-    single_mask: torch.Tensor | None  # [num_single, 1, 1, max_blocks * block_size] bool
+    single_block_ids: torch.Tensor | None  # [num_single * max_blocks] long: padded block tables, flattened
+    single_context_len: int  # longest context among the single rows (keys attended)
+    single_mask: torch.Tensor | None  # [num_single, 1, 1, single_context_len] bool; None when all are full
     multi: list[MultiTokenSpan]
+    workspace: Workspace
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -85,6 +109,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def fused_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One tensor stacking `parts` along dim 0, as a view, when they lie back to back in one storage
+    (same dtype, trailing shape and device, contiguous); None otherwise (or when a part is None).
+
+    This is how projections are fused without copying: the weights stay views of whatever holds them
+    (the runner's own load lays q/k/v and gate/up out back to back; a shared store's TP shards do not
+    touch, so those layers keep separate matmuls)."""
+    if any(p is None or p.is_meta for p in parts):
+        return None
+    first = parts[0]
+    offset = first.storage_offset()
+    for p in parts:
+        if (not p.is_contiguous() or p.dtype != first.dtype or p.device != first.device
+                or p.shape[1:] != first.shape[1:] or p.storage_offset() != offset
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, group: TPGroup) -> None:
         super().__init__()
@@ -97,6 +142,29 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias)
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias)
         self.o_proj = RowParallelLinear(self.num_heads * cfg.head_dim, cfg.hidden_size, group)
+        # Plain attributes (not parameters: the state dict keeps the checkpoint's names), set by `fuse`.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> bool:
+        """Use one q|k|v matmul when the three weights (and biases) are adjacent views. True if fused."""
+        self.qkv_weight = fused_view([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        if self.q_proj.bias is not None:
+            self.qkv_bias = fused_view([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+            if self.qkv_bias is None:
+                self.qkv_weight = None
+        return self.qkv_weight is not None
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        num_tokens = x.shape[0]
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(num_tokens, h + 2 * h_kv, d)
+            qk = apply_rope(qkv[:, : h + h_kv], cos, sin)  # one rotation for q and k together
+            return qk[:, :h], qk[:, h:], qkv[:, h + h_kv :]
+        q = apply_rope(self.q_proj(x).view(num_tokens, h, d), cos, sin)
+        k = apply_rope(self.k_proj(x).view(num_tokens, h_kv, d), cos, sin)
+        return q, k, self.v_proj(x).view(num_tokens, h_kv, d)
 
     def forward(
         self,
@@ -109,34 +177,40 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = apply_rope(self.q_proj(x).view(num_tokens, h, d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(num_tokens, h_kv, d), cos, sin)
-        v = self.v_proj(x).view(num_tokens, h_kv, d)
+        q, k, v = self._qkv(x, cos, sin)
         k_cache.view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, v)
 
         out = q.new_empty(num_tokens, h, d)
         n_single = meta.num_single
         if n_single:
-            tables = meta.single_block_tables
-            ks = k_cache[tables].view(n_single, -1, h_kv, d).transpose(1, 2)  # [B, H_kv, S, D]
-            vs = v_cache[tables].view(n_single, -1, h_kv, d).transpose(1, 2)
-            qs = q[:n_single].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.single_mask, scale=self.scale, enable_gqa=True)
-            out[:n_single] = o.squeeze(2)
+            ids = meta.single_block_ids
+            block_shape = k_cache.shape[1:]
+            k_buf, v_buf = meta.workspace.buffers(ids.numel() * k_cache[0].numel(), k_cache)
+            ks = torch.index_select(k_cache, 0, ids, out=k_buf.view(-1, *block_shape))
+            vs = torch.index_select(v_cache, 0, ids, out=v_buf.view(-1, *block_shape))
+            context = meta.single_context_len
+            ks = ks.view(n_single, -1, h_kv, d)[:, :context].transpose(1, 2)  # [B, H_kv, S, D]
+            vs = vs.view(n_single, -1, h_kv, d)[:, :context].transpose(1, 2)
+            # GQA as a grouped query: the h / h_kv query heads of one KV head are its "query rows", so the
+            # kernel reads each K/V tile once per KV head instead of once per query head.
+            qs = q[:n_single].reshape(n_single, h_kv, h // h_kv, d)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.single_mask, scale=self.scale)
+            out[:n_single] = o.view(n_single, h, d)
         for span in meta.multi:
-            rows = slice(span.token_start, span.token_start + span.num_tokens)
-            qm = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            n, g = span.num_tokens, span.num_seqs
+            rows = slice(span.token_start, span.token_start + g * n)
+            qm = q[rows].view(g, n, h, d).transpose(1, 2)  # [g, H, n, D]
             if span.start_pos == 0:
-                km = k[rows].transpose(0, 1).unsqueeze(0)  # [1, H_kv, n, D]
-                vm = v[rows].transpose(0, 1).unsqueeze(0)
+                km = k[rows].view(g, n, h_kv, d).transpose(1, 2)  # [g, H_kv, n, D]
+                vm = v[rows].view(g, n, h_kv, d).transpose(1, 2)
                 o = F.scaled_dot_product_attention(qm, km, vm, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                context = span.start_pos + span.num_tokens
+                context = span.start_pos + n
                 km = k_cache[span.block_table].view(-1, h_kv, d)[:context].transpose(0, 1).unsqueeze(0)
                 vm = v_cache[span.block_table].view(-1, h_kv, d)[:context].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qm, km, vm, attn_mask=span.mask, scale=self.scale, enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1)
+            out[rows] = o.transpose(1, 2).reshape(g * n, h, d)
         return self.o_proj(out.view(num_tokens, h * d))
 
 
@@ -147,8 +221,17 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, inter_local)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, inter_local)
         self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, group)
+        self.gate_up_weight: torch.Tensor | None = None  # set by `fuse`
+
+    def fuse(self) -> bool:
+        """Use one gate|up matmul when the two weights are adjacent views. True if fused."""
+        self.gate_up_weight = fused_view([self.gate_proj.weight, self.up_proj.weight])
+        return self.gate_up_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate).mul_(up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -207,4 +290,34 @@ def build_model(cfg: ModelConfig, group: TPGroup, shards: dict[str, torch.Tensor
     model.load_state_dict(shards, strict=True, assign=True)
     for name, tensor in model.state_dict().items():
         assert not tensor.is_meta, f"weight {name} was not assigned"
+    for layer in model.model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
     return model.eval()
+
+
+# Per-layer tensors that one matmul can serve when they lie back to back, in this order.
+FUSABLE_GROUPS = (
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+)
+
+
+def pack_for_fusion(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The same weights, each layer's q/k/v (and biases) and gate/up re-laid back to back in one buffer
+    each, so that a TP=1 model built on them runs fused projections (`fused_view`). Same values, same
+    names, same total memory (the separate tensors are released)."""
+    packed = dict(weights)
+    for layer in range(cfg.num_layers):
+        for group in FUSABLE_GROUPS:
+            names = [f"model.layers.{layer}.{suffix}" for suffix in group]
+            if not all(n in packed for n in names):
+                continue
+            buffer = torch.cat([packed[n] for n in names])
+            row = 0
+            for n in names:
+                rows = packed[n].shape[0]
+                packed[n] = buffer[row : row + rows]
+                row += rows
+    return packed

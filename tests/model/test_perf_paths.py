@@ -1,0 +1,112 @@
+"""The runner's fast paths (fused projections, grouped decode attention with reused gather buffers,
+batched equal-length prefills) against transformers and against the unfused model."""
+
+import pytest
+import torch
+
+from nitsum.engine.plan import ChunkPlan, StepPlan
+from nitsum.engine.runner import ModelRunner
+from nitsum.model import loader
+from nitsum.model.model import fused_view
+from nitsum.parallel import TPGroup
+
+BLOCK = 16
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=gen).tolist()
+
+
+def table(first_block: int, num_blocks: int = 4) -> tuple[int, ...]:
+    return tuple(range(first_block, first_block + num_blocks))
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_dir):
+    return ModelRunner(str(tiny_dir), TPGroup.single("cpu"), num_kv_blocks=64)
+
+
+def test_fused_view_only_over_adjacent_tensors():
+    buffer = torch.arange(12.0)
+    a, b = buffer[:4].view(2, 2), buffer[4:8].view(2, 2)
+    fused = fused_view([a, b])
+    assert fused.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert fused.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view, no copy
+    assert fused_view([b, a]) is None  # wrong order
+    assert fused_view([a, buffer[8:12].view(2, 2)]) is None  # a gap
+    assert fused_view([a, b.clone()]) is None  # another storage
+    assert fused_view([a, None]) is None
+
+
+def test_standalone_tp1_runner_fuses_every_layer_on_views_of_its_weights(runner, tiny_dir):
+    checkpoint = loader.load_weights(tiny_dir, torch.float32)
+    for index, layer in enumerate(runner.model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
+        assert attn.qkv_weight.data_ptr() == attn.q_proj.weight.data_ptr()
+        assert mlp.gate_up_weight.data_ptr() == mlp.gate_proj.weight.data_ptr()
+        prefix = f"model.layers.{index}."
+        assert torch.equal(attn.v_proj.weight, checkpoint[prefix + "self_attn.v_proj.weight"])
+        assert torch.equal(mlp.up_proj.weight, checkpoint[prefix + "mlp.up_proj.weight"])
+        assert torch.equal(runner.weights[prefix + "mlp.up_proj.weight"], checkpoint[prefix + "mlp.up_proj.weight"])
+
+
+def test_runner_on_separate_weight_tensors_does_not_fuse(tiny_dir):
+    cfg = loader.load_config(tiny_dir)
+    weights = loader.load_weights(tiny_dir, torch.float32)  # one tensor per weight: not adjacent
+    unfused = ModelRunner(str(tiny_dir), TPGroup.single("cpu"), num_kv_blocks=8, weights=weights, config=cfg)
+    assert all(layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is None
+               for layer in unfused.model.model.layers)
+
+
+def two_step_plans():
+    """Step 1 prefills a, b (different lengths) and the first 16 tokens of e. Step 2, in mixed order:
+    fresh prompts c, d of equal length (one batched call), decodes of a and b (different contexts: the
+    masked path), and e's next 10 tokens over its cached prefix."""
+    seqs = {"a": tokens(1, 21), "b": tokens(2, 38), "c": tokens(3, 12), "d": tokens(4, 12), "e": tokens(5, 26)}
+    blocks = {name: table(1 + 4 * i) for i, name in enumerate(seqs)}
+    step1 = StepPlan("step", 1, (
+        ChunkPlan(tuple(seqs["a"][:20]), 0, blocks["a"], True),
+        ChunkPlan(tuple(seqs["b"][:37]), 0, blocks["b"], True),
+        ChunkPlan(tuple(seqs["e"][:16]), 0, blocks["e"], False),
+    ))
+    order = ["c", "a", "e", "d", "b"]
+    step2 = StepPlan("step", 2, (
+        ChunkPlan(tuple(seqs["c"]), 0, blocks["c"], True),
+        ChunkPlan((seqs["a"][20],), 20, blocks["a"], True),
+        ChunkPlan(tuple(seqs["e"][16:]), 16, blocks["e"], True),
+        ChunkPlan(tuple(seqs["d"]), 0, blocks["d"], True),
+        ChunkPlan((seqs["b"][37],), 37, blocks["b"], True),
+    ))
+    return seqs, order, step1, step2
+
+
+def test_mixed_step_logits_match_transformers(runner, hf_model):
+    seqs, order, step1, step2 = two_step_plans()
+    first = runner.execute(step1)
+    logits = runner.execute(step2)
+    assert first.shape[0] == 2 and logits.shape[0] == len(order)
+    with torch.no_grad():
+        for row, name in enumerate(order):
+            expected = hf_model(torch.tensor([seqs[name]])).logits[0, -1]
+            assert (logits[row] - expected).abs().max().item() <= 1e-4, name
+        for row, (name, length) in enumerate((("a", 20), ("b", 37))):
+            expected = hf_model(torch.tensor([seqs[name][:length]])).logits[0, -1]
+            assert (first[row] - expected).abs().max().item() <= 1e-4, name
+
+
+def test_decode_batch_equals_each_sequence_alone(runner):
+    """Equal and unequal context lengths in one decode batch give each row what it gets alone (up to
+    matmul rounding, which depends on the batch size: the parity tolerance)."""
+    seqs = [tokens(10 + i, n) for i, n in enumerate((30, 30, 7, 45))]
+    tables = [table(1 + 4 * i) for i in range(len(seqs))]
+    runner.execute(StepPlan("step", 1, tuple(
+        ChunkPlan(tuple(s[:-1]), 0, t, False) for s, t in zip(seqs, tables))))
+    decodes = [ChunkPlan((s[-1],), len(s) - 1, t, True) for s, t in zip(seqs, tables)]
+    together = runner.execute(StepPlan("step", 2, tuple(decodes)))
+    equal_pair = runner.execute(StepPlan("step", 3, tuple(decodes[:2])))  # equal contexts: no mask
+    for row, chunk in enumerate(decodes):
+        alone = runner.execute(StepPlan("step", 4, (chunk,)))[0]
+        assert torch.allclose(together[row], alone, atol=1e-4, rtol=0)
+    assert torch.allclose(equal_pair, together[:2], atol=1e-4, rtol=0)
