@@ -6,7 +6,7 @@ import torch
 
 from nitsum.engine.plan import ChunkPlan, StepPlan
 from nitsum.engine.runner import ModelRunner
-from nitsum.model import loader
+from nitsum.model import layers, loader
 from nitsum.model.model import fused_view
 from nitsum.parallel import TPGroup
 
@@ -82,7 +82,31 @@ def two_step_plans():
     return seqs, order, step1, step2
 
 
-def test_mixed_step_logits_match_transformers(runner, hf_model):
+@pytest.fixture(params=["onednn-everywhere", "torch"])
+def linear_backend(request, monkeypatch):
+    """Every matmul through oneDNN (threshold 0), or every matmul through F.linear."""
+    if request.param == "torch":
+        monkeypatch.setattr(layers, "_linear_backend", "torch")
+    else:
+        if layers._ONEDNN_LINEAR is None:
+            pytest.skip("this torch build has no oneDNN linear")
+        monkeypatch.setattr(layers, "ONEDNN_MIN_MACS", 0)
+    return request.param
+
+
+def test_onednn_linear_agrees_with_f_linear(monkeypatch):
+    if layers._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=gen) for shape in ((33, 96), (200, 96), (200,)))
+    monkeypatch.setattr(layers, "ONEDNN_MIN_MACS", 0)
+    assert torch.allclose(layers.linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="linear backend"):
+        layers.set_linear_backend("mkl")
+
+
+def test_mixed_step_logits_match_transformers(tiny_dir, hf_model, linear_backend):
+    runner = ModelRunner(str(tiny_dir), TPGroup.single("cpu"), num_kv_blocks=64)
     seqs, order, step1, step2 = two_step_plans()
     first = runner.execute(step1)
     logits = runner.execute(step2)
