@@ -1,7 +1,508 @@
-"""`nitsum bench reconfigure`: how long a TP change takes on a live CPU node, against restarting the workers.
+"""`nitsum bench reconfigure`: how long a TP change takes, against restarting the workers at the new TP.
 
-Engine level (no NATS): `--workers` worker processes (gloo on 127.0.0.1, one per device, the tiny model by
-default) serve greedy requests while a scripted coordinator merges and splits their groups:
+Live (default, `--live`): starts `nitsum up --devices 4` (its own nats-server, a fresh model directory, the
+policy's own epochs switched off so only this benchmark changes the topology), streams `--requests` greedy
+completions and, while they stream, drives the admin plane (`nitsum.admin.set-topology`) through
+4xTP1 -> TP4 -> 2xTP2 -> TP4 -> 2xTP2 -> 4xTP1: merges 4xTP1->TP4 and 2xTP2->TP4, splits TP4->2xTP2 and
+2xTP2->4xTP1. Per transition it reports the coordinator's phases from the admin answer (decide: 0 for an
+admin command, which skips the policy; prepare; pause = commit; total), the admin round trip as the client
+saw it, and the stream-visible pause: the largest gap between two consecutive tokens of any stream that
+overlaps the transition, minus the median token gap of the steady stretch just before it (also in steps).
+The coordinator's `nitsum_reconfiguration_duration_ms` histogram (its /metrics port, found through
+`<run-dir>/processes.json`) is read at the end as a cross-check of the phase sums.
+
+Baseline, measured in the same run: restart the workers at the new TP with a weight reload. Timed exactly:
+(1) stop: Ctrl-C to `nitsum up` until it has exited; (2) the shared-memory weight store of the model is
+deleted, so every worker boot reads the checkpoint again; (3) boot: a fresh `nitsum up` with the same model
+and flags (the nats-server stays up) from process start until GET /ready answers 200 and the coordinator
+lists every worker ready; (4) for a target other than 4xTP1 (where workers boot), the set-topology round
+trip on the fresh, idle mesh. restart(target) = (1) + (3) + (4). The ratio is restart(target) / the
+transition's admin round trip (client side, so it includes NATS).
+
+`--engine`: the engine-level version (no NATS; worker processes with a scripted coordinator), see below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TP1X4 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
+TP2X2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
+TP4 = "[0-3 TP4 hybrid]"
+# (kind, from, to): every merge and split the brief asks for, starting and ending where workers boot.
+CHAIN: tuple[tuple[str, str, str], ...] = (
+    ("merge", TP1X4, TP4),
+    ("split", TP4, TP2X2),
+    ("merge", TP2X2, TP4),
+    ("split", TP4, TP2X2),
+    ("split", TP2X2, TP1X4),
+)
+SHAPE_NAMES = {TP1X4: "4xTP1", TP2X2: "2xTP2", TP4: "TP4"}
+# The ~27M-parameter random Llama of the live policy test: big enough that a weight reload costs something.
+MID_OVERRIDES = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8,
+                 "num_key_value_heads": 4}
+ADMIN_TIMEOUT_S = 120.0
+
+
+# ---------------------------------------------------------------- functional core (pure, no clock reads)
+
+@dataclass(frozen=True)
+class TransitionGap:
+    max_gap_ms: float | None  # largest inter-token gap of any stream overlapping the transition window
+    steady_ms: float | None  # median inter-token gap of the steady stretch before the window
+    streams_across: int  # streams with a gap overlapping the window
+
+    @property
+    def pause_ms(self) -> float | None:
+        """Stream-visible pause: the largest gap minus one steady step (what the stream lost)."""
+        if self.max_gap_ms is None or self.steady_ms is None:
+            return None
+        return max(0.0, self.max_gap_ms - self.steady_ms)
+
+    @property
+    def pause_steps(self) -> float | None:
+        p = self.pause_ms
+        return None if p is None or not self.steady_ms else p / self.steady_ms
+
+
+def transition_gaps(token_times_ms: Sequence[Sequence[float]],
+                    windows_ms: Sequence[tuple[float, float]]) -> tuple[float | None, list[TransitionGap]]:
+    """Overall steady gap (median of every gap outside all windows) and, per window [start, end] (admin call
+    sent .. answered), the gaps that overlap it against the steady gaps since the previous window ended.
+
+    A gap (a, b) overlaps [s, e] when b > s and a < e. Gaps of 0 ms (tokens read in one chunk) are kept: they
+    are steady decoding too."""
+    gaps = [(a, b) for times in token_times_ms for a, b in zip(times, times[1:])]
+
+    def outside(a: float, b: float) -> bool:
+        return all(not (b > s and a < e) for s, e in windows_ms)
+
+    steady_all = [b - a for a, b in gaps if outside(a, b)]
+    out = []
+    prev_end = float("-inf")
+    for s, e in windows_ms:
+        across = [(b - a, i) for i, times in enumerate(token_times_ms)
+                  for a, b in zip(times, times[1:]) if b > s and a < e]
+        before = [b - a for a, b in gaps if a >= prev_end and b <= s and outside(a, b)]
+        out.append(TransitionGap(
+            max(g for g, _ in across) if across else None,
+            statistics.median(before) if before else (statistics.median(steady_all) if steady_all else None),
+            len({i for _, i in across}),
+        ))
+        prev_end = e
+    return (statistics.median(steady_all) if steady_all else None), out
+
+
+def stalls(token_times_ms: Sequence[Sequence[float]], threshold_ms: float) -> int:
+    """Inter-token gaps of at least threshold_ms: a hand-off the gateway did not follow shows as one."""
+    return sum(1 for times in token_times_ms for a, b in zip(times, times[1:]) if b - a >= threshold_ms)
+
+
+def restart_ms(stop_ms: float, boot_ms: float, to_target_ms: dict[str, float], target: str) -> float:
+    """Restart baseline for one target shape: workers boot as 4xTP1; other shapes need one more change."""
+    return stop_ms + boot_ms + (0.0 if target == TP1X4 else to_target_ms[target])
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_live_table(report: dict) -> str:
+    lines = [
+        "| transition | decide ms | prepare ms | pause (commit) ms | total ms | admin round trip ms "
+        "| stream pause ms (steps) | max gap / steady gap ms | restart+reload ms | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['transition']} | {_fmt(r['decide_ms'])} | {_fmt(r['prepare_ms'])} | {_fmt(r['pause_ms'])} | "
+            f"{_fmt(r['total_ms'])} | {_fmt(r['admin_rtt_ms'])} | {_fmt(r['stream_pause_ms'])} "
+            f"({_fmt(r['stream_pause_steps'])}) | {_fmt(r['max_gap_ms'])} / {_fmt(r['steady_gap_ms'])} | "
+            f"{_fmt(r['restart_ms'], '.0f')} | {_fmt(r['speedup'], '.0f')}x |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- shell: a live `nitsum up` (also used by
+# load/bench_policy_live.py)
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _http_status(url: str, timeout_s: float) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+@dataclass
+class LiveMesh:
+    """One `nitsum up` in its own session (process group) with its own NITSUM_HOME, on our nats-server."""
+
+    url: str
+    nats_url: str
+    process: subprocess.Popen
+    log_path: Path
+    run_dir: Path
+    started_monotonic: float
+    ready_ms: float = 0.0  # process start -> /ready 200
+    workers_ready_ms: float = 0.0  # process start -> the coordinator lists every worker ready
+    extra: dict = field(default_factory=dict)
+
+    def stop(self, timeout_s: float = 30.0) -> float:
+        """Ctrl-C, as a user stops it; kills the process group only if it does not exit. Returns ms taken."""
+        t0 = time.monotonic()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return (time.monotonic() - t0) * 1000.0
+
+    def coordinator_metrics_url(self) -> str | None:
+        """The coordinator's /metrics: its pid from processes.json, its port from its environment (Linux)."""
+        try:
+            pid = json.loads((self.run_dir / "processes.json").read_text())["coordinator"]
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (OSError, KeyError, ValueError):
+            return None
+        for item in environ:
+            if item.startswith(b"NITSUM_METRICS_PORT="):
+                return f"http://127.0.0.1:{int(item.split(b'=', 1)[1])}/metrics"
+        return None
+
+
+async def admin_call(nats_url: str, command: str, body: dict, timeout_s: float = ADMIN_TIMEOUT_S) -> dict:
+    """One admin-plane request (JSON) on our unauthenticated nats-server."""
+    import nats
+
+    nc = await nats.connect(servers=[nats_url], allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    try:
+        msg = await nc.request(f"nitsum.admin.{command}", json.dumps(body).encode(), timeout=timeout_s)
+        return json.loads(msg.data)
+    finally:
+        await nc.close()
+
+
+def _ready_workers(nats_url: str) -> int:
+    try:
+        status = asyncio.run(admin_call(nats_url, "status", {}, timeout_s=2.0))
+    except Exception:  # nats-py raises several unrelated types while the coordinator starts  # noqa: BLE001
+        return 0
+    return sum(1 for w in status.get("workers", []) if w.get("state") == "ready")
+
+
+def start_live_mesh(work: Path, *, model_dir: Path, nats_url: str, devices: int = 4, policy: str = "adaptive",
+                    env_extra: dict[str, str] | None = None, ready_timeout_s: float = 180.0) -> LiveMesh:
+    """`nitsum up --devices N --nats URL --model DIR --policy P` on a free port; returns once /ready answers
+    200 and the coordinator lists every worker ready (raises RuntimeError with the log tail otherwise)."""
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log_path = work / "up.log"
+    env = dict(os.environ)
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    env["NITSUM_HOME"] = str(work / "home")  # current.json and the like stay inside the benchmark's folder
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "nitsum.cli", "up", "--devices", str(devices), "--port", str(port),
+           "--nats", nats_url, "--model", str(model_dir), "--policy", policy, "--run-dir", str(work / "run"),
+           "--ready-timeout", str(ready_timeout_s)]
+    t0 = time.monotonic()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    mesh = LiveMesh(f"http://127.0.0.1:{port}", nats_url, process, log_path, work / "run", t0)
+    deadline = t0 + ready_timeout_s + 10
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"nitsum up exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nitsum up not ready within {ready_timeout_s} s:\n{log_path.read_text()[-3000:]}")
+            if not mesh.ready_ms and _http_status(mesh.url + "/ready", 10.0) == 200:
+                mesh.ready_ms = (time.monotonic() - t0) * 1000.0
+            if mesh.ready_ms and _ready_workers(nats_url) >= devices:
+                mesh.workers_ready_ms = (time.monotonic() - t0) * 1000.0
+                return mesh
+            time.sleep(0.1)  # each /ready probe is a real 1-token generation: do not flood the mesh
+    except BaseException:
+        mesh.stop()
+        raise
+
+
+def remove_weight_store(model_dir: Path, dtype: str = "float32") -> list[str]:
+    """Delete the model's shared-memory weight store (the next worker boot reads the checkpoint again)."""
+    from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
+
+    key = store_key(model_dir, dtype)
+    removed = []
+    for suffix in (".json", ".bin", ".lock"):
+        path = Path(DEFAULT_SHM_DIR) / f"{key}{suffix}"
+        if path.exists():
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def weight_store_bytes(model_dir: Path, dtype: str = "float32") -> int:
+    from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
+
+    path = Path(DEFAULT_SHM_DIR) / f"{store_key(model_dir, dtype)}.bin"
+    return path.stat().st_size if path.exists() else 0
+
+
+def histogram_sums(metrics_text: str, name: str) -> dict[str, dict[str, float]]:
+    """{phase: {"sum": ms, "count": n}} of a Prometheus histogram labelled by phase."""
+    out: dict[str, dict[str, float]] = {}
+    for line in metrics_text.splitlines():
+        for kind in ("sum", "count"):
+            prefix = f"{name}_{kind}{{"
+            if line.startswith(prefix) and 'phase="' in line:
+                phase = line.split('phase="', 1)[1].split('"', 1)[0]
+                out.setdefault(phase, {})[kind] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def make_model(kind: str, work: Path) -> Path:
+    """'tiny' / 'mid': a fresh deterministic random Llama in `work`; anything else: an existing directory."""
+    from nitsum.model.tiny import make_tiny
+
+    if kind == "tiny":
+        return Path(make_tiny(work / "tiny"))
+    if kind == "mid":
+        return Path(make_tiny(work / "mid", config_overrides=MID_OVERRIDES))
+    path = Path(kind)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model: {kind!r} is neither tiny, mid nor a model directory")
+    return path
+
+
+# ---------------------------------------------------------------- the live run
+
+async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dict:
+    """Stream the requests; once each has `--steady-tokens` tokens, apply each change of the chain, letting
+    every stream move on by `--steady-tokens` tokens after each answer."""
+    import aiohttp
+
+    from nitsum_load.cli import discover_model
+    from nitsum_load.client import ClientConfig, RequestSpec, RequestTracker, send
+
+    model = await discover_model(mesh.url, None)
+    cfg = ClientConfig(base_url=mesh.url, model=model, endpoint="completions", prompt_format="token-ids",
+                       return_token_ids=True, request_timeout_s=600.0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    def clock() -> float:
+        return (loop.time() - t0) * 1000.0
+
+    chain = list(CHAIN) * args.rounds
+    trackers = [
+        RequestTracker(RequestSpec(f"r{i}", 0.0, 16 + 37 * i % 200, args.max_tokens, "interactive", 1e9, 1e9, 1.0))
+        for i in range(args.requests)
+    ]
+    windows: list[tuple[float, float]] = []
+    answers: list[dict] = []
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(send(session, cfg, t, clock, seed_index=i)) for i, t in enumerate(trackers)]
+
+        async def advance(marks: list[int]) -> None:
+            # A stream that stalls (see `stalled` in the report) is not waited for beyond the gateway's own
+            # stream timeout: the chain goes on, and the stall shows as that transition's gap.
+            deadline = loop.time() + args.advance_timeout_s
+            while not all(task.done() for task in tasks) and loop.time() < deadline:
+                if all(len(t.token_times_ms) >= m + args.steady_tokens or task.done()
+                       for t, m, task in zip(trackers, marks, tasks)):
+                    return
+                await asyncio.sleep(0.005)
+
+        await advance([0] * len(trackers))
+        for kind, _src, dst in chain:
+            if all(task.done() for task in tasks):
+                raise RuntimeError("every stream ended before the chain did (raise --max-tokens): "
+                                   f"{[(len(t.token_times_ms), t.error, t.error_detail) for t in trackers]}")
+            start = clock()
+            answer = await admin_call(mesh.nats_url, "set-topology",
+                                      {"topology": dst, "node_id": "node0", "id": f"bench-{len(answers)}"})
+            end = clock()
+            if not answer.get("ok"):
+                raise RuntimeError(f"set-topology {dst} failed: {answer}")
+            windows.append((start, end))
+            answers.append(answer)
+            await advance([len(t.token_times_ms) for t in trackers])
+        await asyncio.gather(*tasks)
+    return {"chain": chain, "windows": windows, "answers": answers,
+            "token_times_ms": [list(t.token_times_ms) for t in trackers],
+            "streams": [{"tokens": len(t.token_times_ms), "error": t.error, "detail": t.error_detail}
+                        for t in trackers]}
+
+
+def _restart_baseline(work: Path, mesh: LiveMesh, model_dir: Path, nats_url: str, env_extra: dict) -> dict:
+    stop_ms = mesh.stop()
+    removed = remove_weight_store(model_dir)
+    fresh = start_live_mesh(work / "restart", model_dir=model_dir, nats_url=nats_url, env_extra=env_extra)
+    try:
+        reloaded_bytes = weight_store_bytes(model_dir)
+        to_target: dict[str, float] = {}
+        for target in (TP4, TP1X4, TP2X2):
+            t0 = time.monotonic()
+            answer = asyncio.run(admin_call(nats_url, "set-topology", {"topology": target, "node_id": "node0",
+                                                                         "id": f"restart-{target}"}))
+            if not answer.get("ok"):
+                raise RuntimeError(f"set-topology {target} on the restarted mesh failed: {answer}")
+            if target != TP1X4:
+                to_target[target] = (time.monotonic() - t0) * 1000.0
+    finally:
+        fresh.stop()
+        remove_weight_store(model_dir)
+    return {"stop_ms": stop_ms, "ready_ms": fresh.ready_ms, "boot_ms": fresh.workers_ready_ms,
+            "to_target_ms": {SHAPE_NAMES[k]: v for k, v in to_target.items()}, "_to_target": to_target,
+            "store_removed": removed, "store_reloaded_bytes": reloaded_bytes}
+
+
+def build_live_report(run: dict, restart: dict, histogram: dict | None, meta: dict) -> dict:
+    steady_ms, per_window = transition_gaps(run["token_times_ms"], run["windows"])
+    rows = []
+    for (kind, src, dst), answer, (s, e), gap in zip(run["chain"], run["answers"], run["windows"], per_window):
+        t = answer["transition"]
+        base = restart_ms(restart["stop_ms"], restart["boot_ms"], restart["_to_target"], dst)
+        rtt = e - s
+        rows.append({
+            "transition": f"{kind} {SHAPE_NAMES[src]} -> {SHAPE_NAMES[dst]}", "epoch": t["epoch"],
+            "decide_ms": t.get("decide_ms"), "prepare_ms": t["prepare_ms"], "pause_ms": t["pause_ms"],
+            "total_ms": t["total_ms"], "admin_rtt_ms": rtt, "max_gap_ms": gap.max_gap_ms,
+            "steady_gap_ms": gap.steady_ms, "stream_pause_ms": gap.pause_ms, "stream_pause_steps": gap.pause_steps,
+            "streams_across": gap.streams_across, "restart_ms": base, "speedup": base / rtt if rtt > 0 else None,
+        })
+    return {**meta, "steady_gap_ms": steady_ms, "rows": rows,
+            "restart": {k: v for k, v in restart.items() if not k.startswith("_")},
+            "coordinator_histogram_ms": histogram, "streams": run["streams"],
+            "streams_complete": sum(1 for x in run["streams"] if x["error"] is None and x["tokens"] == meta["max_tokens"]),
+            "stalls": stalls(run["token_times_ms"], meta.get("stall_ms", 5000.0))}
+
+
+def live_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="nitsum bench reconfigure [--live]", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny | mid (a ~27M-param random Llama) | a model directory")
+    p.add_argument("--requests", type=int, default=6, help="greedy streams in flight across the changes")
+    p.add_argument("--steady-tokens", type=int, default=12,
+                   help="tokens every stream decodes before the first change and after each one")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="output tokens per stream (default: enough for the whole chain)")
+    p.add_argument("--rounds", type=int, default=1, help="times the five-change chain is repeated")
+    p.add_argument("--advance-timeout-s", type=float, default=60.0,
+                   help="longest wait for the streams to move on after a change (a stalled hand-off)")
+    p.add_argument("--stream-timeout-s", type=float, default=None,
+                   help="the gateway's NITSUM_STREAM_TIMEOUT_S (default: its own, 30 s): how long a silent "
+                        "stream waits before it is re-routed")
+    p.add_argument("--out", type=Path, default=None, help="report directory (default runs/reconfigure-<time>)")
+    p.add_argument("--json", type=Path, default=None, help="also write report.json here")
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.steady_tokens < 2 or args.rounds < 1:
+        p.error("need --requests >= 1, --steady-tokens >= 2 and --rounds >= 1")
+    needed = (len(CHAIN) * args.rounds + 2) * args.steady_tokens
+    if args.max_tokens is None:
+        args.max_tokens = needed + 20
+    elif args.max_tokens < needed:
+        p.error(f"--max-tokens must be at least {needed} to stream across the whole chain")
+    out = args.out or Path("runs") / time.strftime("reconfigure-%Y%m%d-%H%M%S")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    from nitsum.natsserver import NatsServer
+
+    # Only this benchmark changes the topology: the policy's own epochs are pushed out of the run.
+    env_extra = {"NITSUM_RECONFIG_INTERVAL_MS": "600000"}
+    if args.stream_timeout_s is not None:
+        env_extra["NITSUM_STREAM_TIMEOUT_S"] = str(args.stream_timeout_s)
+    with tempfile.TemporaryDirectory(prefix="nitsum-bench-reconfigure-") as tmp:
+        work = Path(tmp)
+        try:
+            model_dir = make_model(args.model, work)
+        except FileNotFoundError as exc:
+            p.error(str(exc))
+        nats = NatsServer(port=free_port(), config_path=None).start(log_path=out / "logs" / "nats-server.log")
+        mesh: LiveMesh | None = None
+        try:
+            print(f"starting nitsum up --devices 4 --model {model_dir} ...", flush=True)
+            mesh = start_live_mesh(out / "logs" / "live", model_dir=model_dir, nats_url=nats.url, env_extra=env_extra)
+            store_bytes = weight_store_bytes(model_dir)
+            print(f"ready in {mesh.workers_ready_ms / 1000:.1f} s; streaming {args.requests} x {args.max_tokens} "
+                  f"tokens through {len(CHAIN) * args.rounds} changes ...", flush=True)
+            run = asyncio.run(_stream_through_chain(mesh, args))
+            histogram = None
+            metrics_url = mesh.coordinator_metrics_url()
+            if metrics_url:
+                try:
+                    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+                        histogram = histogram_sums(resp.read().decode(), "nitsum_reconfiguration_duration_ms")
+                except (urllib.error.URLError, OSError):
+                    histogram = None
+            print("restart baseline: stop, delete the weight store, fresh nitsum up ...", flush=True)
+            restart = _restart_baseline(out / "logs", mesh, model_dir, nats.url, env_extra)
+        except RuntimeError as exc:
+            sys.stderr.write(f"nitsum bench reconfigure: {exc}\n(logs in {out / 'logs'})\n")
+            return 1
+        finally:
+            if mesh is not None:
+                mesh.stop()
+            nats.stop()
+            remove_weight_store(model_dir)
+    meta = {
+        "mode": "live", "command": "nitsum bench reconfigure " + " ".join(argv),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores", "model": args.model,
+        "weight_store_bytes": store_bytes, "requests": args.requests, "max_tokens": args.max_tokens,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    report = build_live_report(run, restart, histogram, meta)
+    text = json.dumps(report, indent=2)
+    (out / "report.json").write_text(text)
+    if args.json:
+        args.json.write_text(text)
+    rs = report["restart"]
+    print(f"nitsum bench reconfigure (live): 4 CPU workers, model {args.model} ({store_bytes / 1e6:.1f} MB "
+          f"fp32), {args.requests} greedy streams, {meta['machine']}; steady token gap {_fmt(report['steady_gap_ms'])} ms")
+    print(format_live_table(report))
+    targets = ", ".join(f"{k} +{v:.0f} ms" for k, v in rs["to_target_ms"].items())
+    print(f"restart+reload = stop {rs['stop_ms']:.0f} ms + boot {rs['boot_ms']:.0f} ms (/ready at {rs['ready_ms']:.0f} ms; "
+          f"store deleted, {rs['store_reloaded_bytes'] / 1e6:.1f} MB re-read) + set-topology on the idle restarted mesh ({targets})")
+    if histogram:
+        print("coordinator histogram (sum ms / count): " + ", ".join(
+            f"{k} {v.get('sum', 0):.1f}/{v.get('count', 0):.0f}" for k, v in sorted(histogram.items())))
+    print(f"streams complete: {report['streams_complete']}/{args.requests}; token gaps >= 5 s (stalled hand-offs): "
+          f"{report['stalls']}")
+    worst = max((r["stream_pause_steps"] or 0.0) for r in report["rows"])
+    least = min((r["speedup"] or 0.0) for r in report["rows"])
+    print(f"goals: speedup >= 100x: {'met' if least >= 100 else 'NOT met'} (lowest {least:.0f}x); "
+          f"stream pause <= 2 steps: {'met' if worst <= 2 else 'NOT met'} (worst {worst:.1f}); report in {out}")
+    return 0
+
+
+# ---------------------------------------------------------------- engine level (`--engine`)
+
+ENGINE_DOC = """Engine level (`--engine`, no NATS): `--workers` worker processes (gloo on 127.0.0.1, one per device, the tiny
+model by default) serve greedy requests while a scripted coordinator merges and splits their groups:
 2xTP2 -> TP4 -> 2xTP2 -> 4xTP1 -> TP4 (with 4 workers). Per transition it reports, as the slowest worker
 saw them, the *prepare* phase (new views + caches, block-table exchange, pre-copy of full blocks; the old
 groups serve before and after it) and the *commit* phase (delta + cutover: the pause), their total, and
@@ -12,20 +513,6 @@ Baseline, measured in the same run: restarting the workers at the new TP with a 
 worker processes, join the process groups, read the checkpoint from disk (a fresh weight store), build the
 model and the KV cache -- timed from process start until every worker is ready.
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import platform
-import socket
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 
 def _free_port() -> int:
@@ -104,8 +591,8 @@ def _describe(groups: list) -> str:
     return f"{len(tps)}xTP{tps[0]}" if len(tps) > 1 else f"TP{tps[0]}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nitsum bench reconfigure", description=__doc__.split("\n\n")[0])
+def engine_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="nitsum bench reconfigure --engine", description=ENGINE_DOC.split("\n\n")[0])
     parser.add_argument("--model-dir", default=None, help="model directory (default: a fresh tiny model)")
     parser.add_argument("--workers", type=int, default=4, help="worker processes (a power of two >= 2)")
     parser.add_argument("--requests", type=int, default=8)
@@ -172,6 +659,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"step_ms": step_ms, "rows": rows, "restart_ms": restart}, indent=2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--engine" in args:
+        args.remove("--engine")
+        return engine_main(args)
+    if "--live" in args:
+        args.remove("--live")
+    return live_main(args)
 
 
 if __name__ == "__main__":

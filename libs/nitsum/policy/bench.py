@@ -9,6 +9,10 @@ groups, the rest queued), then times, per snapshot, in this order: adaptive `dec
 timed region; their lazy indexes are built inside it (the coordinator pays for them too).
 
 This harness reads the clock (perf_counter_ns); the policy objects it times never do.
+
+`--live` runs the other half instead: per-tier goodput of `adaptive` against `static-tp:1` and `static-tp:4`
+on the live CPU mesh, the same slice of a real trace in the same run (`load/bench_policy_live.py`; its
+options follow `--live`, see `nitsum bench policy --live --help`).
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--live" in argv:
+        # Imported only here: the decision-latency half stays standard-library only.
+        from nitsum_load.bench_policy_live import main as live_main
+
+        return live_main([a for a in argv if a != "--live"])
     ap = argparse.ArgumentParser(prog="nitsum bench policy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1000, help="requests in each snapshot (default 1000)")
     ap.add_argument("--devices", type=int, default=8, help="devices in the node (default 8)")
@@ -78,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="h100", choices=sorted(DEVICE_PRESETS) + ["cpu"])
     ap.add_argument("--baseline", default="static-tp:2", help="policy spec timed alongside (default static-tp:2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--live", action="store_true", help="live-mesh goodput comparison instead (see above)")
     args = ap.parse_args(argv)
     if args.requests < 1 or args.snapshots < 1 or args.devices < 1:
         ap.error("--requests, --snapshots and --devices must be >= 1")
