@@ -130,7 +130,7 @@ def make_body(service_name: str):
                 kv_blocks_free=s.num_kv_blocks_free,
                 kv_blocks_total=s.num_kv_blocks_total,
                 running_request_ids=tuple(session.running),
-                cached_block_hashes=tuple(s.cached_block_hashes[:256]),
+                cached_block_hashes=tuple(s.cached_block_hashes[-256:]),  # the most recently cached (reuse hints)
                 sent_unix_ms=time.time() * 1000.0,
                 step_ms_ewma=session.step_ms_ewma,
                 num_prefill_tokens_computed=s.num_prefill_tokens_computed,

@@ -134,6 +134,7 @@ def test_failed_hand_off_is_reported_at_both_ends_and_the_request_still_complete
         stats = asyncio.run(latest_stats(mesh.nats.url, (PREFILL, DECODE)))
         assert stats[DECODE].num_kv_imported == 0
         assert stats[PREFILL].kv_blocks_free == stats[PREFILL].kv_blocks_total  # released after the failure
-        assert "kv_transfer_failed" in (tmp_path / "gateway.log").read_text() or "kv_transfer_failed" in (tmp_path / "worker-p.log").read_text()
+        # the gateway re-routed each one because of the failed hand-off (a retryable error from the prefill worker)
+        assert (tmp_path / "gateway.log").read_text().count("kv_transfer_failed") == len(batch)
     finally:
         mesh.stop()
