@@ -1,0 +1,35 @@
+"""Smoke: `nitsum bench reconfigure` (live) runs end to end on a small setting and writes its report.
+
+Checks that the report holds every transition of the chain with its phases from the admin answer, the
+stream measurements and the restart baseline's parts; never a timing threshold (this is a benchmark)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nitsum_load.bench_reconfigure import CHAIN, main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def test_live_reconfigure_writes_a_report(tmp_path):
+    out = tmp_path / "out"
+    code = main(["--model", "tiny", "--requests", "2", "--steady-tokens", "3", "--stream-timeout-s", "2",
+                 "--advance-timeout-s", "5", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "live"
+    assert [r["transition"].split()[0] for r in report["rows"]] == [kind for kind, _, _ in CHAIN]
+    assert [r["epoch"] for r in report["rows"]] == [1, 2, 3, 4, 5]  # every change went through
+    for row in report["rows"]:
+        assert row["prepare_ms"] > 0 and row["pause_ms"] > 0 and row["total_ms"] >= row["prepare_ms"]
+        assert row["admin_rtt_ms"] > 0 and row["restart_ms"] > row["admin_rtt_ms"]
+        assert {"stream_pause_ms", "stream_pause_steps", "streams_across", "speedup"} <= row.keys()
+    restart = report["restart"]
+    assert restart["boot_ms"] > 0 and restart["stop_ms"] > 0
+    assert restart["store_reloaded_bytes"] > 0  # the restarted workers re-read the checkpoint
+    assert sorted(restart["to_target_ms"]) == ["2xTP2", "TP4"]
+    hist = report["coordinator_histogram_ms"]
+    assert hist is not None and hist["total"]["count"] == 5 and hist["prepare"]["count"] == 5
