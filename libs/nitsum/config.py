@@ -239,6 +239,7 @@ class WorkerConfig(CommonConfig):
     node_master_port: int = setting("NITSUM_NODE_MASTER_PORT", 29400, "rendezvous port of the node world", check=port)
     min_tp: int = setting("NITSUM_MIN_TP", 1, "smallest TP level of a group", check=power_of_two)
     fault_prepare_epoch: int = setting("NITSUM_FAULT_PREPARE_EPOCH", 0, "fault injection for tests: fail the prepare of this topology epoch (0: off)", check=non_negative)
+    fault_kv_corrupt: bool = setting("NITSUM_FAULT_KV_CORRUPT", False, "fault injection for tests: corrupt outgoing KV hand-offs")
     world_timeout_s: float = setting("NITSUM_WORLD_TIMEOUT_S", 30.0, "timeout of one collective in the node world", check=positive)
 
     def resolved_worker_id(self) -> str:

@@ -130,7 +130,17 @@ class AdminPlane:
             return _error("bad_request", f"'role' must be one of {', '.join(ROLES)}")
         if not isinstance(worker_id, str) or worker_id not in self.coordinator.members.workers:
             return _error("unknown_worker", f"no worker {worker_id!r}")
-        return _error("not_supported", "run-time role changes are not available in this build")
+        from nitsum.bus import BusError
+        from nitsum.wire.messages import RoleChange, TopologyAck
+
+        bus = self.coordinator.bus
+        try:
+            ack = await bus.request(bus.subjects.worker_control(worker_id), RoleChange(worker_id, role), 10.0, expected=TopologyAck)
+        except BusError as exc:
+            return _error("worker_unreachable", f"{worker_id}: {exc}")
+        if not ack.ok:
+            return _error("cannot_change", ack.reason)
+        return {"ok": True, "worker_id": worker_id, "role": role, "change": ack.reason}
 
 
 def _error(code: str, message: str) -> dict:

@@ -19,6 +19,7 @@ worker (stage 1), then prefills only the rest.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -29,7 +30,7 @@ import torch
 from nitsum.config import WorkerConfig
 from nitsum.modelpath import resolve_model_dir
 from nitsum.service import ServiceContext, run_service
-from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
+from nitsum.wire.messages import AbortRequest, RoleChange, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
 from nitsum_services.worker.backend import NodeBackend, PlainBackend
 from nitsum_services.worker.session import WorkerSession
 from nitsum_services.worker.transfer import KvMover, TransferAgent
@@ -99,6 +100,7 @@ def make_body(service_name: str):
         # A standalone prefill worker prefills and hands off (P/D); every other group serves whole requests
         # (hybrid) and adopts hand-offs. Node-world workers stay hybrid: their groups change at run time.
         engine_role = "prefill" if role == "prefill" and config.node_size <= 1 else "hybrid"
+        roles = {"engine": engine_role}  # changed at run time by the admin `role` command
         worker_id = config.resolved_worker_id()
         instance_id = uuid.uuid4().hex[:12]
         backend = await asyncio.to_thread(build_backend, config, engine_role)
@@ -108,6 +110,7 @@ def make_body(service_name: str):
         session.prefill_role = engine_role == "prefill"
         agent = TransferAgent(bus, worker_id, ctx.metrics)
         mover = KvMover(session, agent, bus, worker_id, ctx.metrics)
+        mover.corrupt = config.fault_kv_corrupt
         session.on_handoff = mover.hand_off
         state = {"value": "ready"}
 
@@ -119,7 +122,7 @@ def make_body(service_name: str):
                 node_id=config.node_id,
                 device_index=config.device_index,
                 device=config.device,
-                role=engine_role,
+                role=roles["engine"],
                 state=state["value"],
                 group_id=group_id_of(config.node_id, start, tp),
                 tp=tp,
@@ -162,7 +165,7 @@ def make_body(service_name: str):
             if state["value"] != "ready":
                 return RunAck(rid, worker_id, False, f"worker is {state['value']}")
             problem = session.validate(run)
-            if not problem and engine_role == "prefill" and not run.decode_worker:
+            if not problem and roles["engine"] == "prefill" and not run.decode_worker:
                 problem = "a prefill worker runs requests only with a decode worker to hand them to"
             if not problem and (run.decode_worker or run.reuse_from) and backend.in_world:
                 problem = "KV hand-offs need a standalone worker"
@@ -189,7 +192,28 @@ def make_body(service_name: str):
                     # Whatever the fetch did, the request runs: at worst it computes its whole prompt.
                     session.start_held(req.request_id)
 
+        async def change_role(msg: RoleChange) -> TopologyAck:
+            if msg.role not in ("prefill", "decode", "hybrid"):
+                return TopologyAck(worker_id, 0, False, "role", f"unknown role {msg.role!r}")
+            if backend.in_world:
+                return TopologyAck(worker_id, 0, False, "role", "workers in a node world serve hybrid groups; change the topology instead")
+
+            def apply(b) -> None:
+                # At a step boundary: requests already admitted finish under the rules they started with.
+                engine = b.engine
+                engine.cfg = dataclasses.replace(engine.cfg, role=msg.role)
+                engine.scheduler.role = msg.role
+
+            await session.call(apply)
+            previous, roles["engine"] = roles["engine"], msg.role
+            session.prefill_role = msg.role == "prefill"
+            await publish_stats()
+            log.info("role %s -> %s", previous, msg.role)
+            return TopologyAck(worker_id, 0, True, "role", f"{previous} -> {msg.role}")
+
         async def on_control(msg, _delivery) -> TopologyAck:
+            if isinstance(msg, RoleChange):
+                return await change_role(msg)
             phase = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "abort"}[type(msg)]
             if not isinstance(backend, NodeBackend):
                 return TopologyAck(worker_id, msg.epoch, False, phase, "this worker is not in a node world (NITSUM_NODE_SIZE)")
@@ -230,7 +254,7 @@ def make_body(service_name: str):
                     pass
 
         await bus.subscribe(bus.subjects.worker_run(worker_id), on_run, expected=RunRequest)
-        await bus.subscribe(bus.subjects.worker_control(worker_id), on_control, expected=(TopologyPrepare, TopologyCommit, TopologyAbort), concurrent=True)
+        await bus.subscribe(bus.subjects.worker_control(worker_id), on_control, expected=(TopologyPrepare, TopologyCommit, TopologyAbort, RoleChange), concurrent=True)
         await bus.subscribe(bus.subjects.abort, on_abort, expected=AbortRequest)
         await bus.nc.subscribe(bus.subjects.coordinator_up, cb=on_coordinator_up)
         await agent.start()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -57,7 +56,6 @@ FETCH_TIMEOUT_S = 5.0  # a stage-1 fetch that takes longer is abandoned: the pre
 MAX_IN_FLIGHT = 2  # flows this agent sends at once; the rest wait in strict priority order
 NUM_LEVELS = 8
 # Test-only fault injection: the sender corrupts the checksum of every P/D layer, so the receiver refuses it.
-FAULT_CORRUPT_ENV = "NITSUM_FAULT_KV_CORRUPT"
 
 
 def _counter(metrics: Metrics, key: str, name: str, doc: str, labels: list[str]) -> Counter:
@@ -202,7 +200,7 @@ class KvMover:
         self.num_imported = 0
         self.num_reused_blocks = 0
         self.num_failures = 0
-        self.corrupt = os.environ.get(FAULT_CORRUPT_ENV, "") not in ("", "0")
+        self.corrupt = False  # fault injection (NITSUM_FAULT_KV_CORRUPT), set by the worker from its config
 
     async def start(self) -> None:
         await self.bus.subscribe(self.bus.subjects.worker_kv(self.worker_id), self.on_layer, expected=KvLayer, concurrent=True)

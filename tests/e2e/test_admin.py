@@ -75,3 +75,26 @@ def test_bad_json_and_types_get_coded_errors(mesh):
     assert admin(mesh, "status", {"id": 5})["error"]["code"] == "bad_request"
     # An empty payload is an empty request (the stock `nats req nitsum.admin.status ''`).
     assert asyncio.run(raw("nitsum.admin.status", b""))["ok"] is True
+
+
+def test_role_changes_at_run_time(mesh):
+    import aiohttp
+
+    from tests.e2e.harness import prompts, stream_completion
+
+    async def run_batch():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(stream_completion(s, mesh.url, p, 12) for p in prompts(4, seed=11)))
+
+    before = asyncio.run(run_batch())
+    answer = admin(mesh, "role", {"id": "r1", "worker_id": "node0-1", "role": "prefill"})
+    assert answer["ok"] is True and answer["change"] == "hybrid -> prefill"
+    roles = {w["worker_id"]: w["role"] for w in admin(mesh, "status", {})["workers"]}
+    assert roles == {"node0-0": "hybrid", "node0-1": "prefill"}
+    # Requests now go prefill (node0-1) -> decode (node0-0) and produce the very same greedy tokens.
+    after = asyncio.run(run_batch())
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    assert all(r.status == 200 and len(r.token_ids) == 12 for r in after)
+    assert admin(mesh, "role", {"id": "r2", "worker_id": "node0-1", "role": "hybrid"})["ok"] is True
+    assert admin(mesh, "role", {"id": "r3", "worker_id": "node0-1", "role": "wizard"})["error"]["code"] == "bad_request"
+    assert admin(mesh, "role", {"id": "r4", "worker_id": "ghost", "role": "decode"})["error"]["code"] == "unknown_worker"

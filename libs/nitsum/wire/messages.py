@@ -223,6 +223,16 @@ class TopologyAbort:
 
 
 @dataclass(frozen=True)
+class RoleChange:
+    """Coordinator → one standalone worker: serve as prefill, decode or hybrid from the next step on."""
+
+    KIND: ClassVar[str] = "role_change"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    role: str
+
+
+@dataclass(frozen=True)
 class TopologyAck:
     KIND: ClassVar[str] = "topo_ack"
     VERSION: ClassVar[int] = 1
@@ -378,6 +388,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TopologyPrepare,
     TopologyCommit,
     TopologyAbort,
+    RoleChange,
     TopologyAck,
     FlowSubmit,
     FlowPermit,
