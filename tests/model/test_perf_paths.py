@@ -134,3 +134,16 @@ def test_decode_batch_equals_each_sequence_alone(runner):
         alone = runner.execute(StepPlan("step", 4, (chunk,)))[0]
         assert torch.allclose(together[row], alone, atol=1e-4, rtol=0)
     assert torch.allclose(equal_pair, together[:2], atol=1e-4, rtol=0)
+
+
+def test_prepared_rope_equals_reference_rope(tiny_dir):
+    from nitsum.model.model import apply_rope, apply_rope_prepared, rope_step_tables, rope_tables
+
+    cfg = loader.load_config(tiny_dir)
+    cos, sin = rope_tables(cfg, 64, torch.float32, "cpu")
+    positions = torch.tensor([0, 1, 17, 63])
+    x = torch.randn(4, 3, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    expected = apply_rope(x, cos[positions], sin[positions])
+    got = apply_rope_prepared(x, *rope_step_tables(cos[positions], sin[positions]))
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert not torch.allclose(got, x, atol=1e-3)  # it rotates (position 0 alone would not)

@@ -110,6 +110,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def rope_step_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Once per step, for `apply_rope_prepared`: cos as [T, 1, D], and sin with its first half negated
+    (rotate-half's sign folded in), [T, 1, D]."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos.unsqueeze(1), signed.unsqueeze(1)
+
+
+def apply_rope_prepared(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` with `rope_step_tables`' tables, in three kernels instead of six (every layer runs it
+    on small decode batches, where the kernel count is the cost). Same values: roll(x) * signed_sin is
+    rotate_half(x) * sin term by term."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
 def fused_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     """One tensor stacking `parts` along dim 0, as a view, when they lie back to back in one storage
     (same dtype, trailing shape and device, contiguous); None otherwise (or when a part is None).
@@ -161,16 +176,16 @@ class Attention(nn.Module):
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
             qkv = linear(x, self.qkv_weight, self.qkv_bias).view(num_tokens, h + 2 * h_kv, d)
-            qk = apply_rope(qkv[:, : h + h_kv], cos, sin)  # one rotation for q and k together
+            qk = apply_rope_prepared(qkv[:, : h + h_kv], cos, sin)  # one rotation for q and k together
             return qk[:, :h], qk[:, h:], qkv[:, h + h_kv :]
-        q = apply_rope(self.q_proj(x).view(num_tokens, h, d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(num_tokens, h_kv, d), cos, sin)
+        q = apply_rope_prepared(self.q_proj(x).view(num_tokens, h, d), cos, sin)
+        k = apply_rope_prepared(self.k_proj(x).view(num_tokens, h_kv, d), cos, sin)
         return q, k, self.v_proj(x).view(num_tokens, h_kv, d)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, D]
+        cos: torch.Tensor,  # [T, 1, D] and sign-folded sin, from `rope_step_tables`
         sin: torch.Tensor,
         meta: AttentionMetadata,
         k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
@@ -182,8 +197,9 @@ class Attention(nn.Module):
         k_cache.view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, v)
 
-        out = q.new_empty(num_tokens, h, d)
         n_single = meta.num_single
+        # A decode-only step writes the attention output straight into `out` (no extra copy).
+        out = None if n_single == num_tokens else q.new_empty(num_tokens, h, d)
         if n_single:
             ids = meta.single_block_ids
             block_shape = k_cache.shape[1:]
@@ -197,7 +213,10 @@ class Attention(nn.Module):
             # kernel reads each K/V tile once per KV head instead of once per query head.
             qs = q[:n_single].reshape(n_single, h_kv, h // h_kv, d)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.single_mask, scale=self.scale)
-            out[:n_single] = o.view(n_single, h, d)
+            if out is None:
+                out = o.view(n_single, h, d)
+            else:
+                out[:n_single] = o.view(n_single, h, d)
         for span in meta.multi:
             n, g = span.num_tokens, span.num_seqs
             rows = slice(span.token_start, span.token_start + g * n)
@@ -279,6 +298,7 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, H_kv, D]
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_step_tables(cos, sin)  # layers get [T, 1, D] tables, sin sign-folded
         for index, layer in enumerate(self.model.layers):
             x = layer.forward(x, cos, sin, meta, kv_cache[index, 0], kv_cache[index, 1])
         return self.model.norm(x)  # [T, hidden]
