@@ -147,3 +147,30 @@ def test_prepared_rope_equals_reference_rope(tiny_dir):
     got = apply_rope_prepared(x, *rope_step_tables(cos[positions], sin[positions]))
     assert torch.allclose(got, expected, atol=1e-6, rtol=0)
     assert not torch.allclose(got, x, atol=1e-3)  # it rotates (position 0 alone would not)
+
+
+def test_workspace_reuses_its_buffers_until_a_larger_one_is_needed():
+    from nitsum.model.model import Workspace
+
+    space = Workspace()
+    like = torch.zeros(1)
+    k1, v1 = space.buffers(100, like)
+    k2, v2 = space.buffers(60, like)
+    assert (k2.numel(), v2.numel()) == (60, 60)
+    assert k2.data_ptr() == k1.data_ptr() and v2.data_ptr() == v1.data_ptr()  # reused, no new allocation
+    assert k1.data_ptr() != v1.data_ptr()
+    k3, _ = space.buffers(101, like)
+    assert k3.numel() == 101 and k3.data_ptr() != k1.data_ptr()
+    k4, _ = space.buffers(10, torch.zeros(1, dtype=torch.float64))
+    assert k4.dtype == torch.float64
+
+
+def test_engine_bench_quick_runs_and_outputs_agree(capsys):
+    from nitsum.engine import bench
+
+    assert bench.main(["--quick", "--max-tokens", "3", "--concurrency", "1,2", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
+    # Greedy outputs equal to transformers' in every run (2 runs of c requests), batched and serial.
+    assert [row.split("|")[-2].strip() for row in rows] == ["2/2 / 2", "4/4 / 4"]

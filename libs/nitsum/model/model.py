@@ -40,12 +40,14 @@ class MultiTokenSpan:
 
 
 class Workspace:
-    """Reused scratch memory for the decode attention's K/V gathers.
+    """Reused scratch memory for the attention's K/V gathers (decode rows, and prefill chunks that
+    extend a cached prefix).
 
     Why: a fresh tensor of tens of MB is a fresh mmap on every call, and the kernel zero-fills each page
     on first touch; at batch 32 x 1024 context that page-faulting cost several times the copy itself
     (the 30-66 ms decode steps). The gather writes into these buffers instead (index_select out=).
-    Layers run one after another, so one K and one V buffer serve them all."""
+    Layers run one after another, so one K and one V buffer serve them all. It keeps its largest size
+    (at most what the biggest step gathers per layer, which before was allocated afresh per layer)."""
 
     def __init__(self) -> None:
         self._k = torch.empty(0)
@@ -227,8 +229,12 @@ class Attention(nn.Module):
                 o = F.scaled_dot_product_attention(qm, km, vm, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 context = span.start_pos + n
-                km = k_cache[span.block_table].view(-1, h_kv, d)[:context].transpose(0, 1).unsqueeze(0)
-                vm = v_cache[span.block_table].view(-1, h_kv, d)[:context].transpose(0, 1).unsqueeze(0)
+                # Into the workspace as well (the decode rows above are done with it).
+                k_buf, v_buf = meta.workspace.buffers(span.block_table.numel() * k_cache[0].numel(), k_cache)
+                km = torch.index_select(k_cache, 0, span.block_table, out=k_buf.view(-1, *k_cache.shape[1:]))
+                vm = torch.index_select(v_cache, 0, span.block_table, out=v_buf.view(-1, *v_cache.shape[1:]))
+                km = km.view(-1, h_kv, d)[:context].transpose(0, 1).unsqueeze(0)
+                vm = vm.view(-1, h_kv, d)[:context].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qm, km, vm, attn_mask=span.mask, scale=self.scale, enable_gqa=True)
             out[rows] = o.transpose(1, 2).reshape(g * n, h, d)
         return self.o_proj.forward(out.view(num_tokens, h * d))
