@@ -81,6 +81,7 @@ class AdminPlane:
             "requests_in_flight": len(c.members.requests),
             "last_decisions": c.last_decisions,
             "transitions": c.transitions.history[-5:],
+            "pinned_nodes": sorted(c.pinned_nodes),
         }
 
     async def cmd_set_policy(self, body: dict) -> dict:
@@ -111,6 +112,8 @@ class AdminPlane:
             report = await self.coordinator.transitions.apply(node_id, target, "admin set-topology")
         except TransitionError as exc:
             return _error("cannot_change", str(exc))
+        # A topology set by hand holds: the policy stops changing this node until the next set-policy.
+        self.coordinator.pinned_nodes.add(node_id)
         if not report["ok"]:
             return {"ok": False, "error": {"code": "transition_failed", "message": report.get("error", "")}, "transition": report}
         return {"ok": True, "transition": report}

@@ -133,6 +133,8 @@ class Coordinator:
         self.last_decisions: list[dict] = []
         self.last_reconfig_ms: dict[str, float] = {}
         self.transitions = TransitionAgent(self)
+        # Nodes whose topology an operator set by hand: the policy leaves them alone until the next set-policy.
+        self.pinned_nodes: set[str] = set()
         self.arrivals = ArrivalWindow()
         # Set on queue events that should not wait for the next epoch (a latency-tier request arrives while
         # its tier already has work queued): the policy looks again at once.
@@ -154,6 +156,7 @@ class Coordinator:
         except (ValueError, TypeError) as exc:
             return str(exc)
         self.policy, self.policy_spec = policy, spec
+        self.pinned_nodes.clear()  # a policy chosen by hand takes the nodes back
         return ""
 
     def limit_for(self, tier: str) -> int:
@@ -270,7 +273,7 @@ class Coordinator:
                 for d in decisions
             ]
             for d in decisions:
-                if d.target is None or self.transitions.lock.locked():
+                if d.target is None or self.transitions.lock.locked() or d.node_id in self.pinned_nodes:
                     continue
                 try:
                     self.transitions.check(d.node_id, d.target)

@@ -54,6 +54,9 @@ class Generation:
     left_workers: set[str] = field(default_factory=set)
     num_cached_prompt_tokens: int = 0
     first_token_s: float | None = None
+    last_token_s: float | None = None
+    # Called with the silence (ms) a stream saw across a hand-off to another worker (TP change, P/D).
+    on_handoff_gap: object = None
     finished: bool = False
     finish_reason: str = ""
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -111,6 +114,9 @@ class Generation:
                     continue
                 self.worker_id = chunk.worker_id
                 self.registry.moved(self)
+                if self.last_token_s is not None and self.on_handoff_gap is not None:
+                    self.on_handoff_gap((time.monotonic() - self.last_token_s) * 1000.0)
+                trace.get_current_span().add_event("handed_off", {"nitsum.to_worker": chunk.worker_id, "nitsum.tokens_so_far": len(self.tokens)})
             if chunk.error_code:
                 if chunk.error_code in RETRYABLE_CODES:
                     await self._reroute(chunk.error_code, chunk.error_message)
@@ -126,6 +132,8 @@ class Generation:
             self.num_cached_prompt_tokens = max(self.num_cached_prompt_tokens, chunk.num_cached_prompt_tokens)
             if fresh and self.first_token_s is None:
                 self.first_token_s = time.monotonic()
+            if fresh:
+                self.last_token_s = time.monotonic()
             self.tokens.extend(fresh)
             text = chunk.text if chunk.index == have else ""
             if chunk.finished:

@@ -127,6 +127,8 @@ class Gateway:
                 stream_subject=self.ctx.bus.subjects.stream(request_id),
             )
             gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.submit_timeout_s, self.registry)
+            # The decode pause a stream sees when its request moves to another worker (TP change, P/D).
+            gen.on_handoff_gap = self.ctx.metrics.reconfiguration_duration_ms().labels(phase="stream_pause").observe
             headers = {"x-request-id": request_id, "x-request-tier": slo.tier}
             try:
                 await gen.start()

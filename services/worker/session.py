@@ -62,6 +62,7 @@ class WorkerSession:
         self.step_ms_ewma = 0.0
         self.num_aborted = 0
         self._stats = backend.stats()
+        self._held_at_commit: dict[str, int] = {}
         self.on_topology_change = None  # async callback after a commit changed this worker's group
         self.on_handoff = None  # P/D: callback(Running) once a prefill finished; it owns the request then
         self.prefill_role = False  # the engine pins every finished request (release it after its hand-off)
@@ -184,6 +185,8 @@ class WorkerSession:
         if not backend.is_leader:
             kind = backend.follow()  # blocks until the leader's next plan
             acks = [(None, backend.runtime.last_ack)] if kind == "control" else []
+            if acks and acks[0][1].phase == "commit" and acks[0][1].ok:
+                self._held_at_commit = backend.output_counts()  # a promoted peer adopts from here
             return [], [], backend.stats(), acks, kind, []
         rejected: list[tuple[str, str]] = []
         acks = []
@@ -215,7 +218,12 @@ class WorkerSession:
                     calls.append((future, None, exc))
             else:
                 command, future = payload
-                acks.append((future, backend.command(command)))
+                ack = backend.command(command)
+                acks.append((future, ack))
+                if ack.phase == "commit" and ack.ok:
+                    # What this worker holds right at the cutover, before the next step samples more:
+                    # adopted streams continue from exactly these indices.
+                    self._held_at_commit = backend.output_counts()
                 if not backend.is_leader:
                     break  # this worker became a peer: the rest of the inbox is answered by the loop
         outputs = backend.step() if backend.is_leader and backend.has_unfinished() else []
@@ -265,7 +273,7 @@ class WorkerSession:
 
     async def _after_commit(self, was_leader: bool) -> None:
         """Reconcile the streams this worker publishes with the requests its engine now holds."""
-        held = self.backend.output_counts()
+        held, self._held_at_commit = self._held_at_commit, {}
         for request_id in [r for r in self.running if r not in held]:
             state = self.running.pop(request_id)
             state.span.add_event("migrated", {"nitsum.group": str(self.backend.group)})
