@@ -196,8 +196,19 @@ def main(argv: list[str]) -> int:
         _stop_all(children)
         if nats is not None:
             nats.stop()
+        if world:
+            _remove_weight_store(model_dir, os.environ.get("NITSUM_DTYPE", "float32"))
         print("nitsum up: stopped", flush=True)
     return code
+
+
+def _remove_weight_store(model_dir: Path, dtype: str) -> None:
+    """The workers' shared-memory weight store lives in /dev/shm; it goes with the mesh that made it."""
+    from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
+
+    base = Path(DEFAULT_SHM_DIR) / store_key(model_dir, dtype)
+    for suffix in (".json", ".bin", ".lock"):
+        base.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def _port_free(port: int) -> bool:

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +58,11 @@ def test_dead_child_is_named_and_restarted_and_ctrl_c_stops_all(tmp_path):
     assert rc == 0
     assert "nitsum up: stopped" in mesh.log_path.read_text()
     assert not any(_alive(pid) for pid in children.values()), "children left running after Ctrl-C"
+    # The shared-memory weight store went with the mesh.
+    from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
+
+    model_dir = mesh.home / "models" / "tiny"
+    assert not (Path(DEFAULT_SHM_DIR) / (store_key(model_dir, "float32") + ".bin")).exists()
     # and nats-server too
     assert mesh.nats_port and not any(_alive(int(p)) for p in _pids_listening(mesh.nats_port))
 
