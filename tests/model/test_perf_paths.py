@@ -174,3 +174,14 @@ def test_engine_bench_quick_runs_and_outputs_agree(capsys):
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
     # Greedy outputs equal to transformers' in every run (2 runs of c requests), batched and serial.
     assert [row.split("|")[-2].strip() for row in rows] == ["2/2 / 2", "4/4 / 4"]
+
+
+def test_engine_bench_decode_step_mode(capsys):
+    from nitsum.engine import bench
+
+    assert bench.main(["--models", "tiny", "--decode-contexts", "20,40", "--decode-batch", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode step")]
+    assert [line.split(":")[0] for line in lines] == [
+        "decode step, tiny, batch 2, context 20", "decode step, tiny, batch 2, context 40"]
+    with pytest.raises(SystemExit):
+        bench.main(["--decode-contexts", "1k"])

@@ -117,6 +117,34 @@ def bench_model(name: str, model_dir: Path, concurrencies: list[int], prompt_len
     return rows
 
 
+def time_decode_steps(model_dir: Path, batch: int, contexts: list[int], steps: int, repeat: int) -> list[float]:
+    """ms per decode step of the runner alone: `batch` sequences, each with `context` tokens in the KV
+    cache (one new token each). Best process CPU time of `repeat` x `steps` steps (CPU time, not wall:
+    less sensitive to the other jobs on a shared machine)."""
+    from nitsum.engine.plan import ChunkPlan, StepPlan
+    from nitsum.engine.runner import ModelRunner
+    from nitsum.parallel import TPGroup
+
+    block_size = 16
+    blocks_per_seq = -(-max(contexts) // block_size)
+    runner = ModelRunner(str(model_dir), TPGroup.single("cpu"), block_size=block_size,
+                         num_kv_blocks=batch * blocks_per_seq + 1)
+    # The KV content does not change the work; the cache holds zeros. Block 0 is left unused.
+    tables = [tuple(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)) for b in range(batch)]
+    out = []
+    for context in contexts:
+        plan = StepPlan("step", 1, tuple(ChunkPlan((5,), context - 1, t, True) for t in tables))
+        runner.execute(plan)
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.process_time()
+            for _ in range(steps):
+                runner.execute(plan)
+            best = min(best, (time.process_time() - start) / steps)
+        out.append(best * 1000.0)
+    return out
+
+
 def format_table(rows: list[dict]) -> str:
     head = ("| model | concurrency | nitsum tok/s | hf-batched tok/s | ratio | hf-serial tok/s | ratio "
             "| greedy outputs equal (vs batched / serial) |")
@@ -144,6 +172,9 @@ def main(argv: list[str]) -> int:
                         help="runs per measurement, best kept (default 3; --quick: 1)")
     parser.add_argument("--linear", choices=("auto", "torch"), default="auto",
                         help="nitsum's matmul kernel: auto (oneDNN where faster) or torch (F.linear, as transformers)")
+    parser.add_argument("--decode-contexts", default=None,
+                        help="instead: ms per decode step of the runner alone at these context lengths")
+    parser.add_argument("--decode-batch", type=int, default=32, help="sequences per decode step (default 32)")
     args = parser.parse_args(argv)
     repeat = args.repeat or (1 if args.quick else 3)
     if repeat < 1:
@@ -159,15 +190,31 @@ def main(argv: list[str]) -> int:
     for model in models:
         if model not in ("tiny", "100m"):
             parser.error(f"unknown model {model!r} (tiny, 100m)")
+    contexts = []
+    if args.decode_contexts:
+        try:
+            contexts = [int(c) for c in args.decode_contexts.split(",")]
+        except ValueError:
+            parser.error(f"--decode-contexts must be comma-separated integers, got {args.decode_contexts!r}")
+        if min(contexts) < 1 or args.decode_batch < 1:
+            parser.error("--decode-contexts and --decode-batch must be >= 1")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="nitsum-bench-") as tmp:
         for model in models:
             overrides = CONFIG_100M if model == "100m" else None
             model_dir = make_tiny(Path(tmp) / model, config_overrides=overrides)
             name = "tiny" if model == "tiny" else f"random-{_num_params(model_dir) / 1e6:.0f}M"
+            if contexts:
+                steps = 10 if model == "tiny" else 2
+                times = time_decode_steps(model_dir, args.decode_batch, contexts, steps, repeat=5)
+                for context, ms in zip(contexts, times):
+                    print(f"decode step, {name}, batch {args.decode_batch}, context {context}: {ms:.2f} ms "
+                          f"(best CPU time of 5 x {steps} steps, linear={args.linear})", flush=True)
+                continue
             print(f"benchmarking {name} ({max_tokens} new tokens/request, prompt {args.prompt_len}, "
                   f"{args.threads} thread(s), best of {repeat}, linear={args.linear})...", flush=True)
             rows += bench_model(name, model_dir, concurrencies, args.prompt_len, max_tokens,
                                 serial_limit=8 if model == "100m" and not args.quick else 32, repeat=repeat)
-    print(format_table(rows))
+    if rows:
+        print(format_table(rows))
     return 0
