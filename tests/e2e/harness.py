@@ -28,7 +28,10 @@ class Service:
 
     def start(self) -> "Service":
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", "nitsum.cli", "serve", self.service], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        from nitsum.up import _die_with_parent
+
+        # Dies with the test process even if the test is killed before its teardown runs.
+        self.process = subprocess.Popen([sys.executable, "-m", "nitsum.cli", "serve", self.service], env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         log.close()
         return self
 
