@@ -192,7 +192,7 @@ class GatewayConfig(CommonConfig):
     port: int = setting("NITSUM_GATEWAY_PORT", 8000, "HTTP listen port", check=port)
     model: str = setting("NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny'")
     served_model_name: str = setting("NITSUM_SERVED_MODEL_NAME", "", "model name in the API (default: the directory name)")
-    max_body_bytes: int = setting("NITSUM_MAX_BODY_BYTES", 1 << 20, "largest accepted request body", check=positive)
+    max_body_bytes: int = setting("NITSUM_MAX_BODY_BYTES", 8 << 20, "largest accepted request body", check=positive)
     max_messages: int = setting("NITSUM_MAX_MESSAGES", 1024, "most chat messages in one request", check=positive)
     default_tier: str = setting("NITSUM_DEFAULT_TIER", "interactive", "tier of requests without x-request-tier")
     submit_timeout_s: float = setting("NITSUM_SUBMIT_TIMEOUT_S", 15.0, "longest wait for the coordinator to place a request", check=positive)

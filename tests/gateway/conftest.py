@@ -25,7 +25,6 @@ def _start_gateway(tmp_path, nats_url: str, model_dir, extra_env: dict | None = 
             "NITSUM_MODEL": str(model_dir),
             "NITSUM_RUN_DIR": str(tmp_path),
             "NITSUM_READY_TIMEOUT_S": "1",
-            "NITSUM_MAX_MESSAGES": "100000",
         }
     )
     env.update(extra_env or {})

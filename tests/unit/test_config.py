@@ -11,7 +11,7 @@ def test_defaults_env_and_cli_override():
     cfg = load(GatewayConfig, ["--port", "9001"], {"NITSUM_GATEWAY_PORT": "9000", "NITSUM_NATS_URL": "nats://h:1"})
     assert cfg.port == 9001
     assert cfg.nats_url == "nats://h:1"
-    assert cfg.max_body_bytes == 1 << 20
+    assert cfg.max_body_bytes == 8 << 20
     assert load(GatewayConfig, [], {"NITSUM_GATEWAY_PORT": "9000"}).port == 9000
 
 
