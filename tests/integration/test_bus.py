@@ -18,6 +18,19 @@ def _config(url: str) -> CommonConfig:
     return CommonConfig(nats_url=url)
 
 
+async def _until_answered(bus: Bus, subject: str, timeout_s: float = 5.0) -> None:
+    """Interest can take a moment to be visible to another connection (seen once in CI): wait for it."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await bus.request(subject, AbortRequest("probe"), 1.0)
+            return
+        except NoResponders:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def test_request_reply_and_errors(nats_server):
     a = await Bus.connect(_config(nats_server.url), "a")
     b = await Bus.connect(_config(nats_server.url), "b", metrics=Metrics("b"))
@@ -31,6 +44,7 @@ async def test_request_reply_and_errors(nats_server):
 
         await b.subscribe("t.req", answer, expected=AbortRequest, concurrent=True)
         await b.flush()
+        await _until_answered(a, "t.req")
         ack = await a.request("t.req", AbortRequest("r1"), 2.0, expected=RunAck)
         assert ack == RunAck("r1", "w1", True)
         with pytest.raises(RemoteError) as info:
