@@ -217,6 +217,12 @@ def make_body(service_name: str):
             phase = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "abort"}[type(msg)]
             if not isinstance(backend, NodeBackend):
                 return TopologyAck(worker_id, msg.epoch, False, phase, "this worker is not in a node world (NITSUM_NODE_SIZE)")
+            # The coordinator sends commands to the leaders of the topology it just committed; a peer promoted
+            # by that commit may still be finishing it in its step thread. Give it a moment before refusing
+            # (a refusal would leave the other leaders waiting in the prepare's collective).
+            deadline = time.monotonic() + 5.0
+            while not backend.is_leader and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             if not backend.is_leader:
                 return TopologyAck(worker_id, msg.epoch, False, phase, "commands enter a group through its leader")
             from nitsum.engine.node import NodeCommand
