@@ -1,5 +1,5 @@
-"""bench fidelity's service-overhead model: what it subtracts, what it adds, and that the simulator really
-steps on a table given to it (ClusterConfig.device_kind alone only names presets)."""
+"""bench fidelity's calibration pieces: the evaluation / calibration split, the simulator on a given table and
+service model, and the seed summary."""
 
 from __future__ import annotations
 
@@ -7,42 +7,14 @@ import dataclasses
 
 import pytest
 
-from nitsum.metrics import make_record
 from nitsum.policy.costmodel import cost_model, load_device_table
+from nitsum.sim.service import ServiceModel
 from nitsum.workloads import TraceRequest
 from nitsum_load import bench_fidelity as bf
 
 
-def test_overheads_subtract_the_tables_own_prediction():
-    table = load_device_table(None)
-    cm = cost_model("tiny", table)
-    ov = bf.overheads_from(table, path_ttft_ms=5.0, step_tpot_ms=2.0)
-    assert ov.path_ms == pytest.approx(5.0 - cm.step_time_ms(1, 1, bf.PATH_PROMPT_TOKENS, bf.PATH_PROMPT_TOKENS))
-    mean_ctx = bf.STEP_PROMPT_TOKENS + bf.STEP_OUTPUT_TOKENS // 2
-    assert ov.step_ms == pytest.approx(2.0 - cm.step_time_ms(1, 1, 1, mean_ctx))
-    assert (ov.live_path_ttft_ms, ov.live_step_tpot_ms) == (5.0, 2.0)
-
-
-def test_adjusted_table_adds_the_service_step_and_never_subtracts():
-    table = load_device_table(None)
-    up = bf.adjusted_table(table, bf.ServiceOverheads(path_ms=3.0, step_ms=0.5, live_path_ttft_ms=4.0,
-                                                      live_step_tpot_ms=1.5))
-    assert up.step_overhead_ms == pytest.approx(table.step_overhead_ms + 0.5)
-    assert dataclasses.replace(up, step_overhead_ms=table.step_overhead_ms, source=table.source) == table
-    same = bf.adjusted_table(table, bf.ServiceOverheads(3.0, -0.2, 4.0, 0.3))
-    assert same.step_overhead_ms == table.step_overhead_ms
-
-
-def test_shift_records_moves_every_observed_time_but_not_the_send():
-    r = make_record(request_id="a", tier="interactive", send_ms=10.0, first_token_ms=15.0, finish_ms=18.0,
-                    output_tokens=3, prompt_tokens=4, token_times_ms=(15.0, 16.5, 18.0))
-    failed = make_record(request_id="b", tier="interactive", send_ms=0.0, first_token_ms=None, finish_ms=None,
-                         output_tokens=0, prompt_tokens=4, error="http_503")
-    got, kept = bf.shift_records([r, failed], 2.5)
-    assert (got.send_ms, got.first_token_ms, got.finish_ms, got.token_times_ms) == (10.0, 17.5, 20.5,
-                                                                                    (17.5, 19.0, 20.5))
-    assert got.ttft_ms == pytest.approx(r.ttft_ms + 2.5) and got.tpot_ms == pytest.approx(r.tpot_ms)
-    assert kept == failed
+def test_rows_alternate_evaluation_and_calibration():
+    assert bf.split_rows(list(range(7))) == ([0, 2, 4, 6], [1, 3, 5])
 
 
 def test_the_simulator_steps_on_the_given_table():
@@ -54,5 +26,25 @@ def test_the_simulator_steps_on_the_given_table():
     adjusted, used = bf.simulate(workload, "static-tp:1", slow)
     assert used == slow
     assert base.records[0].ttft_ms == pytest.approx(cost_model("tiny", table).step_time_ms(1, 1, 100, 100))
-    assert adjusted.records[0].ttft_ms == pytest.approx(cost_model("tiny", slow).step_time_ms(1, 1, 100, 100))
     assert adjusted.records[0].ttft_ms == pytest.approx(base.records[0].ttft_ms + 2.0)
+
+
+def test_service_runs_are_per_seed_on_evaluation_rows_only():
+    w = [TraceRequest(arrival_ms=100.0 * i, prompt_tokens=32, output_tokens=6) for i in range(6)]
+    bare, _ = bf.simulate(w, "static-tp:1")
+    model = ServiceModel(path_ms=(4.0,), step_ratios=(1.5,))
+    per_seed, records = bf.service_runs(w, "static-tp:1", load_device_table(None), model, seeds=2)
+    assert len(per_seed) == 2 and per_seed[0] == per_seed[1]  # one-point distributions: seeds agree
+    assert [r.send_ms for r in records] == [0.0, 200.0, 400.0]
+    bare_eval, _ = bf.split_rows(bare.records)
+    assert [r.ttft_ms for r in records] == pytest.approx([r.ttft_ms + 4.0 for r in bare_eval])
+    assert [r.tpot_ms for r in records] == pytest.approx([1.5 * r.tpot_ms for r in bare_eval])
+
+
+def test_over_seeds_median_and_range():
+    medians, ranges = bf.over_seeds([[1.0, 2.0, None, 4.0], [3.0, 2.0, None, 5.0], [2.0, 8.0, None, 6.0]])
+    assert medians == [2.0, 2.0, None, 5.0]
+    assert ranges == [(1.0, 3.0), (2.0, 8.0), None, (4.0, 6.0)]
+    rows = bf.compare([2.0, 2.0, 1.0, 5.0], medians, ranges)
+    assert [r["rel_error"] for r in rows] == [0.0, 0.0, None, 0.0]
+    assert "1.00-3.00" in bf.format_rows(rows)

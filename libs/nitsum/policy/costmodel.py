@@ -163,7 +163,27 @@ def device_spec(kind: str) -> DeviceSpec:
     try:
         return DEVICE_PRESETS[kind]
     except KeyError:
-        raise ValueError(f"unknown device kind {kind!r}; known: cpu, {', '.join(sorted(DEVICE_PRESETS))}") from None
+        raise ValueError(f"unknown device kind {kind!r}; known: cpu, {', '.join(sorted(DEVICE_PRESETS))}, or a path "
+                         f"to a device table JSON (nitsum bench profile --out)") from None
+
+
+def resolve_device(kind: "str | Path | DeviceSpec | CostModel") -> DeviceSpec:
+    """A device table from what a config may name: a preset kind ('cpu' | 'h100' | 'h200' | 'a100'), a path to
+    a device table JSON (what `nitsum bench profile --out` writes), a loaded `DeviceSpec`, or a `CostModel`
+    (its device). Anything else is a ValueError that says what is accepted."""
+    if isinstance(kind, DeviceSpec):
+        return kind
+    if isinstance(kind, CostModel):
+        return kind.device
+    if isinstance(kind, Path) or (isinstance(kind, str) and kind.endswith(".json")):
+        path = Path(kind)
+        if not path.is_file():
+            raise ValueError(f"device table {str(path)!r}: no such file")
+        return load_device_table(path)
+    if isinstance(kind, str):
+        return device_spec(kind)
+    raise ValueError(f"device kind must be a preset name, a table path, a DeviceSpec or a CostModel, "
+                     f"not {type(kind).__name__}")
 
 
 @dataclass(frozen=True)
@@ -296,4 +316,5 @@ __all__ = [
     "device_spec",
     "load_device_table",
     "model_spec",
+    "resolve_device",
 ]

@@ -19,24 +19,28 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from nitsum.metrics import RequestRecord, Report, summarize
 from nitsum.policy.base import PolicyConfig
-from nitsum.policy.costmodel import CostModel, cost_model
+from nitsum.policy.costmodel import CostModel, DeviceSpec, cost_model, resolve_device
 from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import MIN_CHUNK_TOKENS
 from nitsum.policy.registry import make_policy
 from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
 from nitsum.policy.tiers import DEFAULT_TIERS, Tier
 from nitsum.sim.engine import Event, Simulator
+from nitsum.sim.service import ServiceModel, ServiceSampler
 from nitsum.workloads.request import TraceRequest
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     model: str = "llama-3-70b"
-    device_kind: str = "h100"
+    # A preset ("cpu" is the shipped CPU table; "h100" | "h200" | "a100"), a device table JSON path (what
+    # `nitsum bench profile --out` writes), a loaded DeviceSpec or a CostModel. The policy gets the same table.
+    device_kind: str | Path | DeviceSpec | CostModel = "h100"
     num_nodes: int = 1
     devices_per_node: int = 8
     min_tp: int = 1
@@ -59,13 +63,34 @@ class ClusterConfig:
     arrival_window_ms: float = 5000.0
     drain_ms: float = 30_000.0  # after the last arrival, how long in-flight requests may still finish
     tiers: tuple[tuple[str, Tier], ...] = tuple(DEFAULT_TIERS.items())
+    # What the live mesh adds to the table's engine steps (request path, step noise); None: engine steps only.
+    service: ServiceModel | None = None
+
+    def __post_init__(self) -> None:
+        self.device  # an unknown kind or a missing table file fails here, with the accepted forms named
+        if isinstance(self.device_kind, CostModel) and self.device_kind.model.name != self.model:
+            raise ValueError(f"device_kind is a cost model of {self.device_kind.model.name!r}, the cluster runs {self.model!r}")
+
+    @property
+    def device(self) -> DeviceSpec:
+        return resolve_device(self.device_kind)
+
+    @property
+    def device_name(self) -> str:
+        """The kind the nodes report (NodeView.device_kind): the preset's name, or the given table's name."""
+        return self.device_kind if isinstance(self.device_kind, str) and not self.device_kind.endswith(".json") \
+            else self.device.name
+
+    def cost_model(self) -> CostModel:
+        return self.device_kind if isinstance(self.device_kind, CostModel) else cost_model(self.model, self.device)
 
     def policy_config(self) -> PolicyConfig:
         from nitsum.policy.costmodel import model_spec
 
         return PolicyConfig(model=model_spec(self.model), epoch_ms=self.epoch_ms,
                             block_size_tokens=self.block_size_tokens, chunk_tokens=self.chunk_tokens,
-                            prefill_batch_tokens=self.prefill_batch_tokens)
+                            prefill_batch_tokens=self.prefill_batch_tokens,
+                            devices=((self.device_name, self.device),))
 
 
 class _Req:
@@ -188,7 +213,8 @@ class ClusterSim:
         self.policy = make_policy(policy, config.policy_config()) if isinstance(policy, str) else policy
         self.config = config
         self.tiers = dict(config.tiers)
-        self.cost = cost_model(config.model, config.device_kind)
+        self.cost = config.cost_model()
+        self.service = ServiceSampler(config.service) if config.service is not None else None
         self.workload = sorted(workload, key=lambda r: r.arrival_ms)
         self.sim = Simulator()
         self.nodes = [_Node(f"n{i}") for i in range(config.num_nodes)]
@@ -201,6 +227,7 @@ class ClusterSim:
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
         self.end_arrivals_ms = self.workload[-1].arrival_ms if self.workload else 0.0
+        self.last_engine_arrival_ms = self.end_arrivals_ms  # later by the request paths (service model)
         self.p2d_link = config.inter_node_bandwidth_bps / 8 / 1000  # bytes/ms
         self.nvlink = self.cost.device.link_bandwidth_bytes_per_s * self.cost.device.link_efficiency / 1000
         for node in self.nodes:
@@ -211,7 +238,7 @@ class ClusterSim:
     def _node_view(self, node: _Node) -> NodeView:
         c = self.config
         return NodeView(node_id=node.node_id, num_devices=c.devices_per_node, min_tp=c.min_tp, max_tp=c.max_tp,
-                        groups=tuple(g.view(c.block_size_tokens) for g in node.groups), device_kind=c.device_kind,
+                        groups=tuple(g.view(c.block_size_tokens) for g in node.groups), device_kind=c.device_name,
                         last_reconfig_ms=node.last_reconfig_ms)
 
     def snapshot(self, full: bool = True) -> ClusterSnapshot:
@@ -430,6 +457,8 @@ class ClusterSim:
             return []
         ctx = dec_ctx + sum(r.prefill_done + n for r, n in planned)
         step_ms = g.cost.step_time_ms(g.tp, n_dec + len(planned), n_dec + tokens, ctx)
+        if self.service is not None and not planned:
+            step_ms *= self.service.step_ratio(now)  # decode-only steps; see sim/service.py for prefill
         g.busy = True
         return [(now + step_ms, self._step_done, (g, g.version, planned))]
 
@@ -533,7 +562,8 @@ class ClusterSim:
                     Topology.of_node(self._node_view(node)):
                 continue
             events.extend(self._reconfigure(node, decision.target))
-        if sim.now_ms < self.end_arrivals_ms + self.config.drain_ms and (self.live or sim.now_ms < self.end_arrivals_ms):
+        last = self.last_engine_arrival_ms
+        if sim.now_ms < self.end_arrivals_ms + self.config.drain_ms and (self.live or sim.now_ms < last):
             events.append((sim.now_ms + self.config.epoch_ms, self._epoch, None))
         return events
 
@@ -541,7 +571,11 @@ class ClusterSim:
     def run(self, duration_s: float | None = None) -> ClusterResult:
         sim = self.sim
         for t in self.workload:
-            sim.schedule(t.arrival_ms, self._arrive, t)
+            # With a service model the request reaches the policy and the engine after its path (drawn in
+            # arrival order); its record keeps the send time, so the path counts in its TTFT.
+            path = self.service.path_ms() if self.service is not None else 0.0
+            sim.schedule(t.arrival_ms + path, self._arrive, t)
+            self.last_engine_arrival_ms = max(self.last_engine_arrival_ms, t.arrival_ms + path)
         sim.schedule(0.0, self._epoch, None)
         sim.run(until_ms=self.end_arrivals_ms + self.config.drain_ms)
         records = [self._record(r) for r in self.reqs]

@@ -1,0 +1,122 @@
+"""What a live mesh adds to the engine steps a device table times: the request path and step-time noise.
+
+A device table (`nitsum bench profile`) times `engine.step()` alone, at its fastest. A request on the live mesh
+also crosses HTTP, the gateway, NATS and the coordinator before it reaches the engine, and its first token
+crosses them back; every step is followed by the worker publishing its tokens, and on a shared CPU the steps
+themselves are slowed by whatever else runs. None of that is a constant: the path of a request depends on how
+busy (or how asleep) the services were, and the slowdown comes in episodes. So the simulator takes both as
+*empirical distributions measured on calibration requests* (`nitsum bench fidelity` measures them on trace
+rows it does not evaluate) and draws from them with a seeded generator:
+
+- `path_ms`: one draw per request, added between its send and its arrival at the engine queue (so it also
+  shifts where the request queues). Measured end to end (live TTFT minus the simulated engine TTFT), it
+  carries the prefill step's own noise too, which is why prefill steps are not scaled below.
+- `step_ratios`: live decode-step period / the table's; scales every decode-only step. A draw holds for
+  `noise_window_ms` of simulated time (the slowdowns of a shared machine last longer than a step: drawing per
+  step would average them away over a request's steps), then the next draw; 0 draws per step. Window k's
+  ratio is the k-th draw of its generator whatever happens in between, so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nitsum.metrics import RequestRecord
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    path_ms: tuple[float, ...] = (0.0,)  # samples, ms from send to the engine queue (end to end: see above)
+    step_ratios: tuple[float, ...] = (1.0,)  # samples of live decode-step period / table step time
+    noise_window_ms: float = 0.0  # a drawn step ratio holds this long; 0: a fresh draw every step
+    seed: int = 0
+    source: str = ""  # where the samples were measured
+
+    def __post_init__(self) -> None:
+        if not self.path_ms or not self.step_ratios:
+            raise ValueError("a service model needs at least one path sample and one step ratio")
+        if not all(math.isfinite(x) and x >= 0.0 for x in self.path_ms):
+            raise ValueError("path samples must be finite and >= 0 ms")
+        if not all(math.isfinite(x) and x > 0.0 for x in self.step_ratios):
+            raise ValueError("step ratios must be finite and > 0")
+        if not (math.isfinite(self.noise_window_ms) and self.noise_window_ms >= 0.0):
+            raise ValueError("noise_window_ms must be finite and >= 0")
+
+
+class ServiceSampler:
+    """The draws of one simulator run (two independent seeded streams: paths, step ratios)."""
+
+    def __init__(self, model: ServiceModel) -> None:
+        self.model = model
+        self._paths = random.Random(2 * model.seed)
+        self._ratios = random.Random(2 * model.seed + 1)
+        self._window = -1  # the last window a ratio was drawn for
+        self._ratio = 1.0
+
+    def path_ms(self) -> float:
+        """The next request's path (requests draw in arrival order)."""
+        return self._paths.choice(self.model.path_ms)
+
+    def step_ratio(self, now_ms: float) -> float:
+        """The slowdown of a decode step starting at `now_ms` (non-decreasing across calls)."""
+        w = self.model.noise_window_ms
+        if w <= 0.0:
+            return self._ratios.choice(self.model.step_ratios)
+        k = int(now_ms // w)
+        assert k >= self._window, "step ratios are asked for in time order"
+        while self._window < k:  # one draw per window, including windows no step started in
+            self._ratio = self._ratios.choice(self.model.step_ratios)
+            self._window += 1
+        return self._ratio
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A service model measured on calibration requests, with what was left out and why."""
+
+    model: ServiceModel
+    requests: int  # calibration pairs given
+    path_samples: int
+    path_clamped: int  # live TTFT below the simulated engine TTFT: the path sample is 0, not negative
+    ratio_samples: int
+    ratio_dropped: int  # live TPOT of 0 (all tokens arrived in one chunk: a client-side stall), or no TPOT
+
+
+def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[RequestRecord], seed: int = 0,
+                      source: str = "") -> Calibration:
+    """The service model of a mesh from calibration requests: `live[i]` and `simulated[i]` are the same request
+    measured on the mesh and simulated on the bare device table (no service model), with everything else that
+    ran at the time (so queueing behind other requests is the simulator's, not the path's).
+    - path sample = live TTFT - simulated TTFT (clamped at 0);
+    - step ratio = live TPOT / simulated TPOT;
+    - noise window = the median live decode time (first to last token) of the requests with a ratio: the span
+      over which each ratio was measured."""
+    assert len(live) == len(simulated), "one simulated record per live record"
+    paths, ratios, spans = [], [], []
+    clamped = dropped = 0
+    for a, b in zip(live, simulated):
+        assert a.prompt_tokens == b.prompt_tokens and abs(a.send_ms - b.send_ms) < 1.0, \
+            f"calibration pair {a.request_id} / {b.request_id} is not the same request"
+        if a.ttft_ms is not None and b.ttft_ms is not None:
+            d = a.ttft_ms - b.ttft_ms
+            clamped += d < 0
+            paths.append(max(d, 0.0))
+        if a.tpot_ms and b.tpot_ms:
+            ratios.append(a.tpot_ms / b.tpot_ms)
+            spans.append(a.finish_ms - a.first_token_ms)
+        else:
+            dropped += 1
+    if not paths or not ratios:
+        raise ValueError(f"calibration needs requests with a first token and with a TPOT: {len(paths)} TTFT, "
+                         f"{len(ratios)} TPOT pairs of {len(live)}")
+    window = statistics.median(spans)
+    model = ServiceModel(path_ms=tuple(sorted(paths)), step_ratios=tuple(sorted(ratios)), noise_window_ms=window,
+                         seed=seed, source=source)
+    return Calibration(model, len(live), len(paths), clamped, len(ratios), dropped)
+
+
+__all__ = ["Calibration", "ServiceModel", "ServiceSampler", "calibrate_service"]

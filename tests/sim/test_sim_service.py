@@ -1,0 +1,153 @@
+"""The simulator's device tables and service model: what `device_kind` accepts, what a service model adds to a
+request (exactly), the seeded draws, and calibration from live vs simulated records."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from nitsum.metrics import make_record
+from nitsum.policy.costmodel import cost_model, load_device_table
+from nitsum.sim.cluster import ClusterConfig, ClusterSim, run_cluster
+from nitsum.sim.service import ServiceModel, ServiceSampler, calibrate_service
+from nitsum.workloads import TraceRequest
+
+ONE = [TraceRequest(arrival_ms=0.0, prompt_tokens=100, output_tokens=4)]
+
+
+def cpu_config(**kw) -> ClusterConfig:
+    base = dict(model="tiny", device_kind="cpu", num_nodes=1, devices_per_node=1, min_tp=1, max_tp=1, max_batch=64)
+    return ClusterConfig(**{**base, **kw})
+
+
+def slow_table():
+    table = load_device_table(None)
+    return dataclasses.replace(table, name="cpu-slow", step_overhead_ms=table.step_overhead_ms + 2.0)
+
+
+# -- device tables -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["spec", "path", "cost_model"])
+def test_device_kind_takes_a_measured_table(form, tmp_path):
+    table = slow_table()
+    path = tmp_path / "table.json"
+    path.write_text(table.to_json())
+    kind = {"spec": table, "path": str(path), "cost_model": cost_model("tiny", table)}[form]
+    config = cpu_config(device_kind=kind)
+    sim = ClusterSim("static-tp:1", config, ONE)
+    assert sim.cost.device == table
+    assert config.policy_config().devices == (("cpu-slow", table),)
+    assert sim.policy.cost_for(sim._node_view(sim.nodes[0])).device == table  # the policy steps on it too
+    res = sim.run()
+    assert res.records[0].ttft_ms == pytest.approx(cost_model("tiny", table).step_time_ms(1, 1, 100, 100))
+
+
+def test_device_kind_preset_names_are_kept():
+    assert cpu_config().device_name == "cpu"
+    assert ClusterConfig(device_kind="h200").device.name == "h200"
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("tpu", "unknown device kind 'tpu'; known: cpu, a100, h100, h200, or a path"),
+    ("/nonexistent/table.json", "no such file"),
+    (3, "not int"),
+])
+def test_unknown_device_kind_is_a_clear_error(kind, message):
+    with pytest.raises(ValueError, match=message):
+        cpu_config(device_kind=kind)
+
+
+def test_cost_model_of_another_model_is_refused():
+    with pytest.raises(ValueError, match="cost model of 'llama-3-8b'"):
+        cpu_config(device_kind=cost_model("llama-3-8b", "h100"))
+
+
+# -- the service model -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(path_ms=()), "at least one"),
+    (dict(path_ms=(-1.0,)), "path samples"),
+    (dict(step_ratios=(0.0,)), "step ratios"),
+    (dict(noise_window_ms=-5.0), "noise_window_ms"),
+])
+def test_service_model_rejects_bad_samples(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ServiceModel(**kw)
+
+
+def test_service_model_adds_the_path_to_ttft_and_scales_decode_steps_only():
+    bare = run_cluster("static-tp:1", cpu_config(), ONE).records[0]
+    service = ServiceModel(path_ms=(3.0,), step_ratios=(2.0,))
+    got = run_cluster("static-tp:1", cpu_config(service=service), ONE).records[0]
+    assert got.send_ms == bare.send_ms == 0.0
+    assert got.ttft_ms == pytest.approx(bare.ttft_ms + 3.0)  # the prefill step itself is not scaled
+    assert got.tpot_ms == pytest.approx(2.0 * bare.tpot_ms)
+    assert got.output_tokens == bare.output_tokens == 4
+
+
+def test_a_late_path_does_not_lose_the_request():
+    # The last arrival reaches the engine after the epoch loop could have stopped: it still completes.
+    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=16, output_tokens=2),
+         TraceRequest(arrival_ms=10.0, prompt_tokens=16, output_tokens=2)]
+    res = run_cluster("static-tp:1", cpu_config(epoch_ms=1.0, service=ServiceModel(path_ms=(50.0,))), w)
+    assert [r.succeeded for r in res.records] == [True, True]
+    assert res.records[1].ttft_ms > 50.0
+
+
+def test_sampler_draws_one_ratio_per_window_in_order():
+    model = ServiceModel(path_ms=(1.0, 2.0, 4.0), step_ratios=(1.0, 2.0, 3.0), noise_window_ms=10.0, seed=7)
+    s = ServiceSampler(model)
+    ratios = random.Random(15)
+    draws = [ratios.choice(model.step_ratios) for _ in range(4)]
+    assert s.step_ratio(0.0) == draws[0]
+    assert s.step_ratio(9.99) == draws[0]  # same window
+    assert s.step_ratio(35.0) == draws[3]  # windows 1 and 2 were drawn although no step started in them
+    paths = random.Random(14)
+    assert [s.path_ms() for _ in range(5)] == [paths.choice(model.path_ms) for _ in range(5)]
+    per_step = ServiceSampler(dataclasses.replace(model, noise_window_ms=0.0))
+    fresh = random.Random(15)
+    assert [per_step.step_ratio(1.0) for _ in range(6)] == [fresh.choice(model.step_ratios) for _ in range(6)]
+
+
+def test_service_runs_are_seeded():
+    w = [TraceRequest(arrival_ms=40.0 * i, prompt_tokens=64, output_tokens=8) for i in range(20)]
+    model = ServiceModel(path_ms=(1.0, 5.0, 9.0), step_ratios=(1.0, 1.5, 3.0), noise_window_ms=20.0)
+    a = run_cluster("static-tp:1", cpu_config(service=model), w)
+    b = run_cluster("static-tp:1", cpu_config(service=model), w)
+    c = run_cluster("static-tp:1", cpu_config(service=dataclasses.replace(model, seed=1)), w)
+    assert [r.to_dict() for r in a.records] == [r.to_dict() for r in b.records]
+    assert [r.ttft_ms for r in a.records] != [r.ttft_ms for r in c.records]
+
+
+# -- calibration -------------------------------------------------------------------------------------------
+
+
+def rec(i, send, first, finish, out, prompt=32):
+    return make_record(request_id=f"r{i}", tier="interactive", send_ms=send, first_token_ms=first,
+                       finish_ms=finish, output_tokens=out, prompt_tokens=prompt)
+
+
+def test_calibration_measures_paths_ratios_and_window_exactly():
+    live = [rec(0, 0.0, 12.0, 42.0, 11),   # TTFT 12, TPOT 3, decode span 30
+            rec(1, 100.0, 105.0, 125.0, 11),  # TTFT 5 (below the simulated 7: path 0), TPOT 2, span 20
+            rec(2, 200.0, 210.0, 210.0, 11),  # all tokens in one chunk: TPOT 0, no ratio
+            rec(3, 300.0, 309.0, None, 0)]    # unfinished: a path, no ratio
+    sim = [rec(0, 0.0, 7.0, 22.0, 11), rec(1, 100.0, 107.0, 117.0, 11), rec(2, 200.0, 207.0, 217.0, 11),
+           rec(3, 300.0, 306.0, 316.0, 11)]
+    cal = calibrate_service(live, sim, seed=3, source="test")
+    assert cal.model.path_ms == (0.0, 3.0, 3.0, 5.0)
+    assert cal.model.step_ratios == (pytest.approx(2.0), pytest.approx(2.0))  # 3/1.5 and 2/1
+    assert cal.model.noise_window_ms == 25.0  # median of 30 and 20
+    assert (cal.model.seed, cal.model.source) == (3, "test")
+    assert (cal.requests, cal.path_samples, cal.path_clamped, cal.ratio_samples, cal.ratio_dropped) == (4, 4, 1, 2, 2)
+
+
+def test_calibration_refuses_mismatched_pairs_and_empty_data():
+    with pytest.raises(AssertionError, match="not the same request"):
+        calibrate_service([rec(0, 0.0, 5.0, 9.0, 3)], [rec(0, 50.0, 55.0, 59.0, 3)])
+    with pytest.raises(ValueError, match="calibration needs"):
+        calibrate_service([rec(0, 0.0, None, None, 0)], [rec(0, 0.0, 5.0, 9.0, 3)])
