@@ -1,9 +1,11 @@
 """Adaptive TP at the engine level: 4 worker processes (gloo on 127.0.0.1), greedy requests of different
 lengths in flight across merges (4xTP1 -> TP4, 2xTP2 -> TP4) and splits (TP4 -> 2xTP2 -> 4xTP1).
 
-One scripted run covers the whole chain plus a prepare that fails on one worker (then aborts) and a stale
-epoch; the assertions are exact: tokens equal a run with no change, every token index exactly once,
-weights in use are views of the boot store, no checkpoint byte read after boot, every KV block free.
+One scripted run covers the whole chain plus a prepare that fails on one worker (then aborts), a prepare
+aborted during its pre-copy and a stale epoch; the assertions are exact: tokens equal a run with no
+change, every token index exactly once, weights in use are views of the boot store, no checkpoint byte
+read after boot, every KV block free, KV moved through shared memory while the old groups kept decoding
+and no KV segment left in /dev/shm. A shorter run checks the gloo point-to-point fallback path.
 """
 
 import json
@@ -35,13 +37,16 @@ TOPOLOGY_EVENTS = [
     (16, "prepare", 3, TP4), (17, "abort", 3, None),  # worker 3 fails during prepare
     (18, "prepare", 2, TP4),  # stale epoch: refused
     (20, "prepare", 4, TP4), (22, "commit", 4, None),  # merge 2xTP2 -> TP4
-    (24, "prepare", 5, TP1), (26, "abort", 5, None),  # prepared (KV pre-copied), then aborted
+    (24, "prepare", 5, TP1), (26, "abort", 5, None),  # aborted while its pre-copy still runs
     (27, "prepare", 6, TP2), (29, "commit", 6, None),  # split TP4 -> 2xTP2
     (32, "prepare", 7, TP1), (34, "commit", 7, None),  # split 2xTP2 -> 4xTP1
     (38, "prepare", 8, MIXED), (40, "commit", 8, None),  # merge 0+1 only: workers 2, 3 stand by
 ]
 FAILING_WORKER, FAILING_EPOCH = 3, 3
 BLOCK_SIZE = 8
+# Three blocks of one KV head of the tiny model (4 layers x K/V x 8 tokens x 16 dims x fp32 = 4 KiB each): the
+# first merge's largest flow (5 full blocks) needs two rounds, so its old groups decode one step in between.
+CHUNK_BYTES = 3 * 4096
 
 
 def free_port() -> int:
@@ -63,7 +68,7 @@ def make_script(prompts):
     return {"topology": TP1, "events": events}
 
 
-def run_node(model_dir, script, tmp_path, shm_dir):
+def run_node(model_dir, script, tmp_path, shm_dir, kv_path="shm"):
     script_path = tmp_path / "script.json"
     script_path.write_text(json.dumps(script))
     port = free_port()
@@ -73,7 +78,8 @@ def run_node(model_dir, script, tmp_path, shm_dir):
         argv = [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", str(model_dir), "--rank", str(rank),
                 "--world-size", str(WORLD), "--master-port", str(port), "--script", str(script_path),
                 "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(shm_dir),
-                "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64"]
+                "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--kv-path", kv_path,
+                "--precopy-chunk-bytes", str(CHUNK_BYTES)]
         if rank == FAILING_WORKER:
             argv += ["--fail-prepare-epoch", str(FAILING_EPOCH)]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -134,7 +140,7 @@ def test_acks_prepare_failure_aborts_and_stale_epoch_is_refused(node_run):
     assert leader0 == [
         ("prepare", 1, True), ("commit", 1, True), ("prepare", 2, True), ("commit", 2, True),
         ("prepare", 3, False), ("abort", 3, True), ("prepare", 2, False),
-        ("prepare", 4, True), ("commit", 4, True), ("prepare", 5, True), ("abort", 5, True),
+        ("prepare", 4, True), ("commit", 4, True), ("prepare", 5, False), ("abort", 5, True),
         ("prepare", 6, True), ("commit", 6, True), ("prepare", 7, True), ("commit", 7, True),
         ("prepare", 8, True), ("commit", 8, True),
     ]
@@ -142,9 +148,10 @@ def test_acks_prepare_failure_aborts_and_stale_epoch_is_refused(node_run):
     assert "worker 3" in failed[4] and "injected failure" in failed[4]
     stale = next(a for a in reports[0]["acks"] if a[1] == "prepare" and a[2] == 2 and not a[3])
     assert "stale epoch 2" in stale[4]
+    assert [a[4] for a in reports[0]["acks"] if a[1] == "prepare" and a[2] == 5] == ["aborted during pre-copy"]
     # Every merge and split moved KV between workers both at prepare (full blocks, while the old groups
     # kept decoding) and at commit (the delta); the failed epoch moved nothing, the aborted one only
-    # its pre-copy (into caches that the abort dropped).
+    # part of its pre-copy (into caches that the abort dropped).
     moved = {(phase, e): sum(a[6] for rep in reports for a in rep["acks"] if a[1] == phase and a[2] == e)
              for phase in ("prepare", "commit") for e in range(1, 9)}
     assert sorted(k for k, n in moved.items() if n > 0) == [
@@ -215,3 +222,58 @@ def test_prefill_export_then_decode_import_equals_the_hybrid_path(tiny_dir):
     decode.check_integrity()
     assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total
     assert prefill.stats().num_kv_blocks_free == prefill.stats().num_kv_blocks_total
+
+
+def test_precopy_runs_between_decode_steps_of_the_old_groups(node_run):
+    """Epoch 1 (4xTP1 -> TP4, prepare at tick 4, commit at tick 6): worker 2's largest flow has 5 full
+    blocks, 3 per chunk, so its pre-copy takes two rounds (ticks 4 and 5) and its group decodes a step
+    between them -- before the final prepare ack, not after it."""
+    _, reports = node_run
+    leader2 = reports[2]
+    assert [r[:2] for r in leader2["precopy_rounds"] if r[1] == 1] == [[4, 1], [5, 1]]
+    [prepare_ack] = [a for a in leader2["acks"] if a[1] == "prepare" and a[2] == 1]
+    assert prepare_ack[0] == 5 and prepare_ack[3] is True
+    decoded_during = {r[1] for r in leader2["records"] if 4 <= r[0] < prepare_ack[0]}
+    assert decoded_during == {"c"}  # its request produced a token while its KV was being pre-copied
+    # Every epoch that completed pre-copied in rounds on some leader (not all at once in the prepare step).
+    rounds = {r[1] for rep in reports for r in rep["precopy_rounds"]}
+    assert rounds == {1, 2, 4, 5, 6, 7, 8}
+
+
+def test_kv_moved_through_shared_memory_and_no_segment_is_left(node_run):
+    _, reports = node_run
+    assert [rep["kv_path"] for rep in reports] == ["shm"] * WORLD
+    assert all(rep["bytes_by_path"]["shm"] > 0 and rep["bytes_by_path"]["p2p"] == 0 for rep in reports)
+    # The bytes the acks report are exactly what went through shared memory.
+    assert [rep["bytes_by_path"]["shm"] for rep in reports] == [sum(a[6] for a in rep["acks"]) for rep in reports]
+    # Segment names go once every source mapped them (in prepare): none after any commit or abort.
+    for rep in reports:
+        # (checks[0] is at boot: a faster worker may already be inside epoch 1's prepare then)
+        assert [c["kv_segments"] for c in rep["checks"][1:]] == [[]] * 6
+        assert rep["abort_kv_segments"] == [[3, []], [5, []]]
+        assert rep["end_kv_segments"] == []
+
+
+P2P_REQUESTS = [("a", 0, 0, 5, 40), ("b", 1, 0, 23, 30), ("c", 2, 0, 40, 35), ("d", 3, 0, 11, 40)]
+P2P_EVENTS = [(4, "prepare", 1, TP4), (6, "commit", 1, None), (10, "prepare", 2, TP2), (13, "commit", 2, None)]
+
+
+def test_gloo_point_to_point_fallback_moves_the_same_tokens(tiny_dir, tmp_path):
+    """The fallback path (no shared memory): full blocks move inside the prepare step over gloo."""
+    prompts = prompts_of_lengths([r[3] for r in P2P_REQUESTS], seed=11)
+    events = [{"tick": t, "kind": "add", "leader": leader, "request_id": rid, "prompt": p, "max_tokens": n}
+              for (rid, leader, t, _, n), p in zip(P2P_REQUESTS, prompts)]
+    events += [{"tick": t, "kind": k, "epoch": e, **({"groups": g} if g else {})} for t, k, e, g in P2P_EVENTS]
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
+        reports = run_node(tiny_dir, {"topology": TP1, "events": events}, tmp_path, Path(shm_dir), kv_path="p2p")
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=256))
+    expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in P2P_REQUESTS])
+    records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
+    assert {rid: [r[3] for r in records if r[1] == rid] for rid, *_ in P2P_REQUESTS} == dict(
+        zip([r[0] for r in P2P_REQUESTS], expected))
+    assert [(k, e, ok) for _, k, e, ok, *_ in reports[0]["acks"]] == [
+        ("prepare", 1, True), ("commit", 1, True), ("prepare", 2, True), ("commit", 2, True)]
+    assert all(rep["kv_path"] == "p2p" and rep["precopy_rounds"] == [] for rep in reports)
+    assert all(rep["bytes_by_path"]["p2p"] > 0 and rep["bytes_by_path"]["shm"] == 0 for rep in reports)
+    assert sum(a[6] for rep in reports for a in rep["acks"] if a[1] == "prepare") > 0

@@ -9,14 +9,20 @@ member applies it (`NodeRuntime.command` on the leader, `follow` on peers).
 Transition (ALGORITHMS.md §1.4), with `span` = the smallest aligned group covering every changed worker:
 - `prepare(epoch, new)`: each changed worker builds its new runner (weight *views* of the boot store and a
   fresh KV cache for its new head slice; no weight is read or allocated); the span all-gathers the old
-  leaders' block tables; every worker computes the same `plan_prepare` and moves the full blocks. The
-  old groups keep decoding afterwards. A failure anywhere (e.g. no memory for the new cache) makes every
-  worker ack `ok=False` and keep nothing: the old topology keeps serving; Abort then is a no-op.
-- `commit(epoch)` at a step boundary: old leaders export their requests' full state, the span
-  all-gathers it, every worker computes `plan_commit` (the delta: blocks written since prepare, requests
-  that arrived since) and moves it; new leaders adopt the requests into fresh engines; roles switch.
-  This is the only pause a stream sees.
-- `abort(epoch)`: drops the prepared state (new caches, views); the old topology never stopped.
+  leaders' block tables; every worker computes the same `plan_prepare` (the full blocks to move).
+  KV path "shm" (CPU, one host; the default): each new cache lives in a shared-memory segment that every
+  source maps, and the full blocks move in chunks *between the old groups' decode steps* (`precopy.py`;
+  each old group's leader drives its members with `precopy` control plans). The prepare ack is then
+  `pending` and the final one comes when the group's chunks are done (`take_prepare_ack`).
+  KV path "p2p" (the fallback, chosen at construction): paired gloo send/recv moves every full block
+  inside the prepare step. A failure anywhere (e.g. no memory for the new cache) makes every worker ack
+  `ok=False` and keep nothing: the old topology keeps serving; Abort then is a no-op.
+- `commit(epoch)` at a step boundary: each worker finishes whatever pre-copy of its own is left, old
+  leaders export their requests' full state, the span all-gathers it, every worker computes `plan_commit`
+  (the delta: blocks written since prepare, requests that arrived or were preempted since) and moves it
+  (shm: one-sided writes, then a barrier); new leaders adopt the requests into fresh engines; roles
+  switch. This is the only pause a stream sees.
+- `abort(epoch)`: drops the prepared state (new caches, views, mappings); the old topology never stopped.
 Epochs only grow: a command with an epoch at or below the committed one is refused (as is a commit of
 an epoch that was not prepared).
 
@@ -25,6 +31,7 @@ Workers outside the span take no part in the collectives; they only advance thei
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,9 +39,11 @@ from typing import Any, Callable
 import msgpack
 import torch
 
-from nitsum.engine import migration
+from nitsum.engine import kv_segment, migration
 from nitsum.engine.engine import Engine
 from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
+from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES, MigrationFlow, PreCopy, copy_transfers_one_sided, plan_flows, \
+    transfer_block_bytes
 from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
 from nitsum.engine.runner import ModelRunner, num_kv_blocks_for
 from nitsum.kv.reshard import (
@@ -53,7 +62,8 @@ from nitsum.model.loader import read_raw_config
 from nitsum.model.tokenizer import Tokenizer
 from nitsum.parallel.world import NodeWorld
 
-COMMAND_KINDS = ("prepare", "commit", "abort")
+COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
+KV_PATHS = ("auto", "shm", "p2p")
 
 
 @dataclass(frozen=True)
@@ -63,16 +73,19 @@ class NodeCommand:
     kind: str
     epoch: int
     groups: tuple[tuple[int, int], ...] = ()  # prepare: the new topology as (start, tp) pairs
+    chunks: tuple[tuple[int, int], ...] = ()  # precopy: (flow index, chunk index) items to run now
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.kind, self.epoch, [list(g) for g in self.groups]], use_bin_type=True)
+        return msgpack.packb([self.kind, self.epoch, [list(g) for g in self.groups], [list(c) for c in self.chunks]],
+                             use_bin_type=True)
 
     @staticmethod
     def decode(payload: bytes) -> NodeCommand:
-        kind, epoch, groups = msgpack.unpackb(payload, raw=False)
+        kind, epoch, groups, chunks = msgpack.unpackb(payload, raw=False)
         if kind not in COMMAND_KINDS:
             raise ValueError(f"unknown node command {kind!r}")
-        return NodeCommand(kind, int(epoch), tuple((int(s), int(t)) for s, t in groups))
+        return NodeCommand(kind, int(epoch), tuple((int(s), int(t)) for s, t in groups),
+                           tuple((int(f), int(c)) for f, c in chunks))
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class TransitionAck:
     reason: str = ""
     duration_ms: float = 0.0
     bytes_moved: int = 0  # KV bytes this worker sent to other workers
+    pending: bool = False  # prepare: accepted, pre-copy running between steps; the final ack follows
 
 
 @dataclass
@@ -95,6 +109,11 @@ class _Prepared:
     plan: ReshardPlan | None = None
     runner: ModelRunner | None = None  # the new runner, when this worker's group changes
     timings_ms: dict[str, float] = field(default_factory=dict)
+    t0: float = 0.0  # perf_counter at prepare start (the final prepare ack's duration runs from here)
+    precopy: PreCopy | None = None  # shm path, when this worker's old group changes
+    dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=dict)
+    preemptions: dict[str, int] = field(default_factory=dict)  # old leader: request -> preemptions at prepare
+    acked: bool = False  # the final prepare ack was produced
 
 
 FailureHook = Callable[[str, int], None]
@@ -108,8 +127,13 @@ class NodeRuntime:
         weights: dict[str, torch.Tensor],
         topology: Topology,
         failure_hook: FailureHook | None = None,
+        kv_path: str = "auto",
+        precopy_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        node_tag: str | None = None,
     ) -> None:
         assert topology.num_workers == world.size, "the topology covers the node's workers"
+        if kv_path not in KV_PATHS:
+            raise ValueError(f"kv_path must be one of {KV_PATHS}, got {kv_path!r}")
         self.world = world
         self.rank = world.rank
         self.cfg = cfg
@@ -118,15 +142,24 @@ class NodeRuntime:
         self.model_config = loader.load_config(cfg.model_dir)
         self.tokenizer = Tokenizer(cfg.model_dir, read_raw_config(cfg.model_dir))
         self.geometry = KVGeometry(self.model_config.num_layers, self.model_config.num_kv_heads, cfg.block_size)
+        self._dtype = loader.dtype_of(cfg.dtype)
         self._num_blocks_of = {
-            tp: num_kv_blocks_for(self.model_config, tp, cfg.block_size, loader.dtype_of(cfg.dtype),
-                                  cfg.num_kv_blocks, cfg.kv_cache_mb)
+            tp: num_kv_blocks_for(self.model_config, tp, cfg.block_size, self._dtype, cfg.num_kv_blocks, cfg.kv_cache_mb)
             for tp in world.levels
         }
+        # Chosen once: shared memory needs host-memory caches on one host (a node world is one host).
+        shm_possible = world.device == "cpu" and kv_segment.available()
+        if kv_path == "shm" and not shm_possible:
+            raise ValueError("kv_path 'shm' needs CPU caches and a writable /dev/shm")
+        self.kv_path = "shm" if kv_path == "auto" and shm_possible else ("p2p" if kv_path == "auto" else kv_path)
+        self.precopy_chunk_bytes = precopy_chunk_bytes
+        self.node_tag = node_tag or f"p{world.master_port}"
+        self.bytes_by_path = {"shm": 0, "p2p": 0}  # KV bytes this worker moved into other workers' caches
         self._failure_hook = failure_hook
         self.topology = topology
         self.epoch = 0
         self._prepared: _Prepared | None = None
+        self._prepare_done: TransitionAck | None = None
         self.engine: Engine | None = None
         self.runner: ModelRunner = self._new_runner(self.group)
         if self.is_leader:
@@ -170,10 +203,13 @@ class NodeRuntime:
     def command(self, cmd: NodeCommand) -> TransitionAck:
         """Leader: run a topology command on every member of the group at this step boundary."""
         assert self.is_leader, "commands enter a group through its leader"
+        self._broadcast(cmd)
+        return self.apply(cmd)
+
+    def _broadcast(self, cmd: NodeCommand) -> None:
         tp_group = self._tp_group(self.group)
         if tp_group.size > 1:
             tp_group.broadcast_bytes(StepPlan(kind=PLAN_KIND_CONTROL, step_id=0, control=cmd.encode()).encode())
-        return self.apply(cmd)
 
     def keepalive(self) -> None:
         """Leader, while idle: tell the peers there is nothing to run (keeps their broadcast alive)."""
@@ -185,20 +221,79 @@ class NodeRuntime:
         assert self.engine is not None, "the leader shuts its group down"
         self.engine.shutdown()
 
+    def close(self) -> None:
+        """At stop: remove any KV segment name of this worker still in /dev/shm (only a crash between
+        create and unlink inside a prepare can leave one) and drop the prepared state."""
+        self._prepared = None
+        for name in kv_segment.leftovers(self.node_tag):
+            if name.endswith(f"-w{self.rank}"):
+                kv_segment.unlink(name)
+
     # -- peer: follow the leader --------------------------------------------------------------------
     def follow(self) -> str:
-        """Peer: run the leader's next plan. Returns its kind ("step", "control" or "shutdown")."""
+        """Peer: run the leader's next plan. Returns its kind ("step", "control", "precopy" or "shutdown")."""
         assert not self.is_leader, "the leader does not follow"
         plan = StepPlan.decode(self._tp_group(self.group).broadcast_bytes(None))
         if plan.kind == PLAN_KIND_STEP:
             self.runner.execute(plan)
         elif plan.kind == PLAN_KIND_CONTROL:
-            self.last_ack = self.apply(NodeCommand.decode(plan.control))
+            cmd = NodeCommand.decode(plan.control)
+            if cmd.kind == "precopy":
+                self._run_precopy(cmd)
+                return "precopy"
+            self.last_ack = self.apply(cmd)
         elif plan.kind == PLAN_KIND_NOOP:
             pass
         else:
             assert plan.kind == PLAN_KIND_SHUTDOWN, f"unexpected plan kind {plan.kind}"
         return plan.kind
+
+    # -- pre-copy between steps (shm path) ------------------------------------------------------------
+    @property
+    def precopy_pending(self) -> bool:
+        prepared = self._prepared
+        return prepared is not None and prepared.precopy is not None and not prepared.precopy.complete
+
+    def precopy_flows(self) -> tuple[MigrationFlow, ...]:
+        """The migration flows this worker's old group still has to pre-copy (its leader drives them)."""
+        return self._prepared.precopy.flows if self.precopy_pending else ()  # type: ignore[union-attr]
+
+    def precopy(self, items: list[tuple[int, int]] | None = None) -> int | None:
+        """Leader of an old group, between two steps: run these (flow, chunk) items on every member (default:
+        the next chunk of every unfinished flow). Returns the bytes this worker sent, None when no
+        pre-copy is running (finished, committed or aborted)."""
+        assert self.is_leader, "the old group's leader drives its pre-copy"
+        if not self.precopy_pending:
+            return None
+        prepared = self._prepared
+        assert prepared is not None and prepared.precopy is not None
+        chunks = tuple(items) if items is not None else tuple(prepared.precopy.next_items())
+        cmd = NodeCommand("precopy", prepared.epoch, chunks=chunks)
+        self._broadcast(cmd)
+        return self._run_precopy(cmd)
+
+    def _run_precopy(self, cmd: NodeCommand) -> int:
+        prepared = self._prepared
+        if prepared is None or prepared.epoch != cmd.epoch or prepared.precopy is None:
+            return 0  # aborted or committed meanwhile: nothing left to copy
+        sent = prepared.precopy.run(cmd.chunks)
+        self.bytes_by_path["shm"] += sent
+        self._maybe_finish_prepare(prepared)
+        return sent
+
+    def _maybe_finish_prepare(self, prepared: _Prepared, force: bool = False, reason: str = "") -> None:
+        """Produce the final prepare ack once: when the group's chunks are all done, or (`force`) at commit
+        (whose exchange follows every member's own remaining chunks) or abort (then it is a failure)."""
+        if prepared.acked or (not force and prepared.precopy is not None and not prepared.precopy.complete):
+            return
+        prepared.acked = True
+        sent = prepared.precopy.bytes_sent if prepared.precopy is not None else 0
+        self._prepare_done = TransitionAck(prepared.epoch, not reason, "prepare", reason, _ms(prepared.t0), sent)
+
+    def take_prepare_ack(self) -> TransitionAck | None:
+        """The final ack of a prepare whose pre-copy just completed (once), else None."""
+        ack, self._prepare_done = self._prepare_done, None
+        return ack
 
     # -- the transition -----------------------------------------------------------------------------
     def apply(self, cmd: NodeCommand) -> TransitionAck:
@@ -206,8 +301,10 @@ class NodeRuntime:
             ack = self.prepare(cmd.epoch, Topology.of(self.world.size, cmd.groups))
         elif cmd.kind == "commit":
             ack = self.commit(cmd.epoch)
-        else:
+        elif cmd.kind == "abort":
             ack = self.abort(cmd.epoch)
+        else:
+            return TransitionAck(cmd.epoch, True, "precopy", "", 0.0, self._run_precopy(cmd))
         self.last_ack = ack
         return ack
 
@@ -220,33 +317,75 @@ class NodeRuntime:
         old = self.topology
         span = transition_span(old, new)
         if span is None or self.rank not in span.workers:
-            self._prepared = _Prepared(epoch, new, None)
+            self._prepared = _Prepared(epoch, new, None, t0=t0, acked=True)
             return TransitionAck(epoch, True, "prepare", "not affected", _ms(t0))
         gone, born = changed_groups(old, new)
         my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
-        ok, reason, runner = True, "", None
+        ok, reason, runner, segment = True, "", None, None
         try:
             if self._failure_hook is not None:
                 self._failure_hook("prepare", epoch)
             if my_new in born:
                 runner = self._new_runner(my_new)
-        except (RuntimeError, MemoryError, ValueError) as exc:
+                if self.kv_path == "shm":
+                    segment = kv_segment.segment_name(self.node_tag, epoch, self.rank)
+                    runner.kv_cache = kv_segment.create(segment, tuple(runner.kv_cache.shape), runner.kv_cache.dtype)
+        except (RuntimeError, MemoryError, ValueError, OSError) as exc:
             # An expected boundary failure (allocation, injected fault): every worker must still take
             # part in the exchange below so that all of them agree to refuse the epoch.
             ok, reason = False, f"worker {self.rank}: {type(exc).__name__}: {exc}"
         local = self._kv_snapshot(my_old, gone)
-        parts = self.world.all_gather_bytes(
-            msgpack.packb([ok, reason, [_kv_wire(r) for r in local]], use_bin_type=True), span.start, span.tp
-        )
+        try:
+            parts = self.world.all_gather_bytes(
+                msgpack.packb([ok, reason, [_kv_wire(r) for r in local]], use_bin_type=True), span.start, span.tp
+            )
+        finally:
+            if segment is not None and not ok:
+                kv_segment.unlink(segment)
         decoded = [msgpack.unpackb(p, raw=False) for p in parts]
         failures = [r for good, r, _ in decoded if not good]
         if failures:
+            if segment is not None:
+                kv_segment.unlink(segment)
             return TransitionAck(epoch, False, "prepare", "; ".join(failures), _ms(t0))
         requests = [_kv_unwire(w) for _, _, entries in decoded for w in entries]
         plan = plan_prepare(old, new, requests, self.geometry, self._num_blocks_of)
-        moved = self._move(plan, my_old, my_new, gone, born, runner)
-        self._prepared = _Prepared(epoch, new, span, plan, runner, {"prepare": _ms(t0)})
-        return TransitionAck(epoch, True, "prepare", "", _ms(t0), moved)
+        if self.kv_path == "p2p":
+            moved = self._move(plan, my_old, my_new, gone, born, runner)
+            self.bytes_by_path["p2p"] += moved
+            self._prepared = _Prepared(epoch, new, span, plan, runner, {"prepare": _ms(t0)}, t0=t0, acked=True)
+            return TransitionAck(epoch, True, "prepare", "", _ms(t0), moved)
+        # shm: every source maps every new cache of the span; once all agree, the names go.
+        dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
+        problem = ""
+        try:
+            if my_old in gone:
+                dst_caches = self._map_new_caches(epoch, born, runner)
+        except (OSError, RuntimeError) as exc:
+            problem = f"worker {self.rank}: cannot map the new KV caches: {type(exc).__name__}: {exc}"
+        try:
+            answers = self.world.all_gather_bytes(msgpack.packb(problem), span.start, span.tp)
+        finally:
+            if segment is not None:
+                kv_segment.unlink(segment)
+        problems = [p for p in (msgpack.unpackb(a, raw=False) for a in answers) if p]
+        if problems:
+            return TransitionAck(epoch, False, "prepare", "; ".join(problems), _ms(t0))
+        precopy = None
+        if my_old in gone:
+            flows = plan_flows(plan.transfers, self._block_bytes, self.precopy_chunk_bytes)
+            heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank)
+            precopy = PreCopy(self.rank, my_old.workers, plan.transfers, flows, self.runner.kv_cache, heads, dst_caches)
+        preemptions = {}
+        if self.engine is not None and my_old in gone:
+            preemptions = {s.request_id: s.num_preemptions for s in migration.sequences_in_order(self.engine)}
+        prepared = _Prepared(epoch, new, span, plan, runner, {}, t0=t0, precopy=precopy, dst_caches=dst_caches,
+                             preemptions=preemptions)
+        self._prepared = prepared
+        if precopy is not None and not precopy.complete:
+            return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0, pending=True)
+        prepared.acked = True
+        return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0)
 
     def commit(self, epoch: int) -> TransitionAck:
         t0 = time.perf_counter()
@@ -261,36 +400,66 @@ class NodeRuntime:
             span = prepared.span
             gone, born = changed_groups(old, new)
             my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
-            states = migration.export_states(self.engine) if self.is_leader and my_old in gone else []
+            if prepared.precopy is not None:
+                # Normally nothing is left: the coordinator commits after every prepare ack. A scripted
+                # commit may come earlier; the rest is one-sided, so it runs right here.
+                self.bytes_by_path["shm"] += prepared.precopy.finish_mine()
+                self._maybe_finish_prepare(prepared, force=True)
+            states, invalid = [], []
+            if self.is_leader and my_old in gone:
+                assert self.engine is not None
+                states = migration.export_states(self.engine)
+                # Preempted since prepare: its old blocks were free for a while, so what pre-copy read
+                # may not be its KV -- commit moves it afresh.
+                invalid = [rid for rid, n in prepared.preemptions.items()
+                           if rid in self.engine._seqs and self.engine._seqs[rid].num_preemptions != n]
             local = self._kv_snapshot(my_old, gone)
             parts = self.world.all_gather_bytes(
-                msgpack.packb([states, [_kv_wire(r) for r in local], self._step_id()], use_bin_type=True),
+                msgpack.packb([states, [_kv_wire(r) for r in local], self._step_id(), invalid], use_bin_type=True),
                 span.start, span.tp,
             )
             decoded = [msgpack.unpackb(p, raw=False) for p in parts]
-            requests = [_kv_unwire(w) for _, entries, _ in decoded for w in entries]
+            requests = [_kv_unwire(w) for _, entries, _, _ in decoded for w in entries]
             assert prepared.plan is not None, "a prepared span worker has a plan"
-            delta = plan_commit(prepared.plan, requests, self.geometry, self._num_blocks_of)
-            moved = self._move(delta, my_old, my_new, gone, born, prepared.runner)
+            stale = {rid for *_, inv in decoded for rid in inv}
+            plan = prepared.plan
+            if stale:
+                plan = dataclasses.replace(plan, src_tables={rid: (() if rid in stale else t)
+                                                             for rid, t in plan.src_tables.items()})
+            delta = plan_commit(plan, requests, self.geometry, self._num_blocks_of)
+            if self.kv_path == "shm":
+                heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank) if my_old in gone else None
+                moved = copy_transfers_one_sided(self.rank, delta.transfers, self.runner.kv_cache if my_old in gone else None,
+                                                 heads, prepared.dst_caches)
+                # Every write into a new cache has landed before any new group runs a step.
+                self.world.all_gather_bytes(b"", span.start, span.tp)
+                self.bytes_by_path["shm"] += moved
+            else:
+                moved = self._move(delta, my_old, my_new, gone, born, prepared.runner)
+                self.bytes_by_path["p2p"] += moved
             if my_new in born:
                 assert prepared.runner is not None, "a changed worker built its new runner at prepare"
                 self.runner = prepared.runner
                 self.engine = None
                 if my_new.leader == self.rank:
                     engine = self._new_engine(my_new, prepared.runner)
-                    engine._step_id = max(step for _, _, step in decoded)
+                    engine._step_id = max(step for _, _, step, _ in decoded)
                     placements = {p.request_id: p for p in delta.placements if p.dst_group == my_new}
-                    states = [s for st, _, _ in decoded for s in st if s["id"] in placements]
+                    states = [s for st, _, _, _ in decoded for s in st if s["id"] in placements]
                     migration.install_states(engine, states, placements)
                     engine.check_integrity()
                     self.engine = engine
+        prepared.dst_caches.clear()  # drop the mappings of other workers' caches
+        prepared.precopy = None
         self.topology, self.epoch, self._prepared = new, epoch, None
         return TransitionAck(epoch, True, "commit", "", _ms(t0), moved)
 
     def abort(self, epoch: int) -> TransitionAck:
         prepared = self._prepared
         if prepared is not None and prepared.epoch == epoch:
-            self._prepared = None  # the new runner, its cache and views go with it
+            # A prepare still pre-copying gets its answer now: it never completed.
+            self._maybe_finish_prepare(prepared, force=True, reason="aborted during pre-copy")
+            self._prepared = None  # the new runner, its cache, views and mappings go with it
             return TransitionAck(epoch, True, "abort")
         if epoch <= self.epoch:
             return TransitionAck(epoch, False, "abort", f"stale epoch {epoch} (committed {self.epoch})")
@@ -304,6 +473,29 @@ class NodeRuntime:
 
     def _step_id(self) -> int:
         return self.engine._step_id if self.engine is not None else 0
+
+    def _block_bytes(self, t) -> int:
+        return transfer_block_bytes(t, self.cfg.block_size, self.model_config.head_dim, self.runner.kv_cache.element_size())
+
+    def _cache_shape(self, tp: int) -> tuple[int, ...]:
+        cfg = self.model_config
+        return (cfg.num_layers, 2, self._num_blocks_of[tp], self.cfg.block_size, loader.kv_heads_per_rank(cfg, tp),
+                cfg.head_dim)
+
+    def _map_new_caches(self, epoch: int, born: tuple[Group, ...], runner: ModelRunner | None):
+        """Every new cache of the span (this worker's own included), with the global heads it holds."""
+        heads = self.model_config.num_kv_heads
+        caches = {}
+        for g in born:
+            for w in g.workers:
+                if w == self.rank:
+                    assert runner is not None, "a changed worker built its new runner"
+                    cache = runner.kv_cache
+                else:
+                    cache = kv_segment.attach(kv_segment.segment_name(self.node_tag, epoch, w), self._cache_shape(g.tp),
+                                              self._dtype)
+                caches[w] = (cache, migration.heads_of(heads, g, w))
+        return caches
 
     def _move(self, plan: ReshardPlan, my_old: Group, my_new: Group, gone, born, runner) -> int:
         heads = self.model_config.num_kv_heads

@@ -2,16 +2,21 @@
 
     python -m nitsum.engine.node_run --model-dir D --rank R --world-size N --master-port P \
         --script script.json --out out.json [--shm-dir DIR] [--num-kv-blocks 64] [--fail-prepare-epoch E]
+        [--kv-path auto|shm|p2p] [--precopy-chunk-bytes N]
 
 The script stands in for the coordinator: {"topology": [[start, tp], ...], "events": [...]}, each event
 {"tick": T, "kind": "add" | "prepare" | "commit" | "abort", ...}; "add" names the leader that gets the
 request ("leader", "request_id", "prompt", "max_tokens"), "prepare" the new topology ("groups"). A leader
 counts its loop iterations as ticks and applies the events of each tick before that tick's step; all
 leaders apply a topology command at the same tick, which is the step boundary the protocol needs.
+On the shm KV path a leader whose group is pre-copying runs one pre-copy round per tick, before that
+tick's step (so the old group decodes while its KV moves); a prepare's ack is recorded when its pre-copy
+is done (at the latest at the commit, which finishes what is left).
 
 Every worker writes --out (JSON): the tokens each leader emitted ([tick, request_id, index, token,
 finished, unix time]), every ack, checks made after boot and after each commit (weights are views of the boot store,
-checkpoint bytes read), and at exit the engine's KV integrity.
+checkpoint bytes read, this node's KV segments left in /dev/shm), the KV bytes moved per path, and at exit
+the engine's KV integrity.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import time
 
 import torch
 
+from nitsum.engine import kv_segment
 from nitsum.engine.node import NodeCommand, NodeRuntime
+from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.engine.params import EngineConfig, SamplingParams
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader
@@ -48,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--fail-prepare-epoch", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--kv-path", default="auto", choices=("auto", "shm", "p2p"))
+    parser.add_argument("--precopy-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.num_threads)
@@ -63,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         if phase == "prepare" and epoch == args.fail_prepare_epoch:
             raise RuntimeError("injected failure")
 
-    runtime = NodeRuntime(world, cfg, store.tensors, Topology.of(args.world_size, script["topology"]), failure_hook)
+    runtime = NodeRuntime(world, cfg, store.tensors, Topology.of(args.world_size, script["topology"]), failure_hook,
+                          kv_path=args.kv_path, precopy_chunk_bytes=args.precopy_chunk_bytes)
     boot_ms = (time.perf_counter() - t_boot) * 1000.0
     report: dict = {
         "rank": args.rank, "num_groups": world.num_groups, "store_created": store.created,
         "boot_bytes_read": loader.bytes_read, "boot_ms": boot_ms, "ready_unix": time.time(),
-        "records": [], "acks": [], "checks": [],
+        "records": [], "acks": [], "checks": [], "kv_path": runtime.kv_path, "node_tag": runtime.node_tag, "precopy_rounds": [],
     }
 
     def check(label: str) -> None:
@@ -76,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         report["checks"].append({
             "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],
             "views_of_store": all(store.contains(p) for p in params), "num_params": len(params),
-            "bytes_read": loader.bytes_read,
+            "bytes_read": loader.bytes_read, "kv_segments": kv_segment.leftovers(runtime.node_tag),
         })
 
     check("boot")
@@ -88,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             if not runtime.is_leader:
                 kind = runtime.follow()
-                if kind == "control":
+                done = runtime.take_prepare_ack()  # its group's pre-copy completed (a round, or the commit)
+                if done is not None:
+                    _record_ack(report, -1, done)
+                if kind == "control" and not runtime.last_ack.pending:
                     _record_ack(report, -1, runtime.last_ack)
-                    if runtime.last_ack.phase == "commit" and runtime.last_ack.ok:
-                        check("commit")
+                    _after(report, runtime.last_ack, check)
                     if runtime.is_leader:  # promoted: step from the tick the commit came at
                         tick = skip_events_at = _tick_of(events, runtime.last_ack)
                 if kind == "shutdown":
@@ -102,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
                     _apply(runtime, event, report, tick, check)
             if not runtime.is_leader:
                 continue  # it became a peer at this tick's commit
+            if runtime.precopy_pending:  # one round of this group's pre-copy, then this tick's step
+                epoch = runtime._prepared.epoch
+                sent = runtime.precopy()
+                report["precopy_rounds"].append([tick, epoch, sent])
+                done = runtime.take_prepare_ack()
+                if done is not None:
+                    _record_ack(report, tick, done)
             # A token's index in its stream, from the engine's own count (moved along with the request).
             emitted = {rid: seq.num_output_tokens for rid, seq in runtime.engine._seqs.items()}
             outputs = runtime.step()
@@ -123,9 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             report["final"] = {"free": stats.num_kv_blocks_free, "total": stats.num_kv_blocks_total}
         report["final_group"] = [runtime.group.start, runtime.group.tp]
         report["end_bytes_read"] = loader.bytes_read
+        report["bytes_by_path"] = dict(runtime.bytes_by_path)
         report["epoch"] = runtime.epoch
         world.barrier()
+        report["end_kv_segments"] = kv_segment.leftovers(runtime.node_tag)
     finally:
+        runtime.close()
         with open(args.out, "w") as handle:
             json.dump(report, handle)
         world.destroy()
@@ -142,9 +164,20 @@ def _apply(runtime: NodeRuntime, event: dict, report: dict, tick: int, check) ->
         return
     cmd = NodeCommand(kind, event["epoch"], tuple(tuple(g) for g in event.get("groups", ())))
     ack = runtime.command(cmd)
-    _record_ack(report, tick, ack)
+    done = runtime.take_prepare_ack()  # a commit finished the pre-copy: that prepare's ack comes first
+    if done is not None:
+        _record_ack(report, tick, done)
+    if not ack.pending:
+        _record_ack(report, tick, ack)
+    _after(report, ack, check)
+
+
+def _after(report: dict, ack, check) -> None:
+    """Checks after a commit; after an abort, which of this node's KV segments are still in /dev/shm."""
     if ack.phase == "commit" and ack.ok:
         check("commit")
+    elif ack.phase == "abort":
+        report.setdefault("abort_kv_segments", []).append([ack.epoch, kv_segment.leftovers(report["node_tag"])])
 
 
 def _record_ack(report: dict, tick: int, ack) -> None:

@@ -48,6 +48,7 @@ class NodeWorld:
         assert 0 <= rank < size, f"rank {rank} outside a node of {size}"
         self.rank = rank
         self.size = size
+        self.master_port = master_port  # names this node's shared-memory KV segments (one world per port)
         self.levels = allowed_levels(min_tp, max_tp or size)
         assert self.levels[-1] <= size, f"max_tp {self.levels[-1]} exceeds the node's {size} workers"
         self.backend = "nccl" if device.startswith("cuda") else "gloo"

@@ -1,0 +1,91 @@
+"""A worker's new KV cache in a POSIX shared-memory segment, so that other workers of the host can write
+migrated blocks straight into it (one-sided: no partner has to post a receive).
+
+Lifecycle (NodeRuntime.prepare): the destination `create`s its segment (named from node, epoch and worker,
+so every worker can compute every name), the sources `attach` it, and once the span agreed that everyone
+mapped what they need, the destination `unlink`s the name. The memory lives on in the mappings and goes
+with the last of them; /dev/shm holds nothing from then on, even if a worker dies later. An abort or a
+failed prepare unlinks too; `leftovers` lists what a node left behind (tests, and a worker at stop).
+
+Space is reserved with posix_fallocate, so a full /dev/shm is an OSError at prepare (the transition is
+refused and the old topology keeps serving) rather than a SIGBUS on the first write into a sparse page.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "nitsum-kv-"
+
+
+def available() -> bool:
+    """Whether this host offers POSIX shared memory as files we can create (Linux /dev/shm)."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def segment_name(node_tag: str, epoch: int, worker: int) -> str:
+    return f"{SEGMENT_PREFIX}{node_tag}-e{epoch}-w{worker}"
+
+
+def _path(name: str) -> str:
+    assert name.startswith(SEGMENT_PREFIX) and "/" not in name, f"{name!r} is not a KV segment name"
+    return os.path.join(SHM_DIR, name)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def create(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor of `shape` backed by a new segment `name` (a stale one of that name is replaced:
+    names carry the epoch, so it can only be a leftover of a crashed worker of this very node)."""
+    path = _path(name)
+    nbytes = _nbytes(shape, dtype)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        os.unlink(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    try:
+        return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+    except RuntimeError:
+        os.unlink(path)
+        raise
+
+
+def attach(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Map another worker's segment (writes go straight into its memory). OSError when it is missing or
+    does not have the size this worker expects (the two sides disagree on the cache geometry)."""
+    path = _path(name)
+    nbytes = _nbytes(shape, dtype)
+    size = os.stat(path).st_size
+    if size != max(nbytes, 1):
+        raise OSError(f"segment {name} holds {size} bytes, expected {nbytes}")
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
+def unlink(name: str) -> None:
+    """Remove the name (idempotent); mapped memory stays valid until its last mapping goes."""
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        pass
+
+
+def leftovers(node_tag: str | None = None) -> list[str]:
+    """KV segment names present in /dev/shm (of one node when `node_tag` is given)."""
+    if not os.path.isdir(SHM_DIR):
+        return []
+    prefix = SEGMENT_PREFIX + (f"{node_tag}-" if node_tag is not None else "")
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
