@@ -96,3 +96,13 @@ def test_prune_overload_picks_the_largest_contributor_before_the_first_miss() ->
     doomed = [RequestLoad("a", "u", 30.0, 40.0), RequestLoad("b", "u", 30.0, 30.0), RequestLoad("c", "u", 30.0, 5.0)]
     assert prune_overload(["u"], doomed, 0.0) == ["a", "b"]
     assert prune_overload([], doomed, 0.0) == []
+
+
+def test_make_flow_scheduler_passes_rmlq_thresholds_and_baselines_ignore_them() -> None:
+    paper = make_flow_scheduler("rmlq")
+    spread = make_flow_scheduler("rmlq", rmlq_e=2.0, rmlq_u=2.0)
+    assert paper.config.thresholds()[:2] == (0.125, 0.03125)  # type: ignore[attr-defined]
+    assert spread.config.thresholds()[:3] == (1.0, 0.5, 0.25)  # type: ignore[attr-defined]
+    assert make_flow_scheduler("fs", rmlq_e=2.0, rmlq_u=2.0).name == "fs"
+    with pytest.raises(ValueError, match="E > 1"):
+        make_flow_scheduler("rmlq", rmlq_e=1.0)

@@ -151,12 +151,15 @@ __all__ = ["BASELINES", "SCHEDULER_NAMES", "EarliestDeadlineFirst", "FairSharing
 SCHEDULER_NAMES: tuple[str, ...] = ("rmlq", *BASELINES)
 
 
-def make_flow_scheduler(name: str, num_levels: int = 8) -> FlowTable:
-    """A fresh scheduler by name: "rmlq" (default RmlqConfig with K levels) or a baseline."""
+def make_flow_scheduler(name: str, num_levels: int = 8, rmlq_e: float | None = None,
+                        rmlq_u: float | None = None) -> FlowTable:
+    """A fresh scheduler by name: "rmlq" (RmlqConfig with K levels; E and U default to the paper's 4 and
+    0.5) or a baseline (which has no thresholds: E and U are ignored)."""
     from nitsum.policy.flows import RmlqConfig, RmlqScheduler
 
     if name == "rmlq":
-        return RmlqScheduler(RmlqConfig(num_levels=num_levels))
+        extra = {k: v for k, v in (("e", rmlq_e), ("u", rmlq_u)) if v is not None}
+        return RmlqScheduler(RmlqConfig(num_levels=num_levels, **extra))
     if name not in BASELINES:
         raise ValueError(f"unknown flow scheduler {name!r}; choose one of {', '.join(SCHEDULER_NAMES)}")
     return BASELINES[name](num_levels)

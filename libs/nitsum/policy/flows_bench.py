@@ -113,12 +113,13 @@ def _testbed(args: argparse.Namespace) -> None:
         return
     requests = generated_load(args.seed, args.requests, args.rate_mbit, args.utilization)
     print(f"\ntestbed: {len(requests)} requests, veth at {args.rate_mbit} Mbit/s (htb, 3 DSCP classes), "
-          f"offered load {args.utilization}, seed {args.seed}")
+          f"offered load {args.utilization}, seed {args.seed}, RMLQ E={args.rmlq_e} U={args.rmlq_u}")
     print(f"{'scheduler':>10} {'attain all':>10} {'interactive':>11} {'background':>10} {'p50 TTFT ms':>11}")
     base: float | None = None
     with netns.veth_testbed(args.rate_mbit, tag=f"b{__import__('os').getpid()}") as bed:
         for k, name in enumerate(args.schedulers):
-            load = {"scheduler": name, "rate_mbit": args.rate_mbit, "layers": 8, "requests": requests}
+            load = {"scheduler": name, "rate_mbit": args.rate_mbit, "layers": 8, "requests": requests,
+                    "rmlq": {"e": args.rmlq_e, "u": args.rmlq_u}}
             res = netns.run_plan(bed, load, port=47100 + k, timeout_s=300.0, mode="replay")
             ttft = res["ttft_ms"]
             met = {r["id"]: float(ttft[str(r["id"])]) <= float(r["slo_ms"]) for r in requests  # type: ignore[arg-type]
@@ -145,9 +146,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--utilization", type=float, default=0.85, help="offered load of the testbed link")
     p.add_argument("--schedulers", nargs="+", default=list(SCHEDULER_NAMES), choices=SCHEDULER_NAMES)
     p.add_argument("--no-testbed", action="store_true", help="decision time only")
+    p.add_argument("--rmlq-e", type=float, default=4.0, help="RMLQ threshold ratio E (paper: 4)")
+    p.add_argument("--rmlq-u", type=float, default=0.5, help="RMLQ threshold scale U (paper: 0.5)")
     args = p.parse_args(argv)
     if args.flows < 10 or args.events < 1:
         p.error("--flows must be >= 10 and --events >= 1")
+    if args.rmlq_e <= 1.0 or args.rmlq_u <= 0.0:
+        p.error(f"need --rmlq-e > 1 and --rmlq-u > 0, got E={args.rmlq_e} U={args.rmlq_u}")
 
     print(f"decision time per event at {args.flows} active flows, {args.events} events, seed {args.seed}")
     print(f"{'scheduler':>10} {'p50 µs':>8} {'p99 µs':>8} {'max µs':>8} {'layer p99':>9} {'arrival p99':>11}")

@@ -5,7 +5,7 @@ receive: a TcpTransferReceiver on --host/--port; prints "ready" once listening a
 send:    reads a JSON plan from stdin — [{"flow_id", "size_bytes", "level", "start_ms", "rate_bps"}] —
          sends every flow at its start time and level, and prints {"finish_ms": {id: ms}, "errors": {id: msg}}
          with times relative to the plan's start (ACK received = finished).
-replay:  reads {"scheduler", "rate_mbit", "layers", "requests": [...]} from stdin and plays each request
+replay:  reads {"scheduler", "rate_mbit", "layers", "requests": [...], optional "rmlq": {"e", "u"}} from stdin and plays each request
          live under that scheduler: KV-reuse fetch → prefill layers (layer boundaries) → P2D transfer
          with the TTFT deadline. Flows go out in chunks; each chunk is sent at the flow's level *now*
          (promotion between messages, never inside one) after a host-side strict-priority gate on the
@@ -21,6 +21,8 @@ import sys
 
 from nitsum.transfer.framing import TransferError
 from nitsum.transfer.tcp import MemorySink, TcpTransferReceiver, TcpTransferSender
+
+TICK_MS = 5.0  # replay's scheduler tick (MLU re-evaluation grid)
 
 
 async def _receive(host: str, port: int) -> int:
@@ -67,7 +69,8 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
     from nitsum.policy.flow_baselines import make_flow_scheduler
     from nitsum.policy.flows import FlowSpec, Stage
 
-    sched = make_flow_scheduler(str(load["scheduler"]))
+    thresholds = load.get("rmlq") or {}  # {"e": E, "u": U}: RMLQ's promotion thresholds Q_i = E^-i * U
+    sched = make_flow_scheduler(str(load["scheduler"]), rmlq_e=thresholds.get("e"), rmlq_u=thresholds.get("u"))  # type: ignore[union-attr]
     link_bps = float(load["rate_mbit"]) * 1e6  # type: ignore[arg-type]
     if hasattr(sched, "set_link_bandwidth"):
         sched.set_link_bandwidth("link", link_bps)  # type: ignore[attr-defined]
@@ -82,6 +85,7 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
         return (loop.time() - t0) * 1000.0
 
     async def transfer(spec: FlowSpec) -> None:
+        sched.on_arrival(spec, now_ms())  # the scheduler must know the flow to rank it
         wanting.add(spec.flow_id)
         sent = 0
         try:
@@ -129,10 +133,23 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
                                 deadline_ms=deadline_ms, request_deadlines_ms=(deadline_ms,)))
         ttft_ms[rid] = now_ms() - arrival_ms
 
+    async def ticker() -> None:
+        # Time-driven promotions (a flow's MLU rises as its deadline nears) happen on ticks; wake the gate
+        # after each so a flow promoted past a waiting one overtakes it.
+        while True:
+            await asyncio.sleep(TICK_MS / 1000.0)
+            sched.on_tick(now_ms())
+            async with gate:
+                gate.notify_all()
+
     for level in range(1, sched.num_levels + 1):  # connections up before the clock starts
         await tx.send(f"warmup-{level}", b"", level=level)
     t0 = loop.time()
-    await asyncio.gather(*(request(r) for r in load["requests"]))  # type: ignore[union-attr]
+    tick = asyncio.create_task(ticker())
+    try:
+        await asyncio.gather(*(request(r) for r in load["requests"]))  # type: ignore[union-attr]
+    finally:
+        tick.cancel()
     await tx.close()
     print(json.dumps({"ttft_ms": ttft_ms}), flush=True)
     return 0
