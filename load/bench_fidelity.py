@@ -75,7 +75,9 @@ def simulate(workload: list[TraceRequest], policy: str, table: DeviceSpec | None
     table = table or load_device_table(None)
     config = ClusterConfig(model="tiny", device_kind=table, num_nodes=1, devices_per_node=1, min_tp=1, max_tp=1,
                            chunk_tokens=WORKER_MAX_BATCHED_TOKENS, max_batch=WORKER_MAX_NUM_SEQS,
-                           block_size_tokens=WORKER_BLOCK_SIZE, drain_ms=120_000.0, service=service)
+                           block_size_tokens=WORKER_BLOCK_SIZE, drain_ms=120_000.0, service=service,
+                           # nitsum's engine: no SLO-aware chunk, its 512-token budget pays for decodes too
+                           tpot_aware_chunks=False, decode_tokens_in_budget=True)
     return run_cluster(policy, config, workload), table
 
 

@@ -1,5 +1,6 @@
 """Cost model (ALGORITHMS.md §3): roofline bounds, monotonicity, capacity, device tables."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 from nitsum.policy.costmodel import (DEVICE_PRESETS, DeviceSpec, cost_model, device_spec, load_device_table,
-                                     model_spec)
+                                     model_spec, resolve_device)
 
 
 def test_llama70b_tp8_h100_decode_step_between_memory_floor_and_twice_it():
@@ -119,3 +120,25 @@ def test_tiny_preset_matches_the_tiny_checkpoint_config():
                             TINY_CONFIG["num_attention_heads"], TINY_CONFIG["num_key_value_heads"],
                             TINY_CONFIG["intermediate_size"], TINY_CONFIG["vocab_size"], TINY_CONFIG["head_dim"])
     assert m.bytes_per_param == 4.0 and TINY_CONFIG["torch_dtype"] == "float32"
+
+
+def test_per_sequence_and_prefill_step_overheads():
+    base = DeviceSpec("t", 1e30, 1e30, 1.0, 1e12, step_overhead_ms=0.5)
+    dev = dataclasses.replace(base, seq_overhead_ms=0.25, prefill_step_overhead_ms=2.0)
+    m, b = cost_model("tiny", dev), cost_model("tiny", base)
+    assert m.step_time_ms(1, 4, 4, 400) == pytest.approx(b.step_time_ms(1, 4, 4, 400) + 4 * 0.25)  # decode
+    assert m.step_time_ms(1, 2, 300, 300) == pytest.approx(b.step_time_ms(1, 2, 300, 300) + 2 * 0.25 + 2.0)  # prefill
+    assert DeviceSpec.from_json(dev.to_json()) == dev
+
+
+def test_resolve_device_forms(tmp_path):
+    table = DeviceSpec("measured", 1e12, 1e11, 1.0, 1e9)
+    path = tmp_path / "t.json"
+    path.write_text(table.to_json())
+    assert resolve_device("h100") is DEVICE_PRESETS["h100"]
+    assert resolve_device(table) is table and resolve_device(cost_model("tiny", table)) is table
+    assert resolve_device(path) == table and resolve_device(str(path)) == table
+    with pytest.raises(ValueError, match="no such file"):
+        resolve_device(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="unknown device kind 'tpu'"):
+        resolve_device("tpu")

@@ -113,3 +113,30 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--threads", "0"])
+
+
+def test_fit_recovers_per_sequence_and_prefill_step_costs():
+    # Synthetic measurements with a per-sequence and a prefill-step cost on top of the roofline: the fit finds
+    # all five coefficients, and the table it writes predicts through the cost model exactly what was measured.
+    a_true, b_true, c_true, d_true, e_true = 2e-8, 5e-7, 0.3, 0.02, 0.6
+    shapes = [("decode", 1, 1, 16), ("decode", 64, 64, 200_000), ("decode", 16, 16, 50_000), ("decode", 32, 32, 800),
+              ("prefill", 1, 512, 512), ("prefill", 4, 1024, 1024), ("prefill", 1, 16, 16), ("prefill", 16, 1024, 1024)]
+    points = _points(shapes)
+    flops, num_bytes = zip(*(roofline_terms(TINY, p) for p in points))
+    batches, prefills = [p.batch_size for p in points], [p.kind == "prefill" for p in points]
+    measured = [max(f * a_true, x * b_true) + c_true + d_true * bs + (e_true if pf else 0.0)
+                for f, x, bs, pf in zip(flops, num_bytes, batches, prefills)]
+    fit = fit_roofline(list(flops), list(num_bytes), measured, batches, prefills)
+    # (lstsq over five columns: exact to ~1e-9 relative, not to the last bit)
+    assert (fit.ms_per_flop, fit.ms_per_byte) == (pytest.approx(a_true, rel=1e-6), pytest.approx(b_true, rel=1e-6))
+    assert (fit.step_overhead_ms, fit.ms_per_seq, fit.prefill_step_ms) == (
+        pytest.approx(c_true, rel=1e-6), pytest.approx(d_true, rel=1e-6), pytest.approx(e_true, rel=1e-6))
+    assert fit.mean_abs_pct_error == pytest.approx(0.0, abs=1e-9)
+    device = fitted_device(CPU_LIKE, fit, peak_flops=1e12, peak_bytes_per_s=1e11, source="test")
+    assert (device.seq_overhead_ms, device.prefill_step_overhead_ms) == (fit.ms_per_seq, fit.prefill_step_ms)
+    model = CostModel(TINY, device)
+    for p, t in zip(points, measured):
+        assert model.step_time_ms(1, p.batch_size, p.num_tokens, p.context_tokens) == pytest.approx(t, rel=1e-6)
+    # Without those columns the fit is the plain roofline (the old three-term model).
+    plain = fit_roofline(list(flops), list(num_bytes), measured)
+    assert (plain.ms_per_seq, plain.prefill_step_ms) == (0.0, 0.0) and plain.mean_abs_pct_error > 0.01

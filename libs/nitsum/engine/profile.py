@@ -11,10 +11,11 @@ the table describes the device, not its neighbours. Every timed step is checked 
 scheduler change cannot silently turn a decode point into something else.
 
 The fit (`fit_roofline`, pure) follows `CostModel.step_time_ms` at TP=1:
-    step_ms = max(flops · a, bytes · b) + c
+    step_ms = max(flops · a, bytes · b) + c + d · batch + e · [the step computes prompt tokens]
 with the FLOPs and bytes of each point taken from the cost model itself (so the table is fitted to the
-formulas it will be used with), a = 1e3 / effective FLOP/s, b = 1e3 / effective bytes/s and
-c = step_overhead_ms. It minimises the squared *relative* error (alternating between the points' current
+formulas it will be used with), a = 1e3 / effective FLOP/s, b = 1e3 / effective bytes/s, c = step_overhead_ms,
+d = seq_overhead_ms (Python work per sequence: scheduling, sampling, detokenising) and e =
+prefill_step_overhead_ms (a prefill step's extra fixed cost). It minimises the squared *relative* error (alternating between the points' current
 bound and a non-negative least squares of the coefficients, from several starts). A term that bounds no
 point is not identified by the data, only bounded: the fit uses the slowest value still consistent with
 every point (it then binds exactly at the tightest one), the table the measured peak when that is faster
@@ -76,6 +77,8 @@ class RooflineFit:
     compute_identified: bool  # False: no point compute-bound; ms_per_flop is the bound that keeps it so
     memory_identified: bool
     mean_abs_pct_error: float
+    ms_per_seq: float = 0.0  # d: per sequence in the step
+    prefill_step_ms: float = 0.0  # e: once per step with prompt tokens
 
     @property
     def effective_flops(self) -> float:
@@ -100,12 +103,13 @@ def roofline_terms(model: ModelSpec, point: StepPoint) -> tuple[float, float]:
     return flops, num_bytes
 
 
-def predict_ms(fit: RooflineFit, flops: float, num_bytes: float) -> float:
-    return max(flops * fit.ms_per_flop, num_bytes * fit.ms_per_byte) + fit.step_overhead_ms
+def predict_ms(fit: RooflineFit, flops: float, num_bytes: float, batch_size: int = 1, prefill: bool = False) -> float:
+    return (max(flops * fit.ms_per_flop, num_bytes * fit.ms_per_byte) + fit.step_overhead_ms
+            + fit.ms_per_seq * batch_size + (fit.prefill_step_ms if prefill else 0.0))
 
 
-def _nnls3(columns: list[list[float]], target: list[float]) -> list[float]:
-    """Non-negative least squares over at most 3 columns by trying every subset (exact for so few)."""
+def _nnls(columns: list[list[float]], target: list[float]) -> list[float]:
+    """Non-negative least squares over at most 5 columns by trying every subset (exact for so few)."""
     import numpy as np
 
     a = np.array(columns, dtype=float).T  # [points, columns]
@@ -128,30 +132,42 @@ def _nnls3(columns: list[list[float]], target: list[float]) -> list[float]:
     return best
 
 
-def _mape(flops: list[float], num_bytes: list[float], measured: list[float], a: float, b: float, c: float) -> float:
-    return sum(abs(max(f * a, x * b) + c - t) / t for f, x, t in zip(flops, num_bytes, measured)) / len(measured)
+def _mape(flops: list[float], num_bytes: list[float], measured: list[float], a: float, b: float, c: float,
+          extra: list[list[float]] = (), coef: list[float] = ()) -> float:
+    total = 0.0
+    for i, (f, x, t) in enumerate(zip(flops, num_bytes, measured)):
+        q = max(f * a, x * b) + c + sum(k * col[i] for k, col in zip(coef, extra))
+        total += abs(q - t) / t
+    return total / len(measured)
 
 
-def fit_roofline(flops: list[float], num_bytes: list[float], measured_ms: list[float], max_iterations: int = 50) -> RooflineFit:
-    """Fit step_ms = max(flops·a, bytes·b) + c to measurements, minimising the squared relative error."""
+def fit_roofline(flops: list[float], num_bytes: list[float], measured_ms: list[float], batch_sizes: list[int] | None = None,
+                 prefill: list[bool] | None = None, max_iterations: int = 50) -> RooflineFit:
+    """Fit step_ms = max(flops·a, bytes·b) + c [+ d·batch] [+ e·prefill] to measurements, minimising the squared
+    relative error. Without `batch_sizes` / `prefill` those terms are left out (d = e = 0)."""
     assert len(flops) == len(num_bytes) == len(measured_ms) >= 3, "at least three measured points"
     assert all(t > 0 for t in measured_ms), "measured step times must be positive"
     n = len(measured_ms)
     weight = [1.0 / t for t in measured_ms]  # relative error: each row divided by its measurement
     target = [1.0] * n
+    extra = ([[float(v) for v in batch_sizes]] if batch_sizes is not None else []) + \
+        ([[1.0 if v else 0.0 for v in prefill]] if prefill is not None else [])
+    assert all(len(col) == n for col in extra), "one batch size / prefill flag per point"
+    extra_cols = [[v * w for v, w in zip(col, weight)] for col in extra]
     starts = [[True] * n, [False] * n]
     # A third start: which term dominates under a fit of the sum (no max).
-    a0, b0, _ = _nnls3([[f * w for f, w in zip(flops, weight)], [x * w for x, w in zip(num_bytes, weight)], weight], target)
+    a0, b0, *_ = _nnls([[f * w for f, w in zip(flops, weight)], [x * w for x, w in zip(num_bytes, weight)], weight, *extra_cols], target)
     starts.append([f * a0 >= x * b0 for f, x in zip(flops, num_bytes)])
-    best: tuple[float, float, float, float, bool, bool] | None = None
+    best: tuple | None = None
     for compute_bound in starts:
         for _ in range(max_iterations):
             cols = [
                 [f * w if cb else 0.0 for f, w, cb in zip(flops, weight, compute_bound)],
                 [x * w if not cb else 0.0 for x, w, cb in zip(num_bytes, weight, compute_bound)],
                 weight,
+                *extra_cols,
             ]
-            a, b, c = _nnls3(cols, target)
+            a, b, c, *coef = _nnls(cols, target)
             a_ok, b_ok = a > 0 and any(compute_bound), b > 0 and not all(compute_bound)
             # An unidentified term: the slowest rate that still binds at no point (ties at the tightest).
             if not a_ok:
@@ -162,11 +178,12 @@ def fit_roofline(flops: list[float], num_bytes: list[float], measured_ms: list[f
             if new_bound == compute_bound:
                 break
             compute_bound = new_bound
-        err = _mape(flops, num_bytes, measured_ms, a, b, c)
+        err = _mape(flops, num_bytes, measured_ms, a, b, c, extra, coef)
         if best is None or err < best[3]:
-            best = (a, b, c, err, a_ok, b_ok)
-    a, b, c, err, a_ok, b_ok = best
-    return RooflineFit(a, b, c, a_ok, b_ok, err)
+            best = (a, b, c, err, a_ok, b_ok, coef)
+    a, b, c, err, a_ok, b_ok, coef = best
+    named = dict(zip(([] if batch_sizes is None else ["seq"]) + ([] if prefill is None else ["prefill"]), coef))
+    return RooflineFit(a, b, c, a_ok, b_ok, err, named.get("seq", 0.0), named.get("prefill", 0.0))
 
 
 def fitted_device(base: DeviceSpec, fit: RooflineFit, peak_flops: float, peak_bytes_per_s: float, source: str) -> DeviceSpec:
@@ -191,6 +208,8 @@ def fitted_device(base: DeviceSpec, fit: RooflineFit, peak_flops: float, peak_by
         mem_bandwidth_bytes_per_s=peak_bytes_per_s,
         memory_efficiency=eff_bytes / peak_bytes_per_s,
         step_overhead_ms=fit.step_overhead_ms,
+        seq_overhead_ms=fit.ms_per_seq,
+        prefill_step_overhead_ms=fit.prefill_step_ms,
         source=source,
         placeholder=False,
     )
@@ -405,8 +424,9 @@ def main(argv: list[str]) -> int:
     terms = [roofline_terms(spec, p) for p in points]
     flops, num_bytes = [t[0] for t in terms], [t[1] for t in terms]
     measured = [p.step_ms for p in points]
-    fit = fit_roofline(flops, num_bytes, measured)
-    predicted = [predict_ms(fit, f, x) for f, x in zip(flops, num_bytes)]
+    batches, prefills = [p.batch_size for p in points], [p.kind == "prefill" for p in points]
+    fit = fit_roofline(flops, num_bytes, measured, batches, prefills)
+    predicted = [predict_ms(fit, f, x, bs, pf) for f, x, bs, pf in zip(flops, num_bytes, batches, prefills)]
     base = load_device_table(None)  # the shipped table: its unmeasured fields carry over
     baseline = [CostModel(spec, base).step_time_ms(1, p.batch_size, p.num_tokens, p.context_tokens) for p in points]
 
@@ -426,7 +446,8 @@ def main(argv: list[str]) -> int:
           f"(efficiency {device.compute_efficiency:.2f}){'' if fit.compute_identified else ' [bound only: no point compute-bound]'}, "
           f"{device.mem_bandwidth_bytes_per_s * device.memory_efficiency / 1e9:.2f} GB/s effective "
           f"(efficiency {device.memory_efficiency:.2f}){'' if fit.memory_identified else ' [bound only: no point memory-bound]'}, "
-          f"step overhead {fit.step_overhead_ms:.3f} ms")
+          f"step overhead {fit.step_overhead_ms:.3f} ms + {fit.ms_per_seq:.4f} ms per sequence + "
+          f"{fit.prefill_step_ms:.3f} ms per prefill step")
     print(f"mean absolute percentage error: fitted {100 * fit.mean_abs_pct_error:.1f}% vs {base_name} table "
           f"{100 * mean_abs_pct_error(baseline, measured):.1f}% on the same {len(points)} measurements")
     print(text, end="")

@@ -1,6 +1,6 @@
 """Cost model (ALGORITHMS.md §3): how long one engine step takes, shared by the policy and the simulator.
 
-step_time = max(compute, memory) + all-reduce + fixed overhead, per device of a TP=k group:
+step_time = max(compute, memory) + all-reduce + overheads, per device of a TP=k group:
 - compute  = FLOPs / k / (peak FLOP/s · compute efficiency); FLOPs = 2 · active params · tokens in the step
   + attention 4 · layers · (heads · head_dim) · (query, key) pairs.
 - memory   = (weight bytes / k + KV bytes read / min(k, kv_heads)) / (HBM bandwidth · memory efficiency).
@@ -8,7 +8,8 @@ step_time = max(compute, memory) + all-reduce + fixed overhead, per device of a 
   shrinking past TP = kv_heads.
 - all-reduce: two per layer (attention output, MLP down), message = tokens · hidden · activation bytes; ring
   cost 2(k−1)/k · message / (link bandwidth · link efficiency) + a fixed latency per collective; 0 at TP1.
-- overhead: fixed per step (scheduling, sampling, kernel launches).
+- overheads: fixed per step (scheduling, sampling, kernel launches), + per sequence in the step, + once for a
+  step that computes prompt tokens (the last two fitted on CPU by `nitsum bench profile`, 0 for the GPUs).
 
 Device tables: H100 SXM, H200 SXM and A100 80 GB SXM from NVIDIA's public data sheets (dense BF16 peak,
 HBM bandwidth, NVLink bandwidth per direction); efficiencies and per-step overheads are our assumptions,
@@ -107,6 +108,12 @@ class DeviceSpec:
     link_efficiency: float = 0.7
     collective_latency_ms: float = 0.008  # fixed cost of one all-reduce
     step_overhead_ms: float = 1.0
+    # Host-side costs that grow with the step's shape, not its FLOPs or bytes (fitted by `nitsum bench profile`
+    # for the CPU table; 0 in the GPU presets): per sequence in the step (Python scheduling, sampling and
+    # detokenising of each sequence), and once per step that computes prompt tokens (num_tokens > batch_size:
+    # the prefill path builds its attention metadata and copies its KV in more kernels than a decode step).
+    seq_overhead_ms: float = 0.0
+    prefill_step_overhead_ms: float = 0.0
     memory_reserved_fraction: float = 0.1  # activations, allocator slack: not for weights or KV
     source: str = ""
     placeholder: bool = False  # True: figures are guesses awaiting a profile
@@ -223,7 +230,9 @@ class CostModel:
             msg_bytes = num_tokens * m.hidden_size * m.kv_bytes_per_elem
             ring_ms = 2.0 * (tp - 1) / tp * msg_bytes / (d.link_bandwidth_bytes_per_s * d.link_efficiency) * 1e3
             comm_ms = 2 * m.num_layers * (ring_ms + d.collective_latency_ms)
-        out = max(compute_ms, memory_ms) + comm_ms + d.step_overhead_ms
+        out = max(compute_ms, memory_ms) + comm_ms + d.step_overhead_ms + d.seq_overhead_ms * batch
+        if num_tokens > batch_size:
+            out += d.prefill_step_overhead_ms
         if len(self._memo) < 65536:
             self._memo[key] = out
         return out

@@ -52,6 +52,10 @@ class ClusterConfig:
     # decoding beside a prefill missed its TPOT whatever the topology. False: always chunk_tokens.
     tpot_aware_chunks: bool = True
     min_chunk_tokens: int = MIN_CHUNK_TOKENS  # prefill never stalls completely behind a decode batch
+    # True: a hybrid step's chunk_tokens budget also pays for its decode tokens, as nitsum's own engine
+    # schedules (engine/scheduler.py: running sequences take one token each first, prefill gets the rest);
+    # False: the budget is for prefill tokens only (decodes ride along, as in the Sarathi-style model).
+    decode_tokens_in_budget: bool = False
     prefill_batch_tokens: int = 8192  # prefill tokens per step on a prefill group
     max_batch: int = 256  # sequences in one decode batch
     block_size_tokens: int = 16
@@ -422,6 +426,8 @@ class ClusterSim:
             if g.waiting and (head is None or g.waiting[0][2].deadline < head.deadline):
                 head = g.waiting[0][2]
             budget = self._hybrid_budget(g, n_dec, dec_ctx + (head.prefill_done if head is not None else 0))
+            if c.decode_tokens_in_budget:
+                budget = max(budget - n_dec, 0)
         else:
             budget = 0
         # Prefill work in earliest-TTFT-deadline order over both the requests already part-way through their
