@@ -44,6 +44,7 @@ class Engine:
         self.runner = runner or _make_runner(cfg, self.group)
         assert self.runner.group.size == self.group.size, "the runner is cut for another TP size"
         self.tokenizer = tokenizer or Tokenizer(cfg.model_dir, read_raw_config(cfg.model_dir))
+        self._eos_token_id = self.tokenizer.eos_token_id
         self.model_name = Path(cfg.model_dir).resolve().name
         self.max_model_len = self.runner.max_model_len
         self.block_size = cfg.block_size
@@ -180,7 +181,7 @@ class Engine:
         params = seq.params
         seq.token_ids.append(token)
         finish = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token == self.tokenizer.eos_token_id):
+        if token in params.stop_token_ids or (token == self._eos_token_id and not params.ignore_eos):
             finish = "stop"  # the stop token's id is returned, its text is not
         else:
             delta = seq.detokenizer.add(token)
@@ -204,7 +205,7 @@ class Engine:
             emit_to = len(seq.text)
         else:
             # Hold back what could still become a stop string.
-            hold = max((len(s) for s in params.stop), default=1) - 1
+            hold = max(len(s) for s in params.stop) - 1 if params.stop else 0
             emit_to = max(seq.num_text_emitted, len(seq.text) - hold)
         text_delta = seq.text[seq.num_text_emitted : emit_to]
         seq.num_text_emitted = emit_to

@@ -15,6 +15,7 @@ from nitsum.model.model import (
     Workspace,
     build_model,
     pack_for_fusion,
+    rope_step_tables,
     rope_tables,
 )
 from nitsum.parallel import TPGroup
@@ -52,7 +53,9 @@ class ModelRunner:
         shards = loader.shard_weights(self.weights, self.config, group.rank, group.size)
         self.model = build_model(self.config, group, shards)
         self.max_model_len = self.config.max_model_len
-        self._cos, self._sin = rope_tables(self.config, self.max_model_len, self.dtype, str(self.device))
+        cos, sin = rope_tables(self.config, self.max_model_len, self.dtype, str(self.device))
+        # Tables as the layers use them ([T, 1, D], sin sign-folded), made once here rather than per step.
+        self._cos, self._signed_sin = (t.squeeze(1) for t in rope_step_tables(cos, sin))
 
         cfg = self.config
         self.num_kv_heads = loader.kv_heads_per_rank(cfg, group.size)
@@ -76,17 +79,35 @@ class ModelRunner:
         multis = sorted((i for i, c in enumerate(chunks) if len(c.token_ids) > 1),
                         key=lambda i: (chunks[i].start_pos > 0, 0 if chunks[i].start_pos else len(chunks[i].token_ids)))
 
+        # Token ids, positions and KV slots go to the device as one tensor (one copy, then views).
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_row: dict[int, int] = {}
-        for i in singles:
-            chunk = chunks[i]
-            pos = chunk.start_pos
-            last_row[i] = len(token_ids)
-            token_ids.append(chunk.token_ids[0])
-            positions.append(pos)
-            slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
+        single_ids = single_mask = None
+        single_context = 0
+        if singles:
+            single_chunks = [chunks[i] for i in singles]
+            positions = [c.start_pos for c in single_chunks]
+            token_ids = [c.token_ids[0] for c in single_chunks]
+            slots = [c.block_table[pos // bs] * bs + pos % bs for c, pos in zip(single_chunks, positions)]
+            last_row = {i: row for row, i in enumerate(singles)}
+            single_context = max(positions) + 1
+            max_blocks = -(-single_context // bs)
+            ids: list[int] = []
+            for chunk in single_chunks:
+                table = chunk.block_table[:max_blocks]
+                ids.extend(table)
+                if len(table) < max_blocks:
+                    ids.extend([0] * (max_blocks - len(table)))  # padding: masked out (or sliced off)
+            single_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+            if min(positions) + 1 < single_context:
+                lens = torch.tensor(positions, device=dev) + 1
+                keep = torch.arange(single_context, device=dev)[None, :] < lens[:, None]
+                # Additive float mask, made once per step: SDPA would otherwise convert a bool mask in
+                # every layer (same values: 0 where attended, -inf elsewhere).
+                single_mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(
+                    ~keep, float("-inf"))[:, None, None, :]
 
         multi: list[MultiTokenSpan] = []
         for i in multis:
@@ -114,25 +135,12 @@ class ModelRunner:
                 mask=mask,
             ))
 
-        single_ids = single_mask = None
-        single_context = 0
-        if singles:
-            context_lens = [chunks[i].start_pos + 1 for i in singles]
-            single_context = max(context_lens)
-            max_blocks = -(-single_context // bs)
-            ids: list[int] = []
-            for i in singles:
-                table = chunks[i].block_table[:max_blocks]
-                ids.extend(table)
-                ids.extend([0] * (max_blocks - len(table)))  # padding: masked out (or sliced off)
-            single_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-            if min(context_lens) < single_context:
-                lens = torch.tensor(context_lens, device=dev)
-                single_mask = (torch.arange(single_context, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-
-        pos_tensor = torch.tensor(positions, dtype=torch.long, device=dev)
+        num_tokens = len(token_ids)
+        sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.sample]
+        packed = torch.tensor(token_ids + positions + slots + sample_rows, dtype=torch.long, device=dev)
+        ids_tensor, pos_tensor, slot_tensor, rows = packed.split((num_tokens, num_tokens, num_tokens, len(sample_rows)))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slot_tensor,
             num_single=len(singles),
             single_block_ids=single_ids,
             single_context_len=single_context,
@@ -140,13 +148,14 @@ class ModelRunner:
             multi=multi,
             workspace=self.workspace,
         )
-        ids_tensor = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        hidden = self.model(ids_tensor, self._cos[pos_tensor], self._sin[pos_tensor], meta, self.kv_cache)
-        sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.sample]
+        cos = self._cos.index_select(0, pos_tensor).unsqueeze(1)
+        sin = self._signed_sin.index_select(0, pos_tensor).unsqueeze(1)
+        hidden = self.model.forward(ids_tensor, cos, sin, meta, self.kv_cache, rope_prepared=True)
         if not sample_rows:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden[rows]).float()
+        if len(sample_rows) < num_tokens or sample_rows != list(range(num_tokens)):
+            hidden = hidden.index_select(0, rows)  # (a decode-only step samples every row, in order)
+        return self.model.compute_logits(hidden).float()
 
 
 def num_kv_blocks_for(

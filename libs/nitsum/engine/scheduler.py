@@ -146,19 +146,24 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
+        block_size = self.kv.block_size
 
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
             assert num_new > 0, f"{seq.request_id} is running with nothing to compute"
-            while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
-                victim = self._preempt_newest()
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not Status.RUNNING:
-                break  # it preempted itself: everything after it is gone too
+            # Most decode steps land in a block the sequence already holds: then there is nothing to
+            # allocate (allocate would only confirm that), so the pool is not consulted.
+            rid = seq.request_id
+            if not self.kv.has(rid) or seq.num_computed_tokens + num_new > len(self.kv.block_table(rid)) * block_size:
+                while self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new) is None:
+                    victim = self._preempt_newest()
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    break  # it preempted itself: everything after it is gone too
             chunks.append(self._chunk(seq, num_new))
             budget -= num_new
             index += 1

@@ -67,7 +67,8 @@ class AttentionMetadata:
     num_single: int  # rows [0, num_single) are one-query-token sequences (decodes), batched together
     single_block_ids: torch.Tensor | None  # [num_single * max_blocks] long: padded block tables, flattened
     single_context_len: int  # longest context among the single rows (keys attended)
-    single_mask: torch.Tensor | None  # [num_single, 1, 1, single_context_len] bool; None when all are full
+    # [num_single, 1, 1, single_context_len]: bool, or additive float (0 / -inf); None when all are full
+    single_mask: torch.Tensor | None
     multi: list[MultiTokenSpan]
     workspace: Workspace
 
@@ -298,19 +299,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        cos: torch.Tensor,  # [T, D] (rope rows for each token's position)
+        cos: torch.Tensor,  # [T, D] (rope rows for each token's position); [T, 1, D] when prepared
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, H_kv, D]
+        rope_prepared: bool = False,  # cos/sin already as `rope_step_tables` makes them (the runner's)
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_step_tables(cos, sin)  # layers get [T, 1, D] tables, sin sign-folded
+        x = self.model.embed_tokens.forward(input_ids)
+        if not rope_prepared:
+            cos, sin = rope_step_tables(cos, sin)  # layers get [T, 1, D] tables, sin sign-folded
         for index, layer in enumerate(self.model.layers):
             x = layer.forward(x, cos, sin, meta, kv_cache[index, 0], kv_cache[index, 1])
-        return self.model.norm(x)  # [T, hidden]
+        return self.model.norm.forward(x)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab]
+        return self.lm_head.forward(hidden)  # [N, vocab]
 
 
 def build_model(cfg: ModelConfig, group: TPGroup, shards: dict[str, torch.Tensor]) -> LlamaForCausalLM:
