@@ -241,6 +241,7 @@ class WorkerConfig(CommonConfig):
     fault_prepare_epoch: int = setting("NITSUM_FAULT_PREPARE_EPOCH", 0, "fault injection for tests: fail the prepare of this topology epoch (0: off)", check=non_negative)
     fault_kv_corrupt: bool = setting("NITSUM_FAULT_KV_CORRUPT", False, "fault injection for tests: corrupt outgoing KV hand-offs")
     world_timeout_s: float = setting("NITSUM_WORLD_TIMEOUT_S", 30.0, "timeout of one collective in the node world", check=positive)
+    tp_migration_budget_ms: float = setting("NITSUM_TP_MIGRATION_BUDGET_MS", 2000.0, "cutover deadline of a TP change's KV migration flows, from prepare start (stage M, for the flow-scheduler)", check=positive)
 
     def resolved_worker_id(self) -> str:
         """NITSUM_WORKER_ID, else <node>-<device>-<host> (unique across compose replicas)."""

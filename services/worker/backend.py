@@ -105,6 +105,18 @@ class NodeBackend:
     def follow(self) -> str:
         return self.runtime.follow()
 
+    # -- a transition's pre-copy (shm path), run between steps by the old group's leader ---------------
+    def precopy_flows(self):
+        return self.runtime.precopy_flows()
+
+    def precopy(self, items):
+        """These (flow, chunk) items on every member of the group; bytes sent, None once it is over."""
+        self._last_broadcast_s = time.monotonic()
+        return self.runtime.precopy(items)
+
+    def take_prepare_ack(self):
+        return self.runtime.take_prepare_ack()
+
     def idle_tick(self) -> None:
         """Leader with nothing to run: keep peers' broadcasts from timing out."""
         if self.runtime.is_leader and time.monotonic() - self._last_broadcast_s > KEEPALIVE_S:

@@ -32,6 +32,7 @@ from nitsum.modelpath import resolve_model_dir
 from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import AbortRequest, RoleChange, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
 from nitsum_services.worker.backend import NodeBackend, PlainBackend
+from nitsum_services.worker.migration_flows import MigrationDriver
 from nitsum_services.worker.session import WorkerSession
 from nitsum_services.worker.transfer import KvMover, TransferAgent
 
@@ -110,6 +111,7 @@ def make_body(service_name: str):
         session.prefill_role = engine_role == "prefill"
         agent = TransferAgent(bus, worker_id, ctx.metrics)
         mover = KvMover(session, agent, bus, worker_id, ctx.metrics)
+        migrations = MigrationDriver(session, agent, worker_id, ctx.metrics, config.tp_migration_budget_ms)
         mover.corrupt = config.fault_kv_corrupt
         session.on_handoff = mover.hand_off
         state = {"value": "ready"}
@@ -231,14 +233,17 @@ def make_body(service_name: str):
             with ctx.tracer.start_as_current_span(f"worker.topology.{phase}", attributes={"nitsum.epoch": msg.epoch, "nitsum.worker": worker_id}) as span:
                 try:
                     ack = await asyncio.wait_for(session.control(NodeCommand(phase, msg.epoch, groups)), CONTROL_TIMEOUT_S)
+                    if ack.pending:  # KV pre-copy runs between decode steps, under stage-M flow permits
+                        ack = await asyncio.wait_for(migrations.drive(msg, ack), CONTROL_TIMEOUT_S)
                 except (asyncio.TimeoutError, RuntimeError) as exc:
                     span.set_attribute("nitsum.error", str(exc))
                     return TopologyAck(worker_id, msg.epoch, False, phase, f"{type(exc).__name__}: {exc}")
                 span.set_attribute("nitsum.ok", ack.ok)
                 if not ack.ok:
                     span.set_attribute("nitsum.error", ack.reason)
-            if phase == "commit" and ack.ok:
+            if phase in ("prepare", "commit") and ack.ok:
                 ctx.metrics.kv_migration_bytes_total().inc(ack.bytes_moved)
+                migrations.count_bytes(backend.runtime.kv_path, ack.bytes_moved)
             return TopologyAck(worker_id, ack.epoch, ack.ok, ack.phase, ack.reason, ack.duration_ms)
 
         async def on_abort(msg: AbortRequest, _delivery) -> None:
@@ -284,6 +289,8 @@ def make_body(service_name: str):
             engine_stop.set()
             await asyncio.wait({loop_task, beat_task}, timeout=5.0)
             mover.close()
+            if isinstance(backend, NodeBackend):
+                backend.runtime.close()  # no KV segment of this worker stays in /dev/shm
 
         ctx.drain_hooks.append(drain)
 

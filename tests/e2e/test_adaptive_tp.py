@@ -1,10 +1,13 @@
 """Run-time TP changes on the live CPU mesh (4 workers, tiny model, greedy): requests in flight across a
-merge and a split keep exactly their tokens; KV is all free afterwards; a failed prepare changes nothing."""
+merge and a split keep exactly their tokens; KV is all free afterwards; a failed prepare changes nothing.
+The KV moves through shared memory (no segment left in /dev/shm) as stage-M flows under flow-scheduler
+permits."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -56,6 +59,34 @@ async def admin_async(mesh, command: str, body: dict) -> dict:
         await nc.close()
 
 
+def service_env(mesh, name: str) -> dict[str, str]:
+    """A child's environment as `nitsum up` gave it (its metrics port, its node world's port)."""
+    pid = json.loads((mesh.run_dir / "processes.json").read_text())[name]
+    raw = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def metric(mesh, service: str, name: str, **labels: str) -> float:
+    """Sum of a counter's samples whose labels include `labels` (0 when absent)."""
+    import urllib.request
+
+    port = service_env(mesh, service)["NITSUM_METRICS_PORT"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def kv_segments_of(mesh) -> list[str]:
+    from nitsum.engine import kv_segment
+
+    return kv_segment.leftovers("p" + service_env(mesh, "worker-0")["NITSUM_NODE_MASTER_PORT"])
+
+
 def topology_of(status: dict) -> list[tuple[int, int]]:
     return sorted((w["device_index"], w["tp"]) for w in status["workers"] if w["leader"])
 
@@ -89,6 +120,7 @@ async def _run(mesh, changes: list[str] | None):
 
 def test_streams_survive_merge_and_split_with_identical_tokens(mesh4):
     assert topology_of(admin(mesh4, "status")) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    permits_before = metric(mesh4, "flow-scheduler", "nitsum_flow_permits_total", stage="M")
     # Setting the topology by hand pins the node: the policy leaves it alone until the next set-policy.
     pinned = admin(mesh4, "set-topology", TP1)
     assert pinned["ok"] and pinned["transition"]["changed"] is False
@@ -120,6 +152,14 @@ def test_streams_survive_merge_and_split_with_identical_tokens(mesh4):
     count = [line for line in metrics.splitlines() if line.startswith('nitsum_reconfiguration_duration_ms_count{phase="stream_pause"}')]
     # Streams that were in flight moved to another worker at least once (a merge leaves 3 of 4 leaders).
     assert count and float(count[0].rsplit(" ", 1)[1]) >= 3
+    # The pre-copy went through the flow-scheduler as stage-M flows (one per source -> destination pair),
+    # each one completed; the KV itself moved through shared memory, and no segment name is left.
+    assert metric(mesh4, "flow-scheduler", "nitsum_flow_permits_total", stage="M") - permits_before >= 3
+    assert metric(mesh4, "flow-scheduler", "nitsum_flow_bytes_total", stage="M") > 0
+    shm_bytes = sum(metric(mesh4, f"worker-{i}", "nitsum_kv_migration_path_bytes_total", path="shm") for i in range(4))
+    p2p_bytes = sum(metric(mesh4, f"worker-{i}", "nitsum_kv_migration_path_bytes_total", path="p2p") for i in range(4))
+    assert shm_bytes > 0 and p2p_bytes == 0
+    assert kv_segments_of(mesh4) == []
 
 
 def test_failed_prepare_keeps_the_old_topology_serving(mesh4):
@@ -128,6 +168,7 @@ def test_failed_prepare_keeps_the_old_topology_serving(mesh4):
     assert answer["ok"] is False
     assert answer["transition"]["phase"] == "prepare" and "injected failure" in answer["transition"]["error"]
     assert topology_of(admin(mesh4, "status")) == before
+    assert kv_segments_of(mesh4) == []  # the segments created for the refused epoch are gone
     results, _ = asyncio.run(_run(mesh4, None))
     assert all(r.status == 200 and len(r.token_ids) == n for r, n in zip(results, LENGTHS))
     # The next epoch goes through.

@@ -310,6 +310,7 @@ class NodeRuntime:
 
     def prepare(self, epoch: int, new: Topology) -> TransitionAck:
         t0 = time.perf_counter()
+        self._prepare_done = None  # an earlier epoch's final ack nobody took (a peer's) is stale now
         if epoch <= self.epoch:
             return TransitionAck(epoch, False, "prepare", f"stale epoch {epoch} (committed {self.epoch})")
         if self._prepared is not None:

@@ -1,0 +1,94 @@
+"""Pre-copy pieces on their own: migration flows and chunks from a plan, one-sided chunk copies between two
+caches, and the shared-memory KV segment's lifecycle (real /dev/shm, real second process)."""
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from nitsum.engine import kv_segment
+from nitsum.engine.precopy import PreCopy, plan_flows, transfer_block_bytes
+from nitsum.kv.reshard import Transfer
+
+# [layers, K/V, blocks, block_size, heads, head_dim]
+LAYERS, BLOCK, HEAD_DIM = 2, 4, 3
+
+
+def block_bytes(t: Transfer) -> int:
+    return transfer_block_bytes(t, BLOCK, HEAD_DIM, 4)
+
+
+def test_flows_are_one_per_pair_with_chunks_of_whole_blocks():
+    transfers = [
+        Transfer(1, 0, 0, LAYERS, 0, 1, (5, 6, 7, 8, 9), (0, 1, 2, 3, 4)),  # 5 blocks of one head
+        Transfer(0, 0, 0, LAYERS, 1, 2, (1, 2), (5, 6)),  # local
+        Transfer(1, 0, 0, LAYERS, 2, 4, (3,), (7,)),  # same pair, two heads
+    ]
+    per_head_block = LAYERS * 2 * BLOCK * HEAD_DIM * 4
+    flows = plan_flows(transfers, block_bytes, chunk_bytes=2 * per_head_block)
+    assert [(f.index, f.src_worker, f.dst_worker, f.local) for f in flows] == [(0, 0, 0, True), (1, 1, 0, False)]
+    assert [(c.transfer, c.start, c.end) for c in flows[1].chunks] == [(0, 0, 2), (0, 2, 4), (0, 4, 5), (2, 0, 1)]
+    assert flows[1].size_bytes == 5 * per_head_block + 2 * per_head_block
+    # A chunk budget below one block still moves one block per chunk.
+    assert [len(f.chunks) for f in plan_flows(transfers, block_bytes, chunk_bytes=1)] == [2, 6]
+
+
+def test_precopy_copies_chunks_one_sided_and_tracks_the_group():
+    old = torch.arange(LAYERS * 2 * 10 * BLOCK * 4 * HEAD_DIM, dtype=torch.float32).view(LAYERS, 2, 10, BLOCK, 4, HEAD_DIM)
+    new0 = torch.zeros(LAYERS, 2, 8, BLOCK, 2, HEAD_DIM)  # worker 0 will hold heads [2, 4)
+    transfers = [Transfer(1, 0, 0, LAYERS, 2, 4, (3, 9, 4), (0, 5, 2))]
+    flows = plan_flows(transfers, block_bytes, chunk_bytes=1)  # one block per chunk
+    # Workers 1 (the source) and 2 form the old group; both see the same items.
+    src = PreCopy(1, [1, 2], transfers, flows, old, (0, 4), {0: (new0, (2, 4))})
+    other = PreCopy(2, [1, 2], transfers, flows, None, None, {})
+    assert src.next_items() == [(0, 0)]
+    assert src.run([(0, 0)]) == other.run([(0, 0)]) + 2 * LAYERS * 2 * BLOCK * HEAD_DIM * 4
+    assert torch.equal(new0[:, :, 0], old[:, :, 3, :, 2:4]) and not new0[:, :, 5].any()
+    assert not src.complete and src.next_items() == [(0, 1)]
+    assert src.finish_mine() > 0 and src.complete
+    assert torch.equal(new0[:, :, [0, 5, 2]], old[:, :, [3, 9, 4], :, 2:4])
+    assert not other.complete  # worker 2 did not see the rest: it still knows what is left
+    other.run([(0, 1), (0, 2)])
+    assert other.complete and other.bytes_sent == 0
+
+
+@pytest.mark.skipif(not kv_segment.available(), reason="needs a writable /dev/shm")
+def test_segment_is_shared_across_processes_and_unlinked_without_losing_memory():
+    tag = "t" + uuid.uuid4().hex[:8]
+    name = kv_segment.segment_name(tag, 3, 1)
+    shape = (2, 2, 4, 4, 1, 8)
+    try:
+        mine = kv_segment.create(name, shape, torch.float32)
+        assert kv_segment.leftovers(tag) == [name] and not mine.any()
+        code = ("import torch; from nitsum.engine import kv_segment; "
+                f"t = kv_segment.attach({name!r}, {shape!r}, torch.float32); t[1, 0, 2] = 7.0")
+        subprocess.run([sys.executable, "-c", code], check=True)
+        kv_segment.unlink(name)
+        assert kv_segment.leftovers(tag) == []
+        assert mine[1, 0, 2].eq(7.0).all() and mine.sum().item() == 7.0 * 4 * 8
+        mine[0] = 1.0  # still writable memory after the name is gone
+        with pytest.raises(OSError):  # nobody can map it any more
+            kv_segment.attach(name, shape, torch.float32)
+    finally:
+        kv_segment.unlink(name)
+
+
+@pytest.mark.skipif(not kv_segment.available(), reason="needs a writable /dev/shm")
+def test_segment_of_another_size_is_refused_and_a_stale_one_is_replaced():
+    tag = "t" + uuid.uuid4().hex[:8]
+    name = kv_segment.segment_name(tag, 1, 0)
+    try:
+        with open(os.path.join(kv_segment.SHM_DIR, name), "wb") as stale:
+            stale.write(b"x" * 10)
+        seg = kv_segment.create(name, (4, 4), torch.float32)
+        assert not seg.any() and os.path.getsize(os.path.join(kv_segment.SHM_DIR, name)) == 64
+        with pytest.raises(OSError, match="expected 128"):
+            kv_segment.attach(name, (4, 8), torch.float32)
+        with pytest.raises(AssertionError):
+            kv_segment.attach("../etc/passwd", (1,), torch.float32)
+    finally:
+        kv_segment.unlink(name)
+    assert kv_segment.leftovers(tag) == []
