@@ -13,8 +13,8 @@ and only the calibration rows are used to measure the service model, so nothing 
 The device table times engine steps only. What the mesh adds (the request path through HTTP, gateway, NATS and
 coordinator and back; publishing each step's tokens; the slowdowns of a shared CPU) is measured on the
 calibration rows as empirical distributions (`nitsum.sim.service.calibrate_service`): per request, live TTFT -
-simulated TTFT (the path) and live TPOT / simulated TPOT (the step ratio), against a simulation of the whole
-slice on the bare table. The simulator then runs again with that `ServiceModel` (seeded draws; the figures are
+simulated TTFT (the path) and live TPOT / simulated TPOT (the decode-step ratio, drawn once per busy period of
+the engine), against a simulation of the whole slice on the bare table. The simulator then runs again with that `ServiceModel` (seeded draws; the figures are
 the median over `--seeds` seeds, with their range) and both comparisons are printed. Goal: |error| <= 15%.
 """
 
@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import dataclasses
 import json
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -38,7 +40,7 @@ from nitsum.sim.service import Calibration, ServiceModel, calibrate_service
 from nitsum.workloads import TraceRequest, scale_to_rate
 from nitsum_load.client import PROMPT_TOKEN_ID_SPAN, ClientConfig, RequestSpec
 from nitsum_load.mesh import start_mesh
-from nitsum_load.report import write_all
+from nitsum_load.report import read_lifecycle_log, write_all
 from nitsum_load.runner import run_open_loop
 from nitsum_load.workload import Shaping, read_trace, shape
 
@@ -158,6 +160,31 @@ def over_seeds(per_seed: list[list[float | None]]) -> tuple[list[float | None], 
     return medians, ranges
 
 
+def bootstrap_intervals(records: list[RequestRecord], resamples: int = 200, seed: int = 0,
+                        ) -> list[tuple[float, float] | None]:
+    """5th-95th percentile of each metric over resamples (with replacement) of the live evaluation requests: how
+    far the live figure itself could move with another draw of as many requests under the same conditions."""
+    rng = random.Random(seed)
+    draws = [metric_values(summarize(rng.choices(records, k=len(records)))) for _ in range(resamples)]
+    out: list[tuple[float, float] | None] = []
+    for k in range(len(METRICS)):
+        xs = sorted(v[k] for v in draws if v[k] is not None)
+        out.append((xs[int(0.05 * (len(xs) - 1))], xs[int(0.95 * (len(xs) - 1))]) if xs else None)
+    return out
+
+
+def per_request_rows(live_records: list[RequestRecord], bare: list[RequestRecord], service: list[RequestRecord],
+                     ) -> list[dict[str, Any]]:
+    """One row per evaluation request: its TTFT and TPOT live, simulated on the table, and with the service model."""
+    rows = []
+    for a, b, c in zip(live_records, bare, service):
+        rows.append({"request_id": a.request_id, "send_ms": a.send_ms, "prompt_tokens": a.prompt_tokens,
+                     "output_tokens": a.output_tokens, "ttft_live_ms": a.ttft_ms, "ttft_table_ms": b.ttft_ms,
+                     "ttft_service_ms": c.ttft_ms, "tpot_live_ms": a.tpot_ms, "tpot_table_ms": b.tpot_ms,
+                     "tpot_service_ms": c.tpot_ms, "live_chunks": len(set(a.token_times_ms))})
+    return rows
+
+
 def describe(cal: Calibration) -> str:
     m = cal.model
     q = statistics.quantiles
@@ -165,8 +192,48 @@ def describe(cal: Calibration) -> str:
     ratio = q(m.step_ratios, n=10) if len(m.step_ratios) > 1 else [m.step_ratios[0]] * 9
     return (f"request path p10/p50/p90 {path[0]:.2f}/{path[4]:.2f}/{path[8]:.2f} ms ({cal.path_samples} samples, "
             f"{cal.path_clamped} clamped at 0); decode-step ratio p10/p50/p90 {ratio[0]:.2f}/{ratio[4]:.2f}/"
-            f"{ratio[8]:.2f} ({cal.ratio_samples} samples, {cal.ratio_dropped} without a TPOT); noise window "
-            f"{m.noise_window_ms:.1f} ms")
+            f"{ratio[8]:.2f} ({cal.ratio_samples} samples, {cal.ratio_dropped} without a TPOT), one draw per busy "
+            f"period")
+
+
+def interleave(evaluation: list, calibration: list) -> list:
+    """The inverse of split_rows."""
+    assert 0 <= len(evaluation) - len(calibration) <= 1, "evaluation rows are the even ones"
+    out = []
+    for k, row in enumerate(evaluation):
+        out.append(row)
+        if k < len(calibration):
+            out.append(calibration[k])
+    return out
+
+
+def run_live(args: argparse.Namespace, workload: list[TraceRequest]) -> tuple[list[RequestRecord], list[dict]]:
+    """The slice on a live mesh (started here unless --url): its records and lifecycle-log rows, in row order."""
+    mesh = None
+    url = args.url
+    if url is None:
+        run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-fidelity-"))
+        print(f"starting nitsum up --devices 1 --policy {args.policy} (logs in {run_dir}) ...", flush=True)
+        mesh = start_mesh(run_dir, devices=1, extra_args=("--policy", args.policy))
+        url = mesh.url
+    try:
+        print(f"live: {len(workload)} requests ({args.requests} evaluation + {len(workload) - args.requests} "
+              f"calibration, interleaved) against {url} ...", flush=True)
+        trackers = asyncio.run(live(url, "tiny", workload))
+    finally:
+        if mesh is not None:
+            mesh.stop()
+    if len(trackers) != len(workload):
+        raise RuntimeError(f"the load generator sent {len(trackers)} of {len(workload)} requests")
+    return [t.to_record() for t in trackers], [t.to_log() for t in trackers]
+
+
+def replayed(run: Path) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """A saved run's settings and live records (row order), from the files `--out` wrote."""
+    settings = json.loads((run / "fidelity.json").read_text())["settings"]
+    records = interleave(read_lifecycle_log(run / "live" / "requests.jsonl"),
+                         read_lifecycle_log(run / "live-calibration" / "requests.jsonl"))
+    return settings, records
 
 
 def main(argv: list[str]) -> int:
@@ -182,9 +249,17 @@ def main(argv: list[str]) -> int:
                    help="device table JSON for the simulator (default: the shipped nitsum/data/costmodel/cpu.json)")
     p.add_argument("--seeds", type=int, default=5, help="simulator runs with the service model (median reported)")
     p.add_argument("--url", default=None, help="measure this running one-worker mesh instead of starting one")
+    p.add_argument("--replay", type=Path, default=None,
+                   help="no live run: the live records of a run saved with --out (its slice settings win)")
     p.add_argument("--out", type=Path, default=None,
-                   help="write live/, live-calibration/, sim/, sim-service/ and fidelity.json here")
+                   help="write live/, live-calibration/, sim/, sim-service/, requests.csv and fidelity.json here")
     args = p.parse_args(argv)
+    if args.replay is not None:
+        if not (args.replay / "fidelity.json").is_file():
+            p.error(f"--replay: {args.replay} holds no fidelity.json (a directory written by --out)")
+        settings, live_records = replayed(args.replay)
+        for key in ("trace", "requests", "rate", "max_prompt_tokens", "max_output_tokens", "policy"):
+            setattr(args, key, settings[key])
     if args.requests < 2 or not args.rate > 0 or args.max_prompt_tokens < 1 or args.max_output_tokens < 1:
         p.error("need --requests >= 2, --rate > 0 and positive token caps")
     if 2 * args.requests > PROMPT_TOKEN_ID_SPAN:
@@ -201,24 +276,11 @@ def main(argv: list[str]) -> int:
     if table.placeholder:
         print("warning: the CPU device table holds placeholder figures; run `nitsum bench profile` first", flush=True)
     bare, _ = simulate(workload, args.policy, table)
-
-    mesh = None
-    url = args.url
-    if url is None:
-        run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-fidelity-"))
-        print(f"starting nitsum up --devices 1 --policy {args.policy} (logs in {run_dir}) ...", flush=True)
-        mesh = start_mesh(run_dir, devices=1, extra_args=("--policy", args.policy))
-        url = mesh.url
-    try:
-        print(f"live: {len(workload)} requests ({args.requests} evaluation + {len(workload) - args.requests} "
-              f"calibration, interleaved) against {url} ...", flush=True)
-        trackers = asyncio.run(live(url, "tiny", workload))
-    finally:
-        if mesh is not None:
-            mesh.stop()
-    live_records = [t.to_record() for t in trackers]
-    if len(live_records) != len(workload):
-        raise RuntimeError(f"the load generator sent {len(live_records)} of {len(workload)} requests")
+    if args.replay is None:
+        live_records, logs = run_live(args, workload)
+    else:
+        logs = [r.to_dict() for r in live_records]
+        print(f"replaying the live records of {args.replay}")
     live_eval, live_cal = split_rows(live_records)
     bare_eval, bare_cal = split_rows(bare.records)
     live_report = summarize(live_eval)
@@ -239,19 +301,27 @@ def main(argv: list[str]) -> int:
     print(f"simulator on the table + measured service model (median of {args.seeds} seeds):")
     print(format_rows(service_rows))
     print(text)
+    spread = bootstrap_intervals(live_eval)
+    print("live figures' own sampling spread (5-95% over resamples of the evaluation requests): " + ", ".join(
+        r["metric"].split(" (")[0] + " " + ("-" if iv is None else f"{iv[0]:.2f}-{iv[1]:.2f}")
+        for r, iv in zip(service_rows, spread)))
     if args.out:
         meta = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "date": time.strftime("%Y-%m-%d"), "machine": {"platform": platform.platform(),
                                                               "cpus": os.cpu_count()},
                 "device_table": dataclasses.asdict(table)}
-        logs = [t.to_log() for t in trackers]
         write_all(live_report, live_eval, args.out / "live", meta, log_rows=logs[0::2])
         write_all(summarize(live_cal), live_cal, args.out / "live-calibration", meta, log_rows=logs[1::2])
         write_all(summarize(bare_eval), bare_eval, args.out / "sim", meta)
         write_all(summarize(service_eval), service_eval, args.out / "sim-service", meta)
+        table_rows = per_request_rows(live_eval, bare_eval, service_eval)
+        with (args.out / "requests.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table_rows[0]))
+            writer.writeheader()
+            writer.writerows(table_rows)
         (args.out / "fidelity.json").write_text(json.dumps(
             {**meta, "rows": rows, "worst_rel_error": worst, "service_rows": service_rows,
-             "service_worst_rel_error": service_worst, "service_per_seed": per_seed,
+             "service_worst_rel_error": service_worst, "service_per_seed": per_seed, "live_spread": spread,
              "service_model": dataclasses.asdict(cal.model),
              "calibration": {k: v for k, v in dataclasses.asdict(cal).items() if k != "model"}},
             indent=2, default=str) + "\n")

@@ -48,3 +48,64 @@ def test_over_seeds_median_and_range():
     rows = bf.compare([2.0, 2.0, 1.0, 5.0], medians, ranges)
     assert [r["rel_error"] for r in rows] == [0.0, 0.0, None, 0.0]
     assert "1.00-3.00" in bf.format_rows(rows)
+
+
+def test_bootstrap_intervals_bracket_the_figure_and_collapse_for_identical_requests():
+    from nitsum.metrics import make_record
+
+    same = [make_record(request_id=str(i), tier="interactive", send_ms=0.0, first_token_ms=10.0, finish_ms=20.0,
+                        output_tokens=11, prompt_tokens=4) for i in range(10)]
+    assert bf.bootstrap_intervals(same, resamples=20) == [(10.0, 10.0), (10.0, 10.0), (1.0, 1.0), (1.0, 1.0)]
+    spread = [make_record(request_id=str(i), tier="interactive", send_ms=0.0, first_token_ms=float(i + 1),
+                          finish_ms=float(i + 1) + 10.0, output_tokens=11, prompt_tokens=4) for i in range(20)]
+    (lo, hi), *_ = bf.bootstrap_intervals(spread, resamples=100)
+    assert lo < 10.5 < hi  # the TTFT p50 of 1..20 ms
+    assert bf.bootstrap_intervals(spread, resamples=100) == bf.bootstrap_intervals(spread, resamples=100)  # seeded
+
+
+def test_per_request_rows_pair_live_and_simulated():
+    from nitsum.metrics import make_record
+
+    def r(first, chunks):
+        times = tuple(first + i * 2.0 for i in range(chunks)) + (first + 2.0 * (chunks - 1),) * (3 - chunks)
+        return make_record(request_id="x", tier="interactive", send_ms=0.0, first_token_ms=first,
+                           finish_ms=times[-1], output_tokens=3, prompt_tokens=8, token_times_ms=times)
+
+    (row,) = bf.per_request_rows([r(5.0, 2)], [r(3.0, 3)], [r(6.0, 3)])
+    assert (row["ttft_live_ms"], row["ttft_table_ms"], row["ttft_service_ms"]) == (5.0, 3.0, 6.0)
+    assert (row["tpot_live_ms"], row["tpot_table_ms"], row["live_chunks"]) == (1.0, 2.0, 2)
+
+
+def test_interleave_inverts_split_rows():
+    rows = list(range(9))
+    assert bf.interleave(*bf.split_rows(rows)) == rows
+
+
+def test_replay_of_a_mesh_that_behaves_like_the_table_finds_no_service_cost(tmp_path, capsys):
+    # A saved "live" run whose records are the simulator's own: calibration must find a path of 0 and a step ratio
+    # of 1, and the simulator with that service model must reproduce the live figures exactly.
+    import json
+
+    settings = {"trace": "azure-conv", "requests": 6, "rate": 4.0, "max_prompt_tokens": 64, "max_output_tokens": 8,
+                "policy": "static-tp:1"}
+    workload = bf.build_workload("azure-conv", 12, 4.0, 64, 8)
+    sim, _ = bf.simulate(workload, "static-tp:1")
+    evaluation, calibration = bf.split_rows(sim.records)
+    for name, records in (("live", evaluation), ("live-calibration", calibration)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "requests.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    (tmp_path / "fidelity.json").write_text(json.dumps({"settings": settings}))
+    out = tmp_path / "again"
+    assert bf.main(["--replay", str(tmp_path), "--seeds", "2", "--out", str(out)]) == 0
+    result = json.loads((out / "fidelity.json").read_text())
+    assert set(result["service_model"]["path_ms"]) == {0.0}
+    assert result["service_model"]["step_ratios"] == pytest.approx([1.0] * 6)
+    assert [r["rel_error"] for r in result["rows"]] == [0.0, 0.0, 0.0, 0.0]
+    assert [r["rel_error"] for r in result["service_rows"]] == pytest.approx([0.0] * 4, abs=1e-12)
+    assert "within the 15% goal" in capsys.readouterr().out
+    assert (out / "requests.csv").read_text().count("\n") == 7  # header + 6 evaluation rows
+
+
+def test_replay_needs_a_saved_run(tmp_path):
+    with pytest.raises(SystemExit):
+        bf.main(["--replay", str(tmp_path)])

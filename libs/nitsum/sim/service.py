@@ -11,17 +11,19 @@ rows it does not evaluate) and draws from them with a seeded generator:
 - `path_ms`: one draw per request, added between its send and its arrival at the engine queue (so it also
   shifts where the request queues). Measured end to end (live TTFT minus the simulated engine TTFT), it
   carries the prefill step's own noise too, which is why prefill steps are not scaled below.
-- `step_ratios`: live decode-step period / the table's; scales every decode-only step. A draw holds for
-  `noise_window_ms` of simulated time (the slowdowns of a shared machine last longer than a step: drawing per
-  step would average them away over a request's steps), then the next draw; 0 draws per step. Window k's
-  ratio is the k-th draw of its generator whatever happens in between, so runs are reproducible.
+- `step_ratios`: live decode-step period / the table's; scales every decode-only step. The slowdowns of a
+  shared machine last longer than a step, so a draw is not made per step (that would average them away over a
+  request's ~30 steps, and the simulated TPOT p90 came out at 60 % of the live one). By default
+  (`noise_window_ms=None`) a group draws once per *busy period*: when it starts a step after being idle, and
+  keeps that ratio until it is idle again. At the light loads the calibration runs at, a busy period is about
+  one request's life, which is what one calibration ratio was measured over. `noise_window_ms > 0` draws per
+  window of simulated time instead (window k's ratio is the k-th draw whatever happens in between), 0 per step.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +34,7 @@ from nitsum.metrics import RequestRecord
 class ServiceModel:
     path_ms: tuple[float, ...] = (0.0,)  # samples, ms from send to the engine queue (end to end: see above)
     step_ratios: tuple[float, ...] = (1.0,)  # samples of live decode-step period / table step time
-    noise_window_ms: float = 0.0  # a drawn step ratio holds this long; 0: a fresh draw every step
+    noise_window_ms: float | None = None  # None: one draw per busy period; > 0: per window; 0: every step
     seed: int = 0
     source: str = ""  # where the samples were measured
 
@@ -43,8 +45,8 @@ class ServiceModel:
             raise ValueError("path samples must be finite and >= 0 ms")
         if not all(math.isfinite(x) and x > 0.0 for x in self.step_ratios):
             raise ValueError("step ratios must be finite and > 0")
-        if not (math.isfinite(self.noise_window_ms) and self.noise_window_ms >= 0.0):
-            raise ValueError("noise_window_ms must be finite and >= 0")
+        if self.noise_window_ms is not None and not (math.isfinite(self.noise_window_ms) and self.noise_window_ms >= 0.0):
+            raise ValueError("noise_window_ms must be None (per busy period) or finite and >= 0")
 
 
 class ServiceSampler:
@@ -61,9 +63,14 @@ class ServiceSampler:
         """The next request's path (requests draw in arrival order)."""
         return self._paths.choice(self.model.path_ms)
 
+    def busy_period_ratio(self) -> float:
+        """A draw for a group starting a busy period (noise_window_ms None)."""
+        return self._ratios.choice(self.model.step_ratios)
+
     def step_ratio(self, now_ms: float) -> float:
-        """The slowdown of a decode step starting at `now_ms` (non-decreasing across calls)."""
+        """The slowdown of a decode step starting at `now_ms` (non-decreasing across calls), windowed modes."""
         w = self.model.noise_window_ms
+        assert w is not None, "per busy period: the group keeps its busy_period_ratio"
         if w <= 0.0:
             return self._ratios.choice(self.model.step_ratios)
         k = int(now_ms // w)
@@ -92,11 +99,9 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
     measured on the mesh and simulated on the bare device table (no service model), with everything else that
     ran at the time (so queueing behind other requests is the simulator's, not the path's).
     - path sample = live TTFT - simulated TTFT (clamped at 0);
-    - step ratio = live TPOT / simulated TPOT;
-    - noise window = the median live decode time (first to last token) of the requests with a ratio: the span
-      over which each ratio was measured."""
+    - step ratio = live TPOT / simulated TPOT (drawn once per busy period: see the module docstring)."""
     assert len(live) == len(simulated), "one simulated record per live record"
-    paths, ratios, spans = [], [], []
+    paths, ratios = [], []
     clamped = dropped = 0
     for a, b in zip(live, simulated):
         assert a.prompt_tokens == b.prompt_tokens and abs(a.send_ms - b.send_ms) < 1.0, \
@@ -107,15 +112,12 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
             paths.append(max(d, 0.0))
         if a.tpot_ms and b.tpot_ms:
             ratios.append(a.tpot_ms / b.tpot_ms)
-            spans.append(a.finish_ms - a.first_token_ms)
         else:
             dropped += 1
     if not paths or not ratios:
         raise ValueError(f"calibration needs requests with a first token and with a TPOT: {len(paths)} TTFT, "
                          f"{len(ratios)} TPOT pairs of {len(live)}")
-    window = statistics.median(spans)
-    model = ServiceModel(path_ms=tuple(sorted(paths)), step_ratios=tuple(sorted(ratios)), noise_window_ms=window,
-                         seed=seed, source=source)
+    model = ServiceModel(path_ms=tuple(sorted(paths)), step_ratios=tuple(sorted(ratios)), seed=seed, source=source)
     return Calibration(model, len(live), len(paths), clamped, len(ratios), dropped)
 
 
