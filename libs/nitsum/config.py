@@ -62,6 +62,24 @@ def power_of_two(value: int) -> str | None:
     return None if value >= 1 and value & (value - 1) == 0 else "must be a power of two >= 1"
 
 
+def die_at(value: str) -> str | None:
+    """NITSUM_FAULT_DIE_AT: "" or "<prepare|commit>:<epoch>:<device index>"."""
+    if not value:
+        return None
+    parts = value.split(":")
+    if len(parts) != 3 or parts[0] not in ("prepare", "commit") or not all(p.isdigit() and int(p) > 0 for p in parts[1:2]) or not parts[2].isdigit():
+        return "must be <prepare|commit>:<epoch >= 1>:<device index>, e.g. prepare:2:3"
+    return None
+
+
+def parse_die_at(value: str) -> tuple[str, int, int] | None:
+    """(phase, epoch, device index) of NITSUM_FAULT_DIE_AT, or None when off (the value was checked)."""
+    if not value:
+        return None
+    phase, epoch, device = value.split(":")
+    return phase, int(epoch), int(device)
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -240,6 +258,7 @@ class WorkerConfig(CommonConfig):
     min_tp: int = setting("NITSUM_MIN_TP", 1, "smallest TP level of a group", check=power_of_two)
     fault_prepare_epoch: int = setting("NITSUM_FAULT_PREPARE_EPOCH", 0, "fault injection for tests: fail the prepare of this topology epoch (0: off)", check=non_negative)
     fault_kv_corrupt: bool = setting("NITSUM_FAULT_KV_CORRUPT", False, "fault injection for tests: corrupt outgoing KV hand-offs")
+    fault_die_at: str = setting("NITSUM_FAULT_DIE_AT", "", "fault injection for tests: <prepare|commit>:<epoch>:<device> — that device's worker SIGKILLs itself in that epoch's prepare (before the span's exchange) or when the commit reaches it ('': off)", check=die_at)
     world_timeout_s: float = setting("NITSUM_WORLD_TIMEOUT_S", 30.0, "timeout of one collective in the node world", check=positive)
     tp_migration_budget_ms: float = setting("NITSUM_TP_MIGRATION_BUDGET_MS", 2000.0, "cutover deadline of a TP change's KV migration flows, from prepare start (stage M, for the flow-scheduler)", check=positive)
 

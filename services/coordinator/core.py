@@ -235,6 +235,8 @@ class Coordinator:
 
     async def announce_lost(self, worker_id: str, request_ids: tuple[str, ...], reason: str) -> None:
         log.warning("worker %s lost (%s); %d request(s) to re-route", worker_id, reason, len(request_ids))
+        # A transition of its node waits for no more acks: its peers' collectives cannot complete.
+        self.transitions.worker_lost(worker_id, reason)
         try:
             await self.bus.publish(self.bus.subjects.worker_lost, WorkerLost(worker_id, request_ids, reason))
         except Exception as exc:  # NATS down: gateways fall back to their stream timeout

@@ -22,17 +22,19 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import time
 import uuid
 
 import torch
 
-from nitsum.config import WorkerConfig
+from nitsum.config import WorkerConfig, parse_die_at
 from nitsum.modelpath import resolve_model_dir
 from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import AbortRequest, RoleChange, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
 from nitsum_services.worker.backend import NodeBackend, PlainBackend
 from nitsum_services.worker.migration_flows import MigrationDriver
+from nitsum_services.worker.peer_loss import PeerLossGuard
 from nitsum_services.worker.session import WorkerSession
 from nitsum_services.worker.transfer import KvMover, TransferAgent
 
@@ -84,10 +86,20 @@ def build_backend(config: WorkerConfig, role: str):
     def failure_hook(phase: str, epoch: int) -> None:
         if phase == "prepare" and epoch == config.fault_prepare_epoch:
             raise RuntimeError(f"injected failure (NITSUM_FAULT_PREPARE_EPOCH={epoch})")
+        die_if_told(config, phase, epoch)
 
     runtime = NodeRuntime(world, cfg, store.tensors, Topology.uniform(config.node_size, 1), failure_hook)
     engine = runtime.engine
-    return NodeBackend(runtime, engine.model_name, engine.max_model_len)
+    return PeerLossGuard(runtime, engine.model_name, engine.max_model_len)
+
+
+def die_if_told(config: WorkerConfig, phase: str, epoch: int) -> None:
+    """NITSUM_FAULT_DIE_AT: a worker that dies mid-transition, as a crash would (no goodbye, no drain)."""
+    target = parse_die_at(config.fault_die_at)
+    if target == (phase, epoch, config.device_index):
+        log.error("NITSUM_FAULT_DIE_AT=%s: killing this worker now", config.fault_die_at)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def group_id_of(node_id: str, start: int, tp: int) -> str:
@@ -162,6 +174,18 @@ def make_body(service_name: str):
 
         session.on_topology_change = publish_stats
 
+        if isinstance(backend, PeerLossGuard):
+            loop = asyncio.get_running_loop()
+
+            def requeue(request_ids: list[str], why: str) -> None:
+                """Step thread: the engine lost these requests (its group lost a worker). Their streams end
+                with the retryable `worker_lost`, so the gateway re-submits each with the tokens it has."""
+                for rid in request_ids:
+                    asyncio.run_coroutine_threadsafe(session.fail(rid, "worker_lost", f"its TP group lost a worker ({why}); re-queued"), loop)
+                asyncio.run_coroutine_threadsafe(publish_stats(), loop)
+
+            backend.on_dropped = requeue
+
         async def on_run(run: RunRequest, _delivery) -> RunAck:
             rid = run.request.request_id
             if state["value"] != "ready":
@@ -219,6 +243,10 @@ def make_body(service_name: str):
             phase = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "abort"}[type(msg)]
             if not isinstance(backend, NodeBackend):
                 return TopologyAck(worker_id, msg.epoch, False, phase, "this worker is not in a node world (NITSUM_NODE_SIZE)")
+            if backend.runtime.world_lost and phase != "abort":
+                return TopologyAck(worker_id, msg.epoch, False, phase, f"this worker's node world lost a member ({backend.runtime.world_lost}): TP cannot change here until restart")
+            if phase == "commit":
+                die_if_told(config, "commit", msg.epoch)
             # The coordinator sends commands to the leaders of the topology it just committed; a peer promoted
             # by that commit may still be finishing it in its step thread. Give it a moment before refusing
             # (a refusal would leave the other leaders waiting in the prepare's collective).

@@ -508,6 +508,33 @@ class NodeRuntime:
             new_kv, migration.heads_of(heads, my_new, self.rank) if my_new in born else None,
         )
 
+    # -- after a member of the node world died ------------------------------------------------------
+    world_lost: str = ""  # why this worker left the node world ("" while it is in it)
+
+    def leave_world(self, reason: str) -> list[str]:
+        """A collective failed because a worker of the node world is gone. A process world cannot take a
+        member back, so this worker serves standalone at TP=1 from now on (as a restarted worker does) and
+        takes part in no further collective. Returns the ids of the requests its engine held and could not
+        keep: the caller re-queues them.
+
+        A TP=1 group holds its requests' whole KV: its runner and engine stay, its requests continue. A
+        larger group's KV was sharded over its members, one of which may be dead: a TP=1 runner over the
+        same weight store (views: nothing is read or copied) and an empty engine take over. A prepared
+        transition is dropped either way (its new cache goes with it, and any KV segment name of this worker
+        a failed exchange left in /dev/shm)."""
+        assert 1 in self.world.levels, "a fallback to TP=1 needs TP=1 among the node's levels (NITSUM_MIN_TP=1)"
+        self.close()
+        self.world_lost = reason
+        old = self.group
+        solo = Group(self.rank, 1)
+        self.topology = Topology.uniform(self.world.size, 1)
+        if old.tp == 1 and self.engine is not None:
+            return []
+        dropped = sorted(self.engine._seqs) if self.engine is not None else []
+        self.runner = self._new_runner(solo)
+        self.engine = self._new_engine(solo, self.runner)
+        return dropped
+
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0

@@ -1,0 +1,106 @@
+"""The worker's defence against the death of another worker of its node world (issue 4: a worker that
+dies mid-transition). `PeerLossGuard` wraps the node backend's calls that run collectives; see its
+docstring for what a survivor does. Built by services/worker/main.py for every node-world worker."""
+
+from __future__ import annotations
+
+import logging
+
+from nitsum_services.worker.backend import NodeBackend
+
+log = logging.getLogger("nitsum.worker")
+
+
+class PeerLossGuard(NodeBackend):
+    """A node-world backend that survives the death of another worker of the node.
+
+    A collective with a dead member fails at once ("connection closed by peer") or at the world timeout.
+    Nothing here hangs or crash-loops on it; what happens next depends on where it failed:
+    - in a transition (a prepare/commit/abort command, as leader or as a peer following one): the failed
+      exchange spanned other groups; if this worker's own group still answers a check on its own
+      communicator (a separate process group, untouched by the failure), the group keeps serving its
+      requests in the old topology and only refuses further transitions; otherwise, or at TP=1,
+    - anywhere else (a step, a keepalive) or when the check fails: the worker leaves the node world
+      (NodeRuntime.leave_world): at TP=1 it keeps its engine and requests; a larger group's leader gets an
+      empty TP=1 engine over the same weights and the requests it held are re-queued (`on_dropped`:
+      the session ends their streams with the retryable `worker_lost`, the gateway re-submits them with
+      the tokens already streamed).
+    """
+
+    def __init__(self, runtime, model_name: str, max_model_len: int) -> None:
+        super().__init__(runtime, model_name, max_model_len)
+        # Called from the step thread with (request ids, why) for the requests the engine lost.
+        self.on_dropped = lambda request_ids, why: None
+
+    @property
+    def in_world(self) -> bool:
+        # A group that kept serving after a failed transition is still one of the world's groups (it takes
+        # no KV hand-offs); a worker that fell back to TP=1 is a standalone worker now.
+        return not self.runtime.world_lost or self.runtime.group.tp > 1
+
+    @property
+    def engine(self):
+        return self.runtime.engine
+
+    def command(self, cmd):
+        from nitsum.engine.node import TransitionAck
+
+        lost = self.runtime.world_lost
+        if lost and cmd.kind != "abort":  # an abort touches nothing but this group's prepared state
+            return TransitionAck(cmd.epoch, False, cmd.kind, f"this worker's node world lost a member ({lost}): TP cannot change here until restart")
+        try:
+            return super().command(cmd)
+        except Exception as exc:  # a collective of the transition failed (a peer died or timed out)
+            why = f"{cmd.kind} of epoch {cmd.epoch} failed: {type(exc).__name__}: {_first_line(exc)}"
+            self._after_failure(why, in_transition=True)
+            return TransitionAck(cmd.epoch, False, cmd.kind, why)
+
+    def follow(self) -> str:
+        try:
+            return super().follow()
+        except Exception as exc:  # the leader's broadcast or a transition's exchange failed
+            self._after_failure(f"following the group leader failed: {type(exc).__name__}: {_first_line(exc)}", in_transition=True)
+            return "noop"
+
+    def step(self):
+        if self.runtime.group.tp == 1:
+            return super().step()  # no collective: an engine failure is the session's to report
+        try:
+            return super().step()
+        except Exception as exc:  # a step collective failed: the group is out of lockstep for good
+            self._after_failure(f"a TP step failed: {type(exc).__name__}: {_first_line(exc)}", in_transition=False)
+            return []
+
+    def idle_tick(self) -> None:
+        try:
+            super().idle_tick()
+        except Exception as exc:  # the keepalive broadcast failed: a peer is gone
+            self._after_failure(f"keepalive failed: {type(exc).__name__}: {_first_line(exc)}", in_transition=False)
+
+    def _after_failure(self, why: str, in_transition: bool) -> None:
+        runtime = self.runtime
+        group = runtime.group
+        log.error("node world collective failed (group %s, epoch %d): %s", group, runtime.epoch, why)
+        if in_transition and group.tp > 1 and self._group_answers(group):
+            runtime.close()  # whatever the failed transition prepared goes (KV segment names too)
+            runtime.world_lost = why
+            log.warning("group %s is whole: it keeps serving at TP=%d; no more TP changes on this node", group, group.tp)
+            return
+        dropped = runtime.leave_world(why)
+        log.warning("left the node world: serving standalone at TP=1; %d request(s) to re-queue", len(dropped))
+        if dropped:
+            self.on_dropped(dropped, why)
+
+    def _group_answers(self, group) -> bool:
+        """Every member of this group exchanges a token on the group's own communicator (bounded by the
+        world timeout); the members reach this check from the same failed command, leader and peers alike."""
+        try:
+            return len(self.runtime.world.all_gather_bytes(b"alive", group.start, group.tp)) == group.tp
+        except Exception as exc:  # a member is gone
+            log.warning("group %s check failed: %s", group, _first_line(exc))
+            return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""
