@@ -70,7 +70,9 @@ class NodeWorld:
             for start in range(0, size, tp):
                 self.num_groups += 1
                 members = list(range(start, start + tp))
-                pg = dist.new_group(ranks=members, backend=self.backend) if tp > 1 else None
+                # The world's timeout bounds every collective: a subgroup gets torch's 30-minute default
+                # otherwise, and a survivor of a dead peer would sit that long in a ring that never closes.
+                pg = dist.new_group(ranks=members, backend=self.backend, timeout=timedelta(seconds=timeout_s)) if tp > 1 else None
                 if rank in members:
                     self._groups[(start, tp)] = pg
 
