@@ -7,6 +7,13 @@ writes `<key>.json` (name -> dtype, shape, offset) by atomic rename, which marks
 other worker (and any later restart) finds the manifest and maps the file with `torch.from_file(shared=
 True)`: the pages are the same physical memory, and nothing is read from disk.
 
+Layout: each layer's q|k|v (weights, and biases) and gate|up are written back to back (in that order, no
+padding between them), so a TP=1 model built on the store's views runs those projections as one matmul
+each (`model.fused_view`), exactly as a runner that loaded the checkpoint itself. Every other tensor, and
+each such group, starts 64-byte aligned. (A TP>1 rank's q, k and v shards are row ranges of three tensors,
+so they cannot all touch at once: those ranks keep separate matmuls.) `STORE_LAYOUT` is part of the key,
+so a store written with an older layout is not mapped by a newer worker.
+
 Full tensors are stored; the `max_tp` blocks of a column-parallel weight are contiguous row ranges and
 those of a row-parallel weight column ranges, so rank j of a TP=k group takes its `max_tp/k` consecutive
 blocks with `narrow` (`loader.shard_weights`): a view, never a copy. A TP change re-cuts views.
@@ -34,13 +41,14 @@ import torch
 from nitsum.model import loader
 
 ALIGN_BYTES = 64
+STORE_LAYOUT = 2  # 2: fusable projections adjacent
 DEFAULT_SHM_DIR = "/dev/shm"
 
 
 def store_key(model_dir: str | Path, dtype: str) -> str:
     """Names a store by model path, dtype and the checkpoint files' sizes and mtimes (a new file -> a new key)."""
     directory = Path(model_dir).resolve()
-    digest = hashlib.sha256(f"{directory}|{dtype}".encode())
+    digest = hashlib.sha256(f"{directory}|{dtype}|layout{STORE_LAYOUT}".encode())
     for path in sorted(directory.glob("*.safetensors")):
         stat = path.stat()
         digest.update(f"|{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -96,15 +104,17 @@ def _write_store(model_dir: str | Path, dtype: torch.dtype, data_path: Path, man
     weights = loader.load_weights(model_dir, dtype, "cpu")  # the one read of the checkpoint
     entries: dict[str, dict] = {}
     offset = 0
-    for name, tensor in weights.items():
-        offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
-        entries[name] = {
-            "dtype": next(k for k, v in loader.DTYPES.items() if v == tensor.dtype),
-            "shape": list(tensor.shape),
-            "numel": tensor.numel(),
-            "offset": offset,
-        }
-        offset += tensor.numel() * tensor.element_size()
+    for run in _adjacent_runs(list(weights)):
+        offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES  # each run starts aligned; its members touch
+        for name in run:
+            tensor = weights[name]
+            entries[name] = {
+                "dtype": next(k for k, v in loader.DTYPES.items() if v == tensor.dtype),
+                "shape": list(tensor.shape),
+                "numel": tensor.numel(),
+                "offset": offset,
+            }
+            offset += tensor.numel() * tensor.element_size()
     size = max(ALIGN_BYTES, -(-offset // ALIGN_BYTES) * ALIGN_BYTES)
     with open(data_path, "wb") as handle:
         handle.truncate(size)
@@ -117,6 +127,34 @@ def _write_store(model_dir: str | Path, dtype: torch.dtype, data_path: Path, man
     tmp = manifest_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"size_bytes": size, "tensors": entries}))
     os.replace(tmp, manifest_path)
+
+
+def _adjacent_runs(names: list[str]) -> list[list[str]]:
+    """The checkpoint's tensor names in write order, as runs to be stored back to back: one run per complete
+    fusable group of a layer (`model.FUSABLE_GROUPS`, in the group's order), every other name alone."""
+    from nitsum.model.model import FUSABLE_GROUPS
+
+    present = set(names)
+    group_of: dict[str, list[str]] = {}
+    for name in names:
+        prefix, dot, rest = name.partition(".layers.")
+        if not dot:
+            continue
+        layer, _, suffix = rest.partition(".")
+        for group in FUSABLE_GROUPS:
+            if suffix in group:
+                members = [f"{prefix}.layers.{layer}.{member}" for member in group]
+                if all(m in present for m in members):
+                    group_of[name] = members
+    runs: list[list[str]] = []
+    placed: set[str] = set()
+    for name in names:
+        if name in placed:
+            continue
+        run = group_of.get(name, [name])
+        runs.append(run)
+        placed.update(run)
+    return runs
 
 
 def device_store(store: SharedWeightStore, device: str) -> dict[str, torch.Tensor]:
