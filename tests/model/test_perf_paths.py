@@ -168,12 +168,69 @@ def test_workspace_reuses_its_buffers_until_a_larger_one_is_needed():
 def test_engine_bench_quick_runs_and_outputs_agree(capsys):
     from nitsum.engine import bench
 
-    assert bench.main(["--quick", "--max-tokens", "3", "--concurrency", "1,2", "--repeat", "2"]) == 0
+    assert bench.main(["--quick", "--workload", "equal", "--max-tokens", "3", "--concurrency", "1,2", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
     # Greedy outputs equal to transformers' in every run (2 runs of c requests), batched and serial.
     assert [row.split("|")[-2].strip() for row in rows] == ["2/2 / 2", "4/4 / 4"]
+
+
+def test_trace_lengths_are_seeded_scaled_draws_of_the_trace():
+    from nitsum.engine import bench_trace
+    from nitsum.workloads import default_trace_path, read_azure
+
+    rows = {(r.prompt_tokens, r.output_tokens) for r in read_azure(default_trace_path("azure-conv", prefer_excerpt=True))}
+    lengths = bench_trace.trace_lengths("azure-conv", 50, 1.0, 100_000, seed=4)
+    assert set(lengths) <= rows and len(set(lengths)) > 10  # real rows, pairs kept, varied
+    assert lengths == bench_trace.trace_lengths("azure-conv", 50, 1.0, 100_000, seed=4)
+    assert lengths != bench_trace.trace_lengths("azure-conv", 50, 1.0, 100_000, seed=5)
+    scaled = bench_trace.trace_lengths("azure-conv", 50, 0.125, 100_000, seed=4)
+    assert scaled == [(max(1, round(p / 8)), max(1, round(o / 8))) for p, o in lengths]
+    assert all(p + o <= 64 for p, o in bench_trace.trace_lengths("azure-conv", 50, 1.0, 64, seed=4))
+    with pytest.raises(ValueError, match="unknown trace"):
+        bench_trace.trace_lengths("nope", 1, 0.5, 64, seed=0)
+
+
+def test_trace_closed_loop_keeps_concurrency_and_matches_transformers(tiny_dir, hf_model):
+    """nitsum never has more than c requests in flight and refills a slot as soon as one finishes; its
+    greedy outputs have each request's own length and equal transformers' (alone and left-padded)."""
+    from nitsum.engine import bench_trace
+    from nitsum.engine.engine import Engine
+    from nitsum.engine.params import EngineConfig
+
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), max_num_seqs=16, max_num_batched_tokens=256))
+    items = bench_trace.trace_workload([(5, 3), (17, 9), (2, 1), (30, 4), (9, 6)], seed=1)
+    seen = []  # (requests in the engine, requests not finished yet) at the start of each step
+    finished = 0
+    step = engine.step
+
+    def counting_step():
+        nonlocal finished
+        seen.append((len(engine.scheduler.running) + len(engine.scheduler.waiting), len(items) - finished))
+        outputs = step()
+        finished += sum(o.finished for o in outputs)
+        return outputs
+
+    engine.step = counting_step
+    _, ours = bench_trace.run_nitsum(engine, items, concurrency=2, tag="t")
+    assert all(in_engine == min(2, unfinished) for in_engine, unfinished in seen), seen
+    assert [len(o) for o in ours] == [3, 9, 1, 4, 6]
+    _, batched, computed = bench_trace.run_hf(hf_model, items, concurrency=2, batched=True)
+    _, serial, _ = bench_trace.run_hf(hf_model, items, concurrency=2, batched=False)
+    assert ours == serial and ours == batched
+    assert computed == 2 * (17 + 9) + 2 * (30 + 4) + 1 * (9 + 6)  # padded prompts plus the longest output
+
+
+def test_engine_bench_trace_mode_runs_and_outputs_agree(capsys):
+    from nitsum.engine import bench
+
+    assert bench.main(["--quick", "--workload", "trace", "--concurrency", "1,4", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| tiny |")]
+    assert [row[2].strip() for row in rows] == ["1", "4"]
+    assert [row[3].strip().split(" ")[0] for row in rows] == ["8", "8"]  # at least 8 requests each
+    assert rows[0][-2].strip() == "8/8 / -" and rows[1][-2].strip() == "8/8 / 8"
 
 
 def test_engine_bench_decode_step_mode(capsys):
