@@ -13,8 +13,8 @@ and only the calibration rows are used to measure the service model, so nothing 
 The device table times engine steps only. What the mesh adds (the request path through HTTP, gateway, NATS and
 coordinator and back; publishing each step's tokens; the slowdowns of a shared CPU) is measured on the
 calibration rows as empirical distributions (`nitsum.sim.service.calibrate_service`): per request, live TTFT -
-simulated TTFT (the path) and live TPOT / simulated TPOT (the decode-step ratio, drawn once per busy period of
-the engine), against a simulation of the whole slice on the bare table. The simulator then runs again with that `ServiceModel` (seeded draws; the figures are
+simulated TTFT (the path) and live TPOT / simulated TPOT (the decode-step ratio, drawn per window as long as the
+longest calibration decode), against a simulation of the whole slice on the bare table. The simulator then runs again with that `ServiceModel` (seeded draws; the figures are
 the median over `--seeds` seeds, with their range) and both comparisons are printed. Goal: |error| <= 15%.
 """
 
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nitsum.metrics import Report, RequestRecord, summarize
+from nitsum.metrics import Report, RequestRecord, percentile, summarize
 from nitsum.policy.costmodel import DeviceSpec, load_device_table
 from nitsum.sim.service import Calibration, ServiceModel, calibrate_service
 from nitsum.workloads import TraceRequest, scale_to_rate
@@ -88,14 +88,59 @@ def client_config(url: str, model: str) -> ClientConfig:
                         return_token_ids=True, ignore_eos=True, request_timeout_s=120.0)
 
 
-async def live(url: str, model: str, workload: list[TraceRequest]) -> list:
+async def live(url: str, model: str, workload: list[TraceRequest]) -> tuple[list, float]:
+    """The slice's trackers, and the wall clock (unix ms) of the load generator's time 0 (to place its times
+    next to the services' spans)."""
     cfg = client_config(url, model)
     warm = [RequestSpec(request_id=f"warmup-{i}", arrival_ms=i * WARMUP_GAP_MS, prompt_tokens=WARMUP_PROMPT_TOKENS,
                         output_tokens=WARMUP_OUTPUT_TOKENS, tier="interactive", ttft_slo_ms=1000.0,
                         tpot_slo_ms=100.0, weight=1.0) for i in range(WARMUP_REQUESTS)]
     await run_open_loop(warm, cfg, drain_timeout_s=30.0)
+    wall0_ms = time.time() * 1000.0  # run_open_loop takes its time 0 right after this (microseconds later)
     result = await run_open_loop(shape(workload, Shaping()), cfg, drain_timeout_s=120.0)
-    return result.trackers
+    return result.trackers, wall0_ms
+
+
+# Where a live request's time goes, from the services' spans (gateway.request, coordinator.route,
+# worker.generate; joined on the server's request id) placed on the load generator's clock.
+PATH_PARTS = ("to_gateway_ms", "gateway_to_coordinator_ms", "coordinator_to_worker_ms", "worker_to_first_token_ms",
+              "worker_span_ms", "last_token_lag_ms")
+
+
+def path_breakdown(logs: list[dict], spans: list[dict], wall0_ms: float) -> list[dict[str, Any]]:
+    """Per request with all three spans: client send -> gateway -> coordinator -> worker -> first token seen by
+    the client, the worker's span (submit to last token published) and how late the client saw that last token."""
+    by_id: dict[str, dict[str, dict]] = {}
+    for sp in spans:
+        rid = sp.get("attributes", {}).get("nitsum.request_id")
+        if rid is not None:
+            by_id.setdefault(rid, {}).setdefault(sp["name"], sp)  # first attempt's spans
+    out = []
+    for log in logs:
+        got = by_id.get(log.get("server_request_id") or "", {})
+        gw, co, wk = got.get("gateway.request"), got.get("coordinator.route"), got.get("worker.generate")
+        if gw is None or co is None or wk is None or log.get("first_token_ms") is None:
+            continue
+        ms = lambda sp, key: sp[key] / 1e6 - wall0_ms  # noqa: E731 (a span time on the client's clock)
+        # The coordinator's route span ends when the worker has acknowledged the run, after the worker's span
+        # started: the coordinator's part is its span's start to the worker's.
+        row = {"request_id": log["request_id"], "to_gateway_ms": ms(gw, "start_unix_ns") - log["dispatched_ms"],
+               "gateway_to_coordinator_ms": ms(co, "start_unix_ns") - ms(gw, "start_unix_ns"),
+               "coordinator_to_worker_ms": ms(wk, "start_unix_ns") - ms(co, "start_unix_ns"),
+               "worker_to_first_token_ms": log["first_token_ms"] - ms(wk, "start_unix_ns"),
+               "worker_span_ms": ms(wk, "end_unix_ns") - ms(wk, "start_unix_ns"),
+               "last_token_lag_ms": None if log.get("finish_ms") is None else log["finish_ms"] - ms(wk, "end_unix_ns")}
+        out.append(row)
+    return out
+
+
+def format_breakdown(rows: list[dict[str, Any]]) -> str:
+    parts = []
+    for key in PATH_PARTS:
+        xs = [r[key] for r in rows if r[key] is not None]
+        if xs:
+            parts.append(f"{key[:-3]} {percentile(xs, 50):.2f}/{percentile(xs, 90):.2f}")
+    return f"where live time goes (p50/p90 ms over {len(rows)} requests): " + ", ".join(parts)
 
 
 def metric_values(report: Report) -> list[float | None]:
@@ -192,8 +237,8 @@ def describe(cal: Calibration) -> str:
     ratio = q(m.step_ratios, n=10) if len(m.step_ratios) > 1 else [m.step_ratios[0]] * 9
     return (f"request path p10/p50/p90 {path[0]:.2f}/{path[4]:.2f}/{path[8]:.2f} ms ({cal.path_samples} samples, "
             f"{cal.path_clamped} clamped at 0); decode-step ratio p10/p50/p90 {ratio[0]:.2f}/{ratio[4]:.2f}/"
-            f"{ratio[8]:.2f} ({cal.ratio_samples} samples, {cal.ratio_dropped} without a TPOT), one draw per busy "
-            f"period")
+            f"{ratio[8]:.2f} ({cal.ratio_samples} samples, {cal.ratio_dropped} without a TPOT), one draw per "
+            f"{m.noise_window_ms:.0f} ms")
 
 
 def interleave(evaluation: list, calibration: list) -> list:
@@ -207,9 +252,12 @@ def interleave(evaluation: list, calibration: list) -> list:
     return out
 
 
-def run_live(args: argparse.Namespace, workload: list[TraceRequest]) -> tuple[list[RequestRecord], list[dict]]:
-    """The slice on a live mesh (started here unless --url): its records and lifecycle-log rows, in row order."""
+def run_live(args: argparse.Namespace, workload: list[TraceRequest]
+             ) -> tuple[list[RequestRecord], list[dict], list[dict], float]:
+    """The slice on a live mesh (started here unless --url): its records and lifecycle-log rows in row order, the
+    mesh's spans (none for --url) and the load generator's time 0 (unix ms)."""
     mesh = None
+    run_dir = None
     url = args.url
     if url is None:
         run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-fidelity-"))
@@ -219,21 +267,30 @@ def run_live(args: argparse.Namespace, workload: list[TraceRequest]) -> tuple[li
     try:
         print(f"live: {len(workload)} requests ({args.requests} evaluation + {len(workload) - args.requests} "
               f"calibration, interleaved) against {url} ...", flush=True)
-        trackers = asyncio.run(live(url, "tiny", workload))
+        trackers, wall0_ms = asyncio.run(live(url, "tiny", workload))
     finally:
         if mesh is not None:
-            mesh.stop()
+            mesh.stop()  # the services flush their spans as they stop
     if len(trackers) != len(workload):
         raise RuntimeError(f"the load generator sent {len(trackers)} of {len(workload)} requests")
-    return [t.to_record() for t in trackers], [t.to_log() for t in trackers]
+    spans_path = None if run_dir is None else run_dir / "run" / "spans.jsonl"
+    spans = read_spans(spans_path) if spans_path is not None and spans_path.is_file() else []
+    return [t.to_record() for t in trackers], [t.to_log() for t in trackers], spans, wall0_ms
 
 
-def replayed(run: Path) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """A saved run's settings and live records (row order), from the files `--out` wrote."""
-    settings = json.loads((run / "fidelity.json").read_text())["settings"]
+def read_spans(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def replayed(run: Path) -> tuple[dict[str, Any], list[RequestRecord], list[dict], list[dict], float]:
+    """A saved run's settings, live records and log rows (row order), spans and time 0, from what `--out` wrote."""
+    saved = json.loads((run / "fidelity.json").read_text())
     records = interleave(read_lifecycle_log(run / "live" / "requests.jsonl"),
                          read_lifecycle_log(run / "live-calibration" / "requests.jsonl"))
-    return settings, records
+    logs = interleave(*[[json.loads(line) for line in (run / name / "requests.jsonl").read_text().splitlines()
+                         if line.strip()] for name in ("live", "live-calibration")])
+    spans = read_spans(run / "spans.jsonl") if (run / "spans.jsonl").is_file() else []
+    return saved["settings"], records, logs, spans, saved.get("wall0_unix_ms", 0.0)
 
 
 def main(argv: list[str]) -> int:
@@ -257,7 +314,7 @@ def main(argv: list[str]) -> int:
     if args.replay is not None:
         if not (args.replay / "fidelity.json").is_file():
             p.error(f"--replay: {args.replay} holds no fidelity.json (a directory written by --out)")
-        settings, live_records = replayed(args.replay)
+        settings, live_records, logs, spans, wall0_ms = replayed(args.replay)
         for key in ("trace", "requests", "rate", "max_prompt_tokens", "max_output_tokens", "policy"):
             setattr(args, key, settings[key])
     if args.requests < 2 or not args.rate > 0 or args.max_prompt_tokens < 1 or args.max_output_tokens < 1:
@@ -277,10 +334,10 @@ def main(argv: list[str]) -> int:
         print("warning: the CPU device table holds placeholder figures; run `nitsum bench profile` first", flush=True)
     bare, _ = simulate(workload, args.policy, table)
     if args.replay is None:
-        live_records, logs = run_live(args, workload)
+        live_records, logs, spans, wall0_ms = run_live(args, workload)
     else:
-        logs = [r.to_dict() for r in live_records]
         print(f"replaying the live records of {args.replay}")
+    breakdown = path_breakdown(logs, spans, wall0_ms)
     live_eval, live_cal = split_rows(live_records)
     bare_eval, bare_cal = split_rows(bare.records)
     live_report = summarize(live_eval)
@@ -301,6 +358,13 @@ def main(argv: list[str]) -> int:
     print(f"simulator on the table + measured service model (median of {args.seeds} seeds):")
     print(format_rows(service_rows))
     print(text)
+    if breakdown:
+        print(format_breakdown(breakdown))
+        print("  simulated on the bare table, same requests: engine TTFT p50/p90 " + "/".join(
+            f"{percentile([r.ttft_ms for r in bare.records if r.ttft_ms is not None], q):.2f}" for q in (50, 90))
+            + ", engine time of a request (arrival to last token) p50/p90 " + "/".join(
+            f"{percentile([r.finish_ms - r.send_ms for r in bare.records if r.finish_ms is not None], q):.2f}"
+            for q in (50, 90)))
     spread = bootstrap_intervals(live_eval)
     print("live figures' own sampling spread (5-95% over resamples of the evaluation requests): " + ", ".join(
         r["metric"].split(" (")[0] + " " + ("-" if iv is None else f"{iv[0]:.2f}-{iv[1]:.2f}")
@@ -309,11 +373,17 @@ def main(argv: list[str]) -> int:
         meta = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "date": time.strftime("%Y-%m-%d"), "machine": {"platform": platform.platform(),
                                                               "cpus": os.cpu_count()},
-                "device_table": dataclasses.asdict(table)}
+                "device_table": dataclasses.asdict(table), "wall0_unix_ms": wall0_ms}
         write_all(live_report, live_eval, args.out / "live", meta, log_rows=logs[0::2])
         write_all(summarize(live_cal), live_cal, args.out / "live-calibration", meta, log_rows=logs[1::2])
         write_all(summarize(bare_eval), bare_eval, args.out / "sim", meta)
         write_all(summarize(service_eval), service_eval, args.out / "sim-service", meta)
+        if spans:
+            (args.out / "spans.jsonl").write_text("".join(json.dumps(sp) + "\n" for sp in spans))
+            with (args.out / "path.csv").open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=["request_id", *PATH_PARTS])
+                writer.writeheader()
+                writer.writerows(breakdown)
         table_rows = per_request_rows(live_eval, bare_eval, service_eval)
         with (args.out / "requests.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(table_rows[0]))

@@ -109,3 +109,24 @@ def test_replay_of_a_mesh_that_behaves_like_the_table_finds_no_service_cost(tmp_
 def test_replay_needs_a_saved_run(tmp_path):
     with pytest.raises(SystemExit):
         bf.main(["--replay", str(tmp_path)])
+
+
+def test_path_breakdown_places_spans_on_the_client_clock():
+    wall0 = 1_000_000.0  # unix ms of the load generator's time 0
+
+    def span(name, rid, start_ms, end_ms):
+        return {"name": name, "start_unix_ns": int((wall0 + start_ms) * 1e6), "end_unix_ns": int((wall0 + end_ms) * 1e6),
+                "attributes": {"nitsum.request_id": rid}}
+
+    spans = [span("gateway.request", "cmpl-1", 1.0, 40.0), span("coordinator.route", "cmpl-1", 2.5, 3.0),
+             span("worker.generate", "cmpl-1", 4.0, 30.0), span("coordinator.route", "ready-x", 0.0, 1.0)]
+    logs = [{"request_id": "req-0", "server_request_id": "cmpl-1", "dispatched_ms": 0.5, "first_token_ms": 12.0,
+             "finish_ms": 31.5},
+            {"request_id": "req-1", "server_request_id": "cmpl-2", "dispatched_ms": 0.5, "first_token_ms": 9.0,
+             "finish_ms": 20.0}]  # no spans: left out
+    (row,) = bf.path_breakdown(logs, spans, wall0)
+    expected = {"to_gateway_ms": 0.5, "gateway_to_coordinator_ms": 1.5, "coordinator_to_worker_ms": 1.5,
+                "worker_to_first_token_ms": 8.0, "worker_span_ms": 26.0, "last_token_lag_ms": 1.5}
+    assert row["request_id"] == "req-0"
+    assert {k: row[k] for k in expected} == pytest.approx(expected, abs=1e-6)
+    assert "worker_to_first_token 8.00/8.00" in bf.format_breakdown([row])

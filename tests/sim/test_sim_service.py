@@ -113,14 +113,15 @@ def test_sampler_draws_one_ratio_per_window_in_order():
     assert [per_step.step_ratio(1.0) for _ in range(6)] == [fresh.choice(model.step_ratios) for _ in range(6)]
 
 
-def test_one_step_ratio_per_busy_period():
-    # Two requests far apart: two busy periods, each with its own draw, kept for all of its decode steps.
+def test_one_step_ratio_per_window_for_every_decode_step_in_it():
+    # Two requests 500 ms apart, windows of 400 ms: each decodes inside one window, with that window's draw.
     w = [TraceRequest(arrival_ms=0.0, prompt_tokens=32, output_tokens=6),
          TraceRequest(arrival_ms=500.0, prompt_tokens=32, output_tokens=6)]
     bare = run_cluster("static-tp:1", cpu_config(), w).records
-    model = ServiceModel(step_ratios=(2.0, 5.0, 7.0), seed=4)
+    model = ServiceModel(step_ratios=(2.0, 5.0, 7.0), noise_window_ms=400.0, seed=4)
     draws = random.Random(9)
     r1, r2 = draws.choice(model.step_ratios), draws.choice(model.step_ratios)
+    assert r1 != r2
     got = run_cluster("static-tp:1", cpu_config(service=model), w).records
     assert [g.tpot_ms for g in got] == [pytest.approx(r1 * bare[0].tpot_ms), pytest.approx(r2 * bare[1].tpot_ms)]
     assert [g.ttft_ms for g in got] == [pytest.approx(b.ttft_ms) for b in bare]  # path 0, prefill not scaled
@@ -145,8 +146,8 @@ def rec(i, send, first, finish, out, prompt=32):
 
 
 def test_calibration_measures_paths_ratios_and_window_exactly():
-    live = [rec(0, 0.0, 12.0, 42.0, 11),   # TTFT 12, TPOT 3
-            rec(1, 100.0, 105.0, 125.0, 11),  # TTFT 5 (below the simulated 7: path 0), TPOT 2
+    live = [rec(0, 0.0, 12.0, 42.0, 11),   # TTFT 12, TPOT 3, decode span 30
+            rec(1, 100.0, 105.0, 125.0, 11),  # TTFT 5 (below the simulated 7: path 0), TPOT 2, span 20
             rec(2, 200.0, 210.0, 210.0, 11),  # all tokens in one chunk: TPOT 0, no ratio
             rec(3, 300.0, 309.0, None, 0)]    # unfinished: a path, no ratio
     sim = [rec(0, 0.0, 7.0, 22.0, 11), rec(1, 100.0, 107.0, 117.0, 11), rec(2, 200.0, 207.0, 217.0, 11),
@@ -154,7 +155,7 @@ def test_calibration_measures_paths_ratios_and_window_exactly():
     cal = calibrate_service(live, sim, seed=3, source="test")
     assert cal.model.path_ms == (0.0, 3.0, 3.0, 5.0)
     assert cal.model.step_ratios == (pytest.approx(2.0), pytest.approx(2.0))  # 3/1.5 and 2/1
-    assert cal.model.noise_window_ms is None  # one draw per busy period
+    assert cal.model.noise_window_ms == 30.0  # the longest decode with a ratio (30 and 20 ms)
     assert (cal.model.seed, cal.model.source) == (3, "test")
     assert (cal.requests, cal.path_samples, cal.path_clamped, cal.ratio_samples, cal.ratio_dropped) == (4, 4, 1, 2, 2)
 

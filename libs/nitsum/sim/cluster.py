@@ -145,7 +145,7 @@ def _by_deadline(r: _Req) -> float:
 class _Group:
     __slots__ = ("gid", "node", "start", "tp", "role", "cost", "waiting", "prefilling", "running", "finish_heap",
                  "step", "ctx_base", "busy", "paused_until", "kv_total", "kv_used", "version", "retired", "seq",
-                 "tpot_counts", "noise")
+                 "tpot_counts")
 
     def __init__(self, node: "_Node", start: int, tp: int, role: str, cost: CostModel, now: float,
                  paused_until: float) -> None:
@@ -167,7 +167,6 @@ class _Group:
         self.retired = False
         self.seq = 0
         self.tpot_counts: dict[float, int] = {}  # TPOT target -> running requests with it (tightest = min)
-        self.noise: float | None = None  # service model: this busy period's decode-step ratio
 
     def add_running_tpot(self, tpot_ms: float) -> None:
         self.tpot_counts[tpot_ms] = self.tpot_counts.get(tpot_ms, 0) + 1
@@ -461,15 +460,11 @@ class ClusterSim:
             planned.append((r, n))
             tokens += n
         if not planned and n_dec == 0:
-            g.noise = None  # idle: the next step starts a new busy period
             return []
         ctx = dec_ctx + sum(r.prefill_done + n for r, n in planned)
         step_ms = g.cost.step_time_ms(g.tp, n_dec + len(planned), n_dec + tokens, ctx)
-        if self.service is not None:
-            if g.noise is None:  # a busy period starts (per-busy-period noise; windowed modes ignore it)
-                g.noise = self.service.busy_period_ratio() if self.config.service.noise_window_ms is None else 1.0
-            if not planned:  # decode-only steps; see sim/service.py for prefill
-                step_ms *= g.noise if self.config.service.noise_window_ms is None else self.service.step_ratio(now)
+        if self.service is not None and not planned:
+            step_ms *= self.service.step_ratio(now)  # decode-only steps; see sim/service.py for prefill
         g.busy = True
         return [(now + step_ms, self._step_done, (g, g.version, planned))]
 

@@ -12,12 +12,15 @@ rows it does not evaluate) and draws from them with a seeded generator:
   shifts where the request queues). Measured end to end (live TTFT minus the simulated engine TTFT), it
   carries the prefill step's own noise too, which is why prefill steps are not scaled below.
 - `step_ratios`: live decode-step period / the table's; scales every decode-only step. The slowdowns of a
-  shared machine last longer than a step, so a draw is not made per step (that would average them away over a
-  request's ~30 steps, and the simulated TPOT p90 came out at 60 % of the live one). By default
-  (`noise_window_ms=None`) a group draws once per *busy period*: when it starts a step after being idle, and
-  keeps that ratio until it is idle again. At the light loads the calibration runs at, a busy period is about
-  one request's life, which is what one calibration ratio was measured over. `noise_window_ms > 0` draws per
-  window of simulated time instead (window k's ratio is the k-th draw whatever happens in between), 0 per step.
+  shared machine are an outside process in wall-clock time that lasts longer than a step, so the ratio is drawn
+  per window of `noise_window_ms` of simulated time: window k's ratio is the k-th draw whatever happens in
+  between (reproducible), and every step that starts in the window uses it. Each calibration ratio was
+  measured over one request's decode, so the calibration makes the window as long as the longest calibration
+  decode: a request then mostly sees one draw, as it saw one slowdown live. Shorter windows average the draws
+  over a request's steps (per step, 0, is the extreme) and shrink the tail: the simulated TPOT p90 came out at
+  56-60 % of the live one with per-step draws and with windows of the median decode span. A draw per busy
+  period of the engine was tried too and dropped: a slow draw lengthens its own busy period, so it slows more
+  requests than its share (on an overloaded run the simulated TPOT p50 came out 20x the live one).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from nitsum.metrics import RequestRecord
 class ServiceModel:
     path_ms: tuple[float, ...] = (0.0,)  # samples, ms from send to the engine queue (end to end: see above)
     step_ratios: tuple[float, ...] = (1.0,)  # samples of live decode-step period / table step time
-    noise_window_ms: float | None = None  # None: one draw per busy period; > 0: per window; 0: every step
+    noise_window_ms: float = 0.0  # a drawn step ratio holds this long; 0: a fresh draw every step
     seed: int = 0
     source: str = ""  # where the samples were measured
 
@@ -45,8 +48,8 @@ class ServiceModel:
             raise ValueError("path samples must be finite and >= 0 ms")
         if not all(math.isfinite(x) and x > 0.0 for x in self.step_ratios):
             raise ValueError("step ratios must be finite and > 0")
-        if self.noise_window_ms is not None and not (math.isfinite(self.noise_window_ms) and self.noise_window_ms >= 0.0):
-            raise ValueError("noise_window_ms must be None (per busy period) or finite and >= 0")
+        if not (math.isfinite(self.noise_window_ms) and self.noise_window_ms >= 0.0):
+            raise ValueError("noise_window_ms must be finite and >= 0")
 
 
 class ServiceSampler:
@@ -63,14 +66,9 @@ class ServiceSampler:
         """The next request's path (requests draw in arrival order)."""
         return self._paths.choice(self.model.path_ms)
 
-    def busy_period_ratio(self) -> float:
-        """A draw for a group starting a busy period (noise_window_ms None)."""
-        return self._ratios.choice(self.model.step_ratios)
-
     def step_ratio(self, now_ms: float) -> float:
-        """The slowdown of a decode step starting at `now_ms` (non-decreasing across calls), windowed modes."""
+        """The slowdown of a decode step starting at `now_ms` (non-decreasing across calls)."""
         w = self.model.noise_window_ms
-        assert w is not None, "per busy period: the group keeps its busy_period_ratio"
         if w <= 0.0:
             return self._ratios.choice(self.model.step_ratios)
         k = int(now_ms // w)
@@ -99,9 +97,10 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
     measured on the mesh and simulated on the bare device table (no service model), with everything else that
     ran at the time (so queueing behind other requests is the simulator's, not the path's).
     - path sample = live TTFT - simulated TTFT (clamped at 0);
-    - step ratio = live TPOT / simulated TPOT (drawn once per busy period: see the module docstring)."""
+    - step ratio = live TPOT / simulated TPOT;
+    - noise window = the longest live decode (first to last token) among the requests with a ratio."""
     assert len(live) == len(simulated), "one simulated record per live record"
-    paths, ratios = [], []
+    paths, ratios, spans = [], [], []
     clamped = dropped = 0
     for a, b in zip(live, simulated):
         assert a.prompt_tokens == b.prompt_tokens and abs(a.send_ms - b.send_ms) < 1.0, \
@@ -112,12 +111,14 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
             paths.append(max(d, 0.0))
         if a.tpot_ms and b.tpot_ms:
             ratios.append(a.tpot_ms / b.tpot_ms)
+            spans.append(a.finish_ms - a.first_token_ms)
         else:
             dropped += 1
     if not paths or not ratios:
         raise ValueError(f"calibration needs requests with a first token and with a TPOT: {len(paths)} TTFT, "
                          f"{len(ratios)} TPOT pairs of {len(live)}")
-    model = ServiceModel(path_ms=tuple(sorted(paths)), step_ratios=tuple(sorted(ratios)), seed=seed, source=source)
+    model = ServiceModel(path_ms=tuple(sorted(paths)), step_ratios=tuple(sorted(ratios)), noise_window_ms=max(spans),
+                         seed=seed, source=source)
     return Calibration(model, len(live), len(paths), clamped, len(ratios), dropped)
 
 
