@@ -140,12 +140,12 @@ def rerouted_from(mesh: ManualMesh) -> list[str]:
     ]
 
 
-def check_aborted(answer: dict, epoch: int) -> dict:
+def check_aborted(answer: dict, epoch: int, phase: str = "prepare") -> dict:
     from nitsum_services.coordinator.transition import PREPARE_TIMEOUT_S
 
     assert answer["ok"] is False and answer["error"]["code"] == "transition_failed", answer
     report = answer["transition"]
-    assert report["aborted"] is True and report["phase"] == "prepare" and report["epoch"] == epoch, report
+    assert report["aborted"] is True and report["phase"] == phase and report["epoch"] == epoch, report
     # The loss (or a survivor's failed exchange) ended the phase: the agent did not sit out its timeout.
     assert report["abort_ms"] < PREPARE_TIMEOUT_S * 1000.0, report
     return report
@@ -213,18 +213,20 @@ def test_peer_dies_in_prepare_of_a_merge(tmp_path, mid_model):
         stop_world(mesh)
 
 
-def test_leader_dies_in_prepare_of_a_merge(tmp_path, mid_model):
-    """4xTP1 -> TP4; device 2 (a TP=1 leader with requests) dies in the prepare. The coordinator announces
-    its requests lost and the gateway re-submits them; devices 0, 1 and 3 keep their requests (TP=1 groups
-    hold their whole KV) and serve on as standalone workers."""
-    mesh = start_world(tmp_path, mid_model, die_at="prepare:1:2")
+@pytest.mark.parametrize("phase", ["prepare", "commit"])
+def test_leader_dies_in_a_merge(tmp_path, mid_model, phase):
+    """4xTP1 -> TP4; device 2 (a TP=1 leader with requests) dies in the prepare, or when the commit reaches
+    it (after a prepare that every worker acked). The coordinator announces its requests lost and the gateway
+    re-submits them; devices 0, 1 and 3 keep their requests (TP=1 groups hold their whole KV; a commit that
+    failed in its exchange changed nothing) and serve on as standalone workers."""
+    mesh = start_world(tmp_path, mid_model, die_at=f"{phase}:1:2")
     try:
         assert asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))["transition"]["changed"] is False  # pins
         reference, _ = asyncio.run(run_batch(mesh))
         assert all(r.status == 200 and r.error is None and len(r.token_ids) == n for r, n in zip(reference, LENGTHS))
 
         results, answer = asyncio.run(run_batch(mesh, MERGE4))
-        check_aborted(answer, epoch=1)
+        check_aborted(answer, epoch=1, phase=phase)
         assert mesh.services["worker-2"].process.wait(30) == -signal.SIGKILL
         for ref, got, n in zip(reference, results, LENGTHS):
             assert got.status == 200 and got.error is None, got
