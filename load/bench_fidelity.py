@@ -1,21 +1,26 @@
 """`nitsum bench fidelity`: the simulator against the live mesh on the same slice of a real trace.
 
-The first 2 x `--requests` rows of the Azure conversation trace, rescaled to `--rate` requests/s (the trace's
-burstiness kept) and capped to `--max-prompt-tokens` / `--max-output-tokens` so the CPU mesh sustains them, are
-- sent to a live `nitsum up --devices 1 --policy P` by the load generator (token-id prompts on
+Each session takes the next 2 x `--requests` rows of the Azure conversation trace, rescaled to `--rate`
+requests/s (the trace's burstiness kept) and capped to `--max-prompt-tokens` / `--max-output-tokens` so the CPU
+mesh sustains them; they are
+- sent to a fresh live `nitsum up --devices 1 --policy P` by the load generator (token-id prompts on
   /v1/completions, so the prompt lengths are exact; ignore_eos, so the output lengths are exact), and
 - replayed by the cluster simulator (`nitsum.sim.cluster`) with the same policy, one device, the worker's
-  batch limits and the CPU device table (nitsum/data/costmodel/cpu.json, which `nitsum bench profile` writes).
-Rows alternate between **evaluation** (even rows: 0, 2, 4, ...) and **calibration** (odd rows). Both run on the
-mesh and in the simulator together (they load the mesh together), but only the evaluation rows are compared
-and only the calibration rows are used to measure the service model, so nothing is fitted to what is scored.
+  batch limits and step budget, and the CPU device table (nitsum/data/costmodel/cpu.json, which
+  `nitsum bench profile` writes).
+Rows alternate between **evaluation** (even rows) and **calibration** (odd rows). Both run on the mesh and in
+the simulator together (they load the mesh together), but only the evaluation rows are compared and only the
+calibration rows are used to measure the service model, so nothing is fitted to what is scored.
 
 The device table times engine steps only. What the mesh adds (the request path through HTTP, gateway, NATS and
-coordinator and back; publishing each step's tokens; the slowdowns of a shared CPU) is measured on the
-calibration rows as empirical distributions (`nitsum.sim.service.calibrate_service`): per request, live TTFT -
-simulated TTFT (the path) and live TPOT / simulated TPOT (the decode-step ratio, drawn per window as long as the
-longest calibration decode), against a simulation of the whole slice on the bare table. The simulator then runs again with that `ServiceModel` (seeded draws; the figures are
-the median over `--seeds` seeds, with their range) and both comparisons are printed. Goal: |error| <= 15%.
+coordinator and back; the worker's per-step work around the engine; the slowdowns of a shared CPU) is measured
+per session on its calibration rows as empirical distributions (`nitsum.sim.service.calibrate_service`): per
+request, live TTFT - simulated TTFT (the path) and live TPOT / simulated TPOT (the decode-step ratio, drawn per
+window as long as the longest calibration decode), against a simulation of the session's slice on the bare
+table. The simulator then runs again with that `ServiceModel` (seeded draws); the evaluation rows of all
+sessions are pooled, and the figures are the median over `--seeds` seeds with their range. Both comparisons
+are printed, with the live figures' own bootstrap spread and where the live time goes according to the
+services' spans. Goal: |error| <= 15%.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import dataclasses
 import json
 import os
 import platform
-import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,8 @@ from nitsum.metrics import Report, RequestRecord, percentile, summarize
 from nitsum.policy.costmodel import DeviceSpec, load_device_table
 from nitsum.sim.service import Calibration, ServiceModel, calibrate_service
 from nitsum.workloads import TraceRequest, scale_to_rate
+from nitsum_load.fidelity_diagnostics import (METRICS, PATH_PARTS, bootstrap_intervals, format_breakdown,
+                                              metric_values, path_breakdown, per_request_rows, read_spans)
 from nitsum_load.client import PROMPT_TOKEN_ID_SPAN, ClientConfig, RequestSpec
 from nitsum_load.mesh import start_mesh
 from nitsum_load.report import read_lifecycle_log, write_all
@@ -49,14 +56,18 @@ GOAL_REL_ERROR = 0.15
 WORKER_MAX_NUM_SEQS = 64
 WORKER_MAX_BATCHED_TOKENS = 512
 WORKER_BLOCK_SIZE = 16
-METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))
 # Warm-up before the slice (dropped): the mesh's first requests pay one-off costs (connections, lazy imports,
 # allocator growth). 8 prompt + 8 output tokens never fill a 16-token KV block: nothing lands in the prefix cache.
 WARMUP_REQUESTS, WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS, WARMUP_GAP_MS = 6, 8, 8, 100.0
 
 
-def build_workload(trace: str, n: int, rate_per_s: float, max_prompt: int, max_output: int) -> list[TraceRequest]:
-    reqs = scale_to_rate(read_trace(trace, limit=n), rate_per_s)
+def build_workload(trace: str, n: int, rate_per_s: float, max_prompt: int, max_output: int, first_row: int = 0,
+                   ) -> list[TraceRequest]:
+    """Rows [first_row, first_row + n) of the trace, rescaled to the rate, capped, starting at 0 ms."""
+    rows = read_trace(trace, limit=first_row + n)[first_row:]
+    if len(rows) < n:
+        raise ValueError(f"{trace} has {len(rows) + first_row} rows, the slice needs {first_row + n}")
+    reqs = scale_to_rate(rows, rate_per_s)
     t0 = reqs[0].arrival_ms
     return [dataclasses.replace(r, arrival_ms=r.arrival_ms - t0, prompt_tokens=min(r.prompt_tokens, max_prompt),
                                 output_tokens=min(r.output_tokens, max_output)) for r in reqs]
@@ -101,52 +112,6 @@ async def live(url: str, model: str, workload: list[TraceRequest]) -> tuple[list
     return result.trackers, wall0_ms
 
 
-# Where a live request's time goes, from the services' spans (gateway.request, coordinator.route,
-# worker.generate; joined on the server's request id) placed on the load generator's clock.
-PATH_PARTS = ("to_gateway_ms", "gateway_to_coordinator_ms", "coordinator_to_worker_ms", "worker_to_first_token_ms",
-              "worker_span_ms", "last_token_lag_ms")
-
-
-def path_breakdown(logs: list[dict], spans: list[dict], wall0_ms: float) -> list[dict[str, Any]]:
-    """Per request with all three spans: client send -> gateway -> coordinator -> worker -> first token seen by
-    the client, the worker's span (submit to last token published) and how late the client saw that last token."""
-    by_id: dict[str, dict[str, dict]] = {}
-    for sp in spans:
-        rid = sp.get("attributes", {}).get("nitsum.request_id")
-        if rid is not None:
-            by_id.setdefault(rid, {}).setdefault(sp["name"], sp)  # first attempt's spans
-    out = []
-    for log in logs:
-        got = by_id.get(log.get("server_request_id") or "", {})
-        gw, co, wk = got.get("gateway.request"), got.get("coordinator.route"), got.get("worker.generate")
-        if gw is None or co is None or wk is None or log.get("first_token_ms") is None:
-            continue
-        ms = lambda sp, key: sp[key] / 1e6 - wall0_ms  # noqa: E731 (a span time on the client's clock)
-        # The coordinator's route span ends when the worker has acknowledged the run, after the worker's span
-        # started: the coordinator's part is its span's start to the worker's.
-        row = {"request_id": log["request_id"], "to_gateway_ms": ms(gw, "start_unix_ns") - log["dispatched_ms"],
-               "gateway_to_coordinator_ms": ms(co, "start_unix_ns") - ms(gw, "start_unix_ns"),
-               "coordinator_to_worker_ms": ms(wk, "start_unix_ns") - ms(co, "start_unix_ns"),
-               "worker_to_first_token_ms": log["first_token_ms"] - ms(wk, "start_unix_ns"),
-               "worker_span_ms": ms(wk, "end_unix_ns") - ms(wk, "start_unix_ns"),
-               "last_token_lag_ms": None if log.get("finish_ms") is None else log["finish_ms"] - ms(wk, "end_unix_ns")}
-        out.append(row)
-    return out
-
-
-def format_breakdown(rows: list[dict[str, Any]]) -> str:
-    parts = []
-    for key in PATH_PARTS:
-        xs = [r[key] for r in rows if r[key] is not None]
-        if xs:
-            parts.append(f"{key[:-3]} {percentile(xs, 50):.2f}/{percentile(xs, 90):.2f}")
-    return f"where live time goes (p50/p90 ms over {len(rows)} requests): " + ", ".join(parts)
-
-
-def metric_values(report: Report) -> list[float | None]:
-    return [getattr(getattr(report.overall, dist), stat) for dist, stat in METRICS]
-
-
 def side_by_side(live_report: Report, sim_report: Report) -> list[dict[str, Any]]:
     return compare(metric_values(live_report), metric_values(sim_report))
 
@@ -183,18 +148,6 @@ def _verdict(rows: list[dict[str, Any]]) -> tuple[float | None, str]:
     return worst, f"worst error {'-' if worst is None else f'{worst * 100:.1f}%'} ({verdict} the {GOAL_REL_ERROR:.0%} goal)"
 
 
-def service_runs(workload: list[TraceRequest], policy: str, table: DeviceSpec, model: ServiceModel,
-                 seeds: int) -> tuple[list[list[float | None]], list]:
-    """The evaluation rows' metrics of the simulator with `model`, once per seed; and seed 0's records."""
-    per_seed, first = [], None
-    for seed in range(seeds):
-        result, _ = simulate(workload, policy, table, dataclasses.replace(model, seed=seed))
-        records, _ = split_rows(result.records)
-        first = first if first is not None else records
-        per_seed.append(metric_values(summarize(records)))
-    return per_seed, first
-
-
 def over_seeds(per_seed: list[list[float | None]]) -> tuple[list[float | None], list[tuple[float, float] | None]]:
     """Median and (min, max) of each metric over the seeds."""
     medians, ranges = [], []
@@ -203,31 +156,6 @@ def over_seeds(per_seed: list[list[float | None]]) -> tuple[list[float | None], 
         medians.append(statistics.median(xs) if xs else None)
         ranges.append((min(xs), max(xs)) if xs else None)
     return medians, ranges
-
-
-def bootstrap_intervals(records: list[RequestRecord], resamples: int = 200, seed: int = 0,
-                        ) -> list[tuple[float, float] | None]:
-    """5th-95th percentile of each metric over resamples (with replacement) of the live evaluation requests: how
-    far the live figure itself could move with another draw of as many requests under the same conditions."""
-    rng = random.Random(seed)
-    draws = [metric_values(summarize(rng.choices(records, k=len(records)))) for _ in range(resamples)]
-    out: list[tuple[float, float] | None] = []
-    for k in range(len(METRICS)):
-        xs = sorted(v[k] for v in draws if v[k] is not None)
-        out.append((xs[int(0.05 * (len(xs) - 1))], xs[int(0.95 * (len(xs) - 1))]) if xs else None)
-    return out
-
-
-def per_request_rows(live_records: list[RequestRecord], bare: list[RequestRecord], service: list[RequestRecord],
-                     ) -> list[dict[str, Any]]:
-    """One row per evaluation request: its TTFT and TPOT live, simulated on the table, and with the service model."""
-    rows = []
-    for a, b, c in zip(live_records, bare, service):
-        rows.append({"request_id": a.request_id, "send_ms": a.send_ms, "prompt_tokens": a.prompt_tokens,
-                     "output_tokens": a.output_tokens, "ttft_live_ms": a.ttft_ms, "ttft_table_ms": b.ttft_ms,
-                     "ttft_service_ms": c.ttft_ms, "tpot_live_ms": a.tpot_ms, "tpot_table_ms": b.tpot_ms,
-                     "tpot_service_ms": c.tpot_ms, "live_chunks": len(set(a.token_times_ms))})
-    return rows
 
 
 def describe(cal: Calibration) -> str:
@@ -278,26 +206,53 @@ def run_live(args: argparse.Namespace, workload: list[TraceRequest]
     return [t.to_record() for t in trackers], [t.to_log() for t in trackers], spans, wall0_ms
 
 
-def read_spans(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+@dataclass
+class Session:
+    """One fresh mesh (a fresh prefix cache: every session may reuse the 100 token-id prompts) on its own slice
+    of the trace, with its own calibration: the machine's state differs from session to session."""
+
+    index: int
+    workload: list[TraceRequest]
+    live: list[RequestRecord]  # row order (evaluation rows even, calibration rows odd)
+    logs: list[dict]
+    spans: list[dict]
+    wall0_ms: float
+    bare: list[RequestRecord] = field(default_factory=list)
+    calibration: Calibration | None = None
+    service: list[list[RequestRecord]] = field(default_factory=list)  # per seed: evaluation rows
 
 
-def replayed(run: Path) -> tuple[dict[str, Any], list[RequestRecord], list[dict], list[dict], float]:
-    """A saved run's settings, live records and log rows (row order), spans and time 0, from what `--out` wrote."""
-    saved = json.loads((run / "fidelity.json").read_text())
-    records = interleave(read_lifecycle_log(run / "live" / "requests.jsonl"),
-                         read_lifecycle_log(run / "live-calibration" / "requests.jsonl"))
-    logs = interleave(*[[json.loads(line) for line in (run / name / "requests.jsonl").read_text().splitlines()
+def replayed(run: Path, k: int, workload: list[TraceRequest], wall0_ms: float) -> Session:
+    """Session k of a run saved with --out: its live records and log rows (row order) and spans."""
+    d = run / f"session-{k}"
+    records = interleave(read_lifecycle_log(d / "live" / "requests.jsonl"),
+                         read_lifecycle_log(d / "live-calibration" / "requests.jsonl"))
+    logs = interleave(*[[json.loads(line) for line in (d / name / "requests.jsonl").read_text().splitlines()
                          if line.strip()] for name in ("live", "live-calibration")])
-    spans = read_spans(run / "spans.jsonl") if (run / "spans.jsonl").is_file() else []
-    return saved["settings"], records, logs, spans, saved.get("wall0_unix_ms", 0.0)
+    spans = read_spans(d / "spans.jsonl") if (d / "spans.jsonl").is_file() else []
+    return Session(k, workload, records, logs, spans, wall0_ms)
+
+
+def analyse(session: Session, args: argparse.Namespace, table: DeviceSpec) -> None:
+    """The simulator on the session's slice: bare table, calibration, then the service model per seed."""
+    session.bare = simulate(session.workload, args.policy, table)[0].records
+    cal_rows = split_rows(session.live)[1]
+    session.calibration = calibrate_service(cal_rows, split_rows(session.bare)[1],
+                                            source=f"{len(cal_rows)} calibration rows of {args.trace}")
+    for seed in range(args.seeds):
+        result, _ = simulate(session.workload, args.policy, table,
+                             dataclasses.replace(session.calibration.model, seed=seed))
+        session.service.append(split_rows(result.records)[0])
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nitsum bench fidelity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default="azure-conv")
-    p.add_argument("--requests", type=int, default=50, help="evaluation rows (as many calibration rows interleave)")
+    p.add_argument("--requests", type=int, default=50,
+                   help="evaluation rows per session (as many calibration rows interleave)")
+    p.add_argument("--sessions", type=int, default=1,
+                   help="fresh meshes on consecutive slices of the trace, pooled (more requests for the p90s)")
     p.add_argument("--rate", type=float, default=4.0, help="mean arrival rate after rescaling (requests/s)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-output-tokens", type=int, default=32)
@@ -309,90 +264,109 @@ def main(argv: list[str]) -> int:
     p.add_argument("--replay", type=Path, default=None,
                    help="no live run: the live records of a run saved with --out (its slice settings win)")
     p.add_argument("--out", type=Path, default=None,
-                   help="write live/, live-calibration/, sim/, sim-service/, requests.csv and fidelity.json here")
+                   help="write session-K/{live,live-calibration}, sim/, sim-service/, requests.csv, path.csv and "
+                        "fidelity.json here")
     args = p.parse_args(argv)
+    saved: dict[str, Any] = {}
     if args.replay is not None:
         if not (args.replay / "fidelity.json").is_file():
             p.error(f"--replay: {args.replay} holds no fidelity.json (a directory written by --out)")
-        settings, live_records, logs, spans, wall0_ms = replayed(args.replay)
-        for key in ("trace", "requests", "rate", "max_prompt_tokens", "max_output_tokens", "policy"):
-            setattr(args, key, settings[key])
+        saved = json.loads((args.replay / "fidelity.json").read_text())
+        for key in ("trace", "requests", "sessions", "rate", "max_prompt_tokens", "max_output_tokens", "policy"):
+            setattr(args, key, saved["settings"][key])
     if args.requests < 2 or not args.rate > 0 or args.max_prompt_tokens < 1 or args.max_output_tokens < 1:
         p.error("need --requests >= 2, --rate > 0 and positive token caps")
     if 2 * args.requests > PROMPT_TOKEN_ID_SPAN:
         # Token-id prompt i is ids 100 + (i + j) mod 100: rows i and i + 100 would share their prompt and hit the
         # engine's prefix cache, which the simulator does not model.
         p.error(f"--requests at most {PROMPT_TOKEN_ID_SPAN // 2}: more rows would repeat prompts")
+    if args.sessions < 1 or (args.url is not None and args.sessions > 1):
+        p.error("--sessions must be >= 1, and 1 with --url (a running mesh keeps its prefix cache)")
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
     if args.device_table is not None and not args.device_table.is_file():
         p.error(f"--device-table: no such file {args.device_table}")
-    workload = build_workload(args.trace, 2 * args.requests, args.rate, args.max_prompt_tokens,
-                              args.max_output_tokens)
     table = load_device_table(args.device_table)
     if table.placeholder:
         print("warning: the CPU device table holds placeholder figures; run `nitsum bench profile` first", flush=True)
-    bare, _ = simulate(workload, args.policy, table)
-    if args.replay is None:
-        live_records, logs, spans, wall0_ms = run_live(args, workload)
-    else:
-        print(f"replaying the live records of {args.replay}")
-    breakdown = path_breakdown(logs, spans, wall0_ms)
-    live_eval, live_cal = split_rows(live_records)
-    bare_eval, bare_cal = split_rows(bare.records)
-    live_report = summarize(live_eval)
-    print(f"live: {live_report.overall.succeeded}/{live_report.overall.requests} evaluation requests succeeded")
+    sessions = []
+    for k in range(args.sessions):
+        workload = build_workload(args.trace, 2 * args.requests, args.rate, args.max_prompt_tokens,
+                                  args.max_output_tokens, first_row=2 * args.requests * k)
+        if args.replay is None:
+            sessions.append(Session(k, workload, *run_live(args, workload)))
+        else:
+            sessions.append(replayed(args.replay, k, workload, saved["wall0_unix_ms"][k]))
+            print(f"replaying session {k} of {args.replay}")
+        analyse(sessions[-1], args, table)
+        print(f"  session {k} service model: {describe(sessions[-1].calibration)}", flush=True)
 
+    live_eval = [r for s in sessions for r in split_rows(s.live)[0]]
+    bare_eval = [r for s in sessions for r in split_rows(s.bare)[0]]
+    service_by_seed = [[r for s in sessions for r in s.service[seed]] for seed in range(args.seeds)]
+    live_report = summarize(live_eval)
+    print(f"live: {live_report.overall.succeeded}/{live_report.overall.requests} evaluation requests succeeded "
+          f"({args.sessions} session(s))")
     rows = side_by_side(live_report, summarize(bare_eval))
     worst, text = _verdict(rows)
     print(f"simulator on the device table alone ({table.source[:60]}...):")
     print(format_rows(rows))
     print(text)
-
-    cal = calibrate_service(live_cal, bare_cal, source=f"{len(live_cal)} calibration rows of {args.trace}")
-    print(f"service model from the calibration rows: {describe(cal)}")
-    per_seed, service_eval = service_runs(workload, args.policy, table, cal.model, args.seeds)
+    per_seed = [metric_values(summarize(records)) for records in service_by_seed]
     medians, ranges = over_seeds(per_seed)
     service_rows = compare(metric_values(live_report), medians, ranges)
     service_worst, text = _verdict(service_rows)
-    print(f"simulator on the table + measured service model (median of {args.seeds} seeds):")
+    print(f"simulator on the table + each session's measured service model (median of {args.seeds} seeds):")
     print(format_rows(service_rows))
     print(text)
-    if breakdown:
-        print(format_breakdown(breakdown))
-        print("  simulated on the bare table, same requests: engine TTFT p50/p90 " + "/".join(
-            f"{percentile([r.ttft_ms for r in bare.records if r.ttft_ms is not None], q):.2f}" for q in (50, 90))
-            + ", engine time of a request (arrival to last token) p50/p90 " + "/".join(
-            f"{percentile([r.finish_ms - r.send_ms for r in bare.records if r.finish_ms is not None], q):.2f}"
-            for q in (50, 90)))
     spread = bootstrap_intervals(live_eval)
     print("live figures' own sampling spread (5-95% over resamples of the evaluation requests): " + ", ".join(
         r["metric"].split(" (")[0] + " " + ("-" if iv is None else f"{iv[0]:.2f}-{iv[1]:.2f}")
         for r, iv in zip(service_rows, spread)))
+    breakdown = [row for s in sessions for row in path_breakdown(s.logs, s.spans, s.wall0_ms)]
+    if breakdown:
+        bare_all = [r for s in sessions for r in s.bare]
+        print(format_breakdown(breakdown))
+        print("  simulated on the bare table, same requests: engine TTFT p50/p90 " + "/".join(
+            f"{percentile([r.ttft_ms for r in bare_all if r.ttft_ms is not None], q):.2f}" for q in (50, 90))
+            + ", engine time of a request (arrival to last token) p50/p90 " + "/".join(
+            f"{percentile([r.finish_ms - r.send_ms for r in bare_all if r.finish_ms is not None], q):.2f}"
+            for q in (50, 90)))
     if args.out:
-        meta = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "date": time.strftime("%Y-%m-%d"), "machine": {"platform": platform.platform(),
-                                                              "cpus": os.cpu_count()},
-                "device_table": dataclasses.asdict(table), "wall0_unix_ms": wall0_ms}
-        write_all(live_report, live_eval, args.out / "live", meta, log_rows=logs[0::2])
-        write_all(summarize(live_cal), live_cal, args.out / "live-calibration", meta, log_rows=logs[1::2])
-        write_all(summarize(bare_eval), bare_eval, args.out / "sim", meta)
-        write_all(summarize(service_eval), service_eval, args.out / "sim-service", meta)
-        if spans:
-            (args.out / "spans.jsonl").write_text("".join(json.dumps(sp) + "\n" for sp in spans))
-            with (args.out / "path.csv").open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=["request_id", *PATH_PARTS])
-                writer.writeheader()
-                writer.writerows(breakdown)
-        table_rows = per_request_rows(live_eval, bare_eval, service_eval)
-        with (args.out / "requests.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(table_rows[0]))
-            writer.writeheader()
-            writer.writerows(table_rows)
-        (args.out / "fidelity.json").write_text(json.dumps(
-            {**meta, "rows": rows, "worst_rel_error": worst, "service_rows": service_rows,
-             "service_worst_rel_error": service_worst, "service_per_seed": per_seed, "live_spread": spread,
-             "service_model": dataclasses.asdict(cal.model),
-             "calibration": {k: v for k, v in dataclasses.asdict(cal).items() if k != "model"}},
-            indent=2, default=str) + "\n")
+        write_outputs(args, table, sessions, live_report, live_eval, bare_eval, service_by_seed[0], breakdown, {
+            "rows": rows, "worst_rel_error": worst, "service_rows": service_rows,
+            "service_worst_rel_error": service_worst, "service_per_seed": per_seed, "live_spread": spread})
     return 0
+
+
+def write_outputs(args: argparse.Namespace, table: DeviceSpec, sessions: list[Session], live_report: Report,
+                  live_eval: list, bare_eval: list, service_eval: list, breakdown: list[dict],
+                  figures: dict[str, Any]) -> None:
+    out = args.out
+    meta = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "date": time.strftime("%Y-%m-%d"), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "device_table": dataclasses.asdict(table), "wall0_unix_ms": [s.wall0_ms for s in sessions]}
+    for s in sessions:
+        d = out / f"session-{s.index}"
+        evaluation, calibration = split_rows(s.live)
+        write_all(summarize(evaluation), evaluation, d / "live", meta, log_rows=s.logs[0::2])
+        write_all(summarize(calibration), calibration, d / "live-calibration", meta, log_rows=s.logs[1::2])
+        if s.spans:
+            (d / "spans.jsonl").write_text("".join(json.dumps(sp) + "\n" for sp in s.spans))
+    write_all(live_report, live_eval, out / "live", meta)
+    write_all(summarize(bare_eval), bare_eval, out / "sim", meta)
+    write_all(summarize(service_eval), service_eval, out / "sim-service", meta)
+    if breakdown:
+        with (out / "path.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["request_id", *PATH_PARTS])
+            writer.writeheader()
+            writer.writerows(breakdown)
+    table_rows = per_request_rows(live_eval, bare_eval, service_eval)
+    with (out / "requests.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table_rows[0]))
+        writer.writeheader()
+        writer.writerows(table_rows)
+    calibrations = [{"service_model": dataclasses.asdict(s.calibration.model),
+                     **{k: v for k, v in dataclasses.asdict(s.calibration).items() if k != "model"}} for s in sessions]
+    (out / "fidelity.json").write_text(json.dumps({**meta, **figures, "calibrations": calibrations}, indent=2,
+                                                  default=str) + "\n")

@@ -29,16 +29,22 @@ def test_the_simulator_steps_on_the_given_table():
     assert adjusted.records[0].ttft_ms == pytest.approx(base.records[0].ttft_ms + 2.0)
 
 
-def test_service_runs_are_per_seed_on_evaluation_rows_only():
+def test_analyse_calibrates_on_calibration_rows_and_simulates_evaluation_rows_per_seed():
+    # "Live" = the simulator with a known service model: calibration recovers it, and the service runs (per seed)
+    # cover the evaluation rows only.
+    import argparse
+
     w = [TraceRequest(arrival_ms=100.0 * i, prompt_tokens=32, output_tokens=6) for i in range(6)]
-    bare, _ = bf.simulate(w, "static-tp:1")
-    model = ServiceModel(path_ms=(4.0,), step_ratios=(1.5,))
-    per_seed, records = bf.service_runs(w, "static-tp:1", load_device_table(None), model, seeds=2)
-    assert len(per_seed) == 2 and per_seed[0] == per_seed[1]  # one-point distributions: seeds agree
-    assert [r.send_ms for r in records] == [0.0, 200.0, 400.0]
-    bare_eval, _ = bf.split_rows(bare.records)
-    assert [r.ttft_ms for r in records] == pytest.approx([r.ttft_ms + 4.0 for r in bare_eval])
-    assert [r.tpot_ms for r in records] == pytest.approx([1.5 * r.tpot_ms for r in bare_eval])
+    known = ServiceModel(path_ms=(4.0,), step_ratios=(1.5,))
+    live, _ = bf.simulate(w, "static-tp:1", service=known)
+    session = bf.Session(0, w, live.records, [], [], 0.0)
+    bf.analyse(session, argparse.Namespace(policy="static-tp:1", trace="test", seeds=2), load_device_table(None))
+    assert session.calibration.model.path_ms == pytest.approx((4.0,) * 3)
+    assert session.calibration.model.step_ratios == pytest.approx((1.5,) * 3)
+    assert len(session.service) == 2 and [r.send_ms for r in session.service[0]] == [0.0, 200.0, 400.0]
+    evaluation, _ = bf.split_rows(live.records)
+    assert [r.ttft_ms for r in session.service[1]] == pytest.approx([r.ttft_ms for r in evaluation])
+    assert [r.tpot_ms for r in session.service[1]] == pytest.approx([r.tpot_ms for r in evaluation])
 
 
 def test_over_seeds_median_and_range():
@@ -82,28 +88,38 @@ def test_interleave_inverts_split_rows():
 
 
 def test_replay_of_a_mesh_that_behaves_like_the_table_finds_no_service_cost(tmp_path, capsys):
-    # A saved "live" run whose records are the simulator's own: calibration must find a path of 0 and a step ratio
-    # of 1, and the simulator with that service model must reproduce the live figures exactly.
+    # A saved two-session "live" run whose records are the simulator's own: calibration must find a path of 0 and a
+    # step ratio of 1, and the simulator with that service model must reproduce the live figures exactly.
     import json
 
-    settings = {"trace": "azure-conv", "requests": 6, "rate": 4.0, "max_prompt_tokens": 64, "max_output_tokens": 8,
-                "policy": "static-tp:1"}
-    workload = bf.build_workload("azure-conv", 12, 4.0, 64, 8)
-    sim, _ = bf.simulate(workload, "static-tp:1")
-    evaluation, calibration = bf.split_rows(sim.records)
-    for name, records in (("live", evaluation), ("live-calibration", calibration)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "requests.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
-    (tmp_path / "fidelity.json").write_text(json.dumps({"settings": settings}))
+    settings = {"trace": "azure-conv", "requests": 3, "sessions": 2, "rate": 4.0, "max_prompt_tokens": 64,
+                "max_output_tokens": 8, "policy": "static-tp:1"}
+    for k in range(2):
+        workload = bf.build_workload("azure-conv", 6, 4.0, 64, 8, first_row=6 * k)
+        evaluation, calibration = bf.split_rows(bf.simulate(workload, "static-tp:1")[0].records)
+        for name, records in (("live", evaluation), ("live-calibration", calibration)):
+            d = tmp_path / f"session-{k}" / name
+            d.mkdir(parents=True)
+            (d / "requests.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    (tmp_path / "fidelity.json").write_text(json.dumps({"settings": settings, "wall0_unix_ms": [0.0, 0.0]}))
     out = tmp_path / "again"
     assert bf.main(["--replay", str(tmp_path), "--seeds", "2", "--out", str(out)]) == 0
     result = json.loads((out / "fidelity.json").read_text())
-    assert set(result["service_model"]["path_ms"]) == {0.0}
-    assert result["service_model"]["step_ratios"] == pytest.approx([1.0] * 6)
+    for cal in result["calibrations"]:
+        assert set(cal["service_model"]["path_ms"]) == {0.0}
+        assert cal["service_model"]["step_ratios"] == pytest.approx([1.0] * 3)
     assert [r["rel_error"] for r in result["rows"]] == [0.0, 0.0, 0.0, 0.0]
     assert [r["rel_error"] for r in result["service_rows"]] == pytest.approx([0.0] * 4, abs=1e-12)
     assert "within the 15% goal" in capsys.readouterr().out
-    assert (out / "requests.csv").read_text().count("\n") == 7  # header + 6 evaluation rows
+    assert (out / "requests.csv").read_text().count("\n") == 7  # header + 2 sessions x 3 evaluation rows
+
+
+def test_slices_of_sessions_follow_each_other_in_the_trace():
+    a = bf.build_workload("azure-conv", 4, 4.0, 10_000, 10_000, first_row=0)
+    b = bf.build_workload("azure-conv", 4, 4.0, 10_000, 10_000, first_row=4)
+    both = bf.build_workload("azure-conv", 8, 4.0, 10_000, 10_000)
+    assert [r.prompt_tokens for r in a + b] == [r.prompt_tokens for r in both]
+    assert a[0].arrival_ms == b[0].arrival_ms == 0.0
 
 
 def test_replay_needs_a_saved_run(tmp_path):
