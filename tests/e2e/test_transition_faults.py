@@ -251,3 +251,23 @@ def test_leader_dies_in_a_merge(tmp_path, mid_model, phase):
         check_served_after(mesh, reference)
     finally:
         stop_world(mesh)
+
+
+def test_back_to_back_changes_on_a_fresh_idle_mesh(tmp_path, tiny_model_dir):
+    """Issue 4's stop note, item (5): on a freshly started idle mesh, a set-topology right after another
+    (TP4 -> 4xTP1 -> 2xTP2, as `nitsum bench reconfigure`'s restart baseline does) hung in prepare. Each
+    change is sent the moment the previous one is answered; every one must be answered, and succeed."""
+    mesh = start_world(tmp_path, tiny_model_dir, die_at="")
+    try:
+        epoch = 0
+        for round_ in range(4):
+            for target in (MERGE4, TP1, SPLIT2, TP1):
+                answer = asyncio.run(admin(mesh, "set-topology", {"topology": target}, timeout_s=HANG_GUARD_S))
+                epoch += 1
+                assert answer["ok"] is True and answer["transition"]["epoch"] == epoch, (round_, target, answer)
+        check = status(mesh)
+        assert leaders(check) == [(0, 1), (1, 1), (2, 1), (3, 1)] and all(w["in_world"] for w in check["workers"])
+        results, _ = asyncio.run(run_batch(mesh))
+        assert all(r.status == 200 and r.error is None and len(r.token_ids) == n for r, n in zip(results, LENGTHS))
+    finally:
+        stop_world(mesh)
