@@ -41,7 +41,7 @@ from typing import Any
 
 from nitsum.metrics import Report, RequestRecord, percentile, summarize
 from nitsum.policy.costmodel import DeviceSpec, load_device_table
-from nitsum.sim.service import Calibration, ServiceModel, calibrate_service
+from nitsum.sim.service import Calibration, ServiceModel, calibrate_service_fixed_point
 from nitsum.workloads import TraceRequest, scale_to_rate
 from nitsum_load.fidelity_diagnostics import (METRICS, PATH_PARTS, bootstrap_intervals, format_breakdown,
                                               metric_values, path_breakdown, per_request_rows, read_spans)
@@ -58,6 +58,7 @@ WORKER_MAX_BATCHED_TOKENS = 512
 WORKER_BLOCK_SIZE = 16
 # Warm-up before the slice (dropped): the mesh's first requests pay one-off costs (connections, lazy imports,
 # allocator growth). 8 prompt + 8 output tokens never fill a 16-token KV block: nothing lands in the prefix cache.
+FIXED_POINT_ROUNDS = 3  # calibration rounds against a simulation slowed by the typical ratio (sim/service.py)
 WARMUP_REQUESTS, WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS, WARMUP_GAP_MS = 6, 8, 8, 100.0
 
 
@@ -220,6 +221,7 @@ class Session:
     bare: list[RequestRecord] = field(default_factory=list)
     calibration: Calibration | None = None
     service: list[list[RequestRecord]] = field(default_factory=list)  # per seed: evaluation rows
+    ratios_tried: list[float] = field(default_factory=list)  # the calibration's fixed point, from 1
 
 
 def replayed(run: Path, k: int, workload: list[TraceRequest], wall0_ms: float) -> Session:
@@ -237,8 +239,15 @@ def analyse(session: Session, args: argparse.Namespace, table: DeviceSpec) -> No
     """The simulator on the session's slice: bare table, calibration, then the service model per seed."""
     session.bare = simulate(session.workload, args.policy, table)[0].records
     cal_rows = split_rows(session.live)[1]
-    session.calibration = calibrate_service(cal_rows, split_rows(session.bare)[1],
-                                            source=f"{len(cal_rows)} calibration rows of {args.trace}")
+
+    def calibration_rows_at(ratio: float) -> list[RequestRecord]:
+        if ratio == 1.0:
+            return split_rows(session.bare)[1]
+        slowed = simulate(session.workload, args.policy, table, ServiceModel(step_ratios=(ratio,)))[0]
+        return split_rows(slowed.records)[1]
+
+    session.calibration, session.ratios_tried = calibrate_service_fixed_point(
+        cal_rows, calibration_rows_at, FIXED_POINT_ROUNDS, source=f"{len(cal_rows)} calibration rows of {args.trace}")
     for seed in range(args.seeds):
         result, _ = simulate(session.workload, args.policy, table,
                              dataclasses.replace(session.calibration.model, seed=seed))
@@ -299,7 +308,8 @@ def main(argv: list[str]) -> int:
             sessions.append(replayed(args.replay, k, workload, saved["wall0_unix_ms"][k]))
             print(f"replaying session {k} of {args.replay}")
         analyse(sessions[-1], args, table)
-        print(f"  session {k} service model: {describe(sessions[-1].calibration)}", flush=True)
+        print(f"  session {k} service model: {describe(sessions[-1].calibration)}; typical ratio "
+              + " -> ".join(f"{m:.2f}" for m in sessions[-1].ratios_tried), flush=True)
 
     live_eval = [r for s in sessions for r in split_rows(s.live)[0]]
     bare_eval = [r for s in sessions for r in split_rows(s.bare)[0]]
@@ -366,7 +376,7 @@ def write_outputs(args: argparse.Namespace, table: DeviceSpec, sessions: list[Se
         writer = csv.DictWriter(f, fieldnames=list(table_rows[0]))
         writer.writeheader()
         writer.writerows(table_rows)
-    calibrations = [{"service_model": dataclasses.asdict(s.calibration.model),
+    calibrations = [{"service_model": dataclasses.asdict(s.calibration.model), "ratios_tried": s.ratios_tried,
                      **{k: v for k, v in dataclasses.asdict(s.calibration).items() if k != "model"}} for s in sessions]
     (out / "fidelity.json").write_text(json.dumps({**meta, **figures, "calibrations": calibrations}, indent=2,
                                                   default=str) + "\n")

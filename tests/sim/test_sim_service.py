@@ -11,7 +11,7 @@ import pytest
 from nitsum.metrics import make_record
 from nitsum.policy.costmodel import cost_model, load_device_table
 from nitsum.sim.cluster import ClusterConfig, ClusterSim, run_cluster
-from nitsum.sim.service import ServiceModel, ServiceSampler, calibrate_service
+from nitsum.sim.service import ServiceModel, ServiceSampler, calibrate_service, calibrate_service_fixed_point
 from nitsum.workloads import TraceRequest
 
 ONE = [TraceRequest(arrival_ms=0.0, prompt_tokens=100, output_tokens=4)]
@@ -165,3 +165,20 @@ def test_calibration_refuses_mismatched_pairs_and_empty_data():
         calibrate_service([rec(0, 0.0, 5.0, 9.0, 3)], [rec(0, 50.0, 55.0, 59.0, 3)])
     with pytest.raises(ValueError, match="calibration needs"):
         calibrate_service([rec(0, 0.0, None, None, 0)], [rec(0, 0.0, 5.0, 9.0, 3)])
+
+
+def test_fixed_point_calibration_measures_against_a_slowed_simulation():
+    # The simulation at slowdown m: TPOT = m, and TTFT = 5 + 2 m (queueing behind slowed decodes grows with m).
+    # Live: TPOT 3, TTFT 20. Round 0 (bare) finds ratio 3; against the simulation at m = 3 the ratio stays 3 and
+    # the path is 20 - 11 = 9, not the 13 the bare simulation would leave in it.
+    live = [rec(i, 100.0 * i, 100.0 * i + 20.0, 100.0 * i + 20.0 + 3.0 * 10, 11) for i in range(3)]
+
+    def simulate_at(m):
+        return [rec(i, 100.0 * i, 100.0 * i + 5.0 + 2.0 * m, 100.0 * i + 5.0 + 2.0 * m + m * 10, 11) for i in range(3)]
+
+    cal, tried = calibrate_service_fixed_point(live, simulate_at, iterations=2)
+    assert tried == [1.0, pytest.approx(3.0), pytest.approx(3.0)]
+    assert cal.model.step_ratios == pytest.approx((3.0,) * 3)
+    assert cal.model.path_ms == pytest.approx((9.0,) * 3)
+    bare = calibrate_service(live, simulate_at(1.0))
+    assert bare.model.path_ms == pytest.approx((13.0,) * 3)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nitsum.metrics import RequestRecord
@@ -92,12 +93,13 @@ class Calibration:
 
 
 def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[RequestRecord], seed: int = 0,
-                      source: str = "") -> Calibration:
+                      source: str = "", base_ratio: float = 1.0) -> Calibration:
     """The service model of a mesh from calibration requests: `live[i]` and `simulated[i]` are the same request
-    measured on the mesh and simulated on the bare device table (no service model), with everything else that
-    ran at the time (so queueing behind other requests is the simulator's, not the path's).
+    measured on the mesh and simulated on the device table with every decode step scaled by `base_ratio` (and
+    no path), with everything else that ran at the time (so queueing behind other requests is the simulator's,
+    not the path's).
     - path sample = live TTFT - simulated TTFT (clamped at 0);
-    - step ratio = live TPOT / simulated TPOT;
+    - step ratio = base_ratio x live TPOT / simulated TPOT;
     - noise window = the longest live decode (first to last token) among the requests with a ratio."""
     assert len(live) == len(simulated), "one simulated record per live record"
     paths, ratios, spans = [], [], []
@@ -110,7 +112,7 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
             clamped += d < 0
             paths.append(max(d, 0.0))
         if a.tpot_ms and b.tpot_ms:
-            ratios.append(a.tpot_ms / b.tpot_ms)
+            ratios.append(base_ratio * a.tpot_ms / b.tpot_ms)
             spans.append(a.finish_ms - a.first_token_ms)
         else:
             dropped += 1
@@ -122,4 +124,21 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
     return Calibration(model, len(live), len(paths), clamped, len(ratios), dropped)
 
 
-__all__ = ["Calibration", "ServiceModel", "ServiceSampler", "calibrate_service"]
+def calibrate_service_fixed_point(live: Sequence[RequestRecord], simulate_at: Callable[[float], Sequence[RequestRecord]],
+                                  iterations: int = 3, seed: int = 0, source: str = "") -> tuple[Calibration, list[float]]:
+    """`calibrate_service` against a simulation already slowed by the typical ratio, so that what a slowdown
+    itself causes in the engine (longer decodes overlap more, so batches and queues grow) is simulated rather
+    than also counted in the measured ratios and paths. `simulate_at(m)` returns the calibration requests
+    simulated with every decode step scaled by m and no path. Starting from m = 1 (the bare table), each
+    round calibrates against `simulate_at(m)` and takes m = the median of the ratios found. Returns the last
+    calibration and the ms tried."""
+    tried = [1.0]
+    cal = calibrate_service(live, simulate_at(1.0), seed, source)
+    for _ in range(iterations):
+        m = statistics.median(cal.model.step_ratios)
+        tried.append(m)
+        cal = calibrate_service(live, simulate_at(m), seed, source, base_ratio=m)
+    return cal, tried
+
+
+__all__ = ["Calibration", "ServiceModel", "ServiceSampler", "calibrate_service", "calibrate_service_fixed_point"]
