@@ -4,9 +4,14 @@ change at run time (`NodeRuntime`). Both answer the same calls; only the node ba
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 
 from nitsum.engine.params import EngineStats
+
+log = logging.getLogger("nitsum.worker")
 
 KEEPALIVE_S = 5.0
 _IDLE_STATS = EngineStats(
@@ -54,6 +59,11 @@ class PlainBackend:
     def idle_tick(self) -> None:
         return None
 
+    precopy_active = False
+
+    def precopy_tick(self) -> None:
+        return None
+
 
 class NodeBackend:
     in_world = True
@@ -63,6 +73,10 @@ class NodeBackend:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._last_broadcast_s = time.monotonic()
+        # Pre-copy flows allowed to run (flow index -> callback(index, result)), set from the event loop
+        # (MigrationDriver, once a flow has its permit), advanced by the step thread one chunk per step.
+        self._allowed: dict[int, Callable[[int, tuple], None]] = {}
+        self._allowed_lock = threading.Lock()
 
     @property
     def is_leader(self) -> bool:
@@ -107,15 +121,50 @@ class NodeBackend:
 
     # -- a transition's pre-copy (shm path), run between steps by the old group's leader ---------------
     def precopy_flows(self):
+        """The flows of a pending prepare (immutable once prepare returned, so the event loop may read them)."""
         return self.runtime.precopy_flows()
 
-    def precopy(self, items):
-        """These (flow, chunk) items on every member of the group; bytes sent, None once it is over."""
-        self._last_broadcast_s = time.monotonic()
-        return self.runtime.precopy(items)
+    def allow(self, flow_index: int, on_done: Callable[[int, tuple], None]) -> None:
+        """Event loop: this flow may run now. `on_done(index, (ok, final prepare ack or None, error))` is
+        called from the step thread when its last chunk ran, or when the pre-copy ended without it."""
+        with self._allowed_lock:
+            self._allowed[flow_index] = on_done
 
-    def take_prepare_ack(self):
-        return self.runtime.take_prepare_ack()
+    @property
+    def precopy_active(self) -> bool:
+        return bool(self._allowed)
+
+    def precopy_tick(self) -> None:
+        """Step thread, before a step: the next chunk of every allowed flow, all pairs in one round."""
+        with self._allowed_lock:
+            allowed = dict(self._allowed)
+        if not allowed:
+            return
+        runtime = self.runtime
+        if not runtime.is_leader or not runtime.precopy_pending:
+            self._finish(allowed, (False, runtime.take_prepare_ack(), "the pre-copy ended (commit or abort)"))
+            return
+        precopy = runtime._prepared.precopy
+        items = [(i, next(c for c in range(len(precopy.flow(i).chunks)) if (i, c) not in precopy.done))
+                 for i in allowed if any((i, c) not in precopy.done for c in range(len(precopy.flow(i).chunks)))]
+        try:
+            self._last_broadcast_s = time.monotonic()
+            runtime.precopy(items)
+        except Exception as exc:  # a collective failed (a peer died): the flows fail, the next step tells
+            log.error("pre-copy round failed: %s", exc)
+            self._finish(allowed, (False, None, f"{type(exc).__name__}: {exc}"))
+            return
+        done = {i: cb for i, cb in allowed.items()
+                if all((i, c) in precopy.done for c in range(len(precopy.flow(i).chunks)))}
+        if done:
+            self._finish(done, (True, runtime.take_prepare_ack(), ""))
+
+    def _finish(self, flows: dict[int, Callable[[int, tuple], None]], result: tuple) -> None:
+        with self._allowed_lock:
+            for i in flows:
+                self._allowed.pop(i, None)
+        for i, on_done in flows.items():
+            on_done(i, result)
 
     def idle_tick(self) -> None:
         """Leader with nothing to run: keep peers' broadcasts from timing out."""

@@ -36,7 +36,7 @@ from nitsum_services.worker.backend import NodeBackend, PlainBackend
 from nitsum_services.worker.migration_flows import MigrationDriver
 from nitsum_services.worker.peer_loss import PeerLossGuard
 from nitsum_services.worker.session import WorkerSession
-from nitsum_services.worker.transfer import KvMover, TransferAgent
+from nitsum_services.worker.transfer import MAX_IN_FLIGHT, NODE_MAX_IN_FLIGHT, KvMover, TransferAgent
 
 log = logging.getLogger("nitsum.worker")
 
@@ -121,7 +121,7 @@ def make_body(service_name: str):
         bus = ctx.bus
         session = WorkerSession(backend, bus, worker_id, ctx.metrics, ctx.tracer)
         session.prefill_role = engine_role == "prefill"
-        agent = TransferAgent(bus, worker_id, ctx.metrics)
+        agent = TransferAgent(bus, worker_id, ctx.metrics, max_in_flight=NODE_MAX_IN_FLIGHT if backend.in_world else MAX_IN_FLIGHT)
         mover = KvMover(session, agent, bus, worker_id, ctx.metrics)
         migrations = MigrationDriver(session, agent, worker_id, ctx.metrics, config.tp_migration_budget_ms)
         mover.corrupt = config.fault_kv_corrupt

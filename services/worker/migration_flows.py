@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import time
 
+from opentelemetry import trace
 from prometheus_client import Counter
 
 from nitsum.telemetry.metrics import Metrics
@@ -53,23 +54,29 @@ class MigrationDriver:
 
     async def drive(self, msg: TopologyPrepare, pending):
         """Run the pre-copy of a pending prepare to its end; returns the final prepare ack."""
+        loop = asyncio.get_running_loop()
+        backend = self.session.backend
         epoch = msg.epoch
         started_unix_ms = time.time() * 1000.0 - pending.duration_ms
         deadline_unix_ms = started_unix_ms + self.budget_ms
         worker_of = {g.start + i: wid for g in msg.groups for i, wid in enumerate(g.worker_ids)}
-        flows = await self.session.call(lambda backend: backend.precopy_flows())
+        flows = backend.precopy_flows()
         remote = [f for f in flows if not f.local]
         local = [f for f in flows if f.local]
         unit = f"tp-migration-{msg.node_id}-e{epoch}"
         submits = [
             FlowSubmit(
                 flow_id=f"{unit}-w{f.src_worker}-w{f.dst_worker}", request_id=unit, unit_id=unit, stage="M",
-                size_bytes=f.size_bytes, src=worker_of.get(f.src_worker, str(f.src_worker)),
+                # `src` is the agent that holds the flow and gets its promotions (this leader, which runs
+                # its peers' chunks too); the pair itself is in the flow id.
+                size_bytes=f.size_bytes, src=self.worker_id,
                 dst=worker_of.get(f.dst_worker, str(f.dst_worker)), deadline_unix_ms=deadline_unix_ms,
             )
             for f in remote
         ]
+        t_permits = time.perf_counter()
         permits = await self.agent.permits(submits) if submits else []
+        permits_ms = (time.perf_counter() - t_permits) * 1000.0
         self.num_flows += len(submits)
         lowest = self.agent.num_levels
         for i, permit in enumerate(permits):
@@ -80,27 +87,43 @@ class MigrationDriver:
                 log.info("migration flow %s runs without a permit (%s)", submits[i].flow_id,
                          permit.reason or "pruned")
                 permits[i] = FlowPermit(permit.flow_id, lowest, self.agent.dscp[lowest], reason=permit.reason or "pruned")
+        acks = []
 
-        async def run_chunks(flow) -> int:
-            sent = 0
-            for c in range(len(flow.chunks)):
-                n = await self.session.call(lambda backend, c=c: backend.precopy([(flow.index, c)]))
-                if n is None:  # committed or aborted meanwhile: nothing of it is left to copy here
-                    raise TransferError(ErrorCode.CLOSED, f"pre-copy of epoch {epoch} ended", f"w{flow.src_worker}-w{flow.dst_worker}")
-                sent += n
-            return sent
+        async def run_flow(flow) -> int:
+            """Allow the flow in the step thread (one chunk per step from now on) and wait for its end."""
+            future = loop.create_future()
+
+            def on_done(_index: int, result: tuple) -> None:  # step thread
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+            backend.allow(flow.index, on_done)
+            self.session.wake()
+            ok, ack, error = await future
+            if ack is not None:
+                acks.append(ack)
+            if not ok:
+                raise TransferError(ErrorCode.CLOSED, error, f"w{flow.src_worker}-w{flow.dst_worker}")
+            return flow.size_bytes
 
         def send_of(flow):
             async def send(_level: int) -> int:
-                return await run_chunks(flow)
+                return await run_flow(flow)
             return send
 
         tasks = [self.agent.run(s.flow_id, p, send_of(f)) for f, s, p in zip(remote, submits, permits)]
-        tasks += [run_chunks(f) for f in local]
+        tasks += [run_flow(f) for f in local]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
-        ack = await self.session.call(lambda backend: backend.take_prepare_ack())
-        if ack is None or ack.epoch != epoch:
+        span = trace.get_current_span()
+        span.set_attribute("nitsum.migration_flows", len(submits))
+        span.set_attribute("nitsum.migration_chunks", sum(len(f.chunks) for f in flows))
+        span.set_attribute("nitsum.permits_ms", round(permits_ms, 3))
+        log.info("epoch %d: prepare step %.1f ms, then pre-copy of %d flow(s) + %d local copy(ies), %d chunk(s), "
+                 "%d bytes, done %.1f ms after prepare start (permits %.1f ms)%s", epoch, pending.duration_ms,
+                 len(remote), len(local), sum(len(f.chunks) for f in flows), sum(f.size_bytes for f in flows),
+                 time.time() * 1000.0 - started_unix_ms, permits_ms, f"; errors: {errors[:3]}" if errors else "")
+        final = next((a for a in acks if a.epoch == epoch), None)
+        if final is None:
             why = "; ".join(f"{type(e).__name__}: {e}" for e in errors[:3]) or "no final ack"
             return dataclasses.replace(pending, ok=False, pending=False, reason=f"pre-copy did not complete: {why}")
-        return ack
+        return final

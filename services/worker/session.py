@@ -10,6 +10,8 @@ P/D: on a prefill worker (engine role "prefill") a request with a decode worker 
 first token; the session publishes that token as not finished and hands the request to `on_handoff` (the
 KV mover ships it). On the decode worker the mover `adopt`s it and this session streams it from index 1.
 `call` runs a function on the backend in the step thread (KV exports and imports), between steps.
+A TP transition's pre-copy (node backend) also runs in the step thread: before each step, one chunk of
+every migration flow that has its permit (`backend.precopy_tick`), so the old group keeps decoding.
 """
 
 from __future__ import annotations
@@ -147,6 +149,10 @@ class WorkerSession:
         self._put(("control", (command, future)))
         return future
 
+    def wake(self) -> None:
+        """Event loop: run an iteration soon even if idle (e.g. a pre-copy flow was just allowed)."""
+        self._wake.set()
+
     def _put(self, item) -> None:
         with self._inbox_lock:
             self._inbox.append(item)
@@ -226,6 +232,8 @@ class WorkerSession:
                     self._held_at_commit = backend.output_counts()
                 if not backend.is_leader:
                     break  # this worker became a peer: the rest of the inbox is answered by the loop
+        if backend.is_leader:
+            backend.precopy_tick()  # a transition's KV pre-copy: one chunk per allowed flow, then the step
         outputs = backend.step() if backend.is_leader and backend.has_unfinished() else []
         if not outputs and backend.is_leader and not backend.has_unfinished():
             backend.idle_tick()
@@ -234,7 +242,8 @@ class WorkerSession:
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
-            if self.backend.is_leader and not self._inbox and not self.backend.has_unfinished():
+            if self.backend.is_leader and not self._inbox and not self.backend.has_unfinished() \
+                    and not self.backend.precopy_active:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)

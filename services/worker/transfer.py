@@ -54,6 +54,10 @@ LAYER_TIMEOUT_S = 10.0  # one layer's round trip (receiver copy-out; the last on
 PENDING_TIMEOUT_S = 30.0  # a receiver forgets a partial transfer whose sender went quiet
 FETCH_TIMEOUT_S = 5.0  # a stage-1 fetch that takes longer is abandoned: the prefill computes it instead
 MAX_IN_FLIGHT = 2  # flows this agent sends at once; the rest wait in strict priority order
+# A node-world worker's agent carries TP-migration flows only (KV hand-offs need standalone workers); their
+# chunks run in the step thread, one round of every running flow per step, so a low limit would only make
+# pairs that can move together wait for each other (8 workers: at most 8 x 8 pairs).
+NODE_MAX_IN_FLIGHT = 64
 NUM_LEVELS = 8
 # Test-only fault injection: the sender corrupts the checksum of every P/D layer, so the receiver refuses it.
 
