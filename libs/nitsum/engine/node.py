@@ -32,6 +32,7 @@ Workers outside the span take no part in the collectives; they only advance thei
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -62,7 +63,7 @@ from nitsum.model.loader import read_raw_config
 from nitsum.model.tokenizer import Tokenizer
 from nitsum.parallel.world import NodeWorld
 
-COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
+COMMAND_KINDS = ("prepare", "commit", "abort", "precopy", "exchange")
 KV_PATHS = ("auto", "shm", "p2p")
 
 
@@ -114,6 +115,35 @@ class _Prepared:
     dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)  # old leader: request -> preemptions at prepare
     acked: bool = False  # the final prepare ack was produced
+    stage: str = "ready"  # "building": the new runner is built in a thread; the span has not exchanged yet
+    build: _Build | None = None
+    segment: str | None = None  # this worker's new-cache segment name (shm path)
+    error: str = ""  # this worker's own prepare failure, told to the span at the exchange
+
+
+class _Build:
+    """The new runner (with its shared-memory cache) built in a thread while the old group keeps decoding:
+    weights are views, so this is module construction, rope tables and a cache allocation (100-400 ms on
+    a loaded 2-core host for the ~27M model) -- time the old group would otherwise not decode."""
+
+    def __init__(self, fn: Callable[[], ModelRunner]) -> None:
+        self.runner: ModelRunner | None = None
+        self.error = ""
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="nitsum-prepare-build", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], ModelRunner]) -> None:
+        try:
+            self.runner = fn()
+        except (RuntimeError, MemoryError, ValueError, OSError) as exc:  # told to the span at the exchange
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
 
 
 FailureHook = Callable[[str, int], None]
@@ -165,6 +195,9 @@ class NodeRuntime:
         if self.is_leader:
             self.engine = self._new_engine(self.group, self.runner)
         self.last_ack: TransitionAck | None = None
+        # Where the last prepare step's time went (ms since its start, cumulative): built (runner + new
+        # cache), exchanged (the span's rendezvous: the wait for the slowest member), planned, mapped, agreed.
+        self.last_prepare_timings_ms: dict[str, float] = {}
 
     # -- what this worker is now --------------------------------------------------------------------
     @property
@@ -224,7 +257,9 @@ class NodeRuntime:
     def close(self) -> None:
         """At stop: remove any KV segment name of this worker still in /dev/shm (only a crash between
         create and unlink inside a prepare can leave one) and drop the prepared state."""
-        self._prepared = None
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared.build is not None:
+            prepared.build.wait()
         for name in kv_segment.leftovers(self.node_tag):
             if name.endswith(f"-w{self.rank}"):
                 kv_segment.unlink(name)
@@ -241,6 +276,13 @@ class NodeRuntime:
             if cmd.kind == "precopy":
                 self._run_precopy(cmd)
                 return "precopy"
+            if cmd.kind == "exchange":
+                prepared = self._prepared
+                if prepared is not None and prepared.epoch == cmd.epoch and prepared.stage == "building":
+                    ack = self._exchange(prepared)
+                    if not ack.pending:
+                        self._prepare_done = ack
+                return "precopy"
             self.last_ack = self.apply(cmd)
         elif plan.kind == PLAN_KIND_NOOP:
             pass
@@ -251,12 +293,43 @@ class NodeRuntime:
     # -- pre-copy between steps (shm path) ------------------------------------------------------------
     @property
     def precopy_pending(self) -> bool:
+        """A prepare of this worker is accepted but not final yet (building, or pre-copying)."""
         prepared = self._prepared
-        return prepared is not None and prepared.precopy is not None and not prepared.precopy.complete
+        return prepared is not None and prepared.span is not None and not prepared.acked
+
+    @property
+    def prepare_building(self) -> bool:
+        """The new runner is being built (or built) but the span has not exchanged its plans yet."""
+        prepared = self._prepared
+        return prepared is not None and prepared.stage == "building"
+
+    def build_done(self, wait_s: float = 0.0) -> bool:
+        prepared = self._prepared
+        if prepared is None or prepared.build is None:
+            return True
+        if wait_s > 0:
+            prepared.build.wait(wait_s)
+        return prepared.build.done
 
     def precopy_flows(self) -> tuple[MigrationFlow, ...]:
         """The migration flows this worker's old group still has to pre-copy (its leader drives them)."""
-        return self._prepared.precopy.flows if self.precopy_pending else ()  # type: ignore[union-attr]
+        prepared = self._prepared
+        if prepared is None or prepared.precopy is None or prepared.acked:
+            return ()
+        return prepared.precopy.flows
+
+    def exchange(self) -> TransitionAck:
+        """Leader, at a step boundary once its own build is done: every member of the group exchanges
+        block tables and cache mappings with the span (a rendezvous with the other old groups' leaders);
+        returns the pending ack (pre-copy starts) or the final one (failed, or nothing to copy)."""
+        assert self.is_leader and self.prepare_building, "the leader starts the exchange of a building prepare"
+        prepared = self._prepared
+        assert prepared is not None
+        self._broadcast(NodeCommand("exchange", prepared.epoch))
+        ack = self._exchange(prepared)
+        if not ack.pending:
+            self._prepare_done = ack
+        return ack
 
     def precopy(self, items: list[tuple[int, int]] | None = None) -> int | None:
         """Leader of an old group, between two steps: run these (flow, chunk) items on every member (default:
@@ -265,6 +338,9 @@ class NodeRuntime:
         assert self.is_leader, "the old group's leader drives its pre-copy"
         if not self.precopy_pending:
             return None
+        if self.prepare_building:
+            if self.exchange().pending is False:
+                return 0  # failed, or nothing to copy: the final ack is ready
         prepared = self._prepared
         assert prepared is not None and prepared.precopy is not None
         chunks = tuple(items) if items is not None else tuple(prepared.precopy.next_items())
@@ -309,6 +385,8 @@ class NodeRuntime:
         return ack
 
     def prepare(self, epoch: int, new: Topology) -> TransitionAck:
+        """Accept the epoch and start building the new runner; the span's exchange follows (shm: at a later
+        step boundary, `exchange`; p2p: right here, with the whole copy)."""
         t0 = time.perf_counter()
         self._prepare_done = None  # an earlier epoch's final ack nobody took (a peer's) is stale now
         if epoch <= self.epoch:
@@ -320,41 +398,72 @@ class NodeRuntime:
         if span is None or self.rank not in span.workers:
             self._prepared = _Prepared(epoch, new, None, t0=t0, acked=True)
             return TransitionAck(epoch, True, "prepare", "not affected", _ms(t0))
-        gone, born = changed_groups(old, new)
-        my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
-        ok, reason, runner, segment = True, "", None, None
+        _, born = changed_groups(old, new)
+        my_new = new.group_of(self.rank)
+        error = ""
         try:
             if self._failure_hook is not None:
                 self._failure_hook("prepare", epoch)
-            if my_new in born:
-                runner = self._new_runner(my_new)
-                if self.kv_path == "shm":
-                    segment = kv_segment.segment_name(self.node_tag, epoch, self.rank)
-                    runner.kv_cache = kv_segment.create(segment, tuple(runner.kv_cache.shape), runner.kv_cache.dtype)
         except (RuntimeError, MemoryError, ValueError, OSError) as exc:
-            # An expected boundary failure (allocation, injected fault): every worker must still take
-            # part in the exchange below so that all of them agree to refuse the epoch.
-            ok, reason = False, f"worker {self.rank}: {type(exc).__name__}: {exc}"
+            # An expected boundary failure (injected fault): the span still exchanges, so that every
+            # worker agrees to refuse the epoch.
+            error = f"worker {self.rank}: {type(exc).__name__}: {exc}"
+        build, segment = None, None
+        if not error and my_new in born:
+            segment = kv_segment.segment_name(self.node_tag, epoch, self.rank) if self.kv_path == "shm" else None
+            build = _Build(lambda: self._build_runner(my_new, segment))
+        prepared = _Prepared(epoch, new, span, t0=t0, stage="building", build=build, segment=segment, error=error)
+        self._prepared = prepared
+        self.last_prepare_timings_ms = {}
+        if self.kv_path == "p2p":
+            return self._exchange(prepared)
+        return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0, pending=True)
+
+    def _build_runner(self, group: Group, segment: str | None) -> ModelRunner:
+        runner = self._new_runner(group)
+        if segment is not None:
+            runner.kv_cache = kv_segment.create(segment, tuple(runner.kv_cache.shape), runner.kv_cache.dtype)
+        return runner
+
+    def _exchange(self, prepared: _Prepared) -> TransitionAck:
+        """Every member of the span, at the same point of the command stream: agree on the epoch, plan,
+        map the new caches (shm) or move every full block (p2p). Drops the prepared state on failure."""
+        t0, epoch, span = prepared.t0, prepared.epoch, prepared.span
+        assert span is not None and prepared.stage == "building", "one exchange per prepared epoch"
+        old, new = self.topology, prepared.new
+        gone, born = changed_groups(old, new)
+        my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
+        timings = self.last_prepare_timings_ms = {"exchange_start": _ms(t0)}
+        build, segment = prepared.build, prepared.segment
+        if build is not None:
+            build.wait()
+        runner = build.runner if build is not None else None
+        reason = prepared.error or (f"worker {self.rank}: {build.error}" if build is not None and build.error else "")
+        prepared.stage, prepared.build = "exchanged", None
+        timings["built"] = _ms(t0)
         local = self._kv_snapshot(my_old, gone)
         try:
             parts = self.world.all_gather_bytes(
-                msgpack.packb([ok, reason, [_kv_wire(r) for r in local]], use_bin_type=True), span.start, span.tp
+                msgpack.packb([not reason, reason, [_kv_wire(r) for r in local]], use_bin_type=True),
+                span.start, span.tp,
             )
-        finally:
-            if segment is not None and not ok:
-                kv_segment.unlink(segment)
+        except BaseException:
+            self._drop(prepared)
+            raise
         decoded = [msgpack.unpackb(p, raw=False) for p in parts]
         failures = [r for good, r, _ in decoded if not good]
         if failures:
-            if segment is not None:
-                kv_segment.unlink(segment)
+            self._drop(prepared)
             return TransitionAck(epoch, False, "prepare", "; ".join(failures), _ms(t0))
         requests = [_kv_unwire(w) for _, _, entries in decoded for w in entries]
+        timings["exchanged"] = _ms(t0)
         plan = plan_prepare(old, new, requests, self.geometry, self._num_blocks_of)
+        prepared.plan, prepared.runner = plan, runner
+        timings["planned"] = _ms(t0)
         if self.kv_path == "p2p":
             moved = self._move(plan, my_old, my_new, gone, born, runner)
             self.bytes_by_path["p2p"] += moved
-            self._prepared = _Prepared(epoch, new, span, plan, runner, {"prepare": _ms(t0)}, t0=t0, acked=True)
+            prepared.acked = True
             return TransitionAck(epoch, True, "prepare", "", _ms(t0), moved)
         # shm: every source maps every new cache of the span; once all agree, the names go.
         dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
@@ -364,29 +473,37 @@ class NodeRuntime:
                 dst_caches = self._map_new_caches(epoch, born, runner)
         except (OSError, RuntimeError) as exc:
             problem = f"worker {self.rank}: cannot map the new KV caches: {type(exc).__name__}: {exc}"
+        timings["mapped"] = _ms(t0)
         try:
             answers = self.world.all_gather_bytes(msgpack.packb(problem), span.start, span.tp)
         finally:
             if segment is not None:
                 kv_segment.unlink(segment)
+        timings["agreed"] = _ms(t0)
         problems = [p for p in (msgpack.unpackb(a, raw=False) for a in answers) if p]
         if problems:
+            self._drop(prepared)
             return TransitionAck(epoch, False, "prepare", "; ".join(problems), _ms(t0))
-        precopy = None
         if my_old in gone:
             flows = plan_flows(plan.transfers, self._block_bytes, self.precopy_chunk_bytes)
             heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank)
-            precopy = PreCopy(self.rank, my_old.workers, plan.transfers, flows, self.runner.kv_cache, heads, dst_caches)
-        preemptions = {}
-        if self.engine is not None and my_old in gone:
-            preemptions = {s.request_id: s.num_preemptions for s in migration.sequences_in_order(self.engine)}
-        prepared = _Prepared(epoch, new, span, plan, runner, {}, t0=t0, precopy=precopy, dst_caches=dst_caches,
-                             preemptions=preemptions)
-        self._prepared = prepared
-        if precopy is not None and not precopy.complete:
+            prepared.precopy = PreCopy(self.rank, my_old.workers, plan.transfers, flows, self.runner.kv_cache, heads,
+                                       dst_caches)
+            if self.engine is not None:
+                prepared.preemptions = {s.request_id: s.num_preemptions for s in migration.sequences_in_order(self.engine)}
+        prepared.dst_caches = dst_caches
+        if prepared.precopy is not None and not prepared.precopy.complete:
             return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0, pending=True)
         prepared.acked = True
         return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0)
+
+    def _drop(self, prepared: _Prepared) -> None:
+        """A failed prepare: nothing of it stays (runner, cache, mappings, segment name)."""
+        prepared.acked = True
+        if prepared.segment is not None:
+            kv_segment.unlink(prepared.segment)
+        if self._prepared is prepared:
+            self._prepared = None
 
     def commit(self, epoch: int) -> TransitionAck:
         t0 = time.perf_counter()
@@ -401,6 +518,14 @@ class NodeRuntime:
             span = prepared.span
             gone, born = changed_groups(old, new)
             my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
+            if prepared.stage == "building":
+                # Committed before the exchange (a scripted commit): every member exchanges here, first.
+                done = self._exchange(prepared)
+                if not done.ok:
+                    self._prepare_done = done
+                    return TransitionAck(epoch, False, "commit", f"its prepare failed: {done.reason}", _ms(t0))
+                if not done.pending:
+                    self._prepare_done = done
             if prepared.precopy is not None:
                 # Normally nothing is left: the coordinator commits after every prepare ack. A scripted
                 # commit may come earlier; the rest is one-sided, so it runs right here.
@@ -458,9 +583,12 @@ class NodeRuntime:
     def abort(self, epoch: int) -> TransitionAck:
         prepared = self._prepared
         if prepared is not None and prepared.epoch == epoch:
-            # A prepare still pre-copying gets its answer now: it never completed.
-            self._maybe_finish_prepare(prepared, force=True, reason="aborted during pre-copy")
-            self._prepared = None  # the new runner, its cache, views and mappings go with it
+            if prepared.build is not None:
+                prepared.build.wait()  # its runner and cache go with it
+            # A prepare still building or pre-copying gets its answer now: it never completed.
+            self._maybe_finish_prepare(prepared, force=True, reason="aborted during pre-copy"
+                                       if prepared.stage != "building" else "aborted before its exchange")
+            self._drop(prepared)  # the new runner, its cache, views and mappings go with it
             return TransitionAck(epoch, True, "abort")
         if epoch <= self.epoch:
             return TransitionAck(epoch, False, "abort", f"stale epoch {epoch} (committed {self.epoch})")
