@@ -165,7 +165,7 @@ def describe(cal: Calibration) -> str:
     path = q(m.path_ms, n=10) if len(m.path_ms) > 1 else [m.path_ms[0]] * 9
     ratio = q(m.step_ratios, n=10) if len(m.step_ratios) > 1 else [m.step_ratios[0]] * 9
     return (f"request path p10/p50/p90 {path[0]:.2f}/{path[4]:.2f}/{path[8]:.2f} ms ({cal.path_samples} samples, "
-            f"{cal.path_clamped} clamped at 0); decode-step ratio p10/p50/p90 {ratio[0]:.2f}/{ratio[4]:.2f}/"
+            f"{cal.path_clamped} clamped at 0, {cal.stalled} with all tokens at once); decode-step ratio p10/p50/p90 {ratio[0]:.2f}/{ratio[4]:.2f}/"
             f"{ratio[8]:.2f} ({cal.ratio_samples} samples, {cal.ratio_dropped} without a TPOT), one draw per "
             f"{m.noise_window_ms:.0f} ms")
 

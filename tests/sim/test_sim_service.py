@@ -98,6 +98,23 @@ def test_a_late_path_does_not_lose_the_request():
     assert res.records[1].ttft_ms > 50.0
 
 
+def test_stalled_samples_give_all_tokens_at_once_and_records_keep_workload_order():
+    # Seed 12 draws the 50 ms (stalled) sample for the first request and 0 ms for the second: the second reaches
+    # the engine first, yet the records come out in workload order; the stalled one has TPOT 0.
+    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=16, output_tokens=4),
+         TraceRequest(arrival_ms=10.0, prompt_tokens=16, output_tokens=4)]
+    model = ServiceModel(path_ms=(0.0, 50.0), stalled=(False, True), seed=12)
+    draws = random.Random(24)
+    assert [draws.randrange(2) for _ in range(2)] == [1, 0]
+    bare = run_cluster("static-tp:1", cpu_config(), w).records
+    first, second = run_cluster("static-tp:1", cpu_config(service=model), w).records
+    assert (first.request_id, first.send_ms, second.request_id, second.send_ms) == ("r0", 0.0, "r1", 10.0)
+    assert first.ttft_ms == pytest.approx(50.0 + bare[0].ttft_ms) and first.tpot_ms == 0.0
+    assert second.ttft_ms == pytest.approx(bare[1].ttft_ms) and second.tpot_ms == pytest.approx(bare[1].tpot_ms)
+    with pytest.raises(ValueError, match="one stalled flag"):
+        ServiceModel(path_ms=(1.0, 2.0), stalled=(True,))
+
+
 def test_sampler_draws_one_ratio_per_window_in_order():
     model = ServiceModel(path_ms=(1.0, 2.0, 4.0), step_ratios=(1.0, 2.0, 3.0), noise_window_ms=10.0, seed=7)
     s = ServiceSampler(model)
@@ -107,7 +124,7 @@ def test_sampler_draws_one_ratio_per_window_in_order():
     assert s.step_ratio(9.99) == draws[0]  # same window
     assert s.step_ratio(35.0) == draws[3]  # windows 1 and 2 were drawn although no step started in them
     paths = random.Random(14)
-    assert [s.path_ms() for _ in range(5)] == [paths.choice(model.path_ms) for _ in range(5)]
+    assert [s.path() for _ in range(5)] == [(paths.choice(model.path_ms), False) for _ in range(5)]
     per_step = ServiceSampler(dataclasses.replace(model, noise_window_ms=0.0))
     fresh = random.Random(15)
     assert [per_step.step_ratio(1.0) for _ in range(6)] == [fresh.choice(model.step_ratios) for _ in range(6)]
@@ -158,6 +175,8 @@ def test_calibration_measures_paths_ratios_and_window_exactly():
     assert cal.model.noise_window_ms == 30.0  # the longest decode with a ratio (30 and 20 ms)
     assert (cal.model.seed, cal.model.source) == (3, "test")
     assert (cal.requests, cal.path_samples, cal.path_clamped, cal.ratio_samples, cal.ratio_dropped) == (4, 4, 1, 2, 2)
+    # Request 2's tokens came at once: its path sample (3.0, the second of the two 3.0s by sort) is flagged.
+    assert cal.model.stalled == (False, False, True, False) and cal.stalled == 1
 
 
 def test_calibration_refuses_mismatched_pairs_and_empty_data():

@@ -100,7 +100,7 @@ class ClusterConfig:
 class _Req:
     __slots__ = ("rid", "tier", "ttft_slo", "tpot_slo", "weight", "arrival", "prompt", "output", "prefill_done",
                  "first_token", "finish", "group", "join_step", "base_gen", "error", "in_prefill", "kv_tokens",
-                 "deadline")
+                 "deadline", "index", "stalled")
 
     def __init__(self, rid: str, t: TraceRequest, tier: Tier) -> None:
         self.rid = rid
@@ -121,6 +121,8 @@ class _Req:
         self.in_prefill = False
         self.kv_tokens = 0  # KV reserved on its group (prompt + output, reserved up front: no preemption)
         self.deadline = t.arrival_ms + tier.ttft_ms  # TTFT deadline: prefill order is EDF
+        self.index = 0  # position in the workload (records come out in that order)
+        self.stalled = False  # service model: all its tokens reach the client at once
 
     def generated(self) -> int:
         if self.first_token is None:
@@ -341,9 +343,11 @@ class ClusterSim:
         return events
 
     # -- request placement ---------------------------------------------------------------------------------
-    def _arrive(self, sim: Simulator, t: TraceRequest) -> list[Event]:
+    def _arrive(self, sim: Simulator, payload: tuple[int, TraceRequest, bool]) -> list[Event]:
+        index, t, stalled = payload
         tier = self.tiers.get(t.tier) or DEFAULT_TIERS["interactive"]
-        r = _Req(f"r{len(self.reqs)}", t, tier)
+        r = _Req(f"r{index}", t, tier)
+        r.index, r.stalled = index, stalled
         self.reqs.append(r)
         self.recent.append(r)
         snap = self.snapshot(full=False)
@@ -576,15 +580,15 @@ class ClusterSim:
     # -- run -----------------------------------------------------------------------------------------------
     def run(self, duration_s: float | None = None) -> ClusterResult:
         sim = self.sim
-        for t in self.workload:
+        for index, t in enumerate(self.workload):
             # With a service model the request reaches the policy and the engine after its path (drawn in
             # arrival order); its record keeps the send time, so the path counts in its TTFT.
-            path = self.service.path_ms() if self.service is not None else 0.0
-            sim.schedule(t.arrival_ms + path, self._arrive, t)
+            path, stalled = self.service.path() if self.service is not None else (0.0, False)
+            sim.schedule(t.arrival_ms + path, self._arrive, (index, t, stalled))
             self.last_engine_arrival_ms = max(self.last_engine_arrival_ms, t.arrival_ms + path)
         sim.schedule(0.0, self._epoch, None)
         sim.run(until_ms=self.end_arrivals_ms + self.config.drain_ms)
-        records = [self._record(r) for r in self.reqs]
+        records = [self._record(r) for r in sorted(self.reqs, key=lambda r: r.index)]  # workload order
         window = duration_s if duration_s is not None else max(self.end_arrivals_ms / 1000.0, 1e-3)
         report = summarize(records, duration_s=window, tier_order=tuple(self.tiers))
         return ClusterResult(records, report, self.reconfigs, self.pause_ms, sim.events_run, sim.now_ms, sim.wall_s,
@@ -592,6 +596,11 @@ class ClusterSim:
 
     def _record(self, r: _Req) -> RequestRecord:
         done = r.finish is not None and r.error is None
+        if r.stalled and done:  # service model: its tokens reach the client all at once, with the first
+            return RequestRecord(
+                request_id=r.rid, tier=r.tier, ttft_slo_ms=r.ttft_slo, tpot_slo_ms=r.tpot_slo, weight=r.weight,
+                send_ms=r.arrival, first_token_ms=r.first_token, finish_ms=r.first_token, output_tokens=r.output,
+                prompt_tokens=r.prompt, error=r.error)
         return RequestRecord(
             request_id=r.rid, tier=r.tier, ttft_slo_ms=r.ttft_slo, tpot_slo_ms=r.tpot_slo, weight=r.weight,
             send_ms=r.arrival, first_token_ms=r.first_token, finish_ms=r.finish if done else None,

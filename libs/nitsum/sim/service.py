@@ -11,6 +11,10 @@ rows it does not evaluate) and draws from them with a seeded generator:
 - `path_ms`: one draw per request, added between its send and its arrival at the engine queue (so it also
   shifts where the request queues). Measured end to end (live TTFT minus the simulated engine TTFT), it
   carries the prefill step's own noise too, which is why prefill steps are not scaled below.
+- `stalled` (paired with `path_ms`): the calibration request's tokens all reached the client at once (live
+  TPOT 0: the delivery path stalled until the decode was over, so its path sample holds the whole decode). A
+  request drawing such a sample sees its tokens at once too: its record's TPOT is 0. On a loaded machine up
+  to a fifth of the requests do; leaving them out put the simulated TPOT p50 26 % over the live one.
 - `step_ratios`: live decode-step period / the table's; scales every decode-only step. The slowdowns of a
   shared machine are an outside process in wall-clock time that lasts longer than a step, so the ratio is drawn
   per window of `noise_window_ms` of simulated time: window k's ratio is the k-th draw whatever happens in
@@ -37,6 +41,7 @@ from nitsum.metrics import RequestRecord
 @dataclass(frozen=True)
 class ServiceModel:
     path_ms: tuple[float, ...] = (0.0,)  # samples, ms from send to the engine queue (end to end: see above)
+    stalled: tuple[bool, ...] = ()  # per path sample: its tokens came at once (empty: none did)
     step_ratios: tuple[float, ...] = (1.0,)  # samples of live decode-step period / table step time
     noise_window_ms: float = 0.0  # a drawn step ratio holds this long; 0: a fresh draw every step
     seed: int = 0
@@ -49,6 +54,8 @@ class ServiceModel:
             raise ValueError("path samples must be finite and >= 0 ms")
         if not all(math.isfinite(x) and x > 0.0 for x in self.step_ratios):
             raise ValueError("step ratios must be finite and > 0")
+        if self.stalled and len(self.stalled) != len(self.path_ms):
+            raise ValueError("one stalled flag per path sample (or none)")
         if not (math.isfinite(self.noise_window_ms) and self.noise_window_ms >= 0.0):
             raise ValueError("noise_window_ms must be finite and >= 0")
 
@@ -63,9 +70,10 @@ class ServiceSampler:
         self._window = -1  # the last window a ratio was drawn for
         self._ratio = 1.0
 
-    def path_ms(self) -> float:
-        """The next request's path (requests draw in arrival order)."""
-        return self._paths.choice(self.model.path_ms)
+    def path(self) -> tuple[float, bool]:
+        """The next request's (path ms, stalled) (requests draw in arrival order)."""
+        i = self._paths.randrange(len(self.model.path_ms))
+        return self.model.path_ms[i], bool(self.model.stalled) and self.model.stalled[i]
 
     def step_ratio(self, now_ms: float) -> float:
         """The slowdown of a decode step starting at `now_ms` (non-decreasing across calls)."""
@@ -89,7 +97,8 @@ class Calibration:
     path_samples: int
     path_clamped: int  # live TTFT below the simulated engine TTFT: the path sample is 0, not negative
     ratio_samples: int
-    ratio_dropped: int  # live TPOT of 0 (all tokens arrived in one chunk: a client-side stall), or no TPOT
+    ratio_dropped: int  # live TPOT of 0 (all tokens arrived in one chunk: a stall), or no TPOT
+    stalled: int = 0  # of those, live TPOT 0 (flagged with their path sample)
 
 
 def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[RequestRecord], seed: int = 0,
@@ -110,7 +119,7 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
         if a.ttft_ms is not None and b.ttft_ms is not None:
             d = a.ttft_ms - b.ttft_ms
             clamped += d < 0
-            paths.append(max(d, 0.0))
+            paths.append((max(d, 0.0), a.tpot_ms == 0.0))
         if a.tpot_ms and b.tpot_ms:
             ratios.append(base_ratio * a.tpot_ms / b.tpot_ms)
             spans.append(a.finish_ms - a.first_token_ms)
@@ -119,9 +128,11 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
     if not paths or not ratios:
         raise ValueError(f"calibration needs requests with a first token and with a TPOT: {len(paths)} TTFT, "
                          f"{len(ratios)} TPOT pairs of {len(live)}")
-    model = ServiceModel(path_ms=tuple(sorted(paths)), step_ratios=tuple(sorted(ratios)), noise_window_ms=max(spans),
-                         seed=seed, source=source)
-    return Calibration(model, len(live), len(paths), clamped, len(ratios), dropped)
+    paths.sort()
+    stalled = tuple(s for _, s in paths)
+    model = ServiceModel(path_ms=tuple(p for p, _ in paths), stalled=stalled if any(stalled) else (),
+                         step_ratios=tuple(sorted(ratios)), noise_window_ms=max(spans), seed=seed, source=source)
+    return Calibration(model, len(live), len(paths), clamped, len(ratios), dropped, sum(stalled))
 
 
 def calibrate_service_fixed_point(live: Sequence[RequestRecord], simulate_at: Callable[[float], Sequence[RequestRecord]],
