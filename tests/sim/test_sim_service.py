@@ -11,7 +11,7 @@ import pytest
 from nitsum.metrics import make_record
 from nitsum.policy.costmodel import cost_model, load_device_table
 from nitsum.sim.cluster import ClusterConfig, ClusterSim, run_cluster
-from nitsum.sim.service import ServiceModel, ServiceSampler, calibrate_service, calibrate_service_fixed_point
+from nitsum.sim.service import ServiceModel, ServiceSampler, calibrate_service, calibrate_service_fixed_point, draw
 from nitsum.workloads import TraceRequest
 
 ONE = [TraceRequest(arrival_ms=0.0, prompt_tokens=100, output_tokens=4)]
@@ -89,45 +89,63 @@ def test_service_model_adds_the_path_to_ttft_and_scales_decode_steps_only():
     assert got.output_tokens == bare.output_tokens == 4
 
 
-def test_a_late_path_does_not_lose_the_request():
-    # The last arrival reaches the engine after the epoch loop could have stopped: it still completes.
+def test_the_path_delays_what_the_client_sees_not_admission():
+    # A 500 ms path is longer than the interactive TTFT target (200 ms): the request is still admitted and served
+    # (the path is observed after the engine), its TTFT includes it and its TPOT does not.
     w = [TraceRequest(arrival_ms=0.0, prompt_tokens=16, output_tokens=2),
          TraceRequest(arrival_ms=10.0, prompt_tokens=16, output_tokens=2)]
-    res = run_cluster("static-tp:1", cpu_config(epoch_ms=1.0, service=ServiceModel(path_ms=(50.0,))), w)
+    bare = run_cluster("static-tp:1", cpu_config(epoch_ms=1.0), w).records
+    res = run_cluster("static-tp:1", cpu_config(epoch_ms=1.0, service=ServiceModel(path_ms=(500.0,))), w)
     assert [r.succeeded for r in res.records] == [True, True]
-    assert res.records[1].ttft_ms > 50.0
+    assert [r.ttft_ms for r in res.records] == [pytest.approx(b.ttft_ms + 500.0) for b in bare]
+    assert [r.tpot_ms for r in res.records] == [pytest.approx(b.tpot_ms) for b in bare]
 
 
-def test_stalled_samples_give_all_tokens_at_once_and_records_keep_workload_order():
-    # Seed 12 draws the 50 ms (stalled) sample for the first request and 0 ms for the second: the second reaches
-    # the engine first, yet the records come out in workload order; the stalled one has TPOT 0.
+def test_stalled_samples_give_all_tokens_at_once():
+    # Path samples 0 and 50 ms, the 50 ms one stalled. Seed 5's draws (from Random(10)) put the first request
+    # near 50 (stalled: TPOT 0) and the second near 0 (its tokens as simulated, shifted by its path).
     w = [TraceRequest(arrival_ms=0.0, prompt_tokens=16, output_tokens=4),
          TraceRequest(arrival_ms=10.0, prompt_tokens=16, output_tokens=4)]
-    model = ServiceModel(path_ms=(0.0, 50.0), stalled=(False, True), seed=12)
-    draws = random.Random(24)
-    assert [draws.randrange(2) for _ in range(2)] == [1, 0]
+    model = ServiceModel(path_ms=(0.0, 50.0), stalled=(False, True), seed=5)
+    u = random.Random(10)
+    (p1, n1), (p2, n2) = draw([0.0, 50.0], u.random()), draw([0.0, 50.0], u.random())
+    assert (n1, n2) == (1, 0)
     bare = run_cluster("static-tp:1", cpu_config(), w).records
     first, second = run_cluster("static-tp:1", cpu_config(service=model), w).records
-    assert (first.request_id, first.send_ms, second.request_id, second.send_ms) == ("r0", 0.0, "r1", 10.0)
-    assert first.ttft_ms == pytest.approx(50.0 + bare[0].ttft_ms) and first.tpot_ms == 0.0
-    assert second.ttft_ms == pytest.approx(bare[1].ttft_ms) and second.tpot_ms == pytest.approx(bare[1].tpot_ms)
+    assert (first.request_id, second.request_id) == ("r0", "r1")
+    assert first.ttft_ms == pytest.approx(p1 + bare[0].ttft_ms) and first.tpot_ms == 0.0
+    assert second.ttft_ms == pytest.approx(p2 + bare[1].ttft_ms) and second.tpot_ms == pytest.approx(bare[1].tpot_ms)
     with pytest.raises(ValueError, match="one stalled flag"):
         ServiceModel(path_ms=(1.0, 2.0), stalled=(True,))
 
 
+def test_draws_interpolate_the_empirical_distribution():
+    assert draw([1.0, 2.0, 4.0], 0.0) == (1.0, 0)
+    assert draw([1.0, 2.0, 4.0], 0.25) == (1.5, 0)  # position 0.5: halfway from 1 to 2, nearest sample 0
+    assert draw([1.0, 2.0, 4.0], 0.75) == (3.0, 2)  # position 1.5: halfway from 2 to 4 (round half to even: 2)
+    assert draw([1.0, 2.0, 4.0], 0.999) == (pytest.approx(3.996), 2)
+    assert draw([7.0], 0.6) == (7.0, 0)
+
+
 def test_sampler_draws_one_ratio_per_window_in_order():
-    model = ServiceModel(path_ms=(1.0, 2.0, 4.0), step_ratios=(1.0, 2.0, 3.0), noise_window_ms=10.0, seed=7)
+    model = ServiceModel(path_ms=(4.0, 1.0, 2.0), stalled=(True, False, False), step_ratios=(3.0, 1.0, 2.0),
+                         noise_window_ms=10.0, seed=7)
     s = ServiceSampler(model)
     ratios = random.Random(15)
-    draws = [ratios.choice(model.step_ratios) for _ in range(4)]
+    draws = [draw([1.0, 2.0, 3.0], ratios.random())[0] for _ in range(4)]
+    assert len(set(draws)) == 4
     assert s.step_ratio(0.0) == draws[0]
     assert s.step_ratio(9.99) == draws[0]  # same window
     assert s.step_ratio(35.0) == draws[3]  # windows 1 and 2 were drawn although no step started in them
     paths = random.Random(14)
-    assert [s.path() for _ in range(5)] == [(paths.choice(model.path_ms), False) for _ in range(5)]
+    expected = []
+    for _ in range(20):
+        value, nearest = draw([1.0, 2.0, 4.0], paths.random())
+        expected.append((value, nearest == 2))  # the flag travels with its sample (4.0) through the sort
+    assert [s.path() for _ in range(20)] == expected and any(f for _, f in expected)
     per_step = ServiceSampler(dataclasses.replace(model, noise_window_ms=0.0))
     fresh = random.Random(15)
-    assert [per_step.step_ratio(1.0) for _ in range(6)] == [fresh.choice(model.step_ratios) for _ in range(6)]
+    assert [per_step.step_ratio(1.0) for _ in range(6)] == [draw([1.0, 2.0, 3.0], fresh.random())[0] for _ in range(6)]
 
 
 def test_one_step_ratio_per_window_for_every_decode_step_in_it():
@@ -136,8 +154,8 @@ def test_one_step_ratio_per_window_for_every_decode_step_in_it():
          TraceRequest(arrival_ms=500.0, prompt_tokens=32, output_tokens=6)]
     bare = run_cluster("static-tp:1", cpu_config(), w).records
     model = ServiceModel(step_ratios=(2.0, 5.0, 7.0), noise_window_ms=400.0, seed=4)
-    draws = random.Random(9)
-    r1, r2 = draws.choice(model.step_ratios), draws.choice(model.step_ratios)
+    u = random.Random(9)
+    r1, r2 = draw([2.0, 5.0, 7.0], u.random())[0], draw([2.0, 5.0, 7.0], u.random())[0]
     assert r1 != r2
     got = run_cluster("static-tp:1", cpu_config(service=model), w).records
     assert [g.tpot_ms for g in got] == [pytest.approx(r1 * bare[0].tpot_ms), pytest.approx(r2 * bare[1].tpot_ms)]

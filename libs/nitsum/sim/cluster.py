@@ -100,7 +100,7 @@ class ClusterConfig:
 class _Req:
     __slots__ = ("rid", "tier", "ttft_slo", "tpot_slo", "weight", "arrival", "prompt", "output", "prefill_done",
                  "first_token", "finish", "group", "join_step", "base_gen", "error", "in_prefill", "kv_tokens",
-                 "deadline", "index", "stalled")
+                 "deadline", "index", "path_ms", "stalled")
 
     def __init__(self, rid: str, t: TraceRequest, tier: Tier) -> None:
         self.rid = rid
@@ -121,8 +121,9 @@ class _Req:
         self.in_prefill = False
         self.kv_tokens = 0  # KV reserved on its group (prompt + output, reserved up front: no preemption)
         self.deadline = t.arrival_ms + tier.ttft_ms  # TTFT deadline: prefill order is EDF
-        self.index = 0  # position in the workload (records come out in that order)
-        self.stalled = False  # service model: all its tokens reach the client at once
+        self.index = 0  # position in the workload
+        self.path_ms = 0.0  # service model: the client sees its tokens this much later
+        self.stalled = False  # service model: ... and all at once
 
     def generated(self) -> int:
         if self.first_token is None:
@@ -233,7 +234,6 @@ class ClusterSim:
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
         self.end_arrivals_ms = self.workload[-1].arrival_ms if self.workload else 0.0
-        self.last_engine_arrival_ms = self.end_arrivals_ms  # later by the request paths (service model)
         self.p2d_link = config.inter_node_bandwidth_bps / 8 / 1000  # bytes/ms
         self.nvlink = self.cost.device.link_bandwidth_bytes_per_s * self.cost.device.link_efficiency / 1000
         for node in self.nodes:
@@ -343,11 +343,11 @@ class ClusterSim:
         return events
 
     # -- request placement ---------------------------------------------------------------------------------
-    def _arrive(self, sim: Simulator, payload: tuple[int, TraceRequest, bool]) -> list[Event]:
-        index, t, stalled = payload
+    def _arrive(self, sim: Simulator, payload: tuple[int, TraceRequest, float, bool]) -> list[Event]:
+        index, t, path_ms, stalled = payload
         tier = self.tiers.get(t.tier) or DEFAULT_TIERS["interactive"]
         r = _Req(f"r{index}", t, tier)
-        r.index, r.stalled = index, stalled
+        r.index, r.path_ms, r.stalled = index, path_ms, stalled
         self.reqs.append(r)
         self.recent.append(r)
         snap = self.snapshot(full=False)
@@ -572,8 +572,7 @@ class ClusterSim:
                     Topology.of_node(self._node_view(node)):
                 continue
             events.extend(self._reconfigure(node, decision.target))
-        last = self.last_engine_arrival_ms
-        if sim.now_ms < self.end_arrivals_ms + self.config.drain_ms and (self.live or sim.now_ms < last):
+        if sim.now_ms < self.end_arrivals_ms + self.config.drain_ms and (self.live or sim.now_ms < self.end_arrivals_ms):
             events.append((sim.now_ms + self.config.epoch_ms, self._epoch, None))
         return events
 
@@ -581,14 +580,13 @@ class ClusterSim:
     def run(self, duration_s: float | None = None) -> ClusterResult:
         sim = self.sim
         for index, t in enumerate(self.workload):
-            # With a service model the request reaches the policy and the engine after its path (drawn in
-            # arrival order); its record keeps the send time, so the path counts in its TTFT.
+            # With a service model each request draws its path (in arrival order); it delays what the client
+            # sees, not when the engine gets the request (see sim/service.py).
             path, stalled = self.service.path() if self.service is not None else (0.0, False)
-            sim.schedule(t.arrival_ms + path, self._arrive, (index, t, stalled))
-            self.last_engine_arrival_ms = max(self.last_engine_arrival_ms, t.arrival_ms + path)
+            sim.schedule(t.arrival_ms, self._arrive, (index, t, path, stalled))
         sim.schedule(0.0, self._epoch, None)
         sim.run(until_ms=self.end_arrivals_ms + self.config.drain_ms)
-        records = [self._record(r) for r in sorted(self.reqs, key=lambda r: r.index)]  # workload order
+        records = [self._record(r) for r in self.reqs]
         window = duration_s if duration_s is not None else max(self.end_arrivals_ms / 1000.0, 1e-3)
         report = summarize(records, duration_s=window, tier_order=tuple(self.tiers))
         return ClusterResult(records, report, self.reconfigs, self.pause_ms, sim.events_run, sim.now_ms, sim.wall_s,
@@ -596,11 +594,13 @@ class ClusterSim:
 
     def _record(self, r: _Req) -> RequestRecord:
         done = r.finish is not None and r.error is None
-        if r.stalled and done:  # service model: its tokens reach the client all at once, with the first
+        if r.path_ms or r.stalled:  # service model: the client sees every token path_ms later (all at once)
+            first = None if r.first_token is None else r.first_token + r.path_ms
+            finish = first if r.stalled else None if r.finish is None else r.finish + r.path_ms
             return RequestRecord(
                 request_id=r.rid, tier=r.tier, ttft_slo_ms=r.ttft_slo, tpot_slo_ms=r.tpot_slo, weight=r.weight,
-                send_ms=r.arrival, first_token_ms=r.first_token, finish_ms=r.first_token, output_tokens=r.output,
-                prompt_tokens=r.prompt, error=r.error)
+                send_ms=r.arrival, first_token_ms=first, finish_ms=finish if done else None,
+                output_tokens=r.output if done else r.generated(), prompt_tokens=r.prompt, error=r.error)
         return RequestRecord(
             request_id=r.rid, tier=r.tier, ttft_slo_ms=r.ttft_slo, tpot_slo_ms=r.tpot_slo, weight=r.weight,
             send_ms=r.arrival, first_token_ms=r.first_token, finish_ms=r.finish if done else None,

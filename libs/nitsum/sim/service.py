@@ -8,9 +8,12 @@ busy (or how asleep) the services were, and the slowdown comes in episodes. So t
 *empirical distributions measured on calibration requests* (`nitsum bench fidelity` measures them on trace
 rows it does not evaluate) and draws from them with a seeded generator:
 
-- `path_ms`: one draw per request, added between its send and its arrival at the engine queue (so it also
-  shifts where the request queues). Measured end to end (live TTFT minus the simulated engine TTFT), it
-  carries the prefill step's own noise too, which is why prefill steps are not scaled below.
+- `path_ms`: one draw per request, added to every time its client observes (first token, last token). Measured
+  end to end (live TTFT minus the simulated engine TTFT), it carries the prefill step's own noise too, which is
+  why prefill steps are not scaled below. It delays what the client sees, not when the engine gets the
+  request: the services' spans put a few ms before the worker (client to gateway to coordinator to worker,
+  ~4 ms at p50) and the heavy tail (stalls of 100-500 ms on a loaded machine) after it, and a path placed
+  before admission made the simulated policy refuse requests the live one had admitted and served.
 - `stalled` (paired with `path_ms`): the calibration request's tokens all reached the client at once (live
   TPOT 0: the delivery path stalled until the decode was over, so its path sample holds the whole decode). A
   request drawing such a sample sees its tokens at once too: its record's TPOT is 0. On a loaded machine up
@@ -60,30 +63,44 @@ class ServiceModel:
             raise ValueError("noise_window_ms must be finite and >= 0")
 
 
+def draw(sorted_samples: Sequence[float], u: float) -> tuple[float, int]:
+    """The empirical distribution's value at quantile u in [0, 1), linear between neighbouring samples (so the
+    draws fill the gaps between 50 samples instead of sticking to them: a p90 that sat in a gap of a heavy tail
+    jumped by 20-50 % between simulations), and the index of the nearest sample."""
+    pos = u * (len(sorted_samples) - 1)
+    i = int(pos)
+    j = min(i + 1, len(sorted_samples) - 1)
+    return sorted_samples[i] + (pos - i) * (sorted_samples[j] - sorted_samples[i]), round(pos)
+
+
 class ServiceSampler:
     """The draws of one simulator run (two independent seeded streams: paths, step ratios)."""
 
     def __init__(self, model: ServiceModel) -> None:
         self.model = model
+        order = sorted(range(len(model.path_ms)), key=lambda k: model.path_ms[k])
+        self._path_ms = [model.path_ms[k] for k in order]
+        self._stalled = [bool(model.stalled) and model.stalled[k] for k in order]
+        self._step_ratios = sorted(model.step_ratios)
         self._paths = random.Random(2 * model.seed)
         self._ratios = random.Random(2 * model.seed + 1)
         self._window = -1  # the last window a ratio was drawn for
         self._ratio = 1.0
 
     def path(self) -> tuple[float, bool]:
-        """The next request's (path ms, stalled) (requests draw in arrival order)."""
-        i = self._paths.randrange(len(self.model.path_ms))
-        return self.model.path_ms[i], bool(self.model.stalled) and self.model.stalled[i]
+        """The next request's (path ms, stalled: the flag of the nearest sample); requests draw in arrival order."""
+        value, nearest = draw(self._path_ms, self._paths.random())
+        return value, self._stalled[nearest]
 
     def step_ratio(self, now_ms: float) -> float:
         """The slowdown of a decode step starting at `now_ms` (non-decreasing across calls)."""
         w = self.model.noise_window_ms
         if w <= 0.0:
-            return self._ratios.choice(self.model.step_ratios)
+            return draw(self._step_ratios, self._ratios.random())[0]
         k = int(now_ms // w)
         assert k >= self._window, "step ratios are asked for in time order"
         while self._window < k:  # one draw per window, including windows no step started in
-            self._ratio = self._ratios.choice(self.model.step_ratios)
+            self._ratio = draw(self._step_ratios, self._ratios.random())[0]
             self._window += 1
         return self._ratio
 
