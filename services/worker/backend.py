@@ -77,7 +77,6 @@ class NodeBackend:
         # (MigrationDriver, once a flow has its permit), advanced by the step thread one chunk per step.
         self._allowed: dict[int, Callable[[int, tuple], None]] = {}
         self._allowed_lock = threading.Lock()
-        self._on_exchanged: Callable[[tuple], None] | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -125,12 +124,6 @@ class NodeBackend:
         """The flows of a pending prepare (immutable once prepare returned, so the event loop may read them)."""
         return self.runtime.precopy_flows()
 
-    def when_exchanged(self, on_done: Callable[[tuple], None]) -> None:
-        """Event loop: run the span's exchange once this worker's new runner is built; `on_done((ok, final
-        prepare ack or None, error))` from the step thread (a final ack: failed, or nothing to copy)."""
-        with self._allowed_lock:
-            self._on_exchanged = on_done
-
     def allow(self, flow_index: int, on_done: Callable[[int, tuple], None]) -> None:
         """Event loop: this flow may run now. `on_done(index, (ok, final prepare ack or None, error))` is
         called from the step thread when its last chunk ran, or when the pre-copy ended without it."""
@@ -139,13 +132,10 @@ class NodeBackend:
 
     @property
     def precopy_active(self) -> bool:
-        return bool(self._allowed) or self._on_exchanged is not None
+        return bool(self._allowed)
 
     def precopy_tick(self) -> None:
-        """Step thread, before a step: the exchange once the new runner is built, then the next chunk of
-        every allowed flow, all pairs in one round."""
-        if self._on_exchanged is not None:
-            self._exchange_tick()
+        """Step thread, before a step: the next chunk of every allowed flow, all pairs in one round."""
         with self._allowed_lock:
             allowed = dict(self._allowed)
         if not allowed:
@@ -169,28 +159,6 @@ class NodeBackend:
                 if all((i, c) in precopy.done for c in range(len(precopy.flow(i).chunks)))}
         if done:
             self._finish(done, (True, runtime.take_prepare_ack(), ""))
-
-    def _exchange_tick(self) -> None:
-        runtime = self.runtime
-        if runtime.is_leader and runtime.prepare_building:
-            # Idle: wait a little for the build here rather than spin through empty iterations.
-            if not runtime.build_done(wait_s=0.0 if runtime.has_unfinished() else 0.01):
-                return
-            with self._allowed_lock:
-                on_done, self._on_exchanged = self._on_exchanged, None
-            try:
-                self._last_broadcast_s = time.monotonic()
-                ack = runtime.exchange()
-            except Exception as exc:  # a collective failed (a peer died)
-                why = f"prepare exchange failed: {type(exc).__name__}: {exc}"
-                on_done((False, None, why))
-                self._collective_failed(why)
-                return
-            on_done((ack.ok, None if ack.pending else runtime.take_prepare_ack(), ack.reason))
-            return
-        with self._allowed_lock:
-            on_done, self._on_exchanged = self._on_exchanged, None
-        on_done((False, runtime.take_prepare_ack(), "the prepare ended before its exchange"))
 
     def _collective_failed(self, why: str) -> None:
         """A transition collective failed outside a command: the peer-loss guard (PeerLossGuard in

@@ -53,8 +53,7 @@ class MigrationDriver:
                      ).labels(path=path).inc(size_bytes)
 
     async def drive(self, msg: TopologyPrepare, pending):
-        """Wait for the span's exchange (once the new runner is built), then run the pre-copy; returns the
-        final prepare ack."""
+        """Run the pre-copy of a pending prepare to its end; returns the final prepare ack."""
         loop = asyncio.get_running_loop()
         backend = self.session.backend
         epoch = msg.epoch
@@ -62,15 +61,6 @@ class MigrationDriver:
         started_unix_ms = drive_start_unix_ms - pending.duration_ms  # (a step later at most: close enough)
         deadline_unix_ms = started_unix_ms + self.budget_ms
         worker_of = {g.start + i: wid for g in msg.groups for i, wid in enumerate(g.worker_ids)}
-        exchanged = loop.create_future()
-        backend.when_exchanged(lambda result: loop.call_soon_threadsafe(
-            lambda: exchanged.done() or exchanged.set_result(result)))
-        self.session.wake()
-        ok, final, error = await exchanged
-        if final is not None:  # failed, or nothing to copy
-            return final
-        if not ok:
-            return dataclasses.replace(pending, ok=False, pending=False, reason=f"prepare exchange failed: {error}")
         flows = backend.precopy_flows()
         remote = [f for f in flows if not f.local]
         local = [f for f in flows if f.local]
@@ -131,7 +121,7 @@ class MigrationDriver:
         span.set_attribute("nitsum.permits_ms", round(permits_ms, 3))
         timings = getattr(backend.runtime, "last_prepare_timings_ms", {})
         span.set_attribute("nitsum.prepare_step_ms", round(pending.duration_ms, 3))
-        log.info("epoch %d: prepare step %.1f ms, then (%s), pre-copy of %d flow(s) + %d local copy(ies), %d chunk(s), "
+        log.info("epoch %d: prepare step %.1f ms (%s), then pre-copy of %d flow(s) + %d local copy(ies), %d chunk(s), "
                  "%d bytes, done %.1f ms after the pending prepare ack (permits %.1f ms)%s", epoch, pending.duration_ms,
                  ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
                  len(remote), len(local), sum(len(f.chunks) for f in flows), sum(f.size_bytes for f in flows),

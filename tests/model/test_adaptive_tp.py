@@ -235,11 +235,10 @@ def test_precopy_runs_between_decode_steps_of_the_old_groups(node_run):
     assert prepare_ack[0] == 5 and prepare_ack[3] is True
     decoded_during = {r[1] for r in leader2["records"] if 4 <= r[0] < prepare_ack[0]}
     assert decoded_during == {"c"}  # its request produced a token while its KV was being pre-copied
-    # Every epoch pre-copied in rounds on some leader (not all at once in the prepare step); epoch 3's only
-    # round is the exchange at which the span agreed on worker 3's failure (nothing was copied).
+    # Every epoch that got past its prepare exchange pre-copied in rounds on some leader (not all at once
+    # in the prepare step); epoch 3 failed at the exchange.
     rounds = {r[1] for rep in reports for r in rep["precopy_rounds"]}
-    assert rounds == {1, 2, 3, 4, 5, 6, 7, 8}
-    assert sum(r[2] for rep in reports for r in rep["precopy_rounds"] if r[1] == 3) == 0
+    assert rounds == {1, 2, 4, 5, 6, 7, 8}
 
 
 def test_kv_moved_through_shared_memory_and_no_segment_is_left(node_run):

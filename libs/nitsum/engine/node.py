@@ -63,7 +63,7 @@ from nitsum.model.loader import read_raw_config
 from nitsum.model.tokenizer import Tokenizer
 from nitsum.parallel.world import NodeWorld
 
-COMMAND_KINDS = ("prepare", "commit", "abort", "precopy", "exchange")
+COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
 KV_PATHS = ("auto", "shm", "p2p")
 
 
@@ -115,16 +115,16 @@ class _Prepared:
     dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)  # old leader: request -> preemptions at prepare
     acked: bool = False  # the final prepare ack was produced
-    stage: str = "ready"  # "building": the new runner is built in a thread; the span has not exchanged yet
-    build: _Build | None = None
+    build: _Build | None = None  # the new runner, built in a thread (shm path) until commit needs it
     segment: str | None = None  # this worker's new-cache segment name (shm path)
-    error: str = ""  # this worker's own prepare failure, told to the span at the exchange
+    new_cache: torch.Tensor | None = None  # its new KV cache in that segment (the runner adopts it at commit)
 
 
 class _Build:
-    """The new runner (with its shared-memory cache) built in a thread while the old group keeps decoding:
-    weights are views, so this is module construction, rope tables and a cache allocation (100-400 ms on
-    a loaded 2-core host for the ~27M model) -- time the old group would otherwise not decode."""
+    """The new runner built in a thread while the old group keeps decoding: weights are views, so this is
+    module construction and rope tables (100-400 ms on a loaded 2-core host for the ~27M model) -- time the
+    old group would otherwise not decode. Nothing needs it before commit: pre-copy writes into the new
+    cache, which prepare allocates itself (so that a lack of memory refuses the epoch in prepare)."""
 
     def __init__(self, fn: Callable[[], ModelRunner]) -> None:
         self.runner: ModelRunner | None = None
@@ -276,13 +276,7 @@ class NodeRuntime:
             if cmd.kind == "precopy":
                 self._run_precopy(cmd)
                 return "precopy"
-            if cmd.kind == "exchange":
-                prepared = self._prepared
-                if prepared is not None and prepared.epoch == cmd.epoch and prepared.stage == "building":
-                    ack = self._exchange(prepared)
-                    if not ack.pending:
-                        self._prepare_done = ack
-                return "precopy"
+
             self.last_ack = self.apply(cmd)
         elif plan.kind == PLAN_KIND_NOOP:
             pass
@@ -297,39 +291,12 @@ class NodeRuntime:
         prepared = self._prepared
         return prepared is not None and prepared.span is not None and not prepared.acked
 
-    @property
-    def prepare_building(self) -> bool:
-        """The new runner is being built (or built) but the span has not exchanged its plans yet."""
-        prepared = self._prepared
-        return prepared is not None and prepared.stage == "building"
-
-    def build_done(self, wait_s: float = 0.0) -> bool:
-        prepared = self._prepared
-        if prepared is None or prepared.build is None:
-            return True
-        if wait_s > 0:
-            prepared.build.wait(wait_s)
-        return prepared.build.done
-
     def precopy_flows(self) -> tuple[MigrationFlow, ...]:
         """The migration flows this worker's old group still has to pre-copy (its leader drives them)."""
         prepared = self._prepared
         if prepared is None or prepared.precopy is None or prepared.acked:
             return ()
         return prepared.precopy.flows
-
-    def exchange(self) -> TransitionAck:
-        """Leader, at a step boundary once its own build is done: every member of the group exchanges
-        block tables and cache mappings with the span (a rendezvous with the other old groups' leaders);
-        returns the pending ack (pre-copy starts) or the final one (failed, or nothing to copy)."""
-        assert self.is_leader and self.prepare_building, "the leader starts the exchange of a building prepare"
-        prepared = self._prepared
-        assert prepared is not None
-        self._broadcast(NodeCommand("exchange", prepared.epoch))
-        ack = self._exchange(prepared)
-        if not ack.pending:
-            self._prepare_done = ack
-        return ack
 
     def precopy(self, items: list[tuple[int, int]] | None = None) -> int | None:
         """Leader of an old group, between two steps: run these (flow, chunk) items on every member (default:
@@ -338,9 +305,6 @@ class NodeRuntime:
         assert self.is_leader, "the old group's leader drives its pre-copy"
         if not self.precopy_pending:
             return None
-        if self.prepare_building:
-            if self.exchange().pending is False:
-                return 0  # failed, or nothing to copy: the final ack is ready
         prepared = self._prepared
         assert prepared is not None and prepared.precopy is not None
         chunks = tuple(items) if items is not None else tuple(prepared.precopy.next_items())
@@ -364,7 +328,16 @@ class NodeRuntime:
             return
         prepared.acked = True
         sent = prepared.precopy.bytes_sent if prepared.precopy is not None else 0
+        if not reason:
+            reason = self._build_error(prepared)
         self._prepare_done = TransitionAck(prepared.epoch, not reason, "prepare", reason, _ms(prepared.t0), sent)
+
+    def _build_error(self, prepared: _Prepared) -> str:
+        """Wait for this worker's new runner (normally built long before) and say whether it failed."""
+        if prepared.build is None:
+            return ""
+        prepared.build.wait()
+        return f"worker {self.rank}: {prepared.build.error}" if prepared.build.error else ""
 
     def take_prepare_ack(self) -> TransitionAck | None:
         """The final ack of a prepare whose pre-copy just completed (once), else None."""
@@ -385,8 +358,6 @@ class NodeRuntime:
         return ack
 
     def prepare(self, epoch: int, new: Topology) -> TransitionAck:
-        """Accept the epoch and start building the new runner; the span's exchange follows (shm: at a later
-        step boundary, `exchange`; p2p: right here, with the whole copy)."""
         t0 = time.perf_counter()
         self._prepare_done = None  # an earlier epoch's final ack nobody took (a peer's) is stale now
         if epoch <= self.epoch:
@@ -398,49 +369,26 @@ class NodeRuntime:
         if span is None or self.rank not in span.workers:
             self._prepared = _Prepared(epoch, new, None, t0=t0, acked=True)
             return TransitionAck(epoch, True, "prepare", "not affected", _ms(t0))
-        _, born = changed_groups(old, new)
-        my_new = new.group_of(self.rank)
-        error = ""
+        gone, born = changed_groups(old, new)
+        my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
+        prepared = _Prepared(epoch, new, span, t0=t0)
+        self._prepared = prepared
+        reason = ""
         try:
             if self._failure_hook is not None:
                 self._failure_hook("prepare", epoch)
+            if my_new in born:
+                prepared.build = _Build(lambda: self._new_runner(my_new))
+                if self.kv_path == "shm":
+                    prepared.segment = kv_segment.segment_name(self.node_tag, epoch, self.rank)
+                    prepared.new_cache = kv_segment.create(prepared.segment, self._cache_shape(my_new.tp), self._dtype)
+                else:  # p2p receives into the new runner's own cache right here
+                    prepared.runner = self._wait_runner(prepared)
         except (RuntimeError, MemoryError, ValueError, OSError) as exc:
-            # An expected boundary failure (injected fault): the span still exchanges, so that every
-            # worker agrees to refuse the epoch.
-            error = f"worker {self.rank}: {type(exc).__name__}: {exc}"
-        build, segment = None, None
-        if not error and my_new in born:
-            segment = kv_segment.segment_name(self.node_tag, epoch, self.rank) if self.kv_path == "shm" else None
-            build = _Build(lambda: self._build_runner(my_new, segment))
-        prepared = _Prepared(epoch, new, span, t0=t0, stage="building", build=build, segment=segment, error=error)
-        self._prepared = prepared
-        self.last_prepare_timings_ms = {}
-        if self.kv_path == "p2p":
-            return self._exchange(prepared)
-        return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0, pending=True)
-
-    def _build_runner(self, group: Group, segment: str | None) -> ModelRunner:
-        runner = self._new_runner(group)
-        if segment is not None:
-            runner.kv_cache = kv_segment.create(segment, tuple(runner.kv_cache.shape), runner.kv_cache.dtype)
-        return runner
-
-    def _exchange(self, prepared: _Prepared) -> TransitionAck:
-        """Every member of the span, at the same point of the command stream: agree on the epoch, plan,
-        map the new caches (shm) or move every full block (p2p). Drops the prepared state on failure."""
-        t0, epoch, span = prepared.t0, prepared.epoch, prepared.span
-        assert span is not None and prepared.stage == "building", "one exchange per prepared epoch"
-        old, new = self.topology, prepared.new
-        gone, born = changed_groups(old, new)
-        my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
-        timings = self.last_prepare_timings_ms = {"exchange_start": _ms(t0)}
-        build, segment = prepared.build, prepared.segment
-        if build is not None:
-            build.wait()
-        runner = build.runner if build is not None else None
-        reason = prepared.error or (f"worker {self.rank}: {build.error}" if build is not None and build.error else "")
-        prepared.stage, prepared.build = "exchanged", None
-        timings["built"] = _ms(t0)
+            # An expected boundary failure (allocation, injected fault): every worker must still take
+            # part in the exchange below so that all of them agree to refuse the epoch.
+            reason = f"worker {self.rank}: {type(exc).__name__}: {exc}"
+        timings = self.last_prepare_timings_ms = {"allocated": _ms(t0)}
         local = self._kv_snapshot(my_old, gone)
         try:
             parts = self.world.all_gather_bytes(
@@ -458,10 +406,10 @@ class NodeRuntime:
         requests = [_kv_unwire(w) for _, _, entries in decoded for w in entries]
         timings["exchanged"] = _ms(t0)
         plan = plan_prepare(old, new, requests, self.geometry, self._num_blocks_of)
-        prepared.plan, prepared.runner = plan, runner
+        prepared.plan = plan
         timings["planned"] = _ms(t0)
         if self.kv_path == "p2p":
-            moved = self._move(plan, my_old, my_new, gone, born, runner)
+            moved = self._move(plan, my_old, my_new, gone, born, prepared.runner)
             self.bytes_by_path["p2p"] += moved
             prepared.acked = True
             return TransitionAck(epoch, True, "prepare", "", _ms(t0), moved)
@@ -470,15 +418,18 @@ class NodeRuntime:
         problem = ""
         try:
             if my_old in gone:
-                dst_caches = self._map_new_caches(epoch, born, runner)
+                dst_caches = self._map_new_caches(epoch, born, prepared.new_cache)
         except (OSError, RuntimeError) as exc:
             problem = f"worker {self.rank}: cannot map the new KV caches: {type(exc).__name__}: {exc}"
         timings["mapped"] = _ms(t0)
         try:
             answers = self.world.all_gather_bytes(msgpack.packb(problem), span.start, span.tp)
+        except BaseException:
+            self._drop(prepared)
+            raise
         finally:
-            if segment is not None:
-                kv_segment.unlink(segment)
+            if prepared.segment is not None:
+                kv_segment.unlink(prepared.segment)
         timings["agreed"] = _ms(t0)
         problems = [p for p in (msgpack.unpackb(a, raw=False) for a in answers) if p]
         if problems:
@@ -495,11 +446,27 @@ class NodeRuntime:
         if prepared.precopy is not None and not prepared.precopy.complete:
             return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0, pending=True)
         prepared.acked = True
-        return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0)
+        error = self._build_error(prepared)
+        return TransitionAck(epoch, not error, "prepare", error, _ms(t0), 0)
+
+    def _wait_runner(self, prepared: _Prepared) -> ModelRunner:
+        """The built new runner (raises RuntimeError when its build failed), with the new cache adopted."""
+        assert prepared.build is not None, "a changed worker builds a new runner"
+        prepared.build.wait()
+        if prepared.build.error:
+            raise RuntimeError(prepared.build.error)
+        runner = prepared.build.runner
+        assert runner is not None
+        if prepared.new_cache is not None:
+            assert tuple(runner.kv_cache.shape) == tuple(prepared.new_cache.shape), "the new cache fits the runner"
+            runner.kv_cache = prepared.new_cache
+        return runner
 
     def _drop(self, prepared: _Prepared) -> None:
         """A failed prepare: nothing of it stays (runner, cache, mappings, segment name)."""
         prepared.acked = True
+        if prepared.build is not None:
+            prepared.build.wait()  # no thread outlives its epoch
         if prepared.segment is not None:
             kv_segment.unlink(prepared.segment)
         if self._prepared is prepared:
@@ -518,19 +485,17 @@ class NodeRuntime:
             span = prepared.span
             gone, born = changed_groups(old, new)
             my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
-            if prepared.stage == "building":
-                # Committed before the exchange (a scripted commit): every member exchanges here, first.
-                done = self._exchange(prepared)
-                if not done.ok:
-                    self._prepare_done = done
-                    return TransitionAck(epoch, False, "commit", f"its prepare failed: {done.reason}", _ms(t0))
-                if not done.pending:
-                    self._prepare_done = done
             if prepared.precopy is not None:
                 # Normally nothing is left: the coordinator commits after every prepare ack. A scripted
                 # commit may come earlier; the rest is one-sided, so it runs right here.
                 self.bytes_by_path["shm"] += prepared.precopy.finish_mine()
                 self._maybe_finish_prepare(prepared, force=True)
+            build_error = ""
+            if prepared.build is not None and prepared.runner is None:
+                try:
+                    prepared.runner = self._wait_runner(prepared)
+                except RuntimeError as exc:  # told to the span below: nobody switches
+                    build_error = f"worker {self.rank}: new runner: {exc}"
             states, invalid = [], []
             if self.is_leader and my_old in gone:
                 assert self.engine is not None
@@ -541,13 +506,20 @@ class NodeRuntime:
                            if rid in self.engine._seqs and self.engine._seqs[rid].num_preemptions != n]
             local = self._kv_snapshot(my_old, gone)
             parts = self.world.all_gather_bytes(
-                msgpack.packb([states, [_kv_wire(r) for r in local], self._step_id(), invalid], use_bin_type=True),
+                msgpack.packb([states, [_kv_wire(r) for r in local], self._step_id(), invalid, build_error],
+                              use_bin_type=True),
                 span.start, span.tp,
             )
             decoded = [msgpack.unpackb(p, raw=False) for p in parts]
-            requests = [_kv_unwire(w) for _, entries, _, _ in decoded for w in entries]
+            errors = [e for *_, e in decoded if e]
+            if errors:
+                # Every worker saw the same: all keep the old topology (normally the leader's final prepare
+                # ack already refused the epoch; a peer's build failure is only known here).
+                self._drop(prepared)
+                return TransitionAck(epoch, False, "commit", "; ".join(errors), _ms(t0))
+            requests = [_kv_unwire(w) for _, entries, _, _, _ in decoded for w in entries]
             assert prepared.plan is not None, "a prepared span worker has a plan"
-            stale = {rid for *_, inv in decoded for rid in inv}
+            stale = {rid for _, _, _, inv, _ in decoded for rid in inv}
             plan = prepared.plan
             if stale:
                 plan = dataclasses.replace(plan, src_tables={rid: (() if rid in stale else t)
@@ -569,9 +541,9 @@ class NodeRuntime:
                 self.engine = None
                 if my_new.leader == self.rank:
                     engine = self._new_engine(my_new, prepared.runner)
-                    engine._step_id = max(step for _, _, step, _ in decoded)
+                    engine._step_id = max(step for _, _, step, _, _ in decoded)
                     placements = {p.request_id: p for p in delta.placements if p.dst_group == my_new}
-                    states = [s for st, _, _, _ in decoded for s in st if s["id"] in placements]
+                    states = [s for st, *_ in decoded for s in st if s["id"] in placements]
                     migration.install_states(engine, states, placements)
                     engine.check_integrity()
                     self.engine = engine
@@ -583,11 +555,8 @@ class NodeRuntime:
     def abort(self, epoch: int) -> TransitionAck:
         prepared = self._prepared
         if prepared is not None and prepared.epoch == epoch:
-            if prepared.build is not None:
-                prepared.build.wait()  # its runner and cache go with it
-            # A prepare still building or pre-copying gets its answer now: it never completed.
-            self._maybe_finish_prepare(prepared, force=True, reason="aborted during pre-copy"
-                                       if prepared.stage != "building" else "aborted before its exchange")
+            # A prepare still pre-copying gets its answer now: it never completed.
+            self._maybe_finish_prepare(prepared, force=True, reason="aborted during pre-copy")
             self._drop(prepared)  # the new runner, its cache, views and mappings go with it
             return TransitionAck(epoch, True, "abort")
         if epoch <= self.epoch:
@@ -611,15 +580,15 @@ class NodeRuntime:
         return (cfg.num_layers, 2, self._num_blocks_of[tp], self.cfg.block_size, loader.kv_heads_per_rank(cfg, tp),
                 cfg.head_dim)
 
-    def _map_new_caches(self, epoch: int, born: tuple[Group, ...], runner: ModelRunner | None):
+    def _map_new_caches(self, epoch: int, born: tuple[Group, ...], own: torch.Tensor | None):
         """Every new cache of the span (this worker's own included), with the global heads it holds."""
         heads = self.model_config.num_kv_heads
         caches = {}
         for g in born:
             for w in g.workers:
                 if w == self.rank:
-                    assert runner is not None, "a changed worker built its new runner"
-                    cache = runner.kv_cache
+                    assert own is not None, "a changed worker allocated its new cache"
+                    cache = own
                 else:
                     cache = kv_segment.attach(kv_segment.segment_name(self.node_tag, epoch, w), self._cache_shape(g.tp),
                                               self._dtype)
@@ -657,11 +626,31 @@ class NodeRuntime:
         solo = Group(self.rank, 1)
         self.topology = Topology.uniform(self.world.size, 1)
         if old.tp == 1 and self.engine is not None:
-            return []
-        dropped = sorted(self.engine._seqs) if self.engine is not None else []
-        self.runner = self._new_runner(solo)
-        self.engine = self._new_engine(solo, self.runner)
+            dropped = []
+        else:
+            dropped = sorted(self.engine._seqs) if self.engine is not None else []
+            self.runner = self._new_runner(solo)
+            self.engine = self._new_engine(solo, self.runner)
+        self.drop_communicators(keep=None)
         return dropped
+
+    def drop_communicators(self, keep: Group | None) -> int:
+        """After a peer loss: tear down this worker's pre-built process groups, all but `keep`'s. A member still
+        waiting in a collective of one of them (gloo: the dead worker's ring neighbour waits for data that never
+        comes) then fails at once ("connection closed") instead of at the world timeout. gloo closes a group's
+        connections only when its last reference goes: the caller drops what it held (a failed prepare's
+        runner, the traceback) first. Returns how many groups went. NodeWorld has no public way to drop one
+        group, hence its table is edited here."""
+        import gc
+
+        import torch.distributed as dist
+
+        groups = self.world._groups  # (start, tp) -> process group (None at TP=1: there is nothing to drop)
+        doomed = [key for key, pg in groups.items() if pg is not None and (keep is None or key != (keep.start, keep.tp))]
+        for key in doomed:
+            dist.destroy_process_group(groups.pop(key))
+        gc.collect()  # runners and engines of a failed step may sit in reference cycles
+        return len(doomed)
 
 
 def _ms(t0: float) -> float:
