@@ -100,7 +100,7 @@ class ClusterConfig:
 class _Req:
     __slots__ = ("rid", "tier", "ttft_slo", "tpot_slo", "weight", "arrival", "prompt", "output", "prefill_done",
                  "first_token", "finish", "group", "join_step", "base_gen", "error", "in_prefill", "kv_tokens",
-                 "deadline", "index", "path_ms", "stalled")
+                 "deadline", "path_ms", "stalled")
 
     def __init__(self, rid: str, t: TraceRequest, tier: Tier) -> None:
         self.rid = rid
@@ -121,7 +121,6 @@ class _Req:
         self.in_prefill = False
         self.kv_tokens = 0  # KV reserved on its group (prompt + output, reserved up front: no preemption)
         self.deadline = t.arrival_ms + tier.ttft_ms  # TTFT deadline: prefill order is EDF
-        self.index = 0  # position in the workload
         self.path_ms = 0.0  # service model: the client sees its tokens this much later
         self.stalled = False  # service model: ... and all at once
 
@@ -347,7 +346,7 @@ class ClusterSim:
         index, t, path_ms, stalled = payload
         tier = self.tiers.get(t.tier) or DEFAULT_TIERS["interactive"]
         r = _Req(f"r{index}", t, tier)
-        r.index, r.path_ms, r.stalled = index, path_ms, stalled
+        r.path_ms, r.stalled = path_ms, stalled
         self.reqs.append(r)
         self.recent.append(r)
         snap = self.snapshot(full=False)

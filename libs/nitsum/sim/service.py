@@ -17,7 +17,7 @@ rows it does not evaluate) and draws from them with a seeded generator:
 - `stalled` (paired with `path_ms`): the calibration request's tokens all reached the client at once (live
   TPOT 0: the delivery path stalled until the decode was over, so its path sample holds the whole decode). A
   request drawing such a sample sees its tokens at once too: its record's TPOT is 0. On a loaded machine up
-  to a fifth of the requests do; leaving them out put the simulated TPOT p50 26 % over the live one.
+  to a quarter of a session's requests do; leaving them out put the simulated TPOT p50 26 % over the live one.
 - `step_ratios`: live decode-step period / the table's; scales every decode-only step. The slowdowns of a
   shared machine are an outside process in wall-clock time that lasts longer than a step, so the ratio is drawn
   per window of `noise_window_ms` of simulated time: window k's ratio is the k-th draw whatever happens in
@@ -43,7 +43,7 @@ from nitsum.metrics import RequestRecord
 
 @dataclass(frozen=True)
 class ServiceModel:
-    path_ms: tuple[float, ...] = (0.0,)  # samples, ms from send to the engine queue (end to end: see above)
+    path_ms: tuple[float, ...] = (0.0,)  # samples, ms added to what the client sees (end to end: see above)
     stalled: tuple[bool, ...] = ()  # per path sample: its tokens came at once (empty: none did)
     step_ratios: tuple[float, ...] = (1.0,)  # samples of live decode-step period / table step time
     noise_window_ms: float = 0.0  # a drawn step ratio holds this long; 0: a fresh draw every step
