@@ -89,6 +89,20 @@ def test_segment_of_another_size_is_refused_and_a_stale_one_is_replaced():
             kv_segment.attach(name, (4, 8), torch.float32)
         with pytest.raises(AssertionError):
             kv_segment.attach("../etc/passwd", (1,), torch.float32)
+        with pytest.raises(OSError, match="no room"):
+            kv_segment.create(kv_segment.segment_name(tag, 2, 0), (1 << 62,), torch.uint8)
     finally:
         kv_segment.unlink(name)
+    # Sparse at creation, its pages reserved later (after the name is gone, as prepare does it).
+    sparse = kv_segment.segment_name(tag, 3, 0)
+    try:
+        seg = kv_segment.create(sparse, (256, 1024), torch.float32, reserve=False)
+        reserve = kv_segment.reserver(sparse)
+        assert os.stat(os.path.join(kv_segment.SHM_DIR, sparse)).st_blocks == 0
+        kv_segment.unlink(sparse)
+        reserve()
+        seg[-1, -1] = 3.0
+        assert seg.sum().item() == 3.0
+    finally:
+        kv_segment.unlink(sparse)
     assert kv_segment.leftovers(tag) == []

@@ -378,11 +378,16 @@ class NodeRuntime:
             if self._failure_hook is not None:
                 self._failure_hook("prepare", epoch)
             if my_new in born:
-                prepared.build = _Build(lambda: self._new_runner(my_new))
                 if self.kv_path == "shm":
-                    prepared.segment = kv_segment.segment_name(self.node_tag, epoch, self.rank)
-                    prepared.new_cache = kv_segment.create(prepared.segment, self._cache_shape(my_new.tp), self._dtype)
+                    # Sparse here (microseconds); the build thread reserves its pages before anything but
+                    # pre-copy writes into it (/dev/shm's room was checked: a full one refuses the epoch now).
+                    segment = prepared.segment = kv_segment.segment_name(self.node_tag, epoch, self.rank)
+                    prepared.new_cache = kv_segment.create(segment, self._cache_shape(my_new.tp), self._dtype,
+                                                           reserve=False)
+                    reserve = kv_segment.reserver(segment)
+                    prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new))[1])
                 else:  # p2p receives into the new runner's own cache right here
+                    prepared.build = _Build(lambda: self._new_runner(my_new))
                     prepared.runner = self._wait_runner(prepared)
         except (RuntimeError, MemoryError, ValueError, OSError) as exc:
             # An expected boundary failure (allocation, injected fault): every worker must still take
