@@ -146,3 +146,15 @@ def test_path_breakdown_places_spans_on_the_client_clock():
     assert row["request_id"] == "req-0"
     assert {k: row[k] for k in expected} == pytest.approx(expected, abs=1e-6)
     assert "worker_to_first_token 8.00/8.00" in bf.format_breakdown([row])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--requests", "60"], "--requests at most 50"),
+    (["--sessions", "2", "--url", "http://127.0.0.1:1"], "1 with --url"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--device-table", "/nonexistent.json"], "no such file"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bf.main(argv)
+    assert message in capsys.readouterr().err
