@@ -6,12 +6,12 @@ topology keeps serving. Epochs only grow (above every epoch a worker reports, so
 never reuses one). Each phase is timed into `nitsum_reconfiguration_duration_ms{phase}` and a span.
 
 A worker of the node that dies mid-transition leaves its peers in a collective that fails ("connection
-closed") or times out. The agent does not wait for every ack then: the first failed ack, or the loss of a
-worker of the node (membership: heartbeat timeout or restart, `worker_lost`), ends the phase at once and
-Abort goes to the surviving leaders; the report says `aborted` and whom the node lost, and the abort acks
+closed") or times out. The agent does not wait for every ack then: the loss of a worker of the node
+(membership: heartbeat timeout or restart, `worker_lost`) ends the phase at once and Abort goes to the
+surviving leaders (so does a phase whose acks all came back with a failure, as before); the report says `aborted` and whom the node lost, and the abort acks
 are added to the history entry as they come (survivors answer once their own collectives have failed).
 The requests of a lost worker are announced by the coordinator as for any loss (the gateways re-submit
-them); survivors whose group lost a member fall back to TP=1 and re-queue theirs (services/worker/main.py).
+them); survivors whose group lost a member fall back to TP=1 and re-queue theirs (services/worker/peer_loss.py).
 """
 
 from __future__ import annotations
@@ -157,9 +157,12 @@ class TransitionAgent:
         self.history.append(report)
         del self.history[:-20]
 
-    async def _gather(self, leaders, message, timeout_s: float, phase: str, epoch: int, watch: _Watch, stop_on_failure: bool = True) -> tuple[list[TopologyAck], str]:
-        """Every leader's ack, or fewer: the phase stops at the first failed ack or when a worker of the node
-        is lost (its peers sit in a collective that cannot complete). Returns (acks so far, why it stopped or "")."""
+    async def _gather(self, leaders, message, timeout_s: float, phase: str, epoch: int, watch: _Watch) -> tuple[list[TopologyAck], str]:
+        """Every leader's ack, or fewer when a worker of the node is lost meanwhile: its peers may sit in a
+        collective that cannot complete, so waiting on would only wait out their timeouts. A failed ack does
+        not end the phase early: the other span members are still in (or about to enter) the exchange, which
+        every member joins even when it refuses, and an Abort sent now would queue behind it anyway.
+        Returns (acks, why the phase failed or "")."""
         bus = self.c.bus
 
         async def one(record) -> TopologyAck:
@@ -176,16 +179,14 @@ class TransitionAgent:
                 done, pending = await asyncio.wait(pending | {lost}, return_when=asyncio.FIRST_COMPLETED)
                 pending.discard(lost)
                 acks.extend(t.result() for t in done if t is not lost)
-                failed = [f"{a.worker_id}: {a.reason}" for a in acks if not a.ok]
                 if watch.lost:
-                    return acks, "; ".join(f"worker {w} lost ({why})" for w, why in watch.lost) + "".join(f"; {f}" for f in failed)
-                if failed and stop_on_failure:
-                    return acks, "; ".join(failed)
+                    failed = "".join(f"; {a.worker_id}: {a.reason}" for a in acks if not a.ok)
+                    return acks, "; ".join(f"worker {w} lost ({why})" for w, why in watch.lost) + failed
         finally:
             # Late acks of a stopped phase have no reader (the worker's reply goes nowhere).
             for task in pending | {lost}:
                 task.cancel()
-        return acks, ""
+        return acks, "; ".join(f"{a.worker_id}: {a.reason}" for a in acks if not a.ok)
 
     def _abort(self, node_id: str, epoch: int, phase: str, why: str, leaders, watch: _Watch, span, t0: float, current: Topology) -> dict:
         """Record the failed transition and send Abort to the leaders still alive. The report goes back now;
@@ -203,7 +204,7 @@ class TransitionAgent:
         self._record(report)
 
         async def send() -> None:
-            acks, _ = await self._gather(survivors, TopologyAbort(node_id, epoch, why), ABORT_TIMEOUT_S, "abort", epoch, _Watch(()), stop_on_failure=False)
+            acks, _ = await self._gather(survivors, TopologyAbort(node_id, epoch, why), ABORT_TIMEOUT_S, "abort", epoch, _Watch(()))
             report["abort_acks"] = [{"worker_id": a.worker_id, "ok": a.ok, "reason": a.reason} for a in acks]
             log.info("node %s: abort of epoch %d answered: %s", node_id, epoch, report["abort_acks"])
 

@@ -5,6 +5,8 @@ docstring for what a survivor does. Built by services/worker/main.py for every n
 from __future__ import annotations
 
 import logging
+import sys
+import traceback
 
 from nitsum_services.worker.backend import NodeBackend
 
@@ -51,16 +53,19 @@ class PeerLossGuard(NodeBackend):
         try:
             return super().command(cmd)
         except Exception as exc:  # a collective of the transition failed (a peer died or timed out)
-            why = f"{cmd.kind} of epoch {cmd.epoch} failed: {type(exc).__name__}: {_first_line(exc)}"
-            self._after_failure(why, in_transition=True)
-            return TransitionAck(cmd.epoch, False, cmd.kind, why)
+            why = f"{cmd.kind} of epoch {cmd.epoch} failed: {_describe(exc)}"
+        # Handled outside the except block: its traceback holds the failed prepare's frames (and through them
+        # the process group to tear down, which gloo closes only once nothing refers to it).
+        self._after_failure(why, in_transition=True)
+        return TransitionAck(cmd.epoch, False, cmd.kind, why)
 
     def follow(self) -> str:
         try:
             return super().follow()
         except Exception as exc:  # the leader's broadcast or a transition's exchange failed
-            self._after_failure(f"following the group leader failed: {type(exc).__name__}: {_first_line(exc)}", in_transition=True)
-            return "noop"
+            why = f"following the group leader failed: {_describe(exc)}"
+        self._after_failure(why, in_transition=True)
+        return "noop"
 
     def step(self):
         if self.runtime.group.tp == 1:
@@ -68,21 +73,35 @@ class PeerLossGuard(NodeBackend):
         try:
             return super().step()
         except Exception as exc:  # a step collective failed: the group is out of lockstep for good
-            self._after_failure(f"a TP step failed: {type(exc).__name__}: {_first_line(exc)}", in_transition=False)
-            return []
+            why = f"a TP step failed: {_describe(exc)}"
+        self._after_failure(why, in_transition=False)
+        return []
 
     def idle_tick(self) -> None:
         try:
             super().idle_tick()
+            return
         except Exception as exc:  # the keepalive broadcast failed: a peer is gone
-            self._after_failure(f"keepalive failed: {type(exc).__name__}: {_first_line(exc)}", in_transition=False)
+            why = f"keepalive failed: {_describe(exc)}"
+        self._after_failure(why, in_transition=False)
 
     def _after_failure(self, why: str, in_transition: bool) -> None:
+        """What this worker does after a failed collective (also called by NodeBackend for the exchange and
+        pre-copy rounds it runs between steps, from inside their except blocks)."""
+        failing = sys.exc_info()[2]
+        if failing is not None:
+            # The failed frames' locals (the collective's process group among them) would outlive the
+            # teardown below; finished frames can be cleared, the running ones are skipped.
+            traceback.clear_frames(failing)
+        del failing
         runtime = self.runtime
         group = runtime.group
         log.error("node world collective failed (group %s, epoch %d): %s", group, runtime.epoch, why)
+        runtime.close()  # whatever the failed transition prepared goes (KV segment names too)
+        # Every other group this worker is in goes now: whoever still waits in one of them (the failed
+        # exchange's ring) fails at once rather than at the world timeout, and reaches its own check.
+        runtime.drop_communicators(keep=group if group.tp > 1 else None)
         if in_transition and group.tp > 1 and self._group_answers(group):
-            runtime.close()  # whatever the failed transition prepared goes (KV segment names too)
             runtime.world_lost = why
             log.warning("group %s is whole: it keeps serving at TP=%d; no more TP changes on this node", group, group.tp)
             return
@@ -104,3 +123,7 @@ class PeerLossGuard(NodeBackend):
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else ""
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_first_line(exc)}"
