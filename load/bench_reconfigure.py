@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
@@ -118,6 +119,30 @@ def transition_gaps(token_times_ms: Sequence[Sequence[float]],
 def stalls(token_times_ms: Sequence[Sequence[float]], threshold_ms: float) -> int:
     """Inter-token gaps of at least threshold_ms: a hand-off the gateway did not follow shows as one."""
     return sum(1 for times in token_times_ms for a, b in zip(times, times[1:]) if b - a >= threshold_ms)
+
+
+_PRECOPY_LINE = re.compile(
+    r"epoch (\d+): prepare step ([\d.]+) ms .*?pre-copy of (\d+) flow\(s\) \+ (\d+) local copy\(ies\), "
+    r"(\d+) chunk\(s\), (\d+) bytes, done ([\d.]+) ms")
+
+
+def precopy_stats(log_lines: Sequence[str]) -> dict[int, dict[str, float]]:
+    """Per epoch, from the old group leaders' log lines (services/worker/migration_flows.py): the longest
+    prepare step (the part of prepare that stops a group), stage-M flows, chunks and bytes pre-copied (all
+    leaders), and the latest pre-copy end after its prepare ack was pending."""
+    out: dict[int, dict[str, float]] = {}
+    for line in log_lines:
+        m = _PRECOPY_LINE.search(line)
+        if m is None:
+            continue
+        epoch = int(m.group(1))
+        row = out.setdefault(epoch, {"prepare_step_ms": 0.0, "flows": 0, "chunks": 0, "bytes": 0, "precopy_ms": 0.0})
+        row["prepare_step_ms"] = max(row["prepare_step_ms"], float(m.group(2)))
+        row["flows"] += int(m.group(3))
+        row["chunks"] += int(m.group(5))
+        row["bytes"] += int(m.group(6))
+        row["precopy_ms"] = max(row["precopy_ms"], float(m.group(7)))
+    return out
 
 
 def restart_ms(stop_ms: float, boot_ms: float, to_target_ms: dict[str, float], target: str) -> float | None:
@@ -416,6 +441,7 @@ def build_live_report(run: dict, restart: dict, histogram: dict | None, meta: di
             "total_ms": t["total_ms"], "admin_rtt_ms": rtt, "max_gap_ms": gap.max_gap_ms,
             "steady_gap_ms": gap.steady_ms, "stream_pause_ms": gap.pause_ms, "stream_pause_steps": gap.pause_steps,
             "streams_across": gap.streams_across, "restart_ms": base, "speedup": base / rtt if base is not None and rtt > 0 else None,
+            **{f"worker_{k}": v for k, v in run.get("precopy", {}).get(t["epoch"], {}).items()},
         })
     return {**meta, "steady_gap_ms": steady_ms, "rows": rows,
             "restart": {k: v for k, v in restart.items() if not k.startswith("_")},
@@ -470,6 +496,8 @@ def live_main(argv: list[str]) -> int:
             print(f"ready in {mesh.workers_ready_ms / 1000:.1f} s; streaming {args.requests} x {args.max_tokens} "
                   f"tokens through {len(CHAIN) * args.rounds} changes ...", flush=True)
             run = asyncio.run(_stream_through_chain(mesh, args))
+            worker_logs = sorted(mesh.run_dir.glob("worker-*.log"))
+            run["precopy"] = precopy_stats([line for path in worker_logs for line in path.read_text(errors="replace").splitlines()])
             histogram = None
             metrics_url = mesh.coordinator_metrics_url()
             if metrics_url:
@@ -506,6 +534,11 @@ def live_main(argv: list[str]) -> int:
     targets = ", ".join(f"{k} +{v:.0f} ms" for k, v in rs["to_target_ms"].items())
     print(f"restart+reload = stop {rs['stop_ms']:.0f} ms + boot {rs['boot_ms']:.0f} ms (/ready at {rs['ready_ms']:.0f} ms; "
           f"store deleted, {rs['store_reloaded_bytes'] / 1e6:.1f} MB re-read) + set-topology on the idle restarted mesh ({targets})")
+    print("worker side, per change: longest prepare step (stops a group) / stage-M flows / pre-copied MB / "
+          "pre-copy end after the pending ack: " + "; ".join(
+              f"{r['transition'].split()[0]} {_fmt(r.get('worker_prepare_step_ms'), '.0f')} ms / "
+              f"{r.get('worker_flows', '-')} / {(r.get('worker_bytes') or 0) / 1e6:.1f} / {_fmt(r.get('worker_precopy_ms'), '.0f')} ms"
+              for r in report["rows"]))
     if histogram:
         print("coordinator histogram (sum ms / count): " + ", ".join(
             f"{k} {v.get('sum', 0):.1f}/{v.get('count', 0):.0f}" for k, v in sorted(histogram.items())))
@@ -523,8 +556,10 @@ def live_main(argv: list[str]) -> int:
 ENGINE_DOC = """Engine level (`--engine`, no NATS): `--workers` worker processes (gloo on 127.0.0.1, one per device, the tiny
 model by default) serve greedy requests while a scripted coordinator merges and splits their groups:
 2xTP2 -> TP4 -> 2xTP2 -> 4xTP1 -> TP4 (with 4 workers). Per transition it reports, as the slowest worker
-saw them, the *prepare* phase (new views + caches, block-table exchange, pre-copy of full blocks; the old
-groups serve before and after it) and the *commit* phase (delta + cutover: the pause), their total, and
+saw them, the *prepare* phase from the command to its final ack (new cache, block-table exchange -- the
+prepare step, which stops the old groups, shown in brackets -- then the pre-copy of full blocks through
+shared memory between the old groups' decode steps, while the new runner is built in a thread) and the
+*commit* phase (delta + cutover: the pause), their total, and
 the decode pause a stream sees: the largest gap between consecutive tokens of one request across the
 commit, next to the median gap between consecutive tokens in steady decoding.
 
@@ -659,9 +694,12 @@ def engine_main(argv: list[str]) -> int:
             for rs in by_request.values() for a, b in zip(rs, rs[1:]) if a[0] < tick <= b[0]
         ]
         prepare_ms, commit_ms = phase("prepare"), phase("commit")
+        # The part of prepare that stops a group (the prepare step; pre-copy then runs between steps).
+        steps = [p[2] for rep in reports for p in rep.get("prepare_steps", []) if p[1] == epoch]
         base = restart[groups[0][1]]
         rows.append({
             "transition": f"{name} -> {_describe(groups)}", "prepare_ms": prepare_ms, "pause_ms": commit_ms,
+            "prepare_step_ms": max(steps) if steps else prepare_ms,
             "total_ms": prepare_ms + commit_ms, "stream_gap_ms": max(gaps) if gaps else float("nan"),
             "streams_across": len(gaps), "restart_ms": base, "speedup": base / (prepare_ms + commit_ms),
             "gap_in_steps": (max(gaps) / step_ms) if gaps else float("nan"),
@@ -669,11 +707,11 @@ def engine_main(argv: list[str]) -> int:
 
     print(f"nitsum bench reconfigure: {args.workers} CPU workers, {args.requests} greedy requests, "
           f"{platform.machine()} {os.cpu_count()} cores; steady decode step (median token gap) {step_ms:.2f} ms")
-    print("| transition | prepare ms | pause (commit) ms | total ms | max stream gap ms (steps) "
+    print("| transition | prepare ms (of it: the step) | pause (commit) ms | total ms | max stream gap ms (steps) "
           "| restart+reload ms | speedup |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['transition']} | {r['prepare_ms']:.1f} | {r['pause_ms']:.1f} | {r['total_ms']:.1f} | "
+        print(f"| {r['transition']} | {r['prepare_ms']:.1f} ({r['prepare_step_ms']:.1f}) | {r['pause_ms']:.1f} | {r['total_ms']:.1f} | "
               f"{r['stream_gap_ms']:.1f} ({r['gap_in_steps']:.1f}) | {r['restart_ms']:.0f} | {r['speedup']:.0f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps({"step_ms": step_ms, "rows": rows, "restart_ms": restart}, indent=2))

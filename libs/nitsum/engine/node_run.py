@@ -167,7 +167,9 @@ def _apply(runtime: NodeRuntime, event: dict, report: dict, tick: int, check) ->
     done = runtime.take_prepare_ack()  # a commit finished the pre-copy: that prepare's ack comes first
     if done is not None:
         _record_ack(report, tick, done)
-    if not ack.pending:
+    if ack.pending:  # accepted; the final ack follows when the pre-copy is done
+        report.setdefault("prepare_steps", []).append([tick, ack.epoch, ack.duration_ms])
+    else:
         _record_ack(report, tick, ack)
     _after(report, ack, check)
 
