@@ -6,7 +6,7 @@ coordinator restart the first heartbeats rebuild everything: each worker lists t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nitsum.policy.snapshot import RequestView
 from nitsum.wire.messages import WorkerStats
@@ -65,6 +65,12 @@ class Membership:
         if record is None:
             record = WorkerRecord(stats=stats, last_seen_s=now_s)
             self.workers[stats.worker_id] = record
+        elif stats.in_world and stats.epoch < record.stats.epoch:
+            # Built before this worker applied a commit the coordinator has already recorded (the group
+            # leader's ack came first): its group fields are stale. Taken as they are, the next transition
+            # would miss a promoted leader, whose span peers then wait for it in the prepare's exchange.
+            s = record.stats
+            stats = replace(stats, tp=s.tp, group_id=s.group_id, leader=s.leader, epoch=s.epoch)
         record.stats = stats
         record.last_seen_s = now_s
         if stats.state == "stopped":

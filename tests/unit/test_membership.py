@@ -68,3 +68,26 @@ def test_arrival_window_measures_recent_arrivals_per_tier():
     assert stats["background"].rate_per_s == 1.0
     assert [a.tier for a in w.stats(now_ms=1200.0)] == ["interactive"]  # the old one left the window
     assert w.stats(now_ms=5000.0) == ()
+
+
+def test_a_heartbeat_from_before_a_recorded_commit_keeps_the_committed_group():
+    """The coordinator records a commit when the old leader acks it; a peer's heartbeat built just before it
+    switched may arrive later and must not undo that (the next prepare would skip a promoted leader)."""
+    from dataclasses import replace
+
+    m = Membership(5.0)
+    peer = replace(_stats("w1", device=1), tp=2, group_id="node0-g0-tp2", leader=False, epoch=1, in_world=True)
+    m.on_stats(peer, 0.0)
+    record = m.workers["w1"]
+    record.stats = replace(record.stats, tp=1, group_id="node0-g1-tp1", leader=True, epoch=2)  # as TransitionAgent does
+    m.on_stats(replace(peer, num_waiting=3), 0.1)  # stale: epoch 1
+    s = m.workers["w1"].stats
+    assert (s.tp, s.group_id, s.leader, s.epoch, s.num_waiting) == (1, "node0-g1-tp1", True, 2, 3)
+    # The worker's own word wins once it has caught up, or once it is out of the world (it left after a
+    # failure: its old epoch is all it will ever report).
+    m.on_stats(replace(peer, tp=1, group_id="node0-g1-tp1", leader=True, epoch=2), 0.2)
+    assert m.workers["w1"].stats.epoch == 2
+    record.stats = replace(record.stats, tp=2, group_id="node0-g0-tp2", leader=False, epoch=3)
+    alone = replace(peer, tp=1, group_id="node0-g1-tp1", leader=True, epoch=2, in_world=False)
+    m.on_stats(alone, 0.3)
+    assert m.workers["w1"].stats == alone
