@@ -1,0 +1,146 @@
+"""A TP transition's pre-copy as stage-M flows, against a real nats-server: the old group leader's driver gets
+permits from the real flow-scheduler (counted there, completions freeing them), runs every chunk in the real
+worker session's step thread between iterations, and answers with the final prepare ack. Without a
+flow-scheduler the same pre-copy runs at the lowest level: a transition never waits on it.
+
+The node side is one leader's real `PreCopy` over small caches (two workers' worth of a node world would need
+two processes; tests/e2e/test_adaptive_tp.py runs the whole thing on a live 4-worker mesh)."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from types import SimpleNamespace
+
+import torch
+from opentelemetry import trace
+
+from nitsum.bus import Bus
+from nitsum.config import CommonConfig, FlowSchedulerConfig
+from nitsum.engine.node import TransitionAck
+from nitsum.engine.precopy import PreCopy, plan_flows, transfer_block_bytes
+from nitsum.kv.reshard import Transfer
+from nitsum.service import ServiceContext
+from nitsum.telemetry.metrics import Metrics
+from nitsum.wire.messages import GroupAssignment, TopologyPrepare
+from nitsum_services.flow_scheduler.main import body
+from nitsum_services.worker.backend import NodeBackend
+from nitsum_services.worker.migration_flows import MigrationDriver
+from nitsum_services.worker.session import WorkerSession
+from nitsum_services.worker.transfer import TransferAgent
+
+LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
+EPOCH = 7
+
+
+class _LeaderRuntime:
+    """What NodeBackend drives on an old group's leader (worker 0): the NodeRuntime calls it uses, over a
+    real PreCopy; worker 1's new cache is just another tensor here (a mapped segment in a node world)."""
+
+    def __init__(self) -> None:
+        shape = (LAYERS, 2, 8, BLOCK, HEADS, DIM)
+        self.old = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+        self.new = {0: torch.zeros(shape), 1: torch.zeros(shape)}
+        transfers = [Transfer(0, 0, 0, LAYERS, 0, HEADS, (1,), (0,)),  # local
+                     Transfer(0, 1, 0, LAYERS, 0, HEADS, (2, 3, 4), (5, 6, 7))]
+        per_block = transfer_block_bytes(transfers[1], BLOCK, DIM, 4)
+        flows = plan_flows(transfers, lambda t: transfer_block_bytes(t, BLOCK, DIM, 4), chunk_bytes=per_block)
+        self.pc = PreCopy(0, [0], transfers, flows, self.old, (0, HEADS),
+                               {w: (cache, (0, HEADS)) for w, cache in self.new.items()})
+        self._prepared = SimpleNamespace(precopy=self.pc)
+        self.final: TransitionAck | None = None
+        self.is_leader, self.engine, self.epoch = True, None, 0
+        self.rounds: list[list[tuple[int, int]]] = []
+
+    @property
+    def precopy_pending(self) -> bool:
+        return not self.pc.complete
+
+    def precopy_flows(self):
+        return self.pc.flows
+
+    def precopy(self, items):
+        self.rounds.append(list(items))
+        sent = self.pc.run(items)
+        if self.pc.complete:
+            self.final = TransitionAck(EPOCH, True, "prepare", "", 1.0, self.pc.bytes_sent)
+        return sent
+
+    def take_prepare_ack(self):
+        ack, self.final = self.final, None
+        return ack
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    @property
+    def group(self):
+        return SimpleNamespace(start=0, tp=2)
+
+
+PREPARE = TopologyPrepare("node0", EPOCH, (GroupAssignment("node0-g0-tp2", 0, 2, "hybrid", ("w0", "w1")),))
+
+
+async def _drive(nats_url: str, permit_timeout_s: float) -> tuple[TransitionAck, _LeaderRuntime, TransferAgent, Metrics]:
+    bus = await Bus.connect(CommonConfig(nats_url=nats_url), "w0")
+    metrics = Metrics("w0")
+    runtime = _LeaderRuntime()
+    session = WorkerSession(NodeBackend(runtime, "m", 64), bus, "w0", metrics, trace.get_tracer("test"))
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(session.run(stop))
+    try:
+        agent = TransferAgent(bus, "w0", metrics, permit_timeout_s=permit_timeout_s)
+        await agent.start()
+        driver = MigrationDriver(session, agent, "w0", metrics, budget_ms=2000.0)
+        pending = TransitionAck(EPOCH, True, "prepare", "", 3.0, 0, pending=True)
+        ack = await asyncio.wait_for(driver.drive(PREPARE, pending), 30)
+        return ack, runtime, agent, metrics
+    finally:
+        stop.set()
+        await asyncio.wait({loop_task}, timeout=5)
+        await bus.drain()
+
+
+def _check_copied(runtime: _LeaderRuntime) -> None:
+    assert torch.equal(runtime.new[0][:, :, 0], runtime.old[:, :, 1])
+    assert torch.equal(runtime.new[1][:, :, [5, 6, 7]], runtime.old[:, :, [2, 3, 4]])
+    # All pairs moved together, one chunk each per step-thread iteration: three rounds for three blocks.
+    assert [sorted(r) for r in runtime.rounds] == [[(0, 0), (1, 0)], [(1, 1)], [(1, 2)]]
+
+
+async def test_precopy_flows_run_under_flow_scheduler_permits(nats_server):
+    fs_bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "flow-scheduler")
+    ctx = ServiceContext("flow-scheduler", FlowSchedulerConfig(nats_url=nats_server.url), Metrics("flow-scheduler"),
+                         AsyncExitStack(), asyncio.Event(), bus=fs_bus)
+    await body(ctx)
+    try:
+        ack, runtime, agent, _ = await _drive(nats_server.url, permit_timeout_s=5.0)
+        assert (ack.epoch, ack.ok, ack.pending, ack.phase) == (EPOCH, True, False, "prepare")
+        per_block = LAYERS * 2 * BLOCK * HEADS * DIM * 4
+        assert ack.bytes_moved == 3 * per_block  # the remote flow only; the local copy crosses no link
+        _check_copied(runtime)
+        assert agent.num_fallbacks == 0 and agent.sent_order == [f"tp-migration-node0-e{EPOCH}-w0-w1"]
+        text = ctx.metrics.render()[0].decode()
+        permits = [line for line in text.splitlines() if line.startswith('nitsum_flow_permits_total{') and 'stage="M"' in line]
+        assert len(permits) == 1 and permits[0].endswith(" 1.0")
+        for _ in range(100):  # the completion frees the flow at the scheduler and counts its bytes
+            text = ctx.metrics.render()[0].decode()
+            if f'nitsum_flow_bytes_total{{stage="M"}} {float(3 * per_block)}' in text:
+                break
+            await asyncio.sleep(0.02)
+        assert f'nitsum_flow_bytes_total{{stage="M"}} {float(3 * per_block)}' in text
+    finally:
+        ctx.stop.set()
+        for hook in ctx.drain_hooks:
+            await hook()
+        await fs_bus.drain()
+
+
+async def test_precopy_goes_on_without_a_flow_scheduler(nats_server):
+    ack, runtime, agent, metrics = await _drive(nats_server.url, permit_timeout_s=0.2)
+    assert (ack.ok, ack.pending) == (True, False)
+    _check_copied(runtime)
+    assert agent.num_fallbacks == 1
+    text = metrics.render()[0].decode()
+    assert "nitsum_flow_fallbacks_total 1.0" in text
+    assert "nitsum_kv_migration_unpermitted_flows_total 1.0" in text
