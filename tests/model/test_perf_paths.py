@@ -136,6 +136,40 @@ def test_decode_batch_equals_each_sequence_alone(runner):
     assert torch.allclose(equal_pair, together[:2], atol=1e-4, rtol=0)
 
 
+def test_decode_groups_split_only_when_padding_costs_more_than_a_call(monkeypatch):
+    from nitsum.engine import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "GROUP_COST_BLOCK_ROWS", 32)
+    assert runner_module.decode_groups([3] * 32) == [(0, 32)]  # equal contexts: one call
+    assert runner_module.decode_groups([1, 1, 2, 2]) == [(0, 4)]  # padding (2 block-rows) < a call
+    # Half the rows at 1 block, half at 40: one call pads 16 x 39 block-rows, far more than a call.
+    assert runner_module.decode_groups([1] * 16 + [40] * 16) == [(0, 16), (16, 32)]
+    spread = runner_module.decode_groups(list(range(1, 65)))
+    assert len(spread) == runner_module.MAX_DECODE_GROUPS
+    assert [end - start for start, end in spread] == [16] * 4 and spread[-1][1] == 64
+
+
+def test_decode_rows_in_several_groups_equal_each_sequence_alone(tiny_dir, monkeypatch):
+    """Decode rows of very different contexts, given in an order that is not their context order, split
+    into several attention calls (each group padded to its own longest context): each row's logits are
+    those it gets alone."""
+    from nitsum.engine import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "GROUP_COST_BLOCK_ROWS", 0)  # split whenever it saves padding
+    local = ModelRunner(str(tiny_dir), TPGroup.single("cpu"), num_kv_blocks=64)
+    lengths = (70, 5, 33, 18, 61, 9)
+    seqs = [tokens(40 + i, n) for i, n in enumerate(lengths)]
+    tables = [table(1 + 6 * i, 6) for i in range(len(seqs))]
+    local.execute(StepPlan("step", 1, tuple(ChunkPlan(tuple(s[:-1]), 0, t, False) for s, t in zip(seqs, tables))))
+    decodes = [ChunkPlan((s[-1],), len(s) - 1, t, True) for s, t in zip(seqs, tables)]
+    blocks = sorted(-(-n // BLOCK) for n in lengths)
+    assert len(runner_module.decode_groups(blocks)) > 1  # the step below really splits
+    together = local.execute(StepPlan("step", 2, tuple(decodes)))
+    for row, chunk in enumerate(decodes):
+        alone = local.execute(StepPlan("step", 3, (chunk,)))[0]
+        assert torch.allclose(together[row], alone, atol=1e-4, rtol=0), row
+
+
 def test_prepared_rope_equals_reference_rope(tiny_dir):
     from nitsum.model.model import apply_rope, apply_rope_prepared, rope_step_tables, rope_tables
 
@@ -240,5 +274,8 @@ def test_engine_bench_decode_step_mode(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode step")]
     assert [line.split(":")[0] for line in lines] == [
         "decode step, tiny, batch 2, context 20", "decode step, tiny, batch 2, context 40"]
+    assert bench.main(["--models", "tiny", "--decode-contexts", "40", "--decode-batch", "3", "--decode-varied"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode step")]
+    assert [line.split(":")[0] for line in lines] == ["decode step, tiny, batch 3, context 16..40"]
     with pytest.raises(SystemExit):
         bench.main(["--decode-contexts", "1k"])

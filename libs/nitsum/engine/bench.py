@@ -139,10 +139,12 @@ def bench_model(name: str, engine: Engine, hf, concurrencies: list[int], prompt_
     return rows
 
 
-def time_decode_steps(model_dir: Path, batch: int, contexts: list[int], steps: int, repeat: int) -> list[float]:
+def time_decode_steps(model_dir: Path, batch: int, contexts: list[int], steps: int, repeat: int,
+                      varied: bool = False) -> list[float]:
     """ms per decode step of the runner alone: `batch` sequences, each with `context` tokens in the KV
-    cache (one new token each). Best process CPU time of `repeat` x `steps` steps (CPU time, not wall:
-    less sensitive to the other jobs on a shared machine)."""
+    cache (one new token each); with `varied`, each sequence's context is drawn uniformly from
+    [16, context] instead (seeded: a server's mix of short and long requests). Best process CPU time of
+    `repeat` x `steps` steps (CPU time, not wall: less sensitive to the other jobs on a shared machine)."""
     from nitsum.engine.plan import ChunkPlan, StepPlan
     from nitsum.engine.runner import ModelRunner
     from nitsum.parallel import TPGroup
@@ -155,7 +157,10 @@ def time_decode_steps(model_dir: Path, batch: int, contexts: list[int], steps: i
     tables = [tuple(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)) for b in range(batch)]
     out = []
     for context in contexts:
-        plan = StepPlan("step", 1, tuple(ChunkPlan((5,), context - 1, t, True) for t in tables))
+        gen = torch.Generator().manual_seed(context)
+        lengths = (torch.randint(min(16, context), context + 1, (batch,), generator=gen).tolist() if varied
+                   else [context] * batch)
+        plan = StepPlan("step", 1, tuple(ChunkPlan((5,), n - 1, t, True) for n, t in zip(lengths, tables)))
         runner.execute(plan)
         best = float("inf")
         for _ in range(repeat):
@@ -228,6 +233,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--decode-contexts", default=None,
                         help="instead: ms per decode step of the runner alone at these context lengths")
     parser.add_argument("--decode-batch", type=int, default=32, help="sequences per decode step (default 32)")
+    parser.add_argument("--decode-varied", action="store_true",
+                        help="with --decode-contexts: each sequence's context drawn from [16, context]")
     args = parser.parse_args(argv)
     repeat = args.repeat or (1 if args.quick else 3)
     if repeat < 1:
@@ -273,9 +280,11 @@ def main(argv: list[str]) -> int:
             name = "tiny" if model == "tiny" else f"random-{_num_params(model_dir) / 1e6:.0f}M"
             if contexts:
                 steps = 10 if model == "tiny" else 2
-                times = time_decode_steps(model_dir, args.decode_batch, contexts, steps, repeat=5)
+                times = time_decode_steps(model_dir, args.decode_batch, contexts, steps, repeat=5,
+                                          varied=args.decode_varied)
                 for context, ms in zip(contexts, times):
-                    print(f"decode step, {name}, batch {args.decode_batch}, context {context}: {ms:.2f} ms "
+                    shown = f"16..{context}" if args.decode_varied else f"{context}"
+                    print(f"decode step, {name}, batch {args.decode_batch}, context {shown}: {ms:.2f} ms "
                           f"(best CPU time of 5 x {steps} steps, linear={args.linear})", flush=True)
                 continue
             engine, hf = load_pair(model_dir)

@@ -11,6 +11,7 @@ from nitsum.engine.plan import StepPlan
 from nitsum.model import loader
 from nitsum.model.model import (
     AttentionMetadata,
+    DecodeGroup,
     MultiTokenSpan,
     Workspace,
     build_model,
@@ -67,14 +68,35 @@ class ModelRunner:
         )
         self.workspace = Workspace()  # reused gather buffers of the decode attention
 
+    def _decode_group(self, chunks: list, positions: list[int], start: int, end: int) -> DecodeGroup:
+        """Decode rows [start, end) (contexts ascending): block tables padded to the group's longest."""
+        bs, dev = self.block_size, self.device
+        context = positions[end - 1] + 1
+        max_blocks = -(-context // bs)
+        ids: list[int] = []
+        for chunk in chunks[start:end]:
+            table = chunk.block_table[:max_blocks]
+            ids.extend(table)
+            if len(table) < max_blocks:
+                ids.extend([0] * (max_blocks - len(table)))  # padding: masked out (or sliced off)
+        mask = None
+        if positions[start] + 1 < context:
+            lens = torch.tensor(positions[start:end], device=dev) + 1
+            keep = torch.arange(context, device=dev)[None, :] < lens[:, None]
+            # Additive float mask, made once per step: SDPA would otherwise convert a bool mask in every
+            # layer (same values: 0 where attended, -inf elsewhere).
+            mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))[:, None, None, :]
+        return DecodeGroup(start, end - start, torch.tensor(ids, dtype=torch.long, device=dev), context, mask)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Logits [num_sampled_chunks, vocab] (fp32), rows in plan order of the chunks with `sample`."""
         bs = self.block_size
         dev = self.device
         chunks = plan.chunks
-        # One-token chunks first: their attention runs as one batched call. Then fresh prompts grouped by
-        # length (each group is one batched causal call), then chunks that extend a cached prefix.
+        # One-token chunks first, in context order: their attention runs batched, in groups of similar
+        # context (`decode_groups`). Then fresh prompts grouped by length (each group is one batched causal
+        # call), then chunks that extend a cached prefix.
         singles = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         multis = sorted((i for i, c in enumerate(chunks) if len(c.token_ids) > 1),
                         key=lambda i: (chunks[i].start_pos > 0, 0 if chunks[i].start_pos else len(chunks[i].token_ids)))
@@ -84,31 +106,17 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         last_row: dict[int, int] = {}
-        single_ids = single_mask = None
-        single_context = 0
+        groups: list[DecodeGroup] = []
         if singles:
+            # Rows in context order, so that rows of similar context can share an attention call.
+            singles.sort(key=lambda i: chunks[i].start_pos)
             single_chunks = [chunks[i] for i in singles]
             positions = [c.start_pos for c in single_chunks]
             token_ids = [c.token_ids[0] for c in single_chunks]
             slots = [c.block_table[pos // bs] * bs + pos % bs for c, pos in zip(single_chunks, positions)]
             last_row = {i: row for row, i in enumerate(singles)}
-            single_context = max(positions) + 1
-            max_blocks = -(-single_context // bs)
-            ids: list[int] = []
-            for chunk in single_chunks:
-                table = chunk.block_table[:max_blocks]
-                ids.extend(table)
-                if len(table) < max_blocks:
-                    ids.extend([0] * (max_blocks - len(table)))  # padding: masked out (or sliced off)
-            single_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-            if min(positions) + 1 < single_context:
-                lens = torch.tensor(positions, device=dev) + 1
-                keep = torch.arange(single_context, device=dev)[None, :] < lens[:, None]
-                # Additive float mask, made once per step: SDPA would otherwise convert a bool mask in
-                # every layer (same values: 0 where attended, -inf elsewhere).
-                single_mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(
-                    ~keep, float("-inf"))[:, None, None, :]
-
+            for start, end in decode_groups([-(-(pos + 1) // bs) for pos in positions]):
+                groups.append(self._decode_group(single_chunks, positions, start, end))
         multi: list[MultiTokenSpan] = []
         for i in multis:
             chunk = chunks[i]
@@ -142,9 +150,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_tensor,
             num_single=len(singles),
-            single_block_ids=single_ids,
-            single_context_len=single_context,
-            single_mask=single_mask,
+            decode_groups=groups,
             multi=multi,
             workspace=self.workspace,
         )
@@ -156,6 +162,29 @@ class ModelRunner:
         if len(sample_rows) < num_tokens or sample_rows != list(range(num_tokens)):
             hidden = hidden.index_select(0, rows)  # (a decode-only step samples every row, in order)
         return self.model.compute_logits(hidden).float()
+
+
+# What one more decode attention call costs (its gathers' and kernel's fixed cost), in padded block-rows of
+# the gather: a rough figure from the tiny and 99M models on CPU (a call ~30-40 us; a block-row of tiny's
+# gather + attention ~1 us per layer), used to decide when splitting the decode rows pays.
+GROUP_COST_BLOCK_ROWS = 32
+MAX_DECODE_GROUPS = 4
+
+
+def decode_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
+    """Row ranges [start, end) cutting decode rows (sorted by context: `num_blocks` ascending, KV blocks each
+    attends) into 1..MAX_DECODE_GROUPS groups of equal count. Each group's gather and attention cover its
+    rows padded to its longest context, so the cost is sum(rows x max blocks) plus a fixed cost per extra
+    group; the cheapest split is kept. Equal contexts always give one group."""
+    n = len(num_blocks)
+    best_cost, best = n * num_blocks[-1], [(0, n)]
+    for k in range(2, min(MAX_DECODE_GROUPS, n) + 1):
+        bounds = [n * j // k for j in range(k + 1)]
+        cost = (k - 1) * GROUP_COST_BLOCK_ROWS + sum(
+            (bounds[j + 1] - bounds[j]) * num_blocks[bounds[j + 1] - 1] for j in range(k))
+        if cost < best_cost:
+            best_cost, best = cost, [(bounds[j], bounds[j + 1]) for j in range(k)]
+    return best
 
 
 def num_kv_blocks_for(

@@ -62,13 +62,24 @@ class Workspace:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [row_start, row_start + num_rows) attended in one batched call: their block tables padded
+    to the group's longest context. (Rows are cut into groups of similar context so that short contexts are
+    not padded to the longest of the whole step, see the runner.)"""
+
+    row_start: int
+    num_rows: int
+    block_ids: torch.Tensor  # [num_rows * max_blocks] long: padded block tables, flattened
+    context_len: int  # longest context in the group (keys attended)
+    # [num_rows, 1, 1, context_len]: bool, or additive float (0 / -inf); None when all contexts are equal
+    mask: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset for every token
-    num_single: int  # rows [0, num_single) are one-query-token sequences (decodes), batched together
-    single_block_ids: torch.Tensor | None  # [num_single * max_blocks] long: padded block tables, flattened
-    single_context_len: int  # longest context among the single rows (keys attended)
-    # [num_single, 1, 1, single_context_len]: bool, or additive float (0 / -inf); None when all are full
-    single_mask: torch.Tensor | None
+    num_single: int  # rows [0, num_single) are one-query-token sequences (decodes)
+    decode_groups: list[DecodeGroup]  # those rows, cut into consecutive groups each attended in one call
     multi: list[MultiTokenSpan]
     workspace: Workspace
 
@@ -201,25 +212,26 @@ class Attention(nn.Module):
         v_cache.view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, v)
 
         n_single = meta.num_single
-        # A decode-only step writes the attention output straight into `out` (no extra copy).
-        out = None if n_single == num_tokens else q.new_empty(num_tokens, h, d)
-        if n_single:
-            ids = meta.single_block_ids
-            block_shape = k_cache.shape[1:]
+        groups = meta.decode_groups
+        # A decode-only step in one group writes the attention output straight into `out` (no extra copy).
+        out = None if n_single == num_tokens and len(groups) == 1 else q.new_empty(num_tokens, h, d)
+        block_shape = k_cache.shape[1:]
+        for group in groups:
+            n, ids, context = group.num_rows, group.block_ids, group.context_len
+            rows = slice(group.row_start, group.row_start + n)
             k_buf, v_buf = meta.workspace.buffers(ids.numel() * k_cache[0].numel(), k_cache)
             ks = torch.index_select(k_cache, 0, ids, out=k_buf.view(-1, *block_shape))
             vs = torch.index_select(v_cache, 0, ids, out=v_buf.view(-1, *block_shape))
-            context = meta.single_context_len
-            ks = ks.view(n_single, -1, h_kv, d)[:, :context].transpose(1, 2)  # [B, H_kv, S, D]
-            vs = vs.view(n_single, -1, h_kv, d)[:, :context].transpose(1, 2)
+            ks = ks.view(n, -1, h_kv, d)[:, :context].transpose(1, 2)  # [B, H_kv, S, D]
+            vs = vs.view(n, -1, h_kv, d)[:, :context].transpose(1, 2)
             # GQA as a grouped query: the h / h_kv query heads of one KV head are its "query rows", so the
             # kernel reads each K/V tile once per KV head instead of once per query head.
-            qs = q[:n_single].reshape(n_single, h_kv, h // h_kv, d)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.single_mask, scale=self.scale)
+            qs = q[rows].reshape(n, h_kv, h // h_kv, d)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, scale=self.scale)
             if out is None:
-                out = o.view(n_single, h, d)
+                out = o.view(n, h, d)
             else:
-                out[:n_single] = o.view(n_single, h, d)
+                out[rows] = o.view(n, h, d)
         for span in meta.multi:
             n, g = span.num_tokens, span.num_seqs
             rows = slice(span.token_start, span.token_start + g * n)
