@@ -269,7 +269,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--policy", default="static-tp:1", help="policy of both the mesh and the simulator")
     p.add_argument("--device-table", type=Path, default=None,
                    help="device table JSON for the simulator (default: the shipped nitsum/data/costmodel/cpu.json)")
-    p.add_argument("--seeds", type=int, default=10,
+    p.add_argument("--seeds", type=int, default=40,
                    help="simulator runs with the service model (figures over all of them pooled)")
     p.add_argument("--url", default=None, help="measure this running one-worker mesh instead of starting one")
     p.add_argument("--replay", type=Path, default=None,

@@ -162,6 +162,39 @@ def test_one_step_ratio_per_window_for_every_decode_step_in_it():
     assert [g.ttft_ms for g in got] == [pytest.approx(b.ttft_ms) for b in bare]  # path 0, prefill not scaled
 
 
+def test_a_decode_keeps_the_ratio_of_the_window_it_started_in():
+    # Windows of 2 ms: a 40-token decode spans many of them, yet every one of its steps takes its starting
+    # window's draw (the first window is drawn at the decode's start, after the prefill step).
+    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=32, output_tokens=40)]
+    bare = run_cluster("static-tp:1", cpu_config(), w).records[0]
+    model = ServiceModel(step_ratios=(2.0, 5.0, 7.0), noise_window_ms=2.0, seed=1)
+    s = ServiceSampler(model)
+    start_ratio = s.step_ratio(bare.first_token_ms)
+    got = run_cluster("static-tp:1", cpu_config(service=model), w).records[0]
+    assert got.tpot_ms == pytest.approx(start_ratio * bare.tpot_ms)
+    assert bare.finish_ms - bare.first_token_ms > 4 * model.noise_window_ms  # it did span several windows
+
+
+def test_a_decode_step_is_slowed_by_the_mean_ratio_of_its_requests():
+    # Flat 1 ms steps. A prefills in [0, 1]; [1, 2] is A's first decode mixed with B's prefill (a step with
+    # prefill tokens is not scaled); from t = 2 both decode: A started in window 0, B in window 1.
+    from nitsum.policy.costmodel import DeviceSpec
+
+    flat = DeviceSpec("flat", peak_flops=1e30, mem_bandwidth_bytes_per_s=1e30, link_bandwidth_bytes_per_s=1.0,
+                      memory_bytes=1e12, step_overhead_ms=1.0)
+    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=4, output_tokens=3),
+         TraceRequest(arrival_ms=0.5, prompt_tokens=4, output_tokens=3)]
+    model = ServiceModel(step_ratios=(2.0, 4.0), noise_window_ms=1.5, seed=3)
+    s = ServiceSampler(model)
+    ra, rb = s.step_ratio(1.0), s.step_ratio(2.0)  # A's decode starts at 1 ms, B's at 2 ms
+    a, b = run_cluster("static-tp:1", cpu_config(device_kind=flat, chunk_tokens=4, service=model), w).records
+    assert ra != rb
+    # A: the mixed step (1 ms), then the shared decode step at the mean of the two ratios (its last token).
+    assert (a.first_token_ms, a.finish_ms) == (pytest.approx(1.0), pytest.approx(2.0 + (ra + rb) / 2))
+    # B: first token at 2, the shared step, then a step of its own at rb.
+    assert (b.first_token_ms, b.finish_ms) == (pytest.approx(2.0), pytest.approx(2.0 + (ra + rb) / 2 + rb))
+
+
 def test_service_runs_are_seeded():
     w = [TraceRequest(arrival_ms=40.0 * i, prompt_tokens=64, output_tokens=8) for i in range(20)]
     model = ServiceModel(path_ms=(1.0, 5.0, 9.0), step_ratios=(1.0, 1.5, 3.0), noise_window_ms=20.0)

@@ -100,7 +100,7 @@ class ClusterConfig:
 class _Req:
     __slots__ = ("rid", "tier", "ttft_slo", "tpot_slo", "weight", "arrival", "prompt", "output", "prefill_done",
                  "first_token", "finish", "group", "join_step", "base_gen", "error", "in_prefill", "kv_tokens",
-                 "deadline", "path_ms", "stalled")
+                 "deadline", "path_ms", "stalled", "ratio")
 
     def __init__(self, rid: str, t: TraceRequest, tier: Tier) -> None:
         self.rid = rid
@@ -123,6 +123,7 @@ class _Req:
         self.deadline = t.arrival_ms + tier.ttft_ms  # TTFT deadline: prefill order is EDF
         self.path_ms = 0.0  # service model: the client sees its tokens this much later
         self.stalled = False  # service model: ... and all at once
+        self.ratio = 1.0  # service model: its decode steps' slowdown
 
     def generated(self) -> int:
         if self.first_token is None:
@@ -394,6 +395,8 @@ class ClusterSim:
         if left <= 0:
             return self._finish(r, self.sim.now_ms)
         r.join_step = g.step
+        if self.service is not None:  # the slowdown of the window its decode starts in holds for all of it
+            r.ratio = self.service.step_ratio(self.sim.now_ms)
         g.running[r] = g.step + left
         g.add_running_tpot(r.tpot_slo)
         g.ctx_base += r.prompt + r.base_gen - g.step
@@ -466,8 +469,8 @@ class ClusterSim:
             return []
         ctx = dec_ctx + sum(r.prefill_done + n for r, n in planned)
         step_ms = g.cost.step_time_ms(g.tp, n_dec + len(planned), n_dec + tokens, ctx)
-        if self.service is not None and not planned:
-            step_ms *= self.service.step_ratio(now)  # decode-only steps; see sim/service.py for prefill
+        if self.service is not None and not planned:  # decode-only steps; see sim/service.py for prefill
+            step_ms *= sum(r.ratio for r in g.running) / n_dec  # O(batch): only simulations with a service model
         g.busy = True
         return [(now + step_ms, self._step_done, (g, g.version, planned))]
 

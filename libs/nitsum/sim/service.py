@@ -18,16 +18,20 @@ rows it does not evaluate) and draws from them with a seeded generator:
   TPOT 0: the delivery path stalled until the decode was over, so its path sample holds the whole decode). A
   request drawing such a sample sees its tokens at once too: its record's TPOT is 0. On a loaded machine up
   to a quarter of a session's requests do; leaving them out put the simulated TPOT p50 26 % over the live one.
-- `step_ratios`: live decode-step period / the table's; scales every decode-only step. The slowdowns of a
-  shared machine are an outside process in wall-clock time that lasts longer than a step, so the ratio is drawn
-  per window of `noise_window_ms` of simulated time: window k's ratio is the k-th draw whatever happens in
-  between (reproducible), and every step that starts in the window uses it. Each calibration ratio was
-  measured over one request's decode, so the calibration makes the window as long as the longest calibration
-  decode: a request then mostly sees one draw, as it saw one slowdown live. Shorter windows average the draws
-  over a request's steps (per step, 0, is the extreme) and shrink the tail: the simulated TPOT p90 came out at
-  56-60 % of the live one with per-step draws and with windows of the median decode span. A draw per busy
-  period of the engine was tried too and dropped: a slow draw lengthens its own busy period, so it slows more
-  requests than its share (on an overloaded run the simulated TPOT p50 came out 20x the live one).
+- `step_ratios`: live decode-step period / the table's; scales decode-only steps. The slowdowns of a shared
+  machine are an outside process in wall-clock time that lasts longer than a step, so the ratio is drawn per
+  window of `noise_window_ms` of simulated time (window k's ratio is the k-th draw whatever happens in between:
+  reproducible), and a request takes the ratio of the window its decode *starts* in and keeps it to its last
+  token; a decode step is slowed by the mean ratio of the requests in it. Each calibration ratio was measured
+  over one request's whole decode, and the calibration makes the window as long as the longest calibration
+  decode, so concurrent requests mostly share one draw, as they shared one machine state live. Tried and
+  dropped, each for a measured reason: a draw per step (averages a request's slowdown away: TPOT p90 at 56 % of
+  the live one), every step taking its own window's draw (the slowest requests, with the longest decodes, most
+  often straddle two windows and average their slow draw away: TPOT p90 15 % low even on the calibration rows
+  themselves), one draw per request independent of the others (TPOT p50 13 % high on the calibration rows),
+  one draw per engine busy period
+  (a slow draw lengthens its own busy period, so it slows more requests than its share: TPOT p50 20x on an
+  overloaded run).
 """
 
 from __future__ import annotations
