@@ -16,12 +16,12 @@ The device table times engine steps only. What the mesh adds (the request path t
 coordinator and back; the worker's per-step work around the engine; the slowdowns of a shared CPU) is measured
 per session on its calibration rows as empirical distributions (`nitsum.sim.service.calibrate_service`): per
 request, live TTFT - simulated TTFT (the path) and live TPOT / simulated TPOT (the decode-step ratio, drawn per
-window as long as the longest calibration decode), against a simulation of the session's slice on the bare
-table. The simulator then runs again with that `ServiceModel` (seeded draws); the evaluation rows of all
-sessions are pooled, and the simulator's figures are over all `--seeds` seeds pooled, with the range of single
-seeds beside them. Both comparisons
-are printed, with the live figures' own bootstrap spread and where the live time goes according to the
-services' spans. Goal: |error| <= 15%.
+window as long as the longest calibration decode, a request keeping the draw of the window its decode starts in),
+against a simulation of the session's slice slowed by the typical ratio (a fixed point from the bare table).
+The simulator then runs again with that `ServiceModel` (seeded draws); the evaluation rows of all sessions are
+pooled, and the simulator's figures are over all `--seeds` seeds pooled, with the range of single seeds beside
+them. Both comparisons are printed, with the live figures' own bootstrap spread and where the live time goes
+according to the services' spans. Goal: |error| <= 15%.
 """
 
 from __future__ import annotations
