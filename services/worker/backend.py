@@ -147,18 +147,25 @@ class NodeBackend:
         precopy = runtime._prepared.precopy
         items = [(i, next(c for c in range(len(precopy.flow(i).chunks)) if (i, c) not in precopy.done))
                  for i in allowed if any((i, c) not in precopy.done for c in range(len(precopy.flow(i).chunks)))]
-        try:
-            self._last_broadcast_s = time.monotonic()
-            runtime.precopy(items)
-        except Exception as exc:  # a collective failed (a peer died)
-            why = f"pre-copy round failed: {type(exc).__name__}: {exc}"
-            self._finish(allowed, (False, None, why))
-            self._collective_failed(why)
+        if items:
+            try:
+                self._last_broadcast_s = time.monotonic()
+                runtime.precopy(items)
+            except Exception as exc:  # a collective failed (a peer died)
+                why = f"pre-copy round failed: {type(exc).__name__}: {exc}"
+                self._finish(allowed, (False, None, why))
+                self._collective_failed(why)
+                return
+        else:  # every chunk is done; the final ack waits for the new runner (idle: wait a little here)
+            runtime.poll_prepare(0.0 if runtime.has_unfinished() else 0.01)
+        final = runtime.take_prepare_ack()
+        if final is not None:
+            self._finish(allowed, (final.ok, final, final.reason))
             return
         done = {i: cb for i, cb in allowed.items()
                 if all((i, c) in precopy.done for c in range(len(precopy.flow(i).chunks)))}
-        if done:
-            self._finish(done, (True, runtime.take_prepare_ack(), ""))
+        if done and not precopy.complete:  # the last flows stay until the final ack
+            self._finish(done, (True, None, ""))
 
     def _collective_failed(self, why: str) -> None:
         """A transition collective failed outside a command: the peer-loss guard (PeerLossGuard in

@@ -66,6 +66,9 @@ class _LeaderRuntime:
             self.final = TransitionAck(EPOCH, True, "prepare", "", 1.0, self.pc.bytes_sent)
         return sent
 
+    def poll_prepare(self, wait_s: float = 0.0) -> None:
+        return None  # no runner build here: the final ack comes with the last chunk
+
     def take_prepare_ack(self):
         ack, self.final = self.final, None
         return ack

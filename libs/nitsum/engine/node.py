@@ -7,16 +7,20 @@ same step boundary: the leader gets it (from the coordinator), broadcasts it as 
 member applies it (`NodeRuntime.command` on the leader, `follow` on peers).
 
 Transition (ALGORITHMS.md §1.4), with `span` = the smallest aligned group covering every changed worker:
-- `prepare(epoch, new)`: each changed worker builds its new runner (weight *views* of the boot store and a
-  fresh KV cache for its new head slice; no weight is read or allocated); the span all-gathers the old
-  leaders' block tables; every worker computes the same `plan_prepare` (the full blocks to move).
+- `prepare(epoch, new)`: each changed worker allocates a fresh KV cache for its new head slice and starts
+  building its new runner (weight *views* of the boot store: no weight is read or allocated) in a thread;
+  the span all-gathers the old leaders' block tables; every worker computes the same `plan_prepare` (the
+  full blocks to move).
   KV path "shm" (CPU, one host; the default): each new cache lives in a shared-memory segment that every
-  source maps, and the full blocks move in chunks *between the old groups' decode steps* (`precopy.py`;
-  each old group's leader drives its members with `precopy` control plans). The prepare ack is then
-  `pending` and the final one comes when the group's chunks are done (`take_prepare_ack`).
-  KV path "p2p" (the fallback, chosen at construction): paired gloo send/recv moves every full block
-  inside the prepare step. A failure anywhere (e.g. no memory for the new cache) makes every worker ack
-  `ok=False` and keep nothing: the old topology keeps serving; Abort then is a no-op.
+  source maps (its name is unlinked before prepare returns), and the full blocks move in chunks *between
+  the old groups' decode steps* (`precopy.py`; each old group's leader drives its members with `precopy`
+  control plans). The prepare ack is then `pending`; the final one comes when the group's chunks are done
+  and this worker's runner is built (`take_prepare_ack`).
+  KV path "p2p" (the fallback, chosen at construction): the runner is awaited and paired gloo send/recv
+  moves every full block inside the prepare step. A failure anywhere (e.g. no memory for the new cache)
+  makes every worker ack `ok=False` and keep nothing: the old topology keeps serving; Abort then is a no-op.
+  (A peer whose runner build fails is known to its leader only at commit: the commit exchange carries it
+  and every worker then keeps the old topology.)
 - `commit(epoch)` at a step boundary: each worker finishes whatever pre-copy of its own is left, old
   leaders export their requests' full state, the span all-gathers it, every worker computes `plan_commit`
   (the delta: blocks written since prepare, requests that arrived or were preempted since) and moves it
@@ -276,7 +280,6 @@ class NodeRuntime:
             if cmd.kind == "precopy":
                 self._run_precopy(cmd)
                 return "precopy"
-
             self.last_ack = self.apply(cmd)
         elif plan.kind == PLAN_KIND_NOOP:
             pass
@@ -287,7 +290,7 @@ class NodeRuntime:
     # -- pre-copy between steps (shm path) ------------------------------------------------------------
     @property
     def precopy_pending(self) -> bool:
-        """A prepare of this worker is accepted but not final yet (building, or pre-copying)."""
+        """A prepare of this worker is accepted but not final yet (its pre-copy is running)."""
         prepared = self._prepared
         return prepared is not None and prepared.span is not None and not prepared.acked
 
@@ -298,10 +301,12 @@ class NodeRuntime:
             return ()
         return prepared.precopy.flows
 
-    def precopy(self, items: list[tuple[int, int]] | None = None) -> int | None:
+    def precopy(self, items: list[tuple[int, int]] | None = None, wait_build: bool = False) -> int | None:
         """Leader of an old group, between two steps: run these (flow, chunk) items on every member (default:
         the next chunk of every unfinished flow). Returns the bytes this worker sent, None when no
-        pre-copy is running (finished, committed or aborted)."""
+        pre-copy is running (finished, committed or aborted). The final prepare ack also needs this
+        worker's new runner: `wait_build` waits for it here once every chunk is done (a scripted
+        coordinator); otherwise `poll_prepare` produces it at a later step boundary."""
         assert self.is_leader, "the old group's leader drives its pre-copy"
         if not self.precopy_pending:
             return None
@@ -310,22 +315,36 @@ class NodeRuntime:
         chunks = tuple(items) if items is not None else tuple(prepared.precopy.next_items())
         cmd = NodeCommand("precopy", prepared.epoch, chunks=chunks)
         self._broadcast(cmd)
-        return self._run_precopy(cmd)
+        return self._run_precopy(cmd, wait_build)
 
-    def _run_precopy(self, cmd: NodeCommand) -> int:
+    def poll_prepare(self, wait_s: float = 0.0) -> None:
+        """Leader, between steps: every chunk is done; produce the final prepare ack once the new runner is
+        built (waiting up to `wait_s` for it)."""
+        prepared = self._prepared
+        if prepared is None or prepared.acked or prepared.precopy is None or not prepared.precopy.complete:
+            return
+        if prepared.build is not None and wait_s > 0:
+            prepared.build.wait(wait_s)
+        self._maybe_finish_prepare(prepared)
+
+    def _run_precopy(self, cmd: NodeCommand, wait_build: bool = False) -> int:
         prepared = self._prepared
         if prepared is None or prepared.epoch != cmd.epoch or prepared.precopy is None:
             return 0  # aborted or committed meanwhile: nothing left to copy
         sent = prepared.precopy.run(cmd.chunks)
         self.bytes_by_path["shm"] += sent
-        self._maybe_finish_prepare(prepared)
+        self._maybe_finish_prepare(prepared, wait_build=wait_build)
         return sent
 
-    def _maybe_finish_prepare(self, prepared: _Prepared, force: bool = False, reason: str = "") -> None:
-        """Produce the final prepare ack once: when the group's chunks are all done, or (`force`) at commit
-        (whose exchange follows every member's own remaining chunks) or abort (then it is a failure)."""
+    def _maybe_finish_prepare(self, prepared: _Prepared, force: bool = False, reason: str = "",
+                              wait_build: bool = False) -> None:
+        """Produce the final prepare ack once: when the group's chunks are all done and this worker's new
+        runner is built (not waiting for it unless `wait_build`), or (`force`) at commit (whose exchange
+        follows every member's own remaining chunks) or abort (then it is a failure)."""
         if prepared.acked or (not force and prepared.precopy is not None and not prepared.precopy.complete):
             return
+        if not force and not wait_build and prepared.build is not None and not prepared.build.done:
+            return  # the step thread does not wait for the build: a later poll_prepare finishes
         prepared.acked = True
         sent = prepared.precopy.bytes_sent if prepared.precopy is not None else 0
         if not reason:

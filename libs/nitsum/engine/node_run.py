@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # it became a peer at this tick's commit
             if runtime.precopy_pending:  # one round of this group's pre-copy, then this tick's step
                 epoch = runtime._prepared.epoch
-                sent = runtime.precopy()
+                sent = runtime.precopy(wait_build=True)
                 report["precopy_rounds"].append([tick, epoch, sent])
                 done = runtime.take_prepare_ack()
                 if done is not None:
