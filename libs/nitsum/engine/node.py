@@ -31,129 +31,40 @@ Epochs only grow: a command with an epoch at or below the committed one is refus
 an epoch that was not prepared).
 
 Workers outside the span take no part in the collectives; they only advance their epoch and topology.
+The transition code itself (prepare/commit/abort, pre-copy, the command and ack types) is in
+`transition.py`, mixed into `NodeRuntime`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
-import msgpack
 import torch
 
-from nitsum.engine import kv_segment, migration
+from nitsum.engine import kv_segment
 from nitsum.engine.engine import Engine
 from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
-from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES, MigrationFlow, PreCopy, copy_transfers_one_sided, plan_flows, \
-    transfer_block_bytes
 from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
+from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.engine.runner import ModelRunner, num_kv_blocks_for
-from nitsum.kv.reshard import (
-    Group,
-    KVGeometry,
-    RequestKV,
-    ReshardPlan,
-    Topology,
-    changed_groups,
-    plan_commit,
-    plan_prepare,
-    transition_span,
+from nitsum.engine.transition import (  # noqa: F401  (re-exported: the worker shell and tests import them here)
+    COMMAND_KINDS,
+    KV_PATHS,
+    NodeCommand,
+    NodeTransition,
+    TransitionAck,
+    _Prepared,
 )
+from nitsum.kv.reshard import Group, KVGeometry, Topology
 from nitsum.model import loader
 from nitsum.model.loader import read_raw_config
 from nitsum.model.tokenizer import Tokenizer
 from nitsum.parallel.world import NodeWorld
 
-COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
-KV_PATHS = ("auto", "shm", "p2p")
-
-
-@dataclass(frozen=True)
-class NodeCommand:
-    """A topology command as it travels inside a control step plan (msgpack)."""
-
-    kind: str
-    epoch: int
-    groups: tuple[tuple[int, int], ...] = ()  # prepare: the new topology as (start, tp) pairs
-    chunks: tuple[tuple[int, int], ...] = ()  # precopy: (flow index, chunk index) items to run now
-
-    def encode(self) -> bytes:
-        return msgpack.packb([self.kind, self.epoch, [list(g) for g in self.groups], [list(c) for c in self.chunks]],
-                             use_bin_type=True)
-
-    @staticmethod
-    def decode(payload: bytes) -> NodeCommand:
-        kind, epoch, groups, chunks = msgpack.unpackb(payload, raw=False)
-        if kind not in COMMAND_KINDS:
-            raise ValueError(f"unknown node command {kind!r}")
-        return NodeCommand(kind, int(epoch), tuple((int(s), int(t)) for s, t in groups),
-                           tuple((int(f), int(c)) for f, c in chunks))
-
-
-@dataclass(frozen=True)
-class TransitionAck:
-    """Mirrors the wire's TopologyAck (the worker shell adds its id)."""
-
-    epoch: int
-    ok: bool
-    phase: str  # "prepare" | "commit" | "abort"
-    reason: str = ""
-    duration_ms: float = 0.0
-    bytes_moved: int = 0  # KV bytes this worker sent to other workers
-    pending: bool = False  # prepare: accepted, pre-copy running between steps; the final ack follows
-
-
-@dataclass
-class _Prepared:
-    epoch: int
-    new: Topology
-    span: Group | None  # None: this worker is outside the span (a bystander)
-    plan: ReshardPlan | None = None
-    runner: ModelRunner | None = None  # the new runner, when this worker's group changes
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    t0: float = 0.0  # perf_counter at prepare start (the final prepare ack's duration runs from here)
-    precopy: PreCopy | None = None  # shm path, when this worker's old group changes
-    dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=dict)
-    preemptions: dict[str, int] = field(default_factory=dict)  # old leader: request -> preemptions at prepare
-    acked: bool = False  # the final prepare ack was produced
-    build: _Build | None = None  # the new runner, built in a thread (shm path) until commit needs it
-    segment: str | None = None  # this worker's new-cache segment name (shm path)
-    new_cache: torch.Tensor | None = None  # its new KV cache in that segment (the runner adopts it at commit)
-
-
-class _Build:
-    """The new runner built in a thread while the old group keeps decoding: weights are views, so this is
-    module construction and rope tables (100-400 ms on a loaded 2-core host for the ~27M model) -- time the
-    old group would otherwise not decode. Nothing needs it before commit: pre-copy writes into the new
-    cache, which prepare allocates itself (so that a lack of memory refuses the epoch in prepare)."""
-
-    def __init__(self, fn: Callable[[], ModelRunner]) -> None:
-        self.runner: ModelRunner | None = None
-        self.error = ""
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="nitsum-prepare-build", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], ModelRunner]) -> None:
-        try:
-            self.runner = fn()
-        except (RuntimeError, MemoryError, ValueError, OSError) as exc:  # told to the span at the exchange
-            self.error = f"{type(exc).__name__}: {exc}"
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        self._thread.join(timeout_s)
-
-
 FailureHook = Callable[[str, int], None]
 
 
-class NodeRuntime:
+class NodeRuntime(NodeTransition):
     def __init__(
         self,
         world: NodeWorld,
@@ -287,348 +198,6 @@ class NodeRuntime:
             assert plan.kind == PLAN_KIND_SHUTDOWN, f"unexpected plan kind {plan.kind}"
         return plan.kind
 
-    # -- pre-copy between steps (shm path) ------------------------------------------------------------
-    @property
-    def precopy_pending(self) -> bool:
-        """A prepare of this worker is accepted but not final yet (its pre-copy is running)."""
-        prepared = self._prepared
-        return prepared is not None and prepared.span is not None and not prepared.acked
-
-    def precopy_flows(self) -> tuple[MigrationFlow, ...]:
-        """The migration flows this worker's old group still has to pre-copy (its leader drives them)."""
-        prepared = self._prepared
-        if prepared is None or prepared.precopy is None or prepared.acked:
-            return ()
-        return prepared.precopy.flows
-
-    def precopy(self, items: list[tuple[int, int]] | None = None, wait_build: bool = False) -> int | None:
-        """Leader of an old group, between two steps: run these (flow, chunk) items on every member (default:
-        the next chunk of every unfinished flow). Returns the bytes this worker sent, None when no
-        pre-copy is running (finished, committed or aborted). The final prepare ack also needs this
-        worker's new runner: `wait_build` waits for it here once every chunk is done (a scripted
-        coordinator); otherwise `poll_prepare` produces it at a later step boundary."""
-        assert self.is_leader, "the old group's leader drives its pre-copy"
-        if not self.precopy_pending:
-            return None
-        prepared = self._prepared
-        assert prepared is not None and prepared.precopy is not None
-        chunks = tuple(items) if items is not None else tuple(prepared.precopy.next_items())
-        cmd = NodeCommand("precopy", prepared.epoch, chunks=chunks)
-        self._broadcast(cmd)
-        return self._run_precopy(cmd, wait_build)
-
-    def poll_prepare(self, wait_s: float = 0.0) -> None:
-        """Leader, between steps: every chunk is done; produce the final prepare ack once the new runner is
-        built (waiting up to `wait_s` for it)."""
-        prepared = self._prepared
-        if prepared is None or prepared.acked or prepared.precopy is None or not prepared.precopy.complete:
-            return
-        if prepared.build is not None and wait_s > 0:
-            prepared.build.wait(wait_s)
-        self._maybe_finish_prepare(prepared)
-
-    def _run_precopy(self, cmd: NodeCommand, wait_build: bool = False) -> int:
-        prepared = self._prepared
-        if prepared is None or prepared.epoch != cmd.epoch or prepared.precopy is None:
-            return 0  # aborted or committed meanwhile: nothing left to copy
-        sent = prepared.precopy.run(cmd.chunks)
-        self.bytes_by_path["shm"] += sent
-        self._maybe_finish_prepare(prepared, wait_build=wait_build)
-        return sent
-
-    def _maybe_finish_prepare(self, prepared: _Prepared, force: bool = False, reason: str = "",
-                              wait_build: bool = False) -> None:
-        """Produce the final prepare ack once: when the group's chunks are all done and this worker's new
-        runner is built (not waiting for it unless `wait_build`), or (`force`) at commit (whose exchange
-        follows every member's own remaining chunks) or abort (then it is a failure)."""
-        if prepared.acked or (not force and prepared.precopy is not None and not prepared.precopy.complete):
-            return
-        if not force and not wait_build and prepared.build is not None and not prepared.build.done:
-            return  # the step thread does not wait for the build: a later poll_prepare finishes
-        prepared.acked = True
-        sent = prepared.precopy.bytes_sent if prepared.precopy is not None else 0
-        if not reason:
-            reason = self._build_error(prepared)
-        self._prepare_done = TransitionAck(prepared.epoch, not reason, "prepare", reason, _ms(prepared.t0), sent)
-
-    def _build_error(self, prepared: _Prepared) -> str:
-        """Wait for this worker's new runner (normally built long before) and say whether it failed."""
-        if prepared.build is None:
-            return ""
-        prepared.build.wait()
-        return f"worker {self.rank}: {prepared.build.error}" if prepared.build.error else ""
-
-    def take_prepare_ack(self) -> TransitionAck | None:
-        """The final ack of a prepare whose pre-copy just completed (once), else None."""
-        ack, self._prepare_done = self._prepare_done, None
-        return ack
-
-    # -- the transition -----------------------------------------------------------------------------
-    def apply(self, cmd: NodeCommand) -> TransitionAck:
-        if cmd.kind == "prepare":
-            ack = self.prepare(cmd.epoch, Topology.of(self.world.size, cmd.groups))
-        elif cmd.kind == "commit":
-            ack = self.commit(cmd.epoch)
-        elif cmd.kind == "abort":
-            ack = self.abort(cmd.epoch)
-        else:
-            return TransitionAck(cmd.epoch, True, "precopy", "", 0.0, self._run_precopy(cmd))
-        self.last_ack = ack
-        return ack
-
-    def prepare(self, epoch: int, new: Topology) -> TransitionAck:
-        t0 = time.perf_counter()
-        self._prepare_done = None  # an earlier epoch's final ack nobody took (a peer's) is stale now
-        if epoch <= self.epoch:
-            return TransitionAck(epoch, False, "prepare", f"stale epoch {epoch} (committed {self.epoch})")
-        if self._prepared is not None:
-            return TransitionAck(epoch, False, "prepare", f"epoch {self._prepared.epoch} is in progress")
-        old = self.topology
-        span = transition_span(old, new)
-        if span is None or self.rank not in span.workers:
-            self._prepared = _Prepared(epoch, new, None, t0=t0, acked=True)
-            return TransitionAck(epoch, True, "prepare", "not affected", _ms(t0))
-        gone, born = changed_groups(old, new)
-        my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
-        prepared = _Prepared(epoch, new, span, t0=t0)
-        self._prepared = prepared
-        reason = ""
-        try:
-            if self._failure_hook is not None:
-                self._failure_hook("prepare", epoch)
-            if my_new in born:
-                if self.kv_path == "shm":
-                    # Sparse here (microseconds); the build thread reserves its pages before anything but
-                    # pre-copy writes into it (/dev/shm's room was checked: a full one refuses the epoch now).
-                    segment = prepared.segment = kv_segment.segment_name(self.node_tag, epoch, self.rank)
-                    prepared.new_cache = kv_segment.create(segment, self._cache_shape(my_new.tp), self._dtype,
-                                                           reserve=False)
-                    reserve = kv_segment.reserver(segment)
-                    prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new))[1])
-                else:  # p2p receives into the new runner's own cache right here
-                    prepared.build = _Build(lambda: self._new_runner(my_new))
-                    prepared.runner = self._wait_runner(prepared)
-        except (RuntimeError, MemoryError, ValueError, OSError) as exc:
-            # An expected boundary failure (allocation, injected fault): every worker must still take
-            # part in the exchange below so that all of them agree to refuse the epoch.
-            reason = f"worker {self.rank}: {type(exc).__name__}: {exc}"
-        timings = self.last_prepare_timings_ms = {"allocated": _ms(t0)}
-        local = self._kv_snapshot(my_old, gone)
-        try:
-            parts = self.world.all_gather_bytes(
-                msgpack.packb([not reason, reason, [_kv_wire(r) for r in local]], use_bin_type=True),
-                span.start, span.tp,
-            )
-        except BaseException:
-            self._drop(prepared)
-            raise
-        decoded = [msgpack.unpackb(p, raw=False) for p in parts]
-        failures = [r for good, r, _ in decoded if not good]
-        if failures:
-            self._drop(prepared)
-            return TransitionAck(epoch, False, "prepare", "; ".join(failures), _ms(t0))
-        requests = [_kv_unwire(w) for _, _, entries in decoded for w in entries]
-        timings["exchanged"] = _ms(t0)
-        plan = plan_prepare(old, new, requests, self.geometry, self._num_blocks_of)
-        prepared.plan = plan
-        timings["planned"] = _ms(t0)
-        if self.kv_path == "p2p":
-            moved = self._move(plan, my_old, my_new, gone, born, prepared.runner)
-            self.bytes_by_path["p2p"] += moved
-            prepared.acked = True
-            return TransitionAck(epoch, True, "prepare", "", _ms(t0), moved)
-        # shm: every source maps every new cache of the span; once all agree, the names go.
-        dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
-        problem = ""
-        try:
-            if my_old in gone:
-                dst_caches = self._map_new_caches(epoch, born, prepared.new_cache)
-        except (OSError, RuntimeError) as exc:
-            problem = f"worker {self.rank}: cannot map the new KV caches: {type(exc).__name__}: {exc}"
-        timings["mapped"] = _ms(t0)
-        try:
-            answers = self.world.all_gather_bytes(msgpack.packb(problem), span.start, span.tp)
-        except BaseException:
-            self._drop(prepared)
-            raise
-        finally:
-            if prepared.segment is not None:
-                kv_segment.unlink(prepared.segment)
-        timings["agreed"] = _ms(t0)
-        problems = [p for p in (msgpack.unpackb(a, raw=False) for a in answers) if p]
-        if problems:
-            self._drop(prepared)
-            return TransitionAck(epoch, False, "prepare", "; ".join(problems), _ms(t0))
-        if my_old in gone:
-            flows = plan_flows(plan.transfers, self._block_bytes, self.precopy_chunk_bytes)
-            heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank)
-            prepared.precopy = PreCopy(self.rank, my_old.workers, plan.transfers, flows, self.runner.kv_cache, heads,
-                                       dst_caches)
-            if self.engine is not None:
-                prepared.preemptions = {s.request_id: s.num_preemptions for s in migration.sequences_in_order(self.engine)}
-        prepared.dst_caches = dst_caches
-        if prepared.precopy is not None and not prepared.precopy.complete:
-            return TransitionAck(epoch, True, "prepare", "", _ms(t0), 0, pending=True)
-        prepared.acked = True
-        error = self._build_error(prepared)
-        return TransitionAck(epoch, not error, "prepare", error, _ms(t0), 0)
-
-    def _wait_runner(self, prepared: _Prepared) -> ModelRunner:
-        """The built new runner (raises RuntimeError when its build failed), with the new cache adopted."""
-        assert prepared.build is not None, "a changed worker builds a new runner"
-        prepared.build.wait()
-        if prepared.build.error:
-            raise RuntimeError(prepared.build.error)
-        runner = prepared.build.runner
-        assert runner is not None
-        if prepared.new_cache is not None:
-            assert tuple(runner.kv_cache.shape) == tuple(prepared.new_cache.shape), "the new cache fits the runner"
-            runner.kv_cache = prepared.new_cache
-        return runner
-
-    def _drop(self, prepared: _Prepared) -> None:
-        """A failed prepare: nothing of it stays (runner, cache, mappings, segment name)."""
-        prepared.acked = True
-        if prepared.build is not None:
-            prepared.build.wait()  # no thread outlives its epoch
-        if prepared.segment is not None:
-            kv_segment.unlink(prepared.segment)
-        if self._prepared is prepared:
-            self._prepared = None
-
-    def commit(self, epoch: int) -> TransitionAck:
-        t0 = time.perf_counter()
-        if epoch <= self.epoch:
-            return TransitionAck(epoch, False, "commit", f"stale epoch {epoch} (committed {self.epoch})")
-        prepared = self._prepared
-        if prepared is None or prepared.epoch != epoch:
-            return TransitionAck(epoch, False, "commit", f"epoch {epoch} was not prepared")
-        old, new = self.topology, prepared.new
-        moved = 0
-        if prepared.span is not None:
-            span = prepared.span
-            gone, born = changed_groups(old, new)
-            my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
-            if prepared.precopy is not None:
-                # Normally nothing is left: the coordinator commits after every prepare ack. A scripted
-                # commit may come earlier; the rest is one-sided, so it runs right here.
-                self.bytes_by_path["shm"] += prepared.precopy.finish_mine()
-                self._maybe_finish_prepare(prepared, force=True)
-            build_error = ""
-            if prepared.build is not None and prepared.runner is None:
-                try:
-                    prepared.runner = self._wait_runner(prepared)
-                except RuntimeError as exc:  # told to the span below: nobody switches
-                    build_error = f"worker {self.rank}: new runner: {exc}"
-            states, invalid = [], []
-            if self.is_leader and my_old in gone:
-                assert self.engine is not None
-                states = migration.export_states(self.engine)
-                # Preempted since prepare: its old blocks were free for a while, so what pre-copy read
-                # may not be its KV -- commit moves it afresh.
-                invalid = [rid for rid, n in prepared.preemptions.items()
-                           if rid in self.engine._seqs and self.engine._seqs[rid].num_preemptions != n]
-            local = self._kv_snapshot(my_old, gone)
-            parts = self.world.all_gather_bytes(
-                msgpack.packb([states, [_kv_wire(r) for r in local], self._step_id(), invalid, build_error],
-                              use_bin_type=True),
-                span.start, span.tp,
-            )
-            decoded = [msgpack.unpackb(p, raw=False) for p in parts]
-            errors = [e for *_, e in decoded if e]
-            if errors:
-                # Every worker saw the same: all keep the old topology (normally the leader's final prepare
-                # ack already refused the epoch; a peer's build failure is only known here).
-                self._drop(prepared)
-                return TransitionAck(epoch, False, "commit", "; ".join(errors), _ms(t0))
-            requests = [_kv_unwire(w) for _, entries, _, _, _ in decoded for w in entries]
-            assert prepared.plan is not None, "a prepared span worker has a plan"
-            stale = {rid for _, _, _, inv, _ in decoded for rid in inv}
-            plan = prepared.plan
-            if stale:
-                plan = dataclasses.replace(plan, src_tables={rid: (() if rid in stale else t)
-                                                             for rid, t in plan.src_tables.items()})
-            delta = plan_commit(plan, requests, self.geometry, self._num_blocks_of)
-            if self.kv_path == "shm":
-                heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank) if my_old in gone else None
-                moved = copy_transfers_one_sided(self.rank, delta.transfers, self.runner.kv_cache if my_old in gone else None,
-                                                 heads, prepared.dst_caches)
-                # Every write into a new cache has landed before any new group runs a step.
-                self.world.all_gather_bytes(b"", span.start, span.tp)
-                self.bytes_by_path["shm"] += moved
-            else:
-                moved = self._move(delta, my_old, my_new, gone, born, prepared.runner)
-                self.bytes_by_path["p2p"] += moved
-            if my_new in born:
-                assert prepared.runner is not None, "a changed worker built its new runner at prepare"
-                self.runner = prepared.runner
-                self.engine = None
-                if my_new.leader == self.rank:
-                    engine = self._new_engine(my_new, prepared.runner)
-                    engine._step_id = max(step for _, _, step, _, _ in decoded)
-                    placements = {p.request_id: p for p in delta.placements if p.dst_group == my_new}
-                    states = [s for st, *_ in decoded for s in st if s["id"] in placements]
-                    migration.install_states(engine, states, placements)
-                    engine.check_integrity()
-                    self.engine = engine
-        prepared.dst_caches.clear()  # drop the mappings of other workers' caches
-        prepared.precopy = None
-        self.topology, self.epoch, self._prepared = new, epoch, None
-        return TransitionAck(epoch, True, "commit", "", _ms(t0), moved)
-
-    def abort(self, epoch: int) -> TransitionAck:
-        prepared = self._prepared
-        if prepared is not None and prepared.epoch == epoch:
-            # A prepare still pre-copying gets its answer now: it never completed.
-            self._maybe_finish_prepare(prepared, force=True, reason="aborted during pre-copy")
-            self._drop(prepared)  # the new runner, its cache, views and mappings go with it
-            return TransitionAck(epoch, True, "abort")
-        if epoch <= self.epoch:
-            return TransitionAck(epoch, False, "abort", f"stale epoch {epoch} (committed {self.epoch})")
-        return TransitionAck(epoch, True, "abort", "nothing prepared")
-
-    # -- helpers ------------------------------------------------------------------------------------
-    def _kv_snapshot(self, my_old: Group, gone: tuple[Group, ...]) -> list[RequestKV]:
-        if self.engine is None or my_old not in gone:
-            return []
-        return migration.snapshot_kv(self.engine, my_old)
-
-    def _step_id(self) -> int:
-        return self.engine._step_id if self.engine is not None else 0
-
-    def _block_bytes(self, t) -> int:
-        return transfer_block_bytes(t, self.cfg.block_size, self.model_config.head_dim, self.runner.kv_cache.element_size())
-
-    def _cache_shape(self, tp: int) -> tuple[int, ...]:
-        cfg = self.model_config
-        return (cfg.num_layers, 2, self._num_blocks_of[tp], self.cfg.block_size, loader.kv_heads_per_rank(cfg, tp),
-                cfg.head_dim)
-
-    def _map_new_caches(self, epoch: int, born: tuple[Group, ...], own: torch.Tensor | None):
-        """Every new cache of the span (this worker's own included), with the global heads it holds."""
-        heads = self.model_config.num_kv_heads
-        caches = {}
-        for g in born:
-            for w in g.workers:
-                if w == self.rank:
-                    assert own is not None, "a changed worker allocated its new cache"
-                    cache = own
-                else:
-                    cache = kv_segment.attach(kv_segment.segment_name(self.node_tag, epoch, w), self._cache_shape(g.tp),
-                                              self._dtype)
-                caches[w] = (cache, migration.heads_of(heads, g, w))
-        return caches
-
-    def _move(self, plan: ReshardPlan, my_old: Group, my_new: Group, gone, born, runner) -> int:
-        heads = self.model_config.num_kv_heads
-        old_kv = self.runner.kv_cache if my_old in gone else None
-        new_kv = runner.kv_cache if runner is not None else None
-        return migration.execute_transfers(
-            self.world, plan.transfers, self.rank,
-            old_kv, migration.heads_of(heads, my_old, self.rank) if my_old in gone else None,
-            new_kv, migration.heads_of(heads, my_new, self.rank) if my_new in born else None,
-        )
-
     # -- after a member of the node world died ------------------------------------------------------
     world_lost: str = ""  # why this worker left the node world ("" while it is in it)
 
@@ -675,16 +244,3 @@ class NodeRuntime:
             dist.destroy_process_group(groups.pop(key))
         gc.collect()  # runners and engines of a failed step may sit in reference cycles
         return len(doomed)
-
-
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1000.0
-
-
-def _kv_wire(r: RequestKV) -> list[Any]:
-    return [r.request_id, r.group.start, r.group.tp, r.num_computed_tokens, list(r.block_ids)]
-
-
-def _kv_unwire(w: list[Any]) -> RequestKV:
-    rid, start, tp, computed, blocks = w
-    return RequestKV(rid, Group(start, tp), computed, tuple(blocks))
