@@ -256,7 +256,7 @@ def analyse(session: Session, args: argparse.Namespace, table: DeviceSpec) -> No
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="nitsum bench fidelity", description=__doc__,
+    p = argparse.ArgumentParser(prog="nitsum bench fidelity", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--requests", type=int, default=50,

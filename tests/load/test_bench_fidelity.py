@@ -37,3 +37,11 @@ def test_side_by_side_relative_error():
     assert rows[2]["rel_error"] == 0.0
     text = bf.format_rows(rows)
     assert "+10.0%" in text and "+0.0%" in text
+
+
+def test_an_abbreviated_option_is_refused_not_taken_for_another(capsys) -> None:
+    # `--seed 3` once ran as `--seeds 3` (3 simulator seeds instead of 40) without a word.
+    with pytest.raises(SystemExit) as exc:
+        bf.main(["--seed", "3"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --seed 3" in capsys.readouterr().err
