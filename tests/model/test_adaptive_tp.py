@@ -284,3 +284,41 @@ def test_gloo_point_to_point_fallback_moves_the_same_tokens(tiny_dir, tmp_path):
     assert all(rep["kv_path"] == "p2p" and rep["precopy_rounds"] == [] for rep in reports)
     assert all(rep["bytes_by_path"]["p2p"] > 0 and rep["bytes_by_path"]["shm"] == 0 for rep in reports)
     assert sum(a[6] for rep in reports for a in rep["acks"] if a[1] == "prepare") > 0
+
+
+# A lost abort: epoch 11 (merge 0+1) is prepared on workers 0 and 1, its abort reaches only leaders 2 and 3.
+# The next prepare (epoch 12, TP4) finds 0 and 1 still holding epoch 11: they must refuse it *inside* the span's
+# exchange, where 2 and 3 already wait, so that all four refuse (a refusal that skipped the exchange left 2 and 3
+# there until the world timeout). Epoch 12's abort ends 11 as well, and epoch 13 merges normally.
+LOST_ABORT_REQUESTS = [("a", 0, 0, 5, 40), ("b", 1, 0, 23, 30), ("c", 2, 0, 40, 30), ("d", 3, 0, 11, 35)]
+LOST_ABORT_EVENTS = [
+    {"tick": 3, "kind": "prepare", "epoch": 11, "groups": MIXED},
+    {"tick": 5, "kind": "abort", "epoch": 11, "leaders": [2, 3]},
+    {"tick": 7, "kind": "prepare", "epoch": 12, "groups": TP4},
+    {"tick": 9, "kind": "abort", "epoch": 12},
+    {"tick": 11, "kind": "prepare", "epoch": 13, "groups": TP4},
+    {"tick": 13, "kind": "commit", "epoch": 13},
+]
+
+
+def test_a_prepare_refused_for_an_epoch_in_progress_still_joins_the_exchange(tiny_dir, tmp_path):
+    prompts = prompts_of_lengths([r[3] for r in LOST_ABORT_REQUESTS], seed=13)
+    events = [{"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
+              for (rid, leader, tick, _, n), prompt in zip(LOST_ABORT_REQUESTS, prompts)]
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
+        reports = run_node(tiny_dir, {"topology": TP1, "events": events + LOST_ABORT_EVENTS}, tmp_path, Path(shm_dir))
+    refusals = {rep["rank"]: a[4] for rep in reports for a in rep["acks"] if a[1] == "prepare" and a[2] == 12}
+    # Every leader refused epoch 12 and names the workers still holding epoch 11 (it heard them in the exchange).
+    assert sorted(refusals) == [0, 1, 2, 3], refusals
+    for reason in refusals.values():
+        assert "worker 0: epoch 11 is in progress" in reason and "worker 1: epoch 11 is in progress" in reason
+    assert [rep["epoch"] for rep in reports] == [13] * WORLD
+    assert [rep["final_group"] for rep in reports] == [[0, 4]] * WORLD
+    assert reports[0]["final"] == {"free": 64, "total": 64}
+    assert all(rep["end_kv_segments"] == [] for rep in reports)
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=256))
+    expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in LOST_ABORT_REQUESTS])
+    records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
+    got = {rid: [r[3] for r in records if r[1] == rid] for rid, *_ in LOST_ABORT_REQUESTS}
+    assert got == {rid: tokens for (rid, *_), tokens in zip(LOST_ABORT_REQUESTS, expected)}

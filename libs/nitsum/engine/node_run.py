@@ -6,7 +6,8 @@
 
 The script stands in for the coordinator: {"topology": [[start, tp], ...], "events": [...]}, each event
 {"tick": T, "kind": "add" | "prepare" | "commit" | "abort", ...}; "add" names the leader that gets the
-request ("leader", "request_id", "prompt", "max_tokens"), "prepare" the new topology ("groups"). A leader
+request ("leader", "request_id", "prompt", "max_tokens"), "prepare" the new topology ("groups"); a topology
+command with "leaders": [ranks] reaches only those leaders (a lost message). A leader
 counts its loop iterations as ticks and applies the events of each tick before that tick's step; all
 leaders apply a topology command at the same tick, which is the step boundary the protocol needs.
 On the shm KV path a leader whose group is pre-copying runs one pre-copy round per tick, before that
@@ -162,6 +163,8 @@ def _apply(runtime: NodeRuntime, event: dict, report: dict, tick: int, check) ->
         params = SamplingParams(max_tokens=event["max_tokens"], ignore_eos=True)
         runtime.add_request(event["request_id"], event["prompt"], params)
         return
+    if "leaders" in event and runtime.rank not in event["leaders"]:
+        return  # a command that only reaches some leaders (the others' copy was lost)
     cmd = NodeCommand(kind, event["epoch"], tuple(tuple(g) for g in event.get("groups", ())))
     ack = runtime.command(cmd)
     done = runtime.take_prepare_ack()  # a commit finished the pre-copy: that prepare's ack comes first

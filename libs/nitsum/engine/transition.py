@@ -210,11 +210,14 @@ class NodeTransition:
 
     def prepare(self, epoch: int, new: Topology) -> TransitionAck:
         t0 = time.perf_counter()
+        if self._prepared is not None and epoch > self.epoch:
+            # Its own abort never reached this worker. The span's other members are already waiting in the
+            # exchange: join it as a refusal so that all of them refuse the epoch (a refusal that skipped it
+            # left them waiting there until the world timeout, then out of the node world).
+            return self._refuse_in_span(epoch, new, f"epoch {self._prepared.epoch} is in progress", t0)
         self._prepare_done = None  # an earlier epoch's final ack nobody took (a peer's) is stale now
         if epoch <= self.epoch:
             return TransitionAck(epoch, False, "prepare", f"stale epoch {epoch} (committed {self.epoch})")
-        if self._prepared is not None:
-            return TransitionAck(epoch, False, "prepare", f"epoch {self._prepared.epoch} is in progress")
         old = self.topology
         span = transition_span(old, new)
         if span is None or self.rank not in span.workers:
@@ -408,9 +411,20 @@ class NodeTransition:
         self.topology, self.epoch, self._prepared = new, epoch, None
         return TransitionAck(epoch, True, "commit", "", _ms(t0), moved)
 
+    def _refuse_in_span(self, epoch: int, new: Topology, reason: str, t0: float) -> TransitionAck:
+        """Refuse `epoch`, taking part in its span's exchange when this worker is in the span."""
+        span = transition_span(self.topology, new)
+        if span is not None and self.rank in span.workers:
+            parts = self.world.all_gather_bytes(
+                msgpack.packb([False, f"worker {self.rank}: {reason}", []], use_bin_type=True), span.start, span.tp)
+            reason = "; ".join(r for good, r, _ in (msgpack.unpackb(p, raw=False) for p in parts) if not good)
+        return TransitionAck(epoch, False, "prepare", reason, _ms(t0))
+
     def abort(self, epoch: int) -> TransitionAck:
         prepared = self._prepared
-        if prepared is not None and prepared.epoch == epoch:
+        # An abort of a later epoch also ends an older prepare still held here (its own abort was lost): the
+        # coordinator runs one transition at a time, so it never commits an epoch older than one it has sent.
+        if prepared is not None and prepared.epoch <= epoch:
             # A prepare still pre-copying gets its answer now: it never completed.
             self._maybe_finish_prepare(prepared, force=True, reason="aborted during pre-copy")
             self._drop(prepared)  # the new runner, its cache, views and mappings go with it
