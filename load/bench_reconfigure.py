@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -43,6 +42,9 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nitsum.wire.subjects import Subjects
+from nitsum_load.mesh import stop_process
 
 TP1X4 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 TP2X2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
@@ -207,13 +209,7 @@ class LiveMesh:
     def stop(self, timeout_s: float = 30.0) -> float:
         """Ctrl-C, as a user stops it; kills the process group only if it does not exit. Returns ms taken."""
         t0 = time.monotonic()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process(self.process, timeout_s)
         return (time.monotonic() - t0) * 1000.0
 
     def coordinator_metrics_url(self) -> str | None:
@@ -234,15 +230,15 @@ async def admin_call(nats_url: str, command: str, body: dict, timeout_s: float =
     connection, so a timed call does not include connecting)."""
     import nats
 
-    if nc is not None:
-        msg = await nc.request(f"nitsum.admin.{command}", json.dumps(body).encode(), timeout=timeout_s)
-        return json.loads(msg.data)
-    nc = await nats.connect(servers=[nats_url], allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5)
+    own = nc is None
+    if own:
+        nc = await nats.connect(servers=[nats_url], allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5)
     try:
-        msg = await nc.request(f"nitsum.admin.{command}", json.dumps(body).encode(), timeout=timeout_s)
+        msg = await nc.request(Subjects().admin(command), json.dumps(body).encode(), timeout=timeout_s)
         return json.loads(msg.data)
     finally:
-        await nc.close()
+        if own:
+            await nc.close()
 
 
 def _ready_workers(nats_url: str) -> int:

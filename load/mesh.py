@@ -29,14 +29,19 @@ class LocalMesh:
     log_path: Path
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        return int(self.process.returncode)
+        return stop_process(self.process, timeout_s)
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """Ctrl-C, as a user stops `nitsum up`; kills its process group only if it does not exit in time."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return int(process.returncode)
 
 
 def start_mesh(run_dir: Path, *, devices: int = 1, extra_args: tuple[str, ...] = (),

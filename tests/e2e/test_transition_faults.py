@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from nitsum.natsserver import free_port
+from nitsum_load.bench_reconfigure import admin_call
 from tests.e2e.harness import ManualMesh, prompts, stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -80,14 +81,7 @@ def stop_world(mesh: ManualMesh) -> None:
 
 
 async def admin(mesh: ManualMesh, command: str, body: dict, timeout_s: float = 150.0) -> dict:
-    import nats
-
-    nc = await nats.connect(servers=[mesh.nats.url], allow_reconnect=False, connect_timeout=5)
-    try:
-        msg = await nc.request(f"nitsum.admin.{command}", json.dumps(body).encode(), timeout=timeout_s)
-        return json.loads(msg.data)
-    finally:
-        await nc.close()
+    return await admin_call(mesh.nats.url, command, body, timeout_s)
 
 
 def status(mesh: ManualMesh) -> dict:
