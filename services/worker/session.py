@@ -232,6 +232,10 @@ class WorkerSession:
                     self._held_at_commit = backend.output_counts()
                 if not backend.is_leader:
                     break  # this worker became a peer: the rest of the inbox is answered by the loop
+        if any(ack.phase == "commit" and ack.ok for _future, ack in acks):
+            # The commit ack (and the adopted streams' bookkeeping) goes out now; the new group's first step
+            # is the next turn. Otherwise the coordinator's pause would include a step at the new TP.
+            return [], rejected, backend.stats(), acks, "step", calls
         if backend.is_leader:
             backend.precopy_tick()  # a transition's KV pre-copy: one chunk per allowed flow, then the step
         outputs = backend.step() if backend.is_leader and backend.has_unfinished() else []
