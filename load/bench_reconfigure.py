@@ -7,8 +7,10 @@ completions and, while they stream, drives the admin plane (`nitsum.admin.set-to
 2xTP2->4xTP1. Per transition it reports the coordinator's phases from the admin answer (decide: 0 for an
 admin command, which skips the policy; prepare; pause = commit; total), the admin round trip as the client
 saw it, and the stream-visible pause: the largest gap between two consecutive tokens of any stream that
-starts before the next change and ends after this one was sent, minus the steady step of the stretch just
-before it (per stream the mean token gap, median over streams; also in steps).
+starts before the next change and ends after this one was sent, minus one reference step: the longer of
+the steady steps of the stretch just before the change (old TP) and just after it (new TP) -- with no pause
+at all, the gap across a change is one step of the old or the new TP (per stream the mean token gap, median
+over streams; also in steps). The stricter figure against the old TP's step only is reported beside it.
 The coordinator's `nitsum_reconfiguration_duration_ms` histogram (its /metrics port, found through
 `<run-dir>/processes.json`) is read at the end as a cross-check of the phase sums.
 
@@ -71,30 +73,57 @@ STALL_MS = 1000.0
 @dataclass(frozen=True)
 class TransitionGap:
     max_gap_ms: float | None  # largest inter-token gap of any stream overlapping the transition window
-    steady_ms: float | None  # median inter-token gap of the steady stretch before the window
+    steady_ms: float | None  # median inter-token gap of the steady stretch before the window (old TP)
     streams_across: int  # streams with a gap overlapping the window
+    steady_after_ms: float | None = None  # the same, of the stretch after the window (new TP)
+
+    @property
+    def reference_ms(self) -> float | None:
+        """The step a gap across the change would take with no pause at all: the gap ends with the new
+        group's first token, so it is one step of the old or of the new TP, whichever is longer (on 2 shared
+        cores a TP4 step is 2-3x a TP1 step; charging that to the pause would count the new TP's own cost)."""
+        known = [x for x in (self.steady_ms, self.steady_after_ms) if x is not None]
+        return max(known) if known else None
 
     @property
     def pause_ms(self) -> float | None:
-        """Stream-visible pause: the largest gap minus one steady step (what the stream lost)."""
+        """Stream-visible pause: the largest gap minus one reference step (what the stream lost)."""
+        ref = self.reference_ms
+        if self.max_gap_ms is None or ref is None:
+            return None
+        return max(0.0, self.max_gap_ms - ref)
+
+    @property
+    def pause_steps(self) -> float | None:
+        p, ref = self.pause_ms, self.reference_ms
+        return None if p is None or not ref else p / ref
+
+    @property
+    def pause_before_ms(self) -> float | None:
+        """The older, stricter figure: the largest gap minus the steady step before the change only."""
         if self.max_gap_ms is None or self.steady_ms is None:
             return None
         return max(0.0, self.max_gap_ms - self.steady_ms)
 
-    @property
-    def pause_steps(self) -> float | None:
-        p = self.pause_ms
-        return None if p is None or not self.steady_ms else p / self.steady_ms
+
+def _stretch_step(token_times_ms: Sequence[Sequence[float]], lo: float, hi: float) -> float | None:
+    """Steady step of the stretch [lo, hi]: per stream the mean gap of its tokens inside ((last - first) /
+    (n - 1), so tokens the client read in one chunk, 0 ms apart, do not make it 0), then the median."""
+    per_stream = []
+    for times in token_times_ms:
+        inside = [t for t in times if lo <= t <= hi]
+        if len(inside) >= 3 and inside[-1] > inside[0]:
+            per_stream.append((inside[-1] - inside[0]) / (len(inside) - 1))
+    return statistics.median(per_stream) if per_stream else None
 
 
 def transition_gaps(token_times_ms: Sequence[Sequence[float]],
                     windows_ms: Sequence[tuple[float, float]]) -> tuple[float | None, list[TransitionGap]]:
     """Steady step (median over transitions) and, per window [start, end] (admin call sent .. answered), the
-    largest gap from that change on against the steady step of the stretch since the previous window ended.
+    largest gap from that change on against the steady steps of the stretch since the previous window ended
+    (old TP) and of the stretch from this window's end to the next window's start (new TP).
 
-    A gap (a, b) belongs to change k when b > start_k and a < start_{k+1}. The steady step of a stretch is, per stream, the mean
-    gap of its tokens inside the stretch ((last - first) / (n - 1), so tokens the client read in one chunk,
-    0 ms apart, do not make it 0), then the median over streams."""
+    A gap (a, b) belongs to change k when b > start_k and a < start_{k+1}."""
     out = []
     prev_end = float("-inf")
     for k, (s, e) in enumerate(windows_ms):
@@ -103,15 +132,11 @@ def transition_gaps(token_times_ms: Sequence[Sequence[float]],
         until = windows_ms[k + 1][0] if k + 1 < len(windows_ms) else float("inf")
         across = [(b - a, i) for i, times in enumerate(token_times_ms)
                   for a, b in zip(times, times[1:]) if b > s and a < until]
-        per_stream = []
-        for times in token_times_ms:
-            inside = [t for t in times if prev_end <= t <= s]
-            if len(inside) >= 3 and inside[-1] > inside[0]:
-                per_stream.append((inside[-1] - inside[0]) / (len(inside) - 1))
         out.append(TransitionGap(
             max(g for g, _ in across) if across else None,
-            statistics.median(per_stream) if per_stream else None,
+            _stretch_step(token_times_ms, prev_end, s),
             len({i for _, i in across}),
+            _stretch_step(token_times_ms, e, until),
         ))
         prev_end = e
     steady = [g.steady_ms for g in out if g.steady_ms is not None]
@@ -161,14 +186,16 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 def format_live_table(report: dict) -> str:
     lines = [
         "| transition | decide ms | prepare ms | pause (commit) ms | total ms | admin round trip ms "
-        "| stream pause ms (steps) | max gap / steady gap ms | restart+reload ms | speedup |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| stream pause ms (steps) | max gap / steady gap before, after ms | pause vs before only ms "
+        "| restart+reload ms | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['transition']} | {_fmt(r['decide_ms'])} | {_fmt(r['prepare_ms'])} | {_fmt(r['pause_ms'])} | "
             f"{_fmt(r['total_ms'])} | {_fmt(r['admin_rtt_ms'])} | {_fmt(r['stream_pause_ms'])} "
-            f"({_fmt(r['stream_pause_steps'])}) | {_fmt(r['max_gap_ms'])} / {_fmt(r['steady_gap_ms'])} | "
+            f"({_fmt(r['stream_pause_steps'])}) | {_fmt(r['max_gap_ms'])} / {_fmt(r['steady_gap_ms'])}, "
+            f"{_fmt(r.get('steady_gap_after_ms'))} | {_fmt(r.get('stream_pause_before_ms'))} | "
             f"{_fmt(r['restart_ms'], '.0f')} | {_fmt(r['speedup'], '.0f')}x |")
     return "\n".join(lines)
 
@@ -435,7 +462,8 @@ def build_live_report(run: dict, restart: dict, histogram: dict | None, meta: di
             "transition": f"{kind} {SHAPE_NAMES[src]} -> {SHAPE_NAMES[dst]}", "epoch": t["epoch"],
             "decide_ms": t.get("decide_ms"), "prepare_ms": t["prepare_ms"], "pause_ms": t["pause_ms"],
             "total_ms": t["total_ms"], "admin_rtt_ms": rtt, "max_gap_ms": gap.max_gap_ms,
-            "steady_gap_ms": gap.steady_ms, "stream_pause_ms": gap.pause_ms, "stream_pause_steps": gap.pause_steps,
+            "steady_gap_ms": gap.steady_ms, "steady_gap_after_ms": gap.steady_after_ms,
+            "stream_pause_ms": gap.pause_ms, "stream_pause_steps": gap.pause_steps, "stream_pause_before_ms": gap.pause_before_ms,
             "streams_across": gap.streams_across, "restart_ms": base, "speedup": base / rtt if base is not None and rtt > 0 else None,
             **{f"worker_{k}": v for k, v in run.get("precopy", {}).get(t["epoch"], {}).items()},
         })
