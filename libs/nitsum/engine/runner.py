@@ -20,6 +20,7 @@ from nitsum.model.model import (
     rope_tables,
 )
 from nitsum.parallel import TPGroup
+from nitsum.parallel.weights import ResidentWeights
 
 
 class ModelRunner:
@@ -32,17 +33,20 @@ class ModelRunner:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_mb: int = 64,
-        weights: dict[str, torch.Tensor] | None = None,
+        weights: dict[str, torch.Tensor] | ResidentWeights | None = None,
         config: loader.ModelConfig | None = None,
     ) -> None:
-        """`weights` (full-size tensors, e.g. a shared store's) are used as they are: this rank's parameters
-        become views of them and nothing is read from disk. Without them the checkpoint is loaded."""
+        """`weights` (full-size tensors, e.g. a shared store's, or a device's `ResidentWeights` boot copy)
+        are used as they are: this rank's parameters become views of them and nothing is read from disk or
+        allocated. Without them the checkpoint is loaded."""
         self.group = group
         self.device = torch.device(group.device if group.size > 1 else device)
         self.dtype = loader.dtype_of(dtype)
         self.block_size = block_size
         self.config = config or loader.load_config(model_dir)
         self.config.check_tp(group.size)
+        if isinstance(weights, ResidentWeights) and not _same_device(weights.device, self.device):
+            raise ValueError(f"resident weights are on {weights.device}, the runner computes on {self.device}")
         # Full-size weights stay referenced: this rank's parameters are views into them.
         if weights is None:
             weights = loader.load_weights(model_dir, self.dtype, str(self.device))
@@ -51,7 +55,10 @@ class ModelRunner:
                 # (At TP>1, and on a shared store's views, the projections stay separate matmuls.)
                 weights = pack_for_fusion(weights, self.config)
         self.weights = weights
-        shards = loader.shard_weights(self.weights, self.config, group.rank, group.size)
+        if isinstance(weights, ResidentWeights):
+            shards = weights.shards(self.config, group.rank, group.size)
+        else:
+            shards = loader.shard_weights(self.weights, self.config, group.rank, group.size)
         self.model = build_model(self.config, group, shards)
         self.max_model_len = self.config.max_model_len
         cos, sin = rope_tables(self.config, self.max_model_len, self.dtype, str(self.device))
@@ -162,6 +169,16 @@ class ModelRunner:
         if len(sample_rows) < num_tokens or sample_rows != list(range(num_tokens)):
             hidden = hidden.index_select(0, rows)  # (a decode-only step samples every row, in order)
         return self.model.compute_logits(hidden).float()
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device, where "cuda" (no index) means the current CUDA device."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    return (a.index if a.index is not None else torch.cuda.current_device()) == (
+        b.index if b.index is not None else torch.cuda.current_device())
 
 
 # What one more decode attention call costs (its gathers' and kernel's fixed cost), in padded block-rows of

@@ -157,22 +157,28 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu")
     return weights
 
 
-def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    n = t.shape[0] // size
-    return t.narrow(0, rank * n, n)
-
-
-def _cols(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    n = t.shape[1] // size
-    return t.narrow(1, rank * n, n)
-
-
-def _kv_rows(t: torch.Tensor, cfg: ModelConfig, rank: int, size: int) -> torch.Tensor:
-    """KV-head rows of this rank; when TP exceeds the KV-head count, heads are replicated."""
-    if cfg.num_kv_heads >= size:
-        return _rows(t, rank, size)
-    head = rank * cfg.num_kv_heads // size
-    return t.narrow(0, head * cfg.head_dim, cfg.head_dim)
+def shard_span(name: str, shape: tuple[int, ...], cfg: ModelConfig, rank: int, size: int) -> tuple[int, int, int] | None:
+    """Where this rank's slice of tensor `name` (full shape `shape`) lies: (dim, start, length), or None when
+    every rank uses the whole tensor. Positions, not tensors: a device-resident copy that holds only part
+    of a weight (`parallel.weights.ResidentWeights`) cuts its views with the same arithmetic."""
+    if name.endswith(("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight")) or name in (
+        "model.embed_tokens.weight", "lm_head.weight"
+    ):
+        n = shape[0] // size
+        return (0, rank * n, n)
+    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        # KV-head rows of this rank; when TP exceeds the KV-head count, heads are replicated.
+        if cfg.num_kv_heads >= size:
+            n = shape[0] // size
+            return (0, rank * n, n)
+        head = rank * cfg.num_kv_heads // size
+        return (0, head * cfg.head_dim, cfg.head_dim)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        n = shape[1] // size
+        return (1, rank * n, n)
+    if name.endswith("norm.weight") or name.endswith(("o_proj.bias", "down_proj.bias")):
+        return None
+    raise ModelLoadError(f"unexpected tensor in checkpoint: {name}")
 
 
 def shard_weights(
@@ -184,19 +190,8 @@ def shard_weights(
     for name, tensor in weights.items():
         if "rotary_emb" in name:
             continue
-        if name.endswith(("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight")):
-            shard = _rows(tensor, rank, size)
-        elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-            shard = _kv_rows(tensor, cfg, rank, size)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            shard = _cols(tensor, rank, size)
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            shard = _rows(tensor, rank, size)
-        elif name.endswith("norm.weight") or name.endswith(("o_proj.bias", "down_proj.bias")):
-            shard = tensor
-        else:
-            raise ModelLoadError(f"unexpected tensor in checkpoint: {name}")
-        shards[name] = shard
+        span = shard_span(name, tuple(tensor.shape), cfg, rank, size)
+        shards[name] = tensor if span is None else tensor.narrow(*span)
     if cfg.tie_word_embeddings or "lm_head.weight" not in shards:
         shards["lm_head.weight"] = shards["model.embed_tokens.weight"]
     return shards

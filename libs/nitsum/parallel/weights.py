@@ -23,8 +23,20 @@ Cleanup: the files outlive the workers on purpose (a restarted worker maps inste
 that still map them keep valid memory until they exit, as with any unlinked file. A crash while writing
 leaves no manifest, so the next worker rewrites the data file under the lock.
 
-CUDA: `device_store` copies the store to the device once at boot (the blocks of the coarsest level a
-device may join; with min_tp = 1 that is the whole model). Finer levels are views of it.
+CUDA: a GPU cannot compute on the host store, so at boot each worker copies to its device, once, only what
+that device uses at any level it may join (`boot_weights` -> `ResidentWeights`): per weight one contiguous
+range along the weight's split dimension, the *hull* of the ranges the device covers at min_tp..max_tp
+(tensors every rank uses whole -- norms, row-parallel biases -- are copied whole). A hull, not the coarsest
+level's blocks alone, because with the aligned rank -> block mapping a device's ranges at different levels
+are not nested: with max_tp = 4 and min_tp = 2, device 1 covers blocks [2, 4) of a column-parallel weight
+at TP=2 but block [1, 2) at TP=4, so it holds [1, 4). With min_tp = 1 the hull is the whole model (the
+"coarsest level" of ALGORITHMS 1.1); with min_tp > 1 it is less. Every (TP, rank) shard the device takes is
+then a `narrow` of that copy (`ResidentWeights.shards`), so a TP change reads nothing from disk or host
+memory and allocates no weight tensor. The copy is one allocation laid out as the store (fusable groups back
+to back), so a level whose slices are the whole hulls runs fused projections. The same copy can be forced
+on CPU (`resident=True`), which is how the logic is tested without a GPU. Not implemented: mapping peers'
+blocks through CUDA IPC instead of storing them (the P2P mode of ALGORITHMS 1.1); each device holds its
+own hull.
 """
 
 from __future__ import annotations
@@ -157,8 +169,159 @@ def _adjacent_runs(names: list[str]) -> list[list[str]]:
     return runs
 
 
-def device_store(store: SharedWeightStore, device: str) -> dict[str, torch.Tensor]:
-    """CUDA: one device-resident copy made at boot; every TP level's shards are views of it."""
-    if device == "cpu":
+class ResidentWeights:
+    """One device's boot copy of the weights: per tensor, the hull of the slices this device uses at every
+    TP level it may join, in one allocation on the device (see the module docstring, "CUDA").
+
+    Made once by `boot_weights`; `shards(cfg, rank, size)` then cuts any (level, rank) of this device as
+    views (`narrow`) of it, so a TP change allocates no weight tensor and reads nothing from host memory.
+    """
+
+    def __init__(
+        self,
+        store_tensors: dict[str, torch.Tensor],
+        config: loader.ModelConfig,
+        device: str | torch.device,
+        device_index: int,
+        levels: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.device_index = device_index
+        self.levels = levels
+        names = [n for n in store_tensors if "rotary_emb" not in n]
+        if config.tie_word_embeddings and "model.embed_tokens.weight" in store_tensors:
+            names = [n for n in names if n != "lm_head.weight"]  # the model uses the embedding's slices
+        # name -> (dim, start, length) in the full tensor: the hull of this device's spans over the levels;
+        # None for a tensor every rank uses whole.
+        self.full_shapes = {n: tuple(store_tensors[n].shape) for n in names}
+        self.spans: dict[str, tuple[int, int, int] | None] = {}
+        for name in names:
+            spans = [loader.shard_span(name, self.full_shapes[name], config, device_index % tp, tp) for tp in levels]
+            if spans[0] is None:
+                self.spans[name] = None
+                continue
+            start = min(s[1] for s in spans)
+            end = max(s[1] + s[2] for s in spans)
+            self.spans[name] = (spans[0][0], start, end - start)
+        # One buffer, laid out as the store is (fusable groups back to back, everything else aligned), so
+        # that at a level where this device's slices are the whole hulls (TP=1 when min_tp=1; at TP>1 e.g.
+        # device 0 at min_tp) q|k|v and gate|up still run as one matmul (`model.fused_view`).
+        offsets: dict[str, int] = {}
+        offset = 0
+        for run in _adjacent_runs(names):
+            offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+            for name in run:
+                offsets[name] = offset
+                offset += self._hull_numel(name) * store_tensors[name].element_size()
+        self.buffer = torch.empty(max(ALIGN_BYTES, -(-offset // ALIGN_BYTES) * ALIGN_BYTES), dtype=torch.uint8,
+                                  device=device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            source = store_tensors[name]
+            span = self.spans[name]
+            part = source if span is None else source.narrow(*span)
+            nbytes = part.numel() * part.element_size()
+            resident = self.buffer.narrow(0, offsets[name], nbytes).view(source.dtype).view(part.shape)
+            resident.copy_(part)
+            self.tensors[name] = resident
+
+    def _hull_numel(self, name: str) -> int:
+        shape = list(self.full_shapes[name])
+        span = self.spans[name]
+        if span is not None:
+            shape[span[0]] = span[2]
+        numel = 1
+        for n in shape:
+            numel *= n
+        return numel
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the one allocation (the hulls plus alignment padding between runs)."""
+        return self.buffer.numel()
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of the hulls themselves."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def rank_at(self, tp: int) -> int:
+        """This device's rank in its (aligned) group at level `tp`."""
+        return self.device_index % tp
+
+    def shards(self, cfg: loader.ModelConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
+        """What `loader.shard_weights(full, cfg, rank, size)` gives, as views of the resident copy. Only the
+        (level, rank) pairs this device takes are resident: anything else is a ValueError, not a copy."""
+        if cfg != self.config:
+            raise ValueError("resident weights were cut for another model config")
+        cfg.check_tp(size)
+        if size not in self.levels:
+            raise ValueError(f"TP={size} is not among this device's levels {self.levels}")
+        if rank != self.rank_at(size):
+            raise ValueError(f"device {self.device_index} is rank {self.rank_at(size)} at TP={size}, not {rank}")
+        shards: dict[str, torch.Tensor] = {}
+        for name, resident in self.tensors.items():
+            hull = self.spans[name]
+            if hull is None:
+                shards[name] = resident
+                continue
+            dim, start, length = loader.shard_span(name, self.full_shapes[name], cfg, rank, size)
+            assert dim == hull[0] and hull[1] <= start and start + length <= hull[1] + hull[2], (
+                f"{name}: TP={size} rank {rank} slice [{start}, {start + length}) outside the resident hull")
+            shards[name] = resident.narrow(dim, start - hull[1], length)
+        if cfg.tie_word_embeddings or "lm_head.weight" not in shards:
+            shards["lm_head.weight"] = shards["model.embed_tokens.weight"]
+        return shards
+
+    def contains(self, tensor: torch.Tensor) -> bool:
+        """True when `tensor` is a view of the resident allocation (not a copy): same storage, inside it."""
+        base = self.buffer.data_ptr()
+        return (tensor.device == self.device and tensor.untyped_storage().data_ptr() == base
+                and base <= tensor.data_ptr() < base + self.size_bytes)
+
+
+def boot_weights(
+    store: SharedWeightStore,
+    device: str,
+    device_index: int,
+    min_tp: int,
+    max_tp: int,
+    *,
+    config: loader.ModelConfig,
+    node_size: int | None = None,
+    resident: bool | None = None,
+) -> dict[str, torch.Tensor] | ResidentWeights:
+    """The weights a node worker's runners compute on, made once at boot (`NodeRuntime(weights=...)`).
+
+    CPU: the host-wide store's full tensors, unchanged (every worker maps the same pages). Anything else
+    (CUDA): a `ResidentWeights` copy on `device` holding only what device `device_index` uses at levels
+    min_tp..max_tp. `resident=True` forces that copy on CPU too (tests check the logic without a GPU);
+    `resident=False` on a non-CPU device is refused (runners there would compute on host memory)."""
+    node_size = max_tp if node_size is None else node_size
+    for label, value in (("min_tp", min_tp), ("max_tp", max_tp), ("node_size", node_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    if min_tp & (min_tp - 1) or max_tp & (max_tp - 1) or min_tp > max_tp:
+        raise ValueError(f"TP levels must be powers of two with min_tp <= max_tp, got [{min_tp}, {max_tp}]")
+    if max_tp > node_size:
+        raise ValueError(f"max_tp={max_tp} exceeds the node's {node_size} devices")
+    if not isinstance(device_index, int) or isinstance(device_index, bool) or not 0 <= device_index < node_size:
+        raise ValueError(f"device index {device_index!r} is outside the node's devices 0..{node_size - 1}")
+    levels = tuple(1 << k for k in range(min_tp.bit_length() - 1, max_tp.bit_length()))
+    for tp in levels:
+        try:
+            config.check_tp(tp)
+        except loader.ModelLoadError as exc:
+            raise ValueError(f"TP level {tp} of [{min_tp}, {max_tp}] does not fit the model: {exc}") from exc
+    on_cpu = torch.device(device).type == "cpu"
+    if resident is None:
+        resident = not on_cpu
+    if not resident:
+        if not on_cpu:
+            raise ValueError(f"device {device!r} needs device-resident weights (resident=False is for CPU only)")
         return store.tensors
-    return {name: t.to(device) for name, t in store.tensors.items()}
+    return ResidentWeights(store.tensors, config, device, device_index, levels)
