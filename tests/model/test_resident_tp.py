@@ -1,0 +1,148 @@
+"""A TP=2 group (gloo, one process per rank) computing on device-resident boot copies (`boot_weights`, forced
+on CPU) generates the same greedy tokens as the same group on the shared store.
+
+The two ranks act as devices 2 and 3 of a 4-device node with levels 2..4 (the group [2, 4) at TP=2).
+Device 2 is rank 0 at TP=2 (blocks [0, 2) of every sharded weight) and rank 2 at TP=4 (block [2, 3)): it
+holds the hull [0, 3), and its TP=2 slices are views inside it (separate matmuls). Device 3 uses [2, 4)
+and [3, 4): it holds [2, 4), half the model at a non-zero offset, and at TP=2 its slices are the whole
+hulls, so q|k|v and gate|up run fused on the copy (separate on the store). Each rank runs the store group
+first, then the resident one, over the same process group; nothing is read from the checkpoint (the store
+is written by the test process beforehand).
+
+Run as a script, this file is one rank (the test spawns it)."""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+NUM_TOKENS = 32
+FIRST_DEVICE, NODE, MIN_TP, MAX_TP = 2, 4, 2, 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_tp2_group_on_resident_copies_generates_the_store_groups_tokens(tiny_dir, tmp_path):
+    from engine_test_helpers import prompts_of_lengths
+
+    from nitsum.parallel.weights import SharedWeightStore
+
+    shm = tmp_path / "shm"
+    store = SharedWeightStore.open(tiny_dir, "float32", shm)  # written here: the ranks only map it
+    [prompt] = prompts_of_lengths([23], seed=11)
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--model-dir", str(tiny_dir), "--shm-dir", str(shm), "--rank", str(rank),
+             "--master-port", str(port), "--prompt-ids", ",".join(map(str, prompt)),
+             "--out", str(tmp_path / f"rank{rank}.json")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
+    logs: list[str] = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=180)
+            logs.append(out.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        store.remove()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], f"rank exit codes {codes}:\n" + "\n---\n".join(logs)
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+    leader = reports[0]
+    assert len(leader["tokens"]["store"]) == NUM_TOKENS
+    assert leader["tokens"]["resident"] == leader["tokens"]["store"]
+    whole = sum(t.numel() * t.element_size() for n, t in store.tensors.items() if n.endswith("norm.weight"))
+    sharded = sum(t.numel() * t.element_size() for t in store.tensors.values()) - whole
+    for report, blocks, fused in zip(reports, (3, 2), (False, True)):
+        assert report["bytes_read"] == 0  # the ranks mapped the store and copied from it: no checkpoint read
+        assert report["views"] == {"store": True, "resident": True}
+        assert report["fused"] == {"store": False, "resident": fused}
+        assert report["resident_bytes"] == whole + sharded * blocks // 4  # norms whole, `blocks` of 4 blocks
+    import torch
+
+    store_logits, resident_logits = (torch.tensor(leader["logits"][m]) for m in ("store", "resident"))
+    assert store_logits.shape == resident_logits.shape == (NUM_TOKENS, 320)
+    assert torch.allclose(store_logits, resident_logits, atol=1e-4, rtol=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from nitsum.engine.engine import Engine, run_peer
+    from nitsum.engine.params import EngineConfig, SamplingParams
+    from nitsum.engine.runner import ModelRunner
+    from nitsum.model import loader
+    from nitsum.parallel import init_tp_group
+    from nitsum.parallel.weights import SharedWeightStore, boot_weights
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--shm-dir", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--prompt-ids", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)
+    group = init_tp_group("127.0.0.1", args.master_port, args.rank, 2)
+    store = SharedWeightStore.open(args.model_dir, "float32", args.shm_dir)
+    cfg = loader.load_config(args.model_dir)
+    resident = boot_weights(store, "cpu", FIRST_DEVICE + args.rank, MIN_TP, MAX_TP, config=cfg, node_size=NODE,
+                            resident=True)
+    engine_cfg = EngineConfig(model_dir=args.model_dir, num_kv_blocks=16)
+    prompt = [int(t) for t in args.prompt_ids.split(",")]
+    report: dict = {"tokens": {}, "logits": {}, "views": {}, "fused": {}, "resident_bytes": resident.tensor_bytes,
+                    "full_bytes": sum(t.numel() * t.element_size() for t in store.tensors.values())}
+    try:
+        for mode, weights, holder in (("store", store.tensors, store), ("resident", resident, resident)):
+            runner = ModelRunner(args.model_dir, group, num_kv_blocks=16, weights=weights, config=cfg)
+            report["views"][mode] = all(holder.contains(p) for p in runner.model.parameters())
+            report["fused"][mode] = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
+                                        for layer in runner.model.model.layers)
+            if not group.is_leader:
+                run_peer(engine_cfg, group, runner)
+                continue
+            engine = Engine(engine_cfg, group, runner=runner)
+            recorded: list = []
+            execute = runner.execute
+
+            def recording_execute(plan, execute=execute, recorded=recorded):
+                logits = execute(plan)
+                recorded.append(logits.clone())
+                return logits
+
+            runner.execute = recording_execute
+            try:
+                [tokens] = engine.generate([prompt], SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
+            finally:
+                engine.shutdown()
+            report["tokens"][mode] = tokens
+            report["logits"][mode] = torch.cat([r for r in recorded if r.shape[0]]).tolist()
+        report["bytes_read"] = loader.bytes_read
+        with open(args.out, "w") as handle:
+            json.dump(report, handle)
+        return 0
+    finally:
+        group.destroy()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
