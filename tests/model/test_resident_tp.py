@@ -9,7 +9,15 @@ hulls, so q|k|v and gate|up run fused on the copy (separate on the store). Each 
 first, then the resident one, over the same process group; nothing is read from the checkpoint (the store
 is written by the test process beforehand).
 
-Run as a script, this file is one rank (the test spawns it)."""
+A second test runs a whole node (4 `nitsum.engine.node_run` workers, levels 2..4) through real transitions
+(2xTP2 -> TP4 -> 2xTP2, requests in flight) with each worker's `NodeRuntime` on its resident copy, the way
+the worker service is to be wired (`boot_weights` -> `NodeRuntime(weights=...)`): tokens equal a run without
+changes, and after boot and after every commit the parameters in use are views of the worker's resident
+copy and no checkpoint byte has been read. node_run builds its weights from `SharedWeightStore.open(...)
+.tensors` and checks views with `store.contains`; the worker process here hands it the real store with the
+tensors replaced by the real `boot_weights(..., resident=True)` copy (and `contains` by the copy's).
+
+Run as a script, this file is one rank (`main`) or one node worker (`node_worker`); the tests spawn it."""
 
 import argparse
 import json
@@ -144,5 +152,108 @@ def main(argv: list[str] | None = None) -> int:
         group.destroy()
 
 
+# The node run: 4 workers, levels 2..4; (request id, leader, tick, prompt length, max tokens).
+NODE_REQUESTS = [("a", 0, 0, 7, 30), ("b", 2, 0, 19, 26), ("c", 0, 3, 11, 20), ("d", 0, 9, 5, 12)]  # d: at TP4, led by 0
+TP2, TP4 = [[0, 2], [2, 2]], [[0, 4]]
+NODE_EVENTS = [(4, "prepare", 1, TP4), (6, "commit", 1, None), (12, "prepare", 2, TP2), (14, "commit", 2, None)]
+BLOCK_SIZE = 8
+
+
+@pytest.mark.slow
+def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_dir, tmp_path):
+    from engine_test_helpers import prompts_of_lengths
+
+    from nitsum.engine import Engine, EngineConfig, SamplingParams
+    from nitsum.parallel.weights import SharedWeightStore
+
+    prompts = prompts_of_lengths([r[3] for r in NODE_REQUESTS], seed=13)
+    events = [{"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
+              for (rid, leader, tick, _, n), prompt in zip(NODE_REQUESTS, prompts)]
+    for tick, kind, epoch, groups in NODE_EVENTS:
+        events.append({"tick": tick, "kind": kind, "epoch": epoch, **({"groups": groups} if groups else {})})
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"topology": TP2, "events": events}))
+    shm = tmp_path / "shm"
+    store = SharedWeightStore.open(tiny_dir, "float32", shm)  # written here: the workers only map it
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "node", "--model-dir", str(tiny_dir), "--rank", str(rank),
+             "--world-size", str(NODE), "--min-tp", str(MIN_TP), "--max-tp", str(MAX_TP), "--master-port", str(port),
+             "--script", str(script), "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(shm),
+             "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for rank in range(NODE)
+    ]
+    logs: list[str] = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=180)
+            logs.append(out.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        store.remove()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * NODE, f"worker exit codes {codes}:\n" + "\n---\n".join(logs)
+    reports = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(NODE)]
+    residents = [json.loads((tmp_path / f"out{rank}.json.resident").read_text()) for rank in range(NODE)]
+
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=128))
+    expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in NODE_REQUESTS])
+    records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
+    got = {rid: [r[3] for r in records if r[1] == rid] for rid, *_ in NODE_REQUESTS}
+    assert got == {rid: tokens for (rid, *_), tokens in zip(NODE_REQUESTS, expected)}
+    commits = [t for t, kind, *_ in NODE_EVENTS if kind == "commit"]
+    for tick in commits:  # the changes happened with requests decoding
+        assert {r[1] for r in records if r[0] < tick} & {r[1] for r in records if r[0] >= tick}, tick
+
+    whole = sum(t.numel() * t.element_size() for n, t in store.tensors.items() if n.endswith("norm.weight"))
+    sharded = sum(t.numel() * t.element_size() for t in store.tensors.values()) - whole
+    # Hulls over TP=2 and TP=4: device 0 [0, 2) | [0, 1); 1: [2, 4) | [1, 2); 2: [0, 2) | [2, 3); 3: [2, 4) | [3, 4).
+    assert [r["tensor_bytes"] for r in residents] == [whole + sharded * n // 4 for n in (2, 3, 3, 2)]
+    for rep in reports:
+        assert rep["store_created"] is False and rep["boot_bytes_read"] == 0
+        assert [c["label"] for c in rep["checks"]] == ["boot", "commit", "commit"]
+        assert all(c["views_of_store"] for c in rep["checks"]), rep["checks"]  # views of the resident copy
+        assert {c["bytes_read"] for c in rep["checks"]} == {0} and rep["end_bytes_read"] == 0
+        assert [c["group"][1] for c in rep["checks"]] == [2, 4, 2]
+
+
+def node_worker(argv: list[str]) -> int:
+    """One `node_run` worker whose weights are this device's resident boot copy (see the module docstring)."""
+    from nitsum.engine import node_run
+    from nitsum.model import loader
+    from nitsum.parallel.weights import SharedWeightStore, boot_weights
+
+    parser = argparse.ArgumentParser()
+    for flag in ("--rank", "--world-size", "--min-tp", "--max-tp"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--out", required=True)
+    known, _ = parser.parse_known_args(argv)
+
+    class ResidentBoot:
+        """The boot store as node_run sees it: `.tensors` is what the worker computes on."""
+
+        @staticmethod
+        def open(model_dir, dtype, shm_dir):
+            store = SharedWeightStore.open(model_dir, dtype, shm_dir)
+            resident = boot_weights(store, "cpu", known.rank, known.min_tp, known.max_tp,
+                                    config=loader.load_config(model_dir), node_size=known.world_size, resident=True)
+            with open(known.out + ".resident", "w") as handle:
+                json.dump({"tensor_bytes": resident.tensor_bytes, "size_bytes": resident.size_bytes}, handle)
+            boot = ResidentBoot()
+            boot.store, boot.tensors, boot.created, boot.contains = store, resident, store.created, resident.contains
+            return boot
+
+    node_run.SharedWeightStore = ResidentBoot
+    return node_run.main(argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(node_worker(sys.argv[2:]) if sys.argv[1:2] == ["node"] else main())
