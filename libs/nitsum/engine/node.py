@@ -41,8 +41,9 @@ from typing import Callable
 
 import torch
 
-from nitsum.engine import kv_segment
+from nitsum.engine import kv_hosts, kv_segment
 from nitsum.engine.engine import Engine
+from nitsum.engine.kv_tcp import KvReceiver
 from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
 from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES
@@ -75,6 +76,10 @@ class NodeRuntime(NodeTransition):
         kv_path: str = "auto",
         precopy_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         node_tag: str | None = None,
+        host_id: str = "",
+        kv_advertise_addr: str = "",
+        master_addr: str = "127.0.0.1",
+        kv_fault_epoch: int = 0,
     ) -> None:
         assert topology.num_workers == world.size, "the topology covers the node's workers"
         if kv_path not in KV_PATHS:
@@ -92,14 +97,32 @@ class NodeRuntime(NodeTransition):
             tp: num_kv_blocks_for(self.model_config, tp, cfg.block_size, self._dtype, cfg.num_kv_blocks, cfg.kv_cache_mb)
             for tp in world.levels
         }
-        # Chosen once: shared memory needs host-memory caches on one host (a node world is one host).
+        # Chosen once, by the whole world: who shares a host (and so a /dev/shm), where each KV receiver
+        # listens, and the mode (one-sided "shm"/"tcp", or paired "p2p"); then a path per pair (`kv_hosts`).
         shm_possible = world.device == "cpu" and kv_segment.available()
         if kv_path == "shm" and not shm_possible:
             raise ValueError("kv_path 'shm' needs CPU caches and a writable /dev/shm")
-        self.kv_path = "shm" if kv_path == "auto" and shm_possible else ("p2p" if kv_path == "auto" else kv_path)
+        addr = kv_hosts.advertise_addr(kv_advertise_addr, master_addr)
+        self._kv_receiver: KvReceiver | None = None
+        if world.device == "cpu" and kv_path != "p2p":
+            self._kv_receiver = KvReceiver("127.0.0.1" if kv_hosts.is_loopback(addr) else "", kv_fault_epoch)
+        me = kv_hosts.Member(world.rank, kv_hosts.local_host_id(host_id), shm_possible, world.device, kv_path, addr,
+                             self._kv_receiver.port if self._kv_receiver is not None else 0)
+        try:
+            self.members = kv_hosts.exchange(world, me)
+            self.kv_path = kv_hosts.resolve_mode(self.members)
+        except BaseException:
+            self._close_receiver()
+            raise
+        if self.kv_path == "p2p":
+            self._close_receiver()
         self.precopy_chunk_bytes = precopy_chunk_bytes
         self.node_tag = node_tag or f"p{world.master_port}"
-        self.bytes_by_path = {"shm": 0, "p2p": 0}  # KV bytes this worker moved into other workers' caches
+        self.bytes_by_path = {"shm": 0, "tcp": 0, "p2p": 0}  # KV bytes this worker moved into other workers' caches
+        self.planned_by_path = {"shm": 0, "tcp": 0, "p2p": 0}  # ... that the agreed plans gave it to move
+        # (epoch, src, dst, path, bytes) of every migration flow of an agreed plan with this worker as source.
+        self.kv_pairs: list[tuple[int, int, int, str, int]] = []
+        self.kv_tos: list[int] = []  # IP_TOS of every TCP KV link this worker opened (tests)
         self._failure_hook = failure_hook
         self.topology = topology
         self.epoch = 0
@@ -171,13 +194,39 @@ class NodeRuntime(NodeTransition):
 
     def close(self) -> None:
         """At stop: remove any KV segment name of this worker still in /dev/shm (only a crash between
-        create and unlink inside a prepare can leave one) and drop the prepared state."""
+        create and unlink inside a prepare can leave one), drop the prepared state (its KV links and receiver
+        thread go too) and close the KV receiver's listening socket."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None and prepared.build is not None:
             prepared.build.wait()
+        if prepared is not None:
+            self._release_links(prepared)
+        self._close_receiver()
         for name in kv_segment.leftovers(self.node_tag):
             if name.endswith(f"-w{self.rank}"):
                 kv_segment.unlink(name)
+
+    def _close_receiver(self) -> None:
+        receiver, self._kv_receiver = self._kv_receiver, None
+        if receiver is not None:
+            receiver.close()
+
+    def kv_path_of(self, src: int, dst: int) -> str:
+        """How KV moves from worker `src` to worker `dst`: "local", "shm", "tcp" or "p2p"."""
+        return kv_hosts.pair_path(self.kv_path, self.members, src, dst)
+
+    def kv_data_plane_open(self) -> tuple[int, int]:
+        """(TCP KV connections open, KV receiver threads alive) of this worker: (0, 0) between transitions."""
+        import threading
+
+        from nitsum.engine.kv_tcp import THREAD_PREFIX
+
+        prepared = self._prepared
+        links = prepared.links.open_connections if prepared is not None and prepared.links is not None else 0
+        served = self._kv_receiver.open_connections if self._kv_receiver is not None else 0
+        threads = sum(1 for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.name.endswith(
+            f"-w{self.rank}"))
+        return links + served, threads
 
     # -- peer: follow the leader --------------------------------------------------------------------
     def follow(self) -> str:

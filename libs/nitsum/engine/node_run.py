@@ -2,7 +2,7 @@
 
     python -m nitsum.engine.node_run --model-dir D --rank R --world-size N --master-port P \
         --script script.json --out out.json [--shm-dir DIR] [--num-kv-blocks 64] [--fail-prepare-epoch E]
-        [--kv-path auto|shm|p2p] [--precopy-chunk-bytes N]
+        [--kv-path auto|shm|tcp|p2p] [--precopy-chunk-bytes N] [--host-id H] [--fail-kv-connect-epoch E]
 
 The script stands in for the coordinator: {"topology": [[start, tp], ...], "events": [...]}, each event
 {"tick": T, "kind": "add" | "prepare" | "commit" | "abort", ...}; "add" names the leader that gets the
@@ -14,10 +14,15 @@ On the shm KV path a leader whose group is pre-copying runs one pre-copy round p
 tick's step (so the old group decodes while its KV moves); a prepare's ack is recorded when its pre-copy
 is done (at the latest at the commit, which finishes what is left).
 
+`--host-id` stands in for NITSUM_HOST_ID (tests split one machine into "hosts": pairs across them move KV
+over TCP); `--fail-kv-connect-epoch E` makes this worker's KV receiver drop every connection of epoch E
+unanswered (NITSUM_FAULT_KV_CONNECT_EPOCH).
+
 Every worker writes --out (JSON): the tokens each leader emitted ([tick, request_id, index, token,
 finished, unix time]), every ack, checks made after boot and after each commit (weights are views of the boot store,
-checkpoint bytes read, this node's KV segments left in /dev/shm), the KV bytes moved per path, and at exit
-the engine's KV integrity.
+checkpoint bytes read, this node's KV segments left in /dev/shm, TCP KV connections and receiver threads
+open), the KV bytes moved and planned per path, every migration pair with its path, the IP_TOS of every TCP
+KV link, and at exit the engine's KV integrity.
 """
 
 from __future__ import annotations
@@ -56,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--fail-prepare-epoch", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=1)
-    parser.add_argument("--kv-path", default="auto", choices=("auto", "shm", "p2p"))
+    parser.add_argument("--kv-path", default="auto", choices=("auto", "shm", "tcp", "p2p"))
     parser.add_argument("--precopy-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--host-id", default="")
+    parser.add_argument("--fail-kv-connect-epoch", type=int, default=0)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.num_threads)
@@ -74,12 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError("injected failure")
 
     runtime = NodeRuntime(world, cfg, store.tensors, Topology.of(args.world_size, script["topology"]), failure_hook,
-                          kv_path=args.kv_path, precopy_chunk_bytes=args.precopy_chunk_bytes)
+                          kv_path=args.kv_path, precopy_chunk_bytes=args.precopy_chunk_bytes, host_id=args.host_id,
+                          master_addr=args.master_addr, kv_fault_epoch=args.fail_kv_connect_epoch)
     boot_ms = (time.perf_counter() - t_boot) * 1000.0
     report: dict = {
         "rank": args.rank, "num_groups": world.num_groups, "store_created": store.created,
         "boot_bytes_read": loader.bytes_read, "boot_ms": boot_ms, "ready_unix": time.time(),
         "records": [], "acks": [], "checks": [], "kv_path": runtime.kv_path, "node_tag": runtime.node_tag, "precopy_rounds": [],
+        "hosts": [m.host for m in runtime.members],
     }
 
     def check(label: str) -> None:
@@ -88,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],
             "views_of_store": all(store.contains(p) for p in params), "num_params": len(params),
             "bytes_read": loader.bytes_read, "kv_segments": kv_segment.leftovers(runtime.node_tag),
+            "kv_data_plane": list(runtime.kv_data_plane_open()),
         })
 
     check("boot")
@@ -104,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     _record_ack(report, -1, done)
                 if kind == "control" and not runtime.last_ack.pending:
                     _record_ack(report, -1, runtime.last_ack)
-                    _after(report, runtime.last_ack, check)
+                    _after(report, runtime.last_ack, check, runtime)
                     if runtime.is_leader:  # promoted: step from the tick the commit came at
                         tick = skip_events_at = _tick_of(events, runtime.last_ack)
                 if kind == "shutdown":
@@ -144,9 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         report["final_group"] = [runtime.group.start, runtime.group.tp]
         report["end_bytes_read"] = loader.bytes_read
         report["bytes_by_path"] = dict(runtime.bytes_by_path)
+        report["planned_by_path"] = dict(runtime.planned_by_path)
+        report["kv_pairs"] = [list(p) for p in runtime.kv_pairs]
+        report["kv_tos"] = list(runtime.kv_tos)
         report["epoch"] = runtime.epoch
         world.barrier()
         report["end_kv_segments"] = kv_segment.leftovers(runtime.node_tag)
+        report["end_kv_data_plane"] = list(runtime.kv_data_plane_open())
     finally:
         runtime.close()
         with open(args.out, "w") as handle:
@@ -174,15 +188,18 @@ def _apply(runtime: NodeRuntime, event: dict, report: dict, tick: int, check) ->
         report.setdefault("prepare_steps", []).append([tick, ack.epoch, ack.duration_ms])
     else:
         _record_ack(report, tick, ack)
-    _after(report, ack, check)
+    _after(report, ack, check, runtime)
 
 
-def _after(report: dict, ack, check) -> None:
-    """Checks after a commit; after an abort, which of this node's KV segments are still in /dev/shm."""
+def _after(report: dict, ack, check, runtime: NodeRuntime) -> None:
+    """Checks after a commit; after an abort, which of this node's KV segments are still in /dev/shm; after
+    an abort or a refused prepare or commit, the TCP KV connections and receiver threads still open."""
     if ack.phase == "commit" and ack.ok:
         check("commit")
     elif ack.phase == "abort":
         report.setdefault("abort_kv_segments", []).append([ack.epoch, kv_segment.leftovers(report["node_tag"])])
+    if ack.phase == "abort" or not ack.ok:
+        report.setdefault("failed_kv_data_plane", []).append([ack.phase, ack.epoch, list(runtime.kv_data_plane_open())])
 
 
 def _record_ack(report: dict, tick: int, ack) -> None:

@@ -5,8 +5,15 @@ worker) pair, and each flow is cut into chunks of at most `chunk_bytes` (whole b
 `plan_flows` is a pure function of the plan, so every worker computes the same flows and chunk indices.
 
 A source writes a chunk one-sidedly into the destination's new cache, which lives in shared memory
-(`kv_segment`): no receive has to be posted, so a chunk runs whenever the *source's* group is between two
-of its own steps. Groups of a span are not in lockstep; that is why pre-copy cannot use paired send/recv.
+(`kv_segment`) when both are on one host: no receive has to be posted, so a chunk runs whenever the
+*source's* group is between two of its own steps. A destination on another host has a receiver thread that
+writes the chunks arriving over TCP (`kv_tcp.KvLinks`, stage-M DSCP) and acks each after the write; the
+source counts a chunk done only on its ack. Either way the destination's step thread takes no part. Groups
+of a span are not in lockstep; that is why pre-copy cannot use paired send/recv.
+
+A chunk whose link failed is marked done all the same (the group must agree on what is left) and the
+failure is kept in `PreCopy.error`: the commit's exchange carries it, and every worker keeps the old
+topology.
 
 The leader of each old group drives its members' chunks: it broadcasts which (flow, chunk) items to run at
 one of its step boundaries, and every member runs the items whose source it is and marks all of them
@@ -25,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nitsum.engine.kv_tcp import KvLinks
 from nitsum.kv.reshard import Transfer
+from nitsum.transfer.framing import TransferError
 
 # ~2-3 ms of gather-copy on a loaded CPU core (measured ~1.5-2 GiB/s): a small bump on a 25-40 ms decode
 # step of the ~27M-param model, and few enough chunks that pre-copy spans only a handful of steps.
@@ -105,6 +114,7 @@ class PreCopy:
         old_kv: torch.Tensor | None,
         old_heads: tuple[int, int] | None,
         dst_caches: Mapping[int, tuple[torch.Tensor, tuple[int, int]]],
+        links: KvLinks | None = None,
     ) -> None:
         members = set(group_workers)
         self.me = me
@@ -114,9 +124,12 @@ class PreCopy:
         self.old_kv = old_kv
         self.old_heads = old_heads
         self.dst_caches = dict(dst_caches)
+        self.links = links  # destinations on other hosts (TCP); every other one is in dst_caches
         self.done: set[tuple[int, int]] = set()
         self.bytes_sent = 0  # to other workers' caches
+        self.bytes_by_path = {"shm": 0, "tcp": 0}  # the same, by path
         self.bytes_local = 0  # within this worker
+        self.error = ""  # the first failed link (its chunks count as done, unsent)
         self._by_index = {f.index: f for f in self.flows}
 
     @property
@@ -140,7 +153,8 @@ class PreCopy:
         return items
 
     def run(self, items: Iterable[tuple[int, int]]) -> int:
-        """Run the items this worker is the source of, mark all done; returns bytes sent to others."""
+        """Run the items this worker is the source of, mark all done; returns bytes sent to others (over
+        TCP: acked). Chunks for other hosts all go out first, then their acks are awaited."""
         sent = 0
         for flow_index, chunk_index in items:
             key = (flow_index, chunk_index)
@@ -151,16 +165,48 @@ class PreCopy:
             if flow.src_worker == self.me:
                 chunk = flow.chunks[chunk_index]
                 assert self.old_kv is not None and self.old_heads is not None, f"worker {self.me} holds no old KV"
-                dst_kv, dst_heads = self.dst_caches[flow.dst_worker]
-                copy_blocks(self.transfers[chunk.transfer], chunk.start, chunk.end, self.old_kv, self.old_heads,
-                            dst_kv, dst_heads)
-                if flow.local:
-                    self.bytes_local += chunk.size_bytes
+                t = self.transfers[chunk.transfer]
+                if self.links is not None and flow.dst_worker in self.links:
+                    self._send(flow.dst_worker, t, chunk.start, chunk.end)
                 else:
-                    self.bytes_sent += chunk.size_bytes
-                    sent += chunk.size_bytes
+                    dst_kv, dst_heads = self.dst_caches[flow.dst_worker]
+                    copy_blocks(t, chunk.start, chunk.end, self.old_kv, self.old_heads, dst_kv, dst_heads)
+                    if flow.local:
+                        self.bytes_local += chunk.size_bytes
+                    else:
+                        self.bytes_by_path["shm"] += chunk.size_bytes
+                        sent += chunk.size_bytes
             self.done.add(key)
-        return sent
+        acked = self._acks()
+        self.bytes_sent += sent + acked
+        return sent + acked
+
+    def _send(self, dst: int, t: Transfer, start: int, end: int) -> None:
+        assert self.links is not None and self.old_kv is not None and self.old_heads is not None
+        link = self.links.link(dst)
+        if link.broken:
+            return
+        try:
+            link.send(t, start, end, self.old_kv, self.old_heads)
+        except TransferError as exc:
+            self._broke(link, exc)
+
+    def _acks(self) -> int:
+        """Wait for every chunk sent on a link; bytes acked."""
+        acked = 0
+        for link in (self.links.links.values() if self.links is not None else ()):
+            if link.broken or not link.in_flight:
+                continue
+            try:
+                acked += link.wait()
+            except TransferError as exc:
+                self._broke(link, exc)
+        self.bytes_by_path["tcp"] += acked
+        return acked
+
+    def _broke(self, link, exc: TransferError) -> None:
+        link.broken = f"worker {self.me}: KV link to worker {link.dst} failed: {exc}"
+        self.error = self.error or link.broken
 
     def finish_mine(self) -> int:
         """Run every chunk of this worker's own that is still left (at commit); bytes sent to others."""
@@ -174,17 +220,33 @@ def copy_transfers_one_sided(
     old_kv: torch.Tensor | None,
     old_heads: tuple[int, int] | None,
     dst_caches: Mapping[int, tuple[torch.Tensor, tuple[int, int]]],
-) -> int:
-    """Whole transfers whose source is `me` (the commit's delta), straight into the destinations' caches.
-    Returns bytes written into other workers' caches."""
-    sent = 0
-    for t in transfers:
-        if t.src_worker != me:
-            continue
+    links: KvLinks | None = None,
+    block_bytes: Callable[[Transfer], int] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[dict[str, int], str]:
+    """Whole transfers whose source is `me` (the commit's delta), straight into the destinations' caches:
+    mapped ones written here, those on other hosts sent over `links` in chunks of at most `chunk_bytes` and
+    acked (every byte written there) before this returns. Returns (bytes written into other workers' caches
+    by path "shm" / "tcp", the first link failure or "")."""
+    mine = [t for t in transfers if t.src_worker == me]
+    if mine:
         assert old_kv is not None and old_heads is not None, f"worker {me} sends KV it does not hold"
+    remote = [t for t in mine if links is not None and t.dst_worker in links]
+    by_path = {"shm": 0, "tcp": 0}
+    for t in mine:
+        if links is not None and t.dst_worker in links:
+            continue
         dst_kv, dst_heads = dst_caches[t.dst_worker]
         copy_blocks(t, 0, t.num_blocks, old_kv, old_heads, dst_kv, dst_heads)
         if t.dst_worker != me:
-            sent += t.num_blocks * (t.layer_end - t.layer_start) * 2 * old_kv.shape[3] * (t.head_end - t.head_start) \
-                * old_kv.shape[5] * old_kv.element_size()
-    return sent
+            by_path["shm"] += t.num_blocks * (t.layer_end - t.layer_start) * 2 * old_kv.shape[3] \
+                * (t.head_end - t.head_start) * old_kv.shape[5] * old_kv.element_size()
+    if not remote:
+        return by_path, ""
+    assert links is not None and block_bytes is not None, "TCP destinations need the chunk geometry"
+    # The same chunking as pre-copy: one flow per pair, whole blocks, at most chunk_bytes a frame.
+    flows = plan_flows(remote, block_bytes, chunk_bytes)
+    pre = PreCopy(me, [me], remote, flows, old_kv, old_heads, {}, links)
+    pre.run([(f.index, c) for f in flows for c in range(len(f.chunks))])
+    by_path["tcp"] = pre.bytes_by_path["tcp"]
+    return by_path, pre.error

@@ -19,7 +19,9 @@ import msgpack
 import torch
 
 from nitsum.engine import kv_segment, migration
+from nitsum.engine.kv_tcp import KvLinks
 from nitsum.engine.precopy import MigrationFlow, PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
+from nitsum.transfer.framing import TransferError
 from nitsum.engine.runner import ModelRunner
 from nitsum.kv.reshard import (
     Group,
@@ -34,7 +36,7 @@ from nitsum.kv.reshard import (
 from nitsum.model import loader
 
 COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
-KV_PATHS = ("auto", "shm", "p2p")
+KV_PATHS = ("auto", "shm", "tcp", "p2p")
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class TransitionAck:
     duration_ms: float = 0.0
     bytes_moved: int = 0  # KV bytes this worker sent to other workers
     pending: bool = False  # prepare: accepted, pre-copy running between steps; the final ack follows
+    bytes_by_path: tuple[tuple[str, int], ...] = ()  # bytes_moved by path ("shm", "tcp", "p2p"): metrics
 
 
 @dataclass
@@ -88,6 +91,8 @@ class _Prepared:
     build: _Build | None = None  # the new runner, built in a thread (shm path) until commit needs it
     segment: str | None = None  # this worker's new-cache segment name (shm path)
     new_cache: torch.Tensor | None = None  # its new KV cache in that segment (the runner adopts it at commit)
+    links: KvLinks | None = None  # source: its TCP links to destinations on other hosts
+    receiving: bool = False  # destination: its KV receiver serves this epoch's sources on other hosts
 
 
 class _Build:
@@ -163,10 +168,15 @@ class NodeTransition:
         prepared = self._prepared
         if prepared is None or prepared.epoch != cmd.epoch or prepared.precopy is None:
             return 0  # aborted or committed meanwhile: nothing left to copy
+        before = dict(prepared.precopy.bytes_by_path)
         sent = prepared.precopy.run(cmd.chunks)
-        self.bytes_by_path["shm"] += sent
+        self._count_moved({p: n - before[p] for p, n in prepared.precopy.bytes_by_path.items()})
         self._maybe_finish_prepare(prepared, wait_build=wait_build)
         return sent
+
+    def _count_moved(self, by_path: dict[str, int]) -> None:
+        for path, n in by_path.items():
+            self.bytes_by_path[path] += n
 
     def _maybe_finish_prepare(self, prepared: _Prepared, force: bool = False, reason: str = "",
                               wait_build: bool = False) -> None:
@@ -179,9 +189,13 @@ class NodeTransition:
             return  # the step thread does not wait for the build: a later poll_prepare finishes
         prepared.acked = True
         sent = prepared.precopy.bytes_sent if prepared.precopy is not None else 0
+        if not reason and prepared.precopy is not None:
+            reason = prepared.precopy.error  # a KV link of this worker failed: its chunks did not land
         if not reason:
             reason = self._build_error(prepared)
-        self._prepare_done = TransitionAck(prepared.epoch, not reason, "prepare", reason, _ms(prepared.t0), sent)
+        by_path = tuple(prepared.precopy.bytes_by_path.items()) if prepared.precopy is not None else ()
+        self._prepare_done = TransitionAck(prepared.epoch, not reason, "prepare", reason, _ms(prepared.t0), sent,
+                                           bytes_by_path=by_path)
 
     def _build_error(self, prepared: _Prepared) -> str:
         """Wait for this worker's new runner (normally built long before) and say whether it failed."""
@@ -232,7 +246,7 @@ class NodeTransition:
             if self._failure_hook is not None:
                 self._failure_hook("prepare", epoch)
             if my_new in born:
-                if self.kv_path == "shm":
+                if self.kv_path == "shm" and self.members[self.rank].shm:
                     # Sparse here (microseconds); the build thread reserves its pages before anything but
                     # pre-copy writes into it (/dev/shm's room was checked: a full one refuses the epoch now).
                     segment = prepared.segment = kv_segment.segment_name(self.node_tag, epoch, self.rank)
@@ -240,9 +254,13 @@ class NodeTransition:
                                                            reserve=False)
                     reserve = kv_segment.reserver(segment)
                     prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new))[1])
+                elif self.kv_path in ("shm", "tcp"):  # only TCP writes into it: private memory does
+                    prepared.new_cache = torch.zeros(self._cache_shape(my_new.tp), dtype=self._dtype)
+                    prepared.build = _Build(lambda: self._new_runner(my_new))
                 else:  # p2p receives into the new runner's own cache right here
                     prepared.build = _Build(lambda: self._new_runner(my_new))
                     prepared.runner = self._wait_runner(prepared)
+                self._serve_remote_sources(prepared, gone, my_new)
         except (RuntimeError, MemoryError, ValueError, OSError) as exc:
             # An expected boundary failure (allocation, injected fault): every worker must still take
             # part in the exchange below so that all of them agree to refuse the epoch.
@@ -271,8 +289,9 @@ class NodeTransition:
             moved = self._move(plan, my_old, my_new, gone, born, prepared.runner)
             self.bytes_by_path["p2p"] += moved
             prepared.acked = True
-            return TransitionAck(epoch, True, "prepare", "", _ms(t0), moved)
-        # shm: every source maps every new cache of the span; once all agree, the names go.
+            return TransitionAck(epoch, True, "prepare", "", _ms(t0), moved, bytes_by_path=(("p2p", moved),))
+        # One-sided: every source maps every new cache of the span on its host and connects to every one on
+        # another host (its receiver answers the hello); once all agree, the names go.
         dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
         problem = ""
         try:
@@ -280,6 +299,8 @@ class NodeTransition:
                 dst_caches = self._map_new_caches(epoch, born, prepared.new_cache)
         except (OSError, RuntimeError) as exc:
             problem = f"worker {self.rank}: cannot map the new KV caches: {type(exc).__name__}: {exc}"
+        if not problem and my_old in gone:
+            problem = self._connect_remote(prepared, born)
         timings["mapped"] = _ms(t0)
         try:
             answers = self.world.all_gather_bytes(msgpack.packb(problem), span.start, span.tp)
@@ -298,7 +319,8 @@ class NodeTransition:
             flows = plan_flows(plan.transfers, self._block_bytes, self.precopy_chunk_bytes)
             heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank)
             prepared.precopy = PreCopy(self.rank, my_old.workers, plan.transfers, flows, self.runner.kv_cache, heads,
-                                       dst_caches)
+                                       dst_caches, prepared.links)
+            self._count_planned(epoch, [(f.src_worker, f.dst_worker, f.size_bytes) for f in flows])
             if self.engine is not None:
                 prepared.preemptions = {s.request_id: s.num_preemptions for s in migration.sequences_in_order(self.engine)}
         prepared.dst_caches = dst_caches
@@ -326,10 +348,21 @@ class NodeTransition:
         prepared.acked = True
         if prepared.build is not None:
             prepared.build.wait()  # no thread outlives its epoch
+        self._release_links(prepared)
         if prepared.segment is not None:
             kv_segment.unlink(prepared.segment)
         if self._prepared is prepared:
             self._prepared = None
+
+    def _release_links(self, prepared: _Prepared) -> None:
+        """The epoch's TCP KV links (as a source) and its receiver session (as a destination) go."""
+        links, prepared.links = prepared.links, None
+        if links is not None:
+            links.close()
+        if prepared.receiving:
+            prepared.receiving = False
+            if self._kv_receiver is not None and self._kv_receiver.serving == prepared.epoch:
+                self._kv_receiver.close_session()
 
     def commit(self, epoch: int) -> TransitionAck:
         t0 = time.perf_counter()
@@ -339,7 +372,7 @@ class NodeTransition:
         if prepared is None or prepared.epoch != epoch:
             return TransitionAck(epoch, False, "commit", f"epoch {epoch} was not prepared")
         old, new = self.topology, prepared.new
-        moved = 0
+        moved, by_path = 0, {}
         if prepared.span is not None:
             span = prepared.span
             gone, born = changed_groups(old, new)
@@ -347,7 +380,9 @@ class NodeTransition:
             if prepared.precopy is not None:
                 # Normally nothing is left: the coordinator commits after every prepare ack. A scripted
                 # commit may come earlier; the rest is one-sided, so it runs right here.
-                self.bytes_by_path["shm"] += prepared.precopy.finish_mine()
+                before = dict(prepared.precopy.bytes_by_path)
+                prepared.precopy.finish_mine()
+                self._count_moved({p: n - before[p] for p, n in prepared.precopy.bytes_by_path.items()})
                 self._maybe_finish_prepare(prepared, force=True)
             build_error = ""
             if prepared.build is not None and prepared.runner is None:
@@ -355,6 +390,8 @@ class NodeTransition:
                     prepared.runner = self._wait_runner(prepared)
                 except RuntimeError as exc:  # told to the span below: nobody switches
                     build_error = f"worker {self.rank}: new runner: {exc}"
+            if not build_error and prepared.precopy is not None and prepared.precopy.error:
+                build_error = prepared.precopy.error  # some pre-copied blocks never landed: nobody switches
             states, invalid = [], []
             if self.is_leader and my_old in gone:
                 assert self.engine is not None
@@ -384,16 +421,26 @@ class NodeTransition:
                 plan = dataclasses.replace(plan, src_tables={rid: (() if rid in stale else t)
                                                              for rid, t in plan.src_tables.items()})
             delta = plan_commit(plan, requests, self.geometry, self._num_blocks_of)
-            if self.kv_path == "shm":
+            if self.kv_path in ("shm", "tcp"):
                 heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank) if my_old in gone else None
-                moved = copy_transfers_one_sided(self.rank, delta.transfers, self.runner.kv_cache if my_old in gone else None,
-                                                 heads, prepared.dst_caches)
-                # Every write into a new cache has landed before any new group runs a step.
-                self.world.all_gather_bytes(b"", span.start, span.tp)
-                self.bytes_by_path["shm"] += moved
+                by_path, error = copy_transfers_one_sided(
+                    self.rank, delta.transfers, self.runner.kv_cache if my_old in gone else None, heads,
+                    prepared.dst_caches, prepared.links, self._block_bytes, self.precopy_chunk_bytes)
+                # Every write into a new cache has landed (TCP: acked after the write) before any new group
+                # runs a step; a link that failed means some did not: then every worker keeps the old topology.
+                answers = self.world.all_gather_bytes(msgpack.packb(error), span.start, span.tp)
+                errors = [e for e in (msgpack.unpackb(a, raw=False) for a in answers) if e]
+                if errors:
+                    self._drop(prepared)
+                    return TransitionAck(epoch, False, "commit", "; ".join(errors), _ms(t0))
+                self._count_moved(by_path)
+                self._count_planned(epoch, [(t.src_worker, t.dst_worker, self._block_bytes(t) * t.num_blocks)
+                                            for t in delta.transfers if t.src_worker == self.rank])
+                moved = sum(by_path.values())
             else:
                 moved = self._move(delta, my_old, my_new, gone, born, prepared.runner)
                 self.bytes_by_path["p2p"] += moved
+                by_path = {"p2p": moved}
             if my_new in born:
                 assert prepared.runner is not None, "a changed worker built its new runner at prepare"
                 self.runner = prepared.runner
@@ -408,8 +455,9 @@ class NodeTransition:
                     self.engine = engine
         prepared.dst_caches.clear()  # drop the mappings of other workers' caches
         prepared.precopy = None
+        self._release_links(prepared)
         self.topology, self.epoch, self._prepared = new, epoch, None
-        return TransitionAck(epoch, True, "commit", "", _ms(t0), moved)
+        return TransitionAck(epoch, True, "commit", "", _ms(t0), moved, bytes_by_path=tuple(by_path.items()))
 
     def _refuse_in_span(self, epoch: int, new: Topology, reason: str, t0: float) -> TransitionAck:
         """Refuse `epoch`, taking part in its span's exchange when this worker is in the span."""
@@ -456,6 +504,8 @@ class NodeTransition:
         caches = {}
         for g in born:
             for w in g.workers:
+                if self.kv_path_of(self.rank, w) == "tcp":
+                    continue  # on another host: reached through its receiver (_connect_remote)
                 if w == self.rank:
                     assert own is not None, "a changed worker allocated its new cache"
                     cache = own
@@ -464,6 +514,39 @@ class NodeTransition:
                                               self._dtype)
                 caches[w] = (cache, migration.heads_of(heads, g, w))
         return caches
+
+    def _serve_remote_sources(self, prepared: _Prepared, gone: tuple[Group, ...], my_new: Group) -> None:
+        """Destination: serve the sources of this epoch on other hosts (before the span's first exchange, so
+        that the receiver is up by the time any of them connects)."""
+        sources = {w for g in gone for w in g.workers if self.kv_path_of(w, self.rank) == "tcp"}
+        if not sources:
+            return
+        assert self._kv_receiver is not None and prepared.new_cache is not None, "one-sided mode has a receiver"
+        heads = migration.heads_of(self.model_config.num_kv_heads, my_new, self.rank)
+        self._kv_receiver.open(prepared.epoch, self.rank, prepared.new_cache, heads, sources)
+        prepared.receiving = True
+
+    def _connect_remote(self, prepared: _Prepared, born: tuple[Group, ...]) -> str:
+        """Source: a TCP link to every new cache of the span on another host; a problem, or ""."""
+        targets = {w: (self.members[w].addr, self.members[w].port) for g in born for w in g.workers
+                   if self.kv_path_of(self.rank, w) == "tcp"}
+        if not targets:
+            return ""
+        prepared.links = KvLinks()
+        try:
+            prepared.links.connect(prepared.epoch, self.rank, targets)
+        except TransferError as exc:
+            return f"worker {self.rank}: cannot reach a new KV cache on another host: {exc}"
+        self.kv_tos.extend(prepared.links.tos)
+        return ""
+
+    def _count_planned(self, epoch: int, flows: list[tuple[int, int, int]]) -> None:
+        """What an agreed plan gives this worker to move, by pair and path (local copies are no path)."""
+        for src, dst, size in flows:
+            path = self.kv_path_of(src, dst)
+            if src == self.rank and path != "local":
+                self.planned_by_path[path] += size
+                self.kv_pairs.append((epoch, src, dst, path, size))
 
     def _move(self, plan: ReshardPlan, my_old: Group, my_new: Group, gone, born, runner) -> int:
         heads = self.model_config.num_kv_heads

@@ -1,0 +1,149 @@
+"""Which workers of a node world share a host, and so which path each KV migration pair takes.
+
+A node world's workers are usually one host's processes, but nothing guarantees it: the rendezvous address
+(NITSUM_NODE_MASTER_ADDR) may be remote and docker compose runs each worker in its own container, whose
+/dev/shm is private. Shared-memory one-sided writes only work between workers that map the *same* /dev/shm;
+everything else must go over the transfer data plane (TCP, tagged with the stage-M DSCP).
+
+So every worker says who it is once, at NodeRuntime construction (`exchange`: one all-gather over the whole
+world, msgpack): its host id, whether it can create segments in /dev/shm, its device, the KV path it was
+configured with, and where its KV receiver listens. The rest is pure (`resolve_mode`, `pair_path`,
+`hosts_of`) and every worker computes the same answers from the same list.
+
+Host id: NITSUM_HOST_ID when set (tests split one machine into "hosts" with it), else the hostname, the
+kernel's boot id and the device number of the /dev/shm mount: two containers of one machine share a boot id
+but not their /dev/shm tmpfs (a different st_dev), so they count as different hosts, which is what shared
+memory needs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+
+import msgpack
+
+from nitsum.engine import kv_segment
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+# Resolved modes: "shm" (one-sided: shared memory between workers of a host, TCP across hosts), "tcp"
+# (one-sided, every pair over TCP: no pair can share memory, or forced), "p2p" (paired gloo send/recv).
+MODES = ("shm", "tcp", "p2p")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One worker as the others see it (agreed at construction)."""
+
+    rank: int
+    host: str
+    shm: bool  # it can create and map KV segments in /dev/shm
+    device: str  # "cpu" or "cuda:<n>"
+    kv_path: str  # as configured: "auto" | "shm" | "tcp" | "p2p"
+    addr: str  # its KV receiver, for sources on other hosts
+    port: int
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.rank, self.host, self.shm, self.device, self.kv_path, self.addr, self.port],
+                             use_bin_type=True)
+
+    @staticmethod
+    def decode(payload: bytes) -> Member:
+        rank, host, shm, device, kv_path, addr, port = msgpack.unpackb(payload, raw=False)
+        return Member(int(rank), str(host), bool(shm), str(device), str(kv_path), str(addr), int(port))
+
+
+def local_host_id(override: str = "") -> str:
+    """This worker's host id (see the module docstring)."""
+    if override:
+        return override
+    try:
+        with open(BOOT_ID_PATH) as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        shm = f"shm{os.stat(kv_segment.SHM_DIR).st_dev}"
+    except OSError:
+        shm = "noshm"
+    return f"{socket.gethostname()}/{boot}/{shm}"
+
+
+def is_loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def advertise_addr(override: str, master_addr: str) -> str:
+    """Where sources on other hosts reach this worker's KV receiver: NITSUM_KV_ADVERTISE_ADDR, else loopback
+    when the node world itself meets on loopback (one machine), else the local address of the route to the
+    rendezvous host (a UDP "connect" only looks the route up; no packet leaves)."""
+    if override:
+        return override
+    if is_loopback(master_addr):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def exchange(world, me: Member) -> tuple[Member, ...]:
+    """Every worker's Member, in rank order (one all-gather over the whole node world)."""
+    parts = world.all_gather_bytes(me.encode(), 0, world.size)
+    members = tuple(Member.decode(p) for p in parts)
+    assert [m.rank for m in members] == list(range(world.size)), "the world's members answer in rank order"
+    return members
+
+
+def hosts_of(members: tuple[Member, ...]) -> dict[str, tuple[int, ...]]:
+    """Host id -> the ranks on it, in rank order."""
+    hosts: dict[str, list[int]] = {}
+    for m in members:
+        hosts.setdefault(m.host, []).append(m.rank)
+    return {h: tuple(ranks) for h, ranks in hosts.items()}
+
+
+def shares_memory(a: Member, b: Member) -> bool:
+    return a.host == b.host and a.shm and b.shm
+
+
+def resolve_mode(members: tuple[Member, ...]) -> str:
+    """The world's KV mode from every member's configuration (ValueError when it cannot work):
+    "p2p" when configured, or by "auto" when some cache is on a GPU (one-sided writes need host memory);
+    otherwise one-sided: "shm" unless it was "tcp" or no two workers share a /dev/shm."""
+    paths = {m.kv_path for m in members}
+    if len(paths) > 1:
+        raise ValueError(f"the node's workers disagree on the KV path: {sorted(paths)}")
+    (path,) = paths
+    on_gpu = [m.rank for m in members if m.device != "cpu"]
+    if path == "p2p" or (path == "auto" and on_gpu):
+        return "p2p"
+    if on_gpu:
+        raise ValueError(f"kv_path {path!r} needs CPU caches (workers {on_gpu} are on a GPU)")
+    if path == "tcp":
+        return "tcp"
+    any_shared = any(shares_memory(a, b) for a in members for b in members if a.rank < b.rank)
+    if path == "shm":
+        return "shm"
+    return "shm" if any_shared else "tcp"
+
+
+def pair_path(mode: str, members: tuple[Member, ...], src: int, dst: int) -> str:
+    """How KV moves from worker `src` to worker `dst`: "local" (one worker), "p2p", "shm" or "tcp"."""
+    assert mode in MODES, f"unknown KV mode {mode!r}"
+    if src == dst:
+        return "local"
+    if mode == "p2p":
+        return "p2p"
+    if mode == "shm" and shares_memory(members[src], members[dst]):
+        return "shm"
+    return "tcp"

@@ -1,0 +1,378 @@
+"""A TP transition's KV across hosts: the transfer data plane's framing over TCP, tagged with stage M's DSCP.
+
+Workers of one host write migrated blocks straight into each other's new caches (shared memory,
+`kv_segment`). A source on another host cannot: it sends each chunk to the destination's `KvReceiver`,
+which writes it into the new cache and acks *after* the write. A source counts a chunk done only on its
+ack, so when every source of a commit has its acks the delta has landed everywhere and the barrier after it
+is safe.
+
+Protocol (frames of `nitsum.transfer.framing`: magic, msgpack header, payload, CRC32), one connection per
+(epoch, source, destination) pair, opened by the source in prepare with IP_TOS = `STAGE_M_DSCP` set before
+connect (the SYN carries the class too):
+- hello: an END frame, flow id `kvmig-e<epoch>-w<src>-w<dst>`, `block_ids` = (epoch, src, dst), no bytes.
+  The receiver checks it against the epoch it serves and answers ACK, or ERROR and closes. The source waits
+  for that ACK inside prepare: a pair that cannot connect refuses the prepare on every member.
+- a chunk: a DATA frame (offset 0, the chunk's K/V bytes in the layout
+  [layers, K/V, blocks, block_size, heads, head_dim]) then an END frame with `total_bytes` and, in
+  `block_ids`, the placement: (layer_start, layer_end, head_start, head_end, *destination block ids), so
+  the receiver needs nothing but its cache. ACK (`total_bytes`) once written; ERROR on any mismatch.
+
+Blocking sockets, not the async TcpTransferSender/Receiver: the source side runs in the step thread, which
+is synchronous and must know a chunk landed before it returns (pre-copy between two decode steps, the delta
+inside the pause); an event-loop thread would add a thread hop per chunk and a loop to own and stop, for
+nothing. The receiver needs one thread per epoch anyway (its worker's step thread is busy with its own old
+group's steps while sources write): a `selectors` loop over the listening socket and the epoch's
+connections. The async classes also buffer a flow whole before a sink sees it; here a chunk is one frame.
+
+Class: stage-M flows carry an explicit deadline (the planned cutover) and are paced on the host by their
+flow-scheduler permits (services/worker/migration_flows.py); what reaches the wire was permitted, and the
+delta runs inside a stream's pause, so the connection takes the explicit-urgent class P1 of DSCP_TABLE.
+"""
+
+from __future__ import annotations
+
+import math
+import selectors
+import socket
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from nitsum.kv.reshard import Transfer
+from nitsum.policy.flows import DSCP_TABLE, tos_for_dscp
+from nitsum.transfer.framing import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    PREFIX,
+    ErrorCode,
+    FrameHeader,
+    FrameKind,
+    TransferError,
+    decode_body,
+    decode_prefix,
+    encode_frame,
+)
+
+STAGE_M_LEVEL = 1
+STAGE_M_DSCP = DSCP_TABLE[STAGE_M_LEVEL]
+CONNECT_TIMEOUT_S = 10.0
+IO_TIMEOUT_S = 30.0  # one frame or one ack; a stuck peer fails its chunk after this
+THREAD_PREFIX = "nitsum-kv-recv"
+
+
+def flow_id(epoch: int, src: int, dst: int) -> str:
+    return f"kvmig-e{epoch}-w{src}-w{dst}"
+
+
+# -- frames on a blocking socket ------------------------------------------------------------------------
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise TransferError(ErrorCode.CLOSED, "connection closed by the peer")
+        got += k
+    return buf
+
+
+def read_frame(sock: socket.socket, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[FrameHeader, bytearray]:
+    try:
+        hdr_len, payload_len, crc = decode_prefix(bytes(_recv_exact(sock, PREFIX.size)), max_payload_bytes)
+        hdr = bytes(_recv_exact(sock, hdr_len))
+        payload = _recv_exact(sock, payload_len) if payload_len else bytearray()
+    except socket.timeout as exc:
+        raise TransferError(ErrorCode.TIMEOUT, f"no frame within {sock.gettimeout()} s") from exc
+    except (ConnectionError, OSError) as exc:
+        raise TransferError(ErrorCode.CLOSED, repr(exc)) from exc
+    return decode_body(hdr, payload, crc), payload
+
+
+def write_frame(sock: socket.socket, header: FrameHeader, payload: bytes | memoryview = b"") -> None:
+    try:
+        for buf in encode_frame(header, payload):
+            sock.sendall(buf)
+    except socket.timeout as exc:
+        raise TransferError(ErrorCode.TIMEOUT, "send stalled", header.flow_id) from exc
+    except (ConnectionError, OSError) as exc:
+        raise TransferError(ErrorCode.CLOSED, repr(exc), header.flow_id) from exc
+
+
+def tos_of(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
+
+
+# -- the destination side ---------------------------------------------------------------------------------
+def write_blocks(cache: torch.Tensor, heads: tuple[int, int], placement: tuple[int, ...], payload: bytearray) -> None:
+    """One received chunk into this worker's new cache; TransferError(PROTOCOL) when it does not fit."""
+    if len(placement) < 5:
+        raise TransferError(ErrorCode.PROTOCOL, f"placement {placement[:8]} names no block")
+    l0, l1, h0, h1, *ids = placement
+    layers, _, num_blocks, block_size, _, head_dim = cache.shape
+    if not (0 <= l0 < l1 <= layers and heads[0] <= h0 < h1 <= heads[1]):
+        raise TransferError(ErrorCode.PROTOCOL, f"layers [{l0}, {l1}) / heads [{h0}, {h1}) outside this cache "
+                                                f"({layers} layers, heads {list(heads)})")
+    if not all(0 <= b < num_blocks for b in ids):
+        raise TransferError(ErrorCode.PROTOCOL, f"a block id outside [0, {num_blocks})")
+    shape = (l1 - l0, 2, len(ids), block_size, h1 - h0, head_dim)
+    if len(payload) != math.prod(shape) * cache.element_size():
+        raise TransferError(ErrorCode.PROTOCOL, f"{len(payload)} bytes for a chunk of shape {shape}")
+    src = torch.frombuffer(payload, dtype=cache.dtype).view(shape)
+    index = torch.tensor(ids, dtype=torch.long)
+    cache[l0:l1, :, index, :, h0 - heads[0] : h1 - heads[0]] = src
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    src: int | None = None  # known after the hello
+    data: bytearray | None = None  # a DATA frame waiting for its END
+
+
+@dataclass
+class _Session:
+    epoch: int
+    me: int
+    cache: torch.Tensor
+    heads: tuple[int, int]
+    sources: frozenset[int]
+    conns: list[_Conn] = field(default_factory=list)
+    thread: threading.Thread | None = None
+    wake: tuple[socket.socket, socket.socket] | None = None
+    stop: bool = False
+
+
+class KvReceiver:
+    """This worker's KV receiver: a listening socket for the runtime's life (its port is advertised once,
+    at construction), serving one epoch's connections at a time while that epoch is prepared."""
+
+    def __init__(self, bind_addr: str, fault_epoch: int = 0) -> None:
+        self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listen.bind((bind_addr, 0))
+        self._listen.listen(64)
+        self._listen.setblocking(False)
+        self.port = self._listen.getsockname()[1]
+        self.fault_epoch = fault_epoch  # tests: close every connection of this epoch unanswered
+        self.errors: list[str] = []  # what this end refused or lost (logs, tests)
+        self.bytes_written = 0
+        self._session: _Session | None = None
+
+    @property
+    def serving(self) -> int | None:
+        """The epoch whose connections are being served, if any."""
+        return self._session.epoch if self._session is not None else None
+
+    @property
+    def open_connections(self) -> int:
+        s = self._session
+        return sum(1 for c in s.conns if c.sock.fileno() >= 0) if s is not None else 0
+
+    def open(self, epoch: int, me: int, cache: torch.Tensor, heads: tuple[int, int], sources: Iterable[int]) -> None:
+        """Serve `epoch`'s sources (writing into `cache`, whose global KV heads are `heads`) until `close_session`."""
+        self.close_session()
+        session = _Session(epoch, me, cache, heads, frozenset(sources))
+        session.wake = socket.socketpair()
+        session.thread = threading.Thread(target=self._serve, args=(session,), name=f"{THREAD_PREFIX}-e{epoch}-w{me}",
+                                          daemon=True)
+        self._session = session
+        session.thread.start()
+
+    def close_session(self) -> None:
+        """Stop serving: the thread ends, every connection of the epoch closes (idempotent)."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        session.stop = True
+        assert session.wake is not None and session.thread is not None
+        try:
+            session.wake[1].send(b"x")
+        except OSError:
+            pass
+        session.thread.join()
+        for s in session.wake:
+            s.close()
+
+    def close(self) -> None:
+        self.close_session()
+        self._listen.close()
+
+    # -- the epoch's thread -------------------------------------------------------------------------
+    def _serve(self, session: _Session) -> None:
+        assert session.wake is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self._listen, selectors.EVENT_READ, "listen")
+        sel.register(session.wake[0], selectors.EVENT_READ, "wake")
+        try:
+            while not session.stop:
+                for key, _ in sel.select(timeout=1.0):
+                    if key.data == "wake":
+                        return
+                    if key.data == "listen":
+                        self._accept(session, sel)
+                    elif not self._serve_frame(session, key.data):
+                        sel.unregister(key.fileobj)
+                        key.data.sock.close()
+        finally:
+            sel.close()
+            for conn in session.conns:
+                conn.sock.close()
+
+    def _accept(self, session: _Session, sel: selectors.BaseSelector) -> None:
+        try:
+            sock, _ = self._listen.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(True)
+        sock.settimeout(IO_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_for_dscp(STAGE_M_DSCP))  # acks go in the class too
+        conn = _Conn(sock)
+        session.conns.append(conn)
+        sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _serve_frame(self, session: _Session, conn: _Conn) -> bool:
+        """Read and apply one frame; False when the connection is done (closed, failed or refused)."""
+        fid = flow_id(session.epoch, conn.src if conn.src is not None else -1, session.me)
+        try:
+            header, payload = read_frame(conn.sock)
+            fid = header.flow_id
+            if conn.src is None:
+                return self._hello(session, conn, header)
+            if header.kind is FrameKind.DATA:
+                if header.offset != 0 or conn.data is not None:
+                    raise TransferError(ErrorCode.PROTOCOL, "a chunk is one DATA frame then its END", fid)
+                conn.data = payload
+                return True
+            if header.kind is FrameKind.END:
+                data, conn.data = conn.data if conn.data is not None else bytearray(), None
+                if len(data) != header.total_bytes:
+                    raise TransferError(ErrorCode.PROTOCOL, f"got {len(data)} of {header.total_bytes} bytes", fid)
+                write_blocks(session.cache, session.heads, header.block_ids, data)
+                self.bytes_written += len(data)
+                write_frame(conn.sock, FrameHeader(FrameKind.ACK, fid, total_bytes=len(data)))
+                return True
+            if header.kind is FrameKind.ERROR:
+                self.errors.append(f"{fid}: the source gave up: {header.code}: {header.message}")
+                return False
+            raise TransferError(ErrorCode.PROTOCOL, f"unexpected {header.kind.value} frame at the receiver", fid)
+        except TransferError as exc:
+            if exc.code is not ErrorCode.CLOSED or conn.data is not None:  # (a source closing its link is normal)
+                self.errors.append(f"{fid}: {exc}")
+            if exc.code is not ErrorCode.CLOSED:
+                try:
+                    write_frame(conn.sock, FrameHeader(FrameKind.ERROR, fid, code=exc.code.value, message=exc.message))
+                except TransferError:
+                    pass  # the source is gone; its own read fails
+            return False
+
+    def _hello(self, session: _Session, conn: _Conn, header: FrameHeader) -> bool:
+        ids = header.block_ids
+        if header.kind is not FrameKind.END or len(ids) != 3:
+            raise TransferError(ErrorCode.PROTOCOL, "the first frame must be the pair's hello", header.flow_id)
+        epoch, src, dst = ids
+        if epoch != session.epoch or dst != session.me or src not in session.sources:
+            raise TransferError(ErrorCode.PROTOCOL, f"hello for epoch {epoch}, w{src} -> w{dst}: this receiver serves "
+                                f"epoch {session.epoch} of w{session.me} from {sorted(session.sources)}", header.flow_id)
+        if epoch == self.fault_epoch:
+            self.errors.append(f"{header.flow_id}: injected connection failure")
+            return False  # closed unanswered: the source's hello fails as a lost connection
+        conn.src = src
+        write_frame(conn.sock, FrameHeader(FrameKind.ACK, header.flow_id))
+        return True
+
+
+# -- the source side --------------------------------------------------------------------------------------
+class KvLink:
+    """One source -> destination connection of an epoch (the source's end)."""
+
+    def __init__(self, epoch: int, src: int, dst: int, addr: str, port: int, dscp: int = STAGE_M_DSCP) -> None:
+        self.epoch, self.src, self.dst = epoch, src, dst
+        self.flow_id = flow_id(epoch, src, dst)
+        self.in_flight: list[tuple[str, int]] = []  # (chunk flow id, bytes) sent, not acked yet
+        self.chunks = 0
+        self.broken = ""  # why this link failed (then nothing more is sent on it)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_for_dscp(dscp))  # before connect: the SYN too
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.connect((addr, port))
+            sock.settimeout(IO_TIMEOUT_S)
+            write_frame(sock, FrameHeader(FrameKind.END, self.flow_id, block_ids=(epoch, src, dst)))
+        except (OSError, TransferError) as exc:
+            sock.close()
+            raise TransferError(ErrorCode.CLOSED, f"connect to w{dst} at {addr}:{port}: {exc}", self.flow_id) from exc
+        self.sock = sock
+        self.in_flight.append((self.flow_id, 0))
+
+    @property
+    def tos(self) -> int:
+        return tos_of(self.sock)
+
+    def send(self, t: Transfer, start: int, end: int, old_kv: torch.Tensor, old_heads: tuple[int, int]) -> int:
+        """Blocks [start, end) of transfer `t` from this worker's old cache; returns their bytes (not yet acked)."""
+        src_index = torch.tensor(t.src_block_ids[start:end], dtype=torch.long)
+        h0, h1 = t.head_start - old_heads[0], t.head_end - old_heads[0]
+        chunk = old_kv[t.layer_start : t.layer_end, :, src_index, :, h0:h1].contiguous()
+        data = memoryview(chunk.numpy()).cast("B")
+        fid = f"{self.flow_id}-c{self.chunks}"
+        self.chunks += 1
+        placement = (t.layer_start, t.layer_end, t.head_start, t.head_end, *t.dst_block_ids[start:end])
+        write_frame(self.sock, FrameHeader(FrameKind.DATA, fid), data)
+        write_frame(self.sock, FrameHeader(FrameKind.END, fid, total_bytes=len(data), block_ids=placement))
+        self.in_flight.append((fid, len(data)))
+        return len(data)
+
+    def wait(self) -> int:
+        """Every ack of what was sent (the hello's included); returns the acked chunk bytes."""
+        acked = 0
+        while self.in_flight:
+            fid, size = self.in_flight[0]
+            header, _ = read_frame(self.sock, 0)
+            if header.kind is FrameKind.ERROR:
+                raise TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}", header.flow_id)
+            if header.kind is not FrameKind.ACK or header.flow_id != fid or header.total_bytes != size:
+                raise TransferError(ErrorCode.PROTOCOL, f"expected the ack of {fid}, got {header.kind.value} "
+                                                        f"{header.flow_id}", fid)
+            self.in_flight.pop(0)
+            acked += size
+        return acked
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class KvLinks:
+    """A source's links of one epoch, one per destination on another host."""
+
+    def __init__(self) -> None:
+        self.links: dict[int, KvLink] = {}
+
+    def connect(self, epoch: int, src: int, targets: dict[int, tuple[str, int]], dscp: int = STAGE_M_DSCP) -> None:
+        """Connect to every destination and wait for each hello's ack; TransferError on the first that fails
+        (the links made so far stay, for `close`)."""
+        for dst, (addr, port) in sorted(targets.items()):
+            self.links[dst] = KvLink(epoch, src, dst, addr, port, dscp)
+        for link in self.links.values():
+            link.wait()
+
+    def __contains__(self, dst: int) -> bool:
+        return dst in self.links
+
+    def link(self, dst: int) -> KvLink:
+        return self.links[dst]
+
+    @property
+    def tos(self) -> list[int]:
+        return [link.tos for link in self.links.values() if link.sock.fileno() >= 0]
+
+    @property
+    def open_connections(self) -> int:
+        return sum(1 for link in self.links.values() if link.sock.fileno() >= 0)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()

@@ -1,0 +1,125 @@
+"""Which workers share a host and which path each KV migration pair takes (pure), and the stage-M TCP data
+plane's two ends on real sockets: a chunk lands in the destination's cache before its ack, the connection
+carries the stage-M DSCP, and a hello the receiver refuses (wrong epoch, injected fault) fails the link."""
+
+import threading
+
+import pytest
+import torch
+
+from nitsum.engine import kv_hosts
+from nitsum.engine.kv_hosts import Member, hosts_of, pair_path, resolve_mode
+from nitsum.engine.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver
+from nitsum.kv.reshard import Transfer
+from nitsum.policy.flows import tos_for_dscp
+from nitsum.transfer.framing import TransferError
+
+
+def members(hosts, kv_path="auto", shm=True, device="cpu"):
+    return tuple(Member(r, h, shm, device, kv_path, "127.0.0.1", 5000 + r) for r, h in enumerate(hosts))
+
+
+def test_member_round_trips_through_msgpack():
+    m = Member(3, "box/abc/shm42", True, "cpu", "auto", "10.0.0.7", 41234)
+    assert Member.decode(m.encode()) == m
+
+
+def test_host_id_override_and_default():
+    assert kv_hosts.local_host_id("rack1-a") == "rack1-a"
+    default = kv_hosts.local_host_id("")
+    assert default == kv_hosts.local_host_id("")  # stable within a host
+    hostname, boot, shm = default.split("/")
+    assert hostname and boot and (shm.startswith("shm") or shm == "noshm")
+
+
+def test_advertise_address():
+    assert kv_hosts.advertise_addr("10.1.2.3", "127.0.0.1") == "10.1.2.3"
+    assert kv_hosts.advertise_addr("", "127.0.0.1") == "127.0.0.1"
+    assert kv_hosts.advertise_addr("", "localhost") == "127.0.0.1"
+    assert kv_hosts.is_loopback("127.0.0.2") and not kv_hosts.is_loopback("10.0.0.1")
+
+
+def test_workers_grouped_into_hosts_and_a_path_per_pair():
+    world = members(["a", "a", "b", "b"])
+    assert hosts_of(world) == {"a": (0, 1), "b": (2, 3)}
+    assert resolve_mode(world) == "shm"
+    paths = {(s, d): pair_path("shm", world, s, d) for s in range(4) for d in range(4)}
+    assert {k for k, p in paths.items() if p == "local"} == {(i, i) for i in range(4)}
+    assert {k for k, p in paths.items() if p == "shm"} == {(0, 1), (1, 0), (2, 3), (3, 2)}
+    assert {k for k, p in paths.items() if p == "tcp"} == {(s, d) for s in (0, 1) for d in (2, 3)} | {
+        (s, d) for s in (2, 3) for d in (0, 1)}
+
+
+def test_mode_resolution():
+    # every worker on its own host (containers): nothing can share memory
+    assert resolve_mode(members(["a", "b", "c", "d"])) == "tcp"
+    # one host without a usable /dev/shm: TCP too (no pair shares memory)
+    assert resolve_mode(members(["a"] * 4, shm=False)) == "tcp"
+    assert pair_path("tcp", members(["a"] * 4), 0, 1) == "tcp"  # forced: even on one host
+    assert resolve_mode(members(["a"] * 4, kv_path="tcp")) == "tcp"
+    assert resolve_mode(members(["a"] * 4, kv_path="p2p")) == "p2p"
+    assert pair_path("p2p", members(["a"] * 4), 0, 1) == "p2p"
+    assert resolve_mode(members(["a"] * 2, device="cuda:0")) == "p2p"  # GPU caches: the paired fallback
+    with pytest.raises(ValueError, match="needs CPU caches"):
+        resolve_mode(members(["a"] * 2, kv_path="shm", device="cuda:0"))
+    mixed = members(["a", "a"])[:1] + members(["a", "a"], kv_path="p2p")[1:]
+    with pytest.raises(ValueError, match="disagree on the KV path"):
+        resolve_mode(mixed)
+
+
+# -- the data plane on real sockets ----------------------------------------------------------------------
+LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 8, 4, 4, 8
+
+
+def kv_threads():
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def test_chunk_is_written_before_its_ack_over_a_stage_m_connection():
+    old = torch.randn(LAYERS, 2, BLOCKS, BLOCK, HEADS, DIM)  # source: all 4 heads
+    new = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, 2, DIM)  # destination: heads [2, 4)
+    receiver = KvReceiver("127.0.0.1")
+    receiver.open(7, 1, new, (2, 4), sources={0})
+    links = KvLinks()
+    try:
+        links.connect(7, 0, {1: ("127.0.0.1", receiver.port)})
+        assert links.tos == [tos_for_dscp(STAGE_M_DSCP)]
+        t = Transfer(0, 1, 0, LAYERS, 2, 4, (5, 1, 6), (0, 3, 7))
+        link = links.link(1)
+        sent = link.send(t, 0, 2, old, (0, 4)) + link.send(t, 2, 3, old, (0, 4))
+        assert sent == 3 * LAYERS * 2 * BLOCK * 2 * DIM * 4
+        assert link.wait() == sent  # both acked: written
+        assert torch.equal(new[:, :, [0, 3, 7]], old[:, :, [5, 1, 6], :, 2:4])
+        assert new[:, :, [1, 2, 4, 5, 6]].abs().sum() == 0
+        assert receiver.bytes_written == sent and receiver.errors == []
+        assert receiver.open_connections == 1 and len(kv_threads()) == 1
+    finally:
+        links.close()
+        receiver.close()
+    assert kv_threads() == [] and links.open_connections == 0
+
+
+def test_receiver_refuses_a_wrong_epoch_a_chunk_outside_its_heads_and_an_injected_fault():
+    new = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, 2, DIM)
+    receiver = KvReceiver("127.0.0.1", fault_epoch=9)
+    try:
+        receiver.open(8, 1, new, (2, 4), sources={0})
+        with pytest.raises(TransferError, match="serves epoch 8"):
+            KvLinks().connect(5, 0, {1: ("127.0.0.1", receiver.port)})
+        links = KvLinks()
+        links.connect(8, 0, {1: ("127.0.0.1", receiver.port)})
+        old = torch.randn(LAYERS, 2, BLOCKS, BLOCK, HEADS, DIM)
+        links.link(1).send(Transfer(0, 1, 0, LAYERS, 0, 2, (1,), (1,)), 0, 1, old, (0, 4))  # heads [0, 2)
+        with pytest.raises(TransferError, match="outside this cache"):
+            links.link(1).wait()
+        links.close()
+        assert new.abs().sum() == 0
+        receiver.open(9, 1, new, (2, 4), sources={0})
+        with pytest.raises(TransferError, match="closed"):
+            KvLinks().connect(9, 0, {1: ("127.0.0.1", receiver.port)})
+        assert any("injected" in e for e in receiver.errors)
+    finally:
+        receiver.close()
+    assert kv_threads() == []
+    with pytest.raises(TransferError, match="connect to w1"):  # nobody listens any more
+        KvLinks().connect(9, 0, {1: ("127.0.0.1", receiver.port)})
