@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # The node run: 4 workers, levels 2..4; (request id, leader, tick, prompt length, max tokens).
-NODE_REQUESTS = [("a", 0, 0, 7, 30), ("b", 2, 0, 19, 26), ("c", 0, 3, 11, 20), ("d", 0, 9, 5, 12)]  # d: at TP4, led by 0
+# (d arrives while the node is one TP=4 group, led by 0.)
+NODE_REQUESTS = [("a", 0, 0, 7, 30), ("b", 2, 0, 19, 26), ("c", 0, 3, 11, 20), ("d", 0, 9, 5, 12)]
 TP2, TP4 = [[0, 2], [2, 2]], [[0, 4]]
 NODE_EVENTS = [(4, "prepare", 1, TP4), (6, "commit", 1, None), (12, "prepare", 2, TP2), (14, "commit", 2, None)]
 BLOCK_SIZE = 8

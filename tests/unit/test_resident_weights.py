@@ -139,6 +139,33 @@ def test_replicated_kv_heads_beyond_the_kv_head_count(store, cfg):
     assert resident.spans["model.layers.0.self_attn.k_proj.weight"] == (0, 16, 32)
 
 
+def test_tied_embeddings_keep_no_copy_of_the_checkpoints_lm_head(tmp_path):
+    """A tied model computes its LM head on the embedding's slices: the checkpoint's lm_head is not copied."""
+    from nitsum.model.tiny import make_tiny
+
+    model_dir = make_tiny(tmp_path / "tied", {"tie_word_embeddings": True})
+    tied = loader.load_config(model_dir)
+    store = SharedWeightStore.open(model_dir, "float32", tmp_path / "shm")
+    try:
+        assert "lm_head.weight" in store.tensors
+        resident = boot_weights(store, "cpu", 3, 2, 4, config=tied, node_size=4, resident=True)
+        assert "lm_head.weight" not in resident.tensors
+        embed = store.tensors["model.embed_tokens.weight"]
+        assert resident.tensor_bytes == expected_hull_bytes(store, tied, 3, 2, 4) - (
+            store.tensors["lm_head.weight"].numel() * 4 // 2)  # the lm_head hull ([2, 4) of 4 blocks) is not held
+        for tp in (2, 4):
+            shards = resident.shards(tied, 3 % tp, tp)
+            assert shards["lm_head.weight"] is shards["model.embed_tokens.weight"]
+            head = shards["lm_head.weight"]
+            assert torch.equal(head, loader.shard_weights(store.tensors, tied, 3 % tp, tp)["lm_head.weight"])
+            assert resident.contains(head) and head.shape[0] == embed.shape[0] // tp
+            runner = ModelRunner("unused", TPGroup(3 % tp, tp, None, "cpu"), num_kv_blocks=4, weights=resident,
+                                 config=tied)
+            assert all(resident.contains(p) for p in runner.model.parameters())
+    finally:
+        store.remove()
+
+
 @pytest.mark.parametrize("min_tp", [1, 2])
 def test_tp_change_reads_nothing_and_allocates_no_weight(store, cfg, min_tp):
     for device_index in range(NODE):

@@ -157,7 +157,9 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu")
     return weights
 
 
-def shard_span(name: str, shape: tuple[int, ...], cfg: ModelConfig, rank: int, size: int) -> tuple[int, int, int] | None:
+def shard_span(
+    name: str, shape: tuple[int, ...], cfg: ModelConfig, rank: int, size: int
+) -> tuple[int, int, int] | None:
     """Where this rank's slice of tensor `name` (full shape `shape`) lies: (dim, start, length), or None when
     every rank uses the whole tensor. Positions, not tensors: a device-resident copy that holds only part
     of a weight (`parallel.weights.ResidentWeights`) cuts its views with the same arithmetic."""
