@@ -88,7 +88,11 @@ def build_backend(config: WorkerConfig, role: str):
             raise RuntimeError(f"injected failure (NITSUM_FAULT_PREPARE_EPOCH={epoch})")
         die_if_told(config, phase, epoch)
 
-    runtime = NodeRuntime(world, cfg, store.tensors, Topology.uniform(config.node_size, 1), failure_hook)
+    runtime = NodeRuntime(
+        world, cfg, store.tensors, Topology.uniform(config.node_size, 1), failure_hook, kv_path=config.kv_path,
+        host_id=config.host_id, kv_advertise_addr=config.kv_advertise_addr, master_addr=config.node_master_addr,
+        kv_fault_epoch=config.fault_kv_connect_epoch,
+    )
     engine = runtime.engine
     return PeerLossGuard(runtime, engine.model_name, engine.max_model_len)
 
@@ -271,7 +275,8 @@ def make_body(service_name: str):
                     span.set_attribute("nitsum.error", ack.reason)
             if phase in ("prepare", "commit") and ack.ok:
                 ctx.metrics.kv_migration_bytes_total().inc(ack.bytes_moved)
-                migrations.count_bytes(backend.runtime.kv_path, ack.bytes_moved)
+                for path, size in ack.bytes_by_path:
+                    migrations.count_bytes(path, size)
             return TopologyAck(worker_id, ack.epoch, ack.ok, ack.phase, ack.reason, ack.duration_ms)
 
         async def on_abort(msg: AbortRequest, _delivery) -> None:

@@ -1,13 +1,13 @@
 """A TP transition's pre-copy as Nuska stage-M flows (issue #6 item 6), driven by an old group's leader.
 
-When a prepare comes back `pending` (NodeRuntime pre-copies between decode steps, shm path), the leader of
-the old group submits one flow per (source worker, destination worker) pair of its group to the
-flow-scheduler -- stage "M", its bytes, deadline = the planned cutover (prepare start +
-NITSUM_TP_MIGRATION_BUDGET_MS) -- and runs each flow's chunks only under its permit, through the
-worker's TransferAgent: strict priority against this worker's P2D and reuse flows, completion reported
-so the scheduler frees it. Each chunk is one `session.call`, i.e. it runs in the step thread at a step
-boundary, between two decode steps of the old group. Copies inside one worker (old cache -> its own new
-cache) involve no link: they run without a permit.
+When a prepare comes back `pending` (NodeRuntime pre-copies between decode steps: shared memory between
+workers of one host, the TCP data plane across hosts), the leader of the old group submits one flow per
+(source worker, destination worker) pair of its group to the flow-scheduler -- stage "M", its bytes,
+deadline = the planned cutover (prepare start + NITSUM_TP_MIGRATION_BUDGET_MS) -- and runs each flow's
+chunks only under its permit, through the worker's TransferAgent: strict priority against this worker's
+P2D and reuse flows, completion reported so the scheduler frees it. Each chunk is one `session.call`, i.e.
+it runs in the step thread at a step boundary, between two decode steps of the old group. Copies inside one
+worker (old cache -> its own new cache) involve no link: they run without a permit.
 
 The scheduler is advice, never a gate: silent (TransferAgent.permits times out) or pruning, the flows
 still run at the lowest level (logged, counted in nitsum_flow_fallbacks_total / here). A transition
@@ -46,10 +46,10 @@ class MigrationDriver:
         self.num_unpermitted = 0  # of them, run without a permit (scheduler silent or pruning)
 
     def count_bytes(self, path: str, size_bytes: int) -> None:
-        """KV bytes a transition moved into other workers' caches, by path (shm | p2p)."""
+        """KV bytes a transition moved into other workers' caches, by path (shm | tcp | p2p)."""
         if size_bytes:
             _counter(self.metrics, "kvmig_path", "nitsum_kv_migration_path_bytes_total",
-                     "KV bytes TP transitions moved into other workers' caches, by path (shm | p2p)", ["path"]
+                     "KV bytes TP transitions moved into other workers' caches, by path (shm | tcp | p2p)", ["path"]
                      ).labels(path=path).inc(size_bytes)
 
     async def drive(self, msg: TopologyPrepare, pending):

@@ -11,22 +11,33 @@ Transition (ALGORITHMS.md §1.4), with `span` = the smallest aligned group cover
   building its new runner (weight *views* of the boot store: no weight is read or allocated) in a thread;
   the span all-gathers the old leaders' block tables; every worker computes the same `plan_prepare` (the
   full blocks to move).
-  KV path "shm" (CPU, one host; the default): each new cache lives in a shared-memory segment that every
-  source maps (its name is unlinked before prepare returns), and the full blocks move in chunks *between
-  the old groups' decode steps* (`precopy.py`; each old group's leader drives its members with `precopy`
-  control plans). The prepare ack is then `pending`; the final one comes when the group's chunks are done
-  and this worker's runner is built (`take_prepare_ack`).
-  KV path "p2p" (the fallback, chosen at construction): the runner is awaited and paired gloo send/recv
-  moves every full block inside the prepare step. A failure anywhere (e.g. no memory for the new cache)
+  KV paths are agreed once, at construction (`kv_hosts`): every worker all-gathers its host id
+  (NITSUM_HOST_ID, else hostname + boot id + its /dev/shm's device), whether it can use /dev/shm, and where
+  its KV receiver listens; then each (source, destination) pair has a path.
+  One-sided mode (CPU; "auto" picks it): the full blocks move in chunks *between the old groups' decode
+  steps* (`precopy.py`; each old group's leader drives its members with `precopy` control plans), written
+  into each destination's new cache with no receive posted by its step thread:
+  - pairs on one host ("shm"): the new cache lives in a shared-memory segment that every source of the host
+    maps (its name is unlinked before prepare returns) and writes into;
+  - pairs across hosts ("tcp"): the source connects to the destination's KV receiver in prepare (stage-M
+    DSCP; a pair that cannot connect refuses the prepare on every member) and sends each chunk over the
+    transfer framing; the receiver's thread writes it into the new cache and acks after the write
+    (`kv_tcp.py`). Forced for every pair by kv_path "tcp".
+  The prepare ack is then `pending`; the final one comes when the group's chunks are done and this
+  worker's runner is built (`take_prepare_ack`); a chunk whose link failed fails that ack and the commit.
+  KV path "p2p" (GPU caches, or configured): the runner is awaited and paired gloo send/recv moves every
+  full block inside the prepare step. A failure anywhere (e.g. no memory for the new cache)
   makes every worker ack `ok=False` and keep nothing: the old topology keeps serving; Abort then is a no-op.
   (A peer whose runner build fails is known to its leader only at commit: the commit exchange carries it
   and every worker then keeps the old topology.)
 - `commit(epoch)` at a step boundary: each worker finishes whatever pre-copy of its own is left, old
   leaders export their requests' full state, the span all-gathers it, every worker computes `plan_commit`
   (the delta: blocks written since prepare, requests that arrived or were preempted since) and moves it
-  (shm: one-sided writes, then a barrier); new leaders adopt the requests into fresh engines; roles
-  switch. This is the only pause a stream sees.
-- `abort(epoch)`: drops the prepared state (new caches, views, mappings); the old topology never stopped.
+  (one-sided: shared-memory writes and acked TCP chunks, then an exchange that passes only once every
+  source's bytes are written; a failed link there makes every worker keep the old topology); new leaders
+  adopt the requests into fresh engines; roles switch. This is the only pause a stream sees.
+- `abort(epoch)`: drops the prepared state (new caches, views, mappings, TCP links and the receiver's
+  session); the old topology never stopped.
 Epochs only grow: a command with an epoch at or below the committed one is refused (as is a commit of
 an epoch that was not prepared).
 

@@ -84,11 +84,11 @@ class _Prepared:
     runner: ModelRunner | None = None  # the new runner, when this worker's group changes
     timings_ms: dict[str, float] = field(default_factory=dict)
     t0: float = 0.0  # perf_counter at prepare start (the final prepare ack's duration runs from here)
-    precopy: PreCopy | None = None  # shm path, when this worker's old group changes
+    precopy: PreCopy | None = None  # one-sided mode (shm / tcp), when this worker's old group changes
     dst_caches: dict[int, tuple[torch.Tensor, tuple[int, int]]] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)  # old leader: request -> preemptions at prepare
     acked: bool = False  # the final prepare ack was produced
-    build: _Build | None = None  # the new runner, built in a thread (shm path) until commit needs it
+    build: _Build | None = None  # the new runner, built in a thread (one-sided mode) until commit needs it
     segment: str | None = None  # this worker's new-cache segment name (shm path)
     new_cache: torch.Tensor | None = None  # its new KV cache in that segment (the runner adopts it at commit)
     links: KvLinks | None = None  # source: its TCP links to destinations on other hosts
@@ -124,7 +124,7 @@ class _Build:
 class NodeTransition:
     """Mixed into NodeRuntime: the transition commands and the pre-copy (see the module docstring)."""
 
-    # -- pre-copy between steps (shm path) ------------------------------------------------------------
+    # -- pre-copy between steps (one-sided mode) --------------------------------------------------------
     @property
     def precopy_pending(self) -> bool:
         """A prepare of this worker is accepted but not final yet (its pre-copy is running)."""
