@@ -54,16 +54,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_script(prompts):
+def make_script(prompts, requests=REQUESTS, topology_events=TOPOLOGY_EVENTS):
     events = [
         {"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
-        for (rid, leader, tick, _, n), prompt in zip(REQUESTS, prompts)
+        for (rid, leader, tick, _, n), prompt in zip(requests, prompts)
     ]
-    events += [{"tick": t, "kind": k, "epoch": e, **({"groups": g} if g else {})} for t, k, e, g in TOPOLOGY_EVENTS]
+    events += [{"tick": t, "kind": k, "epoch": e, **({"groups": g} if g else {})} for t, k, e, g in topology_events]
     return {"topology": TP1, "events": events}
 
 
-def run_node(model_dir, script, tmp_path, shm_dir):
+def tokens_of(reports, requests):
+    records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
+    for rid, *_, max_tokens in requests:
+        assert [r[2] for r in records if r[1] == rid] == list(range(max_tokens)), rid
+    return {rid: [r[3] for r in records if r[1] == rid] for rid, *_ in requests}
+
+
+def reference_tokens(tiny_dir, prompts, requests):
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=256))
+    expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in requests])
+    return {rid: tokens for (rid, *_), tokens in zip(requests, expected)}
+
+
+def run_node(model_dir, script, tmp_path, shm_dir, extra_args):
     script_path = tmp_path / "script.json"
     script_path.write_text(json.dumps(script))
     port = free_port()
@@ -75,8 +88,7 @@ def run_node(model_dir, script, tmp_path, shm_dir):
                 "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(shm_dir),
                 "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--host-id", HOSTS[rank],
                 "--precopy-chunk-bytes", str(CHUNK_BYTES)]
-        if rank == REFUSING_WORKER:
-            argv += ["--fail-kv-connect-epoch", str(FAILING_EPOCH)]
+        argv += extra_args.get(rank, [])
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     logs = []
     try:
@@ -98,21 +110,17 @@ def cross_host_run(tiny_dir, tmp_path_factory):
     prompts = prompts_of_lengths([r[3] for r in REQUESTS], seed=23)
     shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
-        reports = run_node(tiny_dir, make_script(prompts), tmp_path_factory.mktemp("cross"), Path(shm_dir))
+        reports = run_node(tiny_dir, make_script(prompts), tmp_path_factory.mktemp("cross"), Path(shm_dir),
+                           {REFUSING_WORKER: ["--fail-kv-connect-epoch", str(FAILING_EPOCH)]})
     return prompts, reports
 
 
 @pytest.mark.slow
 def test_tokens_equal_a_run_without_topology_changes(tiny_dir, cross_host_run):
     prompts, reports = cross_host_run
-    engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=256))
-    expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in REQUESTS])
-    records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
-    got = {rid: [r[3] for r in records if r[1] == rid] for rid, *_ in REQUESTS}
-    assert got == {rid: tokens for (rid, *_), tokens in zip(REQUESTS, expected)}
-    for rid, *_, max_tokens in REQUESTS:
-        assert [r[2] for r in records if r[1] == rid] == list(range(max_tokens)), rid
+    assert tokens_of(reports, REQUESTS) == reference_tokens(tiny_dir, prompts, REQUESTS)
     # Several requests were in flight across every commit.
+    records = [r for rep in reports for r in rep["records"]]
     for tick in [t for t, kind, *_ in TOPOLOGY_EVENTS if kind == "commit"]:
         before = {r[1] for r in records if r[0] < tick}
         after = {r[1] for r in records if r[0] >= tick}
@@ -183,3 +191,39 @@ def test_every_block_free_and_nothing_outlives_a_transition(cross_host_run):
         assert len(rep["failed_kv_data_plane"]) == 2  # the refused prepare and its abort
         assert rep["abort_kv_segments"] == [[FAILING_EPOCH, []]]
         assert rep["end_kv_segments"] == [] and rep["end_kv_data_plane"] == [0, 0]
+
+
+# A link that breaks during pre-copy: worker 0's receiver refuses every chunk of epoch 1 (4xTP1 -> TP4) after
+# the hellos. The sources on host b fail their final prepare acks; the scripted commit comes all the same and
+# every worker refuses it (the exchange carries the failure): the old groups keep serving, then epoch 2 merges.
+BROKEN_REQUESTS = [("a", 0, 0, 7, 40), ("b", 1, 0, 23, 30), ("c", 2, 0, 40, 36), ("d", 3, 0, 18, 38)]
+BROKEN_EVENTS = [(4, "prepare", 1, TP4), (7, "commit", 1, None), (10, "prepare", 2, TP4), (13, "commit", 2, None)]
+
+
+@pytest.fixture(scope="module")
+def broken_link_run(tiny_dir, tmp_path_factory):
+    prompts = prompts_of_lengths([r[3] for r in BROKEN_REQUESTS], seed=29)
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
+        reports = run_node(tiny_dir, make_script(prompts, BROKEN_REQUESTS, BROKEN_EVENTS),
+                           tmp_path_factory.mktemp("broken"), Path(shm_dir), {0: ["--fail-kv-chunk-epoch", "1"]})
+    return prompts, reports
+
+
+@pytest.mark.slow
+def test_a_link_broken_during_precopy_refuses_the_commit_everywhere(tiny_dir, broken_link_run):
+    prompts, reports = broken_link_run
+    assert tokens_of(reports, BROKEN_REQUESTS) == reference_tokens(tiny_dir, prompts, BROKEN_REQUESTS)
+    for rep in reports:
+        acks = {(kind, epoch): (ok, reason) for _, kind, epoch, ok, reason, *_ in rep["acks"]}
+        if rep["rank"] in (2, 3):  # sources on host b: their chunks to worker 0 were refused
+            assert acks[("prepare", 1)][0] is False and "KV link to worker 0 failed" in acks[("prepare", 1)][1]
+        ok, reason = acks[("commit", 1)]
+        assert ok is False and "injected chunk failure" in reason, (rep["rank"], reason)
+        assert acks[("prepare", 2)][0] is True and acks[("commit", 2)] == (True, "")
+        assert [d for *_, d in rep["failed_kv_data_plane"]] == [[0, 0]] * len(rep["failed_kv_data_plane"])
+        assert rep["end_kv_segments"] == [] and rep["end_kv_data_plane"] == [0, 0]
+        assert rep["epoch"] == 2 and rep["final_group"] == [0, 4]
+    # Between the refused commit and epoch 2's, all four TP1 groups kept decoding.
+    assert {rep["rank"] for rep in reports for r in rep["records"] if 7 <= r[0] < 13} == {0, 1, 2, 3}
+    assert reports[0]["final"] == {"free": 64, "total": 64}

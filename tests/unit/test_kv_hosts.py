@@ -123,3 +123,21 @@ def test_receiver_refuses_a_wrong_epoch_a_chunk_outside_its_heads_and_an_injecte
     assert kv_threads() == []
     with pytest.raises(TransferError, match="connect to w1"):  # nobody listens any more
         KvLinks().connect(9, 0, {1: ("127.0.0.1", receiver.port)})
+
+
+def test_open_kv_sockets_sees_both_ends_of_a_link_until_closed():
+    from nitsum.engine.kv_tcp import open_kv_sockets
+
+    receiver = KvReceiver("127.0.0.1")
+    receiver.open(1, 1, torch.zeros(LAYERS, 2, BLOCKS, BLOCK, 2, DIM), (2, 4), sources={0})
+    links = KvLinks()
+    try:
+        assert open_kv_sockets(receiver.port, [receiver.port]) == 0  # the listening socket is not counted
+        links.connect(1, 0, {1: ("127.0.0.1", receiver.port)})
+        # this process holds both ends: the link (to the receiver's port) and the accepted connection
+        assert open_kv_sockets(receiver.port, []) == 1
+        assert open_kv_sockets(0, [receiver.port]) == 1
+    finally:
+        links.close()
+        receiver.close()
+    assert open_kv_sockets(receiver.port, [receiver.port]) == 0

@@ -32,6 +32,7 @@ delta runs inside a stream's pause, so the connection takes the explicit-urgent 
 from __future__ import annotations
 
 import math
+import os
 import selectors
 import socket
 import threading
@@ -104,6 +105,32 @@ def tos_of(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
 
 
+def open_kv_sockets(receiver_port: int, peer_ports: Iterable[int]) -> int:
+    """TCP sockets this process holds open on the KV data plane (Linux: its descriptors matched against
+    /proc/net/tcp): connections accepted on `receiver_port` and links to the peers' receiver ports. The
+    listening socket itself is not counted. A leak check that does not trust this module's bookkeeping."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    peers = set(peer_ports) - {0}
+    count = 0
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            if inode not in inodes or state == "0A":  # not ours, or LISTEN
+                continue
+            if int(local.split(":")[1], 16) == receiver_port or int(remote.split(":")[1], 16) in peers:
+                count += 1
+    return count
+
+
 # -- the destination side ---------------------------------------------------------------------------------
 def write_blocks(cache: torch.Tensor, heads: tuple[int, int], placement: tuple[int, ...], payload: bytearray) -> None:
     """One received chunk into this worker's new cache; TransferError(PROTOCOL) when it does not fit."""
@@ -148,7 +175,7 @@ class KvReceiver:
     """This worker's KV receiver: a listening socket for the runtime's life (its port is advertised once,
     at construction), serving one epoch's connections at a time while that epoch is prepared."""
 
-    def __init__(self, bind_addr: str, fault_epoch: int = 0) -> None:
+    def __init__(self, bind_addr: str, fault_epoch: int = 0, fault_chunk_epoch: int = 0) -> None:
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listen.bind((bind_addr, 0))
@@ -156,6 +183,7 @@ class KvReceiver:
         self._listen.setblocking(False)
         self.port = self._listen.getsockname()[1]
         self.fault_epoch = fault_epoch  # tests: close every connection of this epoch unanswered
+        self.fault_chunk_epoch = fault_chunk_epoch  # tests: refuse every chunk of this epoch (after the hello)
         self.errors: list[str] = []  # what this end refused or lost (logs, tests)
         self.bytes_written = 0
         self._session: _Session | None = None
@@ -250,6 +278,8 @@ class KvReceiver:
                 data, conn.data = conn.data if conn.data is not None else bytearray(), None
                 if len(data) != header.total_bytes:
                     raise TransferError(ErrorCode.PROTOCOL, f"got {len(data)} of {header.total_bytes} bytes", fid)
+                if session.epoch == self.fault_chunk_epoch:
+                    raise TransferError(ErrorCode.SINK, "injected chunk failure", fid)
                 write_blocks(session.cache, session.heads, header.block_ids, data)
                 self.bytes_written += len(data)
                 write_frame(conn.sock, FrameHeader(FrameKind.ACK, fid, total_bytes=len(data)))

@@ -91,6 +91,7 @@ class NodeRuntime(NodeTransition):
         kv_advertise_addr: str = "",
         master_addr: str = "127.0.0.1",
         kv_fault_epoch: int = 0,
+        kv_fault_chunk_epoch: int = 0,
     ) -> None:
         assert topology.num_workers == world.size, "the topology covers the node's workers"
         if kv_path not in KV_PATHS:
@@ -116,7 +117,8 @@ class NodeRuntime(NodeTransition):
         addr = kv_hosts.advertise_addr(kv_advertise_addr, master_addr)
         self._kv_receiver: KvReceiver | None = None
         if world.device == "cpu" and kv_path != "p2p":
-            self._kv_receiver = KvReceiver("127.0.0.1" if kv_hosts.is_loopback(addr) else "", kv_fault_epoch)
+            self._kv_receiver = KvReceiver("127.0.0.1" if kv_hosts.is_loopback(addr) else "", kv_fault_epoch,
+                                           kv_fault_chunk_epoch)
         me = kv_hosts.Member(world.rank, kv_hosts.local_host_id(host_id), shm_possible, world.device, kv_path, addr,
                              self._kv_receiver.port if self._kv_receiver is not None else 0)
         try:
@@ -227,17 +229,15 @@ class NodeRuntime(NodeTransition):
         return kv_hosts.pair_path(self.kv_path, self.members, src, dst)
 
     def kv_data_plane_open(self) -> tuple[int, int]:
-        """(TCP KV connections open, KV receiver threads alive) of this worker: (0, 0) between transitions."""
+        """(TCP KV sockets this process holds open, KV receiver threads alive): (0, 0) between transitions."""
         import threading
 
-        from nitsum.engine.kv_tcp import THREAD_PREFIX
+        from nitsum.engine.kv_tcp import THREAD_PREFIX, open_kv_sockets
 
-        prepared = self._prepared
-        links = prepared.links.open_connections if prepared is not None and prepared.links is not None else 0
-        served = self._kv_receiver.open_connections if self._kv_receiver is not None else 0
-        threads = sum(1 for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.name.endswith(
-            f"-w{self.rank}"))
-        return links + served, threads
+        mine = self.members[self.rank].port
+        sockets = open_kv_sockets(mine, (m.port for m in self.members if m.rank != self.rank)) if mine else 0
+        threads = sum(1 for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX))
+        return sockets, threads
 
     # -- peer: follow the leader --------------------------------------------------------------------
     def follow(self) -> str:
