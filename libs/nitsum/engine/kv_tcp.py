@@ -57,8 +57,10 @@ from nitsum.transfer.framing import (
 
 STAGE_M_LEVEL = 1
 STAGE_M_DSCP = DSCP_TABLE[STAGE_M_LEVEL]
+# Connect + hello, and then one frame or one ack: below the node world's collective timeout (30 s by default),
+# so that a stuck link fails as a link (the span refuses the epoch) before the span's exchange times out.
 CONNECT_TIMEOUT_S = 10.0
-IO_TIMEOUT_S = 30.0  # one frame or one ack; a stuck peer fails its chunk after this
+IO_TIMEOUT_S = 10.0
 THREAD_PREFIX = "nitsum-kv-recv"
 
 
@@ -79,7 +81,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def read_frame(sock: socket.socket, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[FrameHeader, bytearray]:
+def read_frame(sock: socket.socket,
+               max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[FrameHeader, bytearray]:
     try:
         hdr_len, payload_len, crc = decode_prefix(bytes(_recv_exact(sock, PREFIX.size)), max_payload_bytes)
         hdr = bytes(_recv_exact(sock, hdr_len))
@@ -219,6 +222,11 @@ class KvReceiver:
             session.wake[1].send(b"x")
         except OSError:
             pass
+        for conn in list(session.conns):  # a read waiting for a stalled source returns at once
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by the thread
         session.thread.join()
         for s in session.wake:
             s.close()
@@ -304,8 +312,9 @@ class KvReceiver:
             raise TransferError(ErrorCode.PROTOCOL, "the first frame must be the pair's hello", header.flow_id)
         epoch, src, dst = ids
         if epoch != session.epoch or dst != session.me or src not in session.sources:
-            raise TransferError(ErrorCode.PROTOCOL, f"hello for epoch {epoch}, w{src} -> w{dst}: this receiver serves "
-                                f"epoch {session.epoch} of w{session.me} from {sorted(session.sources)}", header.flow_id)
+            raise TransferError(ErrorCode.PROTOCOL, f"hello for epoch {epoch}, w{src} -> w{dst}: this receiver "
+                                f"serves epoch {session.epoch} of w{session.me} from {sorted(session.sources)}",
+                                header.flow_id)
         if epoch == self.fault_epoch:
             self.errors.append(f"{header.flow_id}: injected connection failure")
             return False  # closed unanswered: the source's hello fails as a lost connection
@@ -328,9 +337,8 @@ class KvLink:
         try:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_for_dscp(dscp))  # before connect: the SYN too
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.settimeout(CONNECT_TIMEOUT_S)  # until the hello's ack (KvLinks.connect), then IO_TIMEOUT_S
             sock.connect((addr, port))
-            sock.settimeout(IO_TIMEOUT_S)
             write_frame(sock, FrameHeader(FrameKind.END, self.flow_id, block_ids=(epoch, src, dst)))
         except (OSError, TransferError) as exc:
             sock.close()
@@ -363,7 +371,8 @@ class KvLink:
             fid, size = self.in_flight[0]
             header, _ = read_frame(self.sock, 0)
             if header.kind is FrameKind.ERROR:
-                raise TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}", header.flow_id)
+                raise TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}",
+                                    header.flow_id)
             if header.kind is not FrameKind.ACK or header.flow_id != fid or header.total_bytes != size:
                 raise TransferError(ErrorCode.PROTOCOL, f"expected the ack of {fid}, got {header.kind.value} "
                                                         f"{header.flow_id}", fid)
@@ -388,6 +397,7 @@ class KvLinks:
             self.links[dst] = KvLink(epoch, src, dst, addr, port, dscp)
         for link in self.links.values():
             link.wait()
+            link.sock.settimeout(IO_TIMEOUT_S)
 
     def __contains__(self, dst: int) -> bool:
         return dst in self.links
