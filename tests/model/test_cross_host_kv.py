@@ -193,11 +193,15 @@ def test_every_block_free_and_nothing_outlives_a_transition(cross_host_run):
         assert rep["end_kv_segments"] == [] and rep["end_kv_data_plane"] == [0, 0]
 
 
-# A link that breaks during pre-copy: worker 0's receiver refuses every chunk of epoch 1 (4xTP1 -> TP4) after
-# the hellos. The sources on host b fail their final prepare acks; the scripted commit comes all the same and
-# every worker refuses it (the exchange carries the failure): the old groups keep serving, then epoch 2 merges.
-BROKEN_REQUESTS = [("a", 0, 0, 7, 40), ("b", 1, 0, 23, 30), ("c", 2, 0, 40, 36), ("d", 3, 0, 18, 38)]
-BROKEN_EVENTS = [(4, "prepare", 1, TP4), (7, "commit", 1, None), (10, "prepare", 2, TP4), (13, "commit", 2, None)]
+# Links that break: worker 0's receiver refuses every chunk of epochs 1 and 2 (4xTP1 -> TP4) after the hellos.
+# Epoch 1: workers 2 and 3 hold nothing at prepare, so no pre-copy chunk goes to worker 0 over TCP and every
+# prepare ack is ok; request c arrives at worker 2 between prepare and commit, so the commit's *delta* sends its
+# blocks to worker 0, which refuses them: every worker refuses the commit. Epoch 2: now 2 and 3 hold requests,
+# their *pre-copy* chunks to worker 0 fail, their final prepare acks fail, and the scripted commit is refused by
+# every worker. The old TP1 groups keep serving throughout; epoch 3 merges.
+BROKEN_REQUESTS = [("a", 0, 0, 7, 50), ("b", 1, 0, 23, 44), ("c", 2, 4, 40, 34), ("d", 3, 8, 18, 30)]
+BROKEN_EVENTS = [(3, "prepare", 1, TP4), (6, "commit", 1, None), (9, "prepare", 2, TP4), (12, "commit", 2, None),
+                 (14, "prepare", 3, TP4), (16, "commit", 3, None)]
 
 
 @pytest.fixture(scope="module")
@@ -206,24 +210,32 @@ def broken_link_run(tiny_dir, tmp_path_factory):
     shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
         reports = run_node(tiny_dir, make_script(prompts, BROKEN_REQUESTS, BROKEN_EVENTS),
-                           tmp_path_factory.mktemp("broken"), Path(shm_dir), {0: ["--fail-kv-chunk-epoch", "1"]})
+                           tmp_path_factory.mktemp("broken"), Path(shm_dir),
+                           {0: ["--fail-kv-chunk-epoch", "1", "--fail-kv-chunk-epoch", "2"]})
     return prompts, reports
 
 
 @pytest.mark.slow
-def test_a_link_broken_during_precopy_refuses_the_commit_everywhere(tiny_dir, broken_link_run):
+def test_links_broken_in_the_delta_or_the_precopy_refuse_the_commit_everywhere(tiny_dir, broken_link_run):
     prompts, reports = broken_link_run
     assert tokens_of(reports, BROKEN_REQUESTS) == reference_tokens(tiny_dir, prompts, BROKEN_REQUESTS)
     for rep in reports:
         acks = {(kind, epoch): (ok, reason) for _, kind, epoch, ok, reason, *_ in rep["acks"]}
-        if rep["rank"] in (2, 3):  # sources on host b: their chunks to worker 0 were refused
-            assert acks[("prepare", 1)][0] is False and "KV link to worker 0 failed" in acks[("prepare", 1)][1]
+        # epoch 1: pre-copy was fine; the delta from worker 2 to worker 0 was refused
+        assert acks[("prepare", 1)] == (True, "")
         ok, reason = acks[("commit", 1)]
+        assert ok is False and "worker 2: KV link to worker 0 failed" in reason and "injected chunk failure" in reason
+        # epoch 2: the pre-copy chunks of workers 2 and 3 to worker 0 were refused
+        if rep["rank"] in (2, 3):
+            ok, reason = acks[("prepare", 2)]
+            assert ok is False and f"worker {rep['rank']}: KV link to worker 0 failed" in reason
+        ok, reason = acks[("commit", 2)]
         assert ok is False and "injected chunk failure" in reason, (rep["rank"], reason)
-        assert acks[("prepare", 2)][0] is True and acks[("commit", 2)] == (True, "")
+        assert acks[("prepare", 3)][0] is True and acks[("commit", 3)] == (True, "")
+        assert len(rep["failed_kv_data_plane"]) >= 2
         assert [d for *_, d in rep["failed_kv_data_plane"]] == [[0, 0]] * len(rep["failed_kv_data_plane"])
         assert rep["end_kv_segments"] == [] and rep["end_kv_data_plane"] == [0, 0]
-        assert rep["epoch"] == 2 and rep["final_group"] == [0, 4]
-    # Between the refused commit and epoch 2's, all four TP1 groups kept decoding.
-    assert {rep["rank"] for rep in reports for r in rep["records"] if 7 <= r[0] < 13} == {0, 1, 2, 3}
+        assert rep["epoch"] == 3 and rep["final_group"] == [0, 4]
+    # Between the refused commits and epoch 3's, the TP1 groups kept decoding their requests.
+    assert {rep["rank"] for rep in reports for r in rep["records"] if 6 <= r[0] < 16} == {0, 1, 2, 3}
     assert reports[0]["final"] == {"free": 64, "total": 64}

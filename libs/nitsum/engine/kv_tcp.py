@@ -178,7 +178,7 @@ class KvReceiver:
     """This worker's KV receiver: a listening socket for the runtime's life (its port is advertised once,
     at construction), serving one epoch's connections at a time while that epoch is prepared."""
 
-    def __init__(self, bind_addr: str, fault_epoch: int = 0, fault_chunk_epoch: int = 0) -> None:
+    def __init__(self, bind_addr: str, fault_epoch: int = 0, fault_chunk_epochs: Iterable[int] = ()) -> None:
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listen.bind((bind_addr, 0))
@@ -186,7 +186,7 @@ class KvReceiver:
         self._listen.setblocking(False)
         self.port = self._listen.getsockname()[1]
         self.fault_epoch = fault_epoch  # tests: close every connection of this epoch unanswered
-        self.fault_chunk_epoch = fault_chunk_epoch  # tests: refuse every chunk of this epoch (after the hello)
+        self.fault_chunk_epochs = frozenset(fault_chunk_epochs)  # tests: refuse their chunks (after the hello)
         self.errors: list[str] = []  # what this end refused or lost (logs, tests)
         self.bytes_written = 0
         self._session: _Session | None = None
@@ -286,7 +286,7 @@ class KvReceiver:
                 data, conn.data = conn.data if conn.data is not None else bytearray(), None
                 if len(data) != header.total_bytes:
                     raise TransferError(ErrorCode.PROTOCOL, f"got {len(data)} of {header.total_bytes} bytes", fid)
-                if session.epoch == self.fault_chunk_epoch:
+                if session.epoch in self.fault_chunk_epochs:
                     raise TransferError(ErrorCode.SINK, "injected chunk failure", fid)
                 write_blocks(session.cache, session.heads, header.block_ids, data)
                 self.bytes_written += len(data)

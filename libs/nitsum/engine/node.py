@@ -91,7 +91,7 @@ class NodeRuntime(NodeTransition):
         kv_advertise_addr: str = "",
         master_addr: str = "127.0.0.1",
         kv_fault_epoch: int = 0,
-        kv_fault_chunk_epoch: int = 0,
+        kv_fault_chunk_epochs: tuple[int, ...] = (),
     ) -> None:
         assert topology.num_workers == world.size, "the topology covers the node's workers"
         if kv_path not in KV_PATHS:
@@ -118,7 +118,7 @@ class NodeRuntime(NodeTransition):
         self._kv_receiver: KvReceiver | None = None
         if world.device == "cpu" and kv_path != "p2p":
             self._kv_receiver = KvReceiver("127.0.0.1" if kv_hosts.is_loopback(addr) else "", kv_fault_epoch,
-                                           kv_fault_chunk_epoch)
+                                           kv_fault_chunk_epochs)
         me = kv_hosts.Member(world.rank, kv_hosts.local_host_id(host_id), shm_possible, world.device, kv_path, addr,
                              self._kv_receiver.port if self._kv_receiver is not None else 0)
         try:

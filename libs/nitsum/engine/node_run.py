@@ -3,7 +3,7 @@
     python -m nitsum.engine.node_run --model-dir D --rank R --world-size N --master-port P \
         --script script.json --out out.json [--shm-dir DIR] [--num-kv-blocks 64] [--fail-prepare-epoch E]
         [--kv-path auto|shm|tcp|p2p] [--precopy-chunk-bytes N] [--host-id H] [--fail-kv-connect-epoch E]
-        [--fail-kv-chunk-epoch E]
+        [--fail-kv-chunk-epoch E ...]
 
 The script stands in for the coordinator: {"topology": [[start, tp], ...], "events": [...]}, each event
 {"tick": T, "kind": "add" | "prepare" | "commit" | "abort", ...}; "add" names the leader that gets the
@@ -17,8 +17,8 @@ is done (at the latest at the commit, which finishes what is left).
 
 `--host-id` stands in for NITSUM_HOST_ID (tests split one machine into "hosts": pairs across them move KV
 over TCP); `--fail-kv-connect-epoch E` makes this worker's KV receiver drop every connection of epoch E
-unanswered (NITSUM_FAULT_KV_CONNECT_EPOCH), and `--fail-kv-chunk-epoch E` makes it refuse every chunk of
-epoch E after the hello (a link that breaks during pre-copy).
+unanswered (NITSUM_FAULT_KV_CONNECT_EPOCH), and `--fail-kv-chunk-epoch E` (repeatable) makes it refuse every
+chunk of epoch E after the hello (a link that breaks during pre-copy or the commit's delta).
 
 Every worker writes --out (JSON): the tokens each leader emitted ([tick, request_id, index, token,
 finished, unix time]), every ack, checks made after boot and after each commit (weights are views of the boot store,
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precopy-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     parser.add_argument("--host-id", default="")
     parser.add_argument("--fail-kv-connect-epoch", type=int, default=0)
-    parser.add_argument("--fail-kv-chunk-epoch", type=int, default=0)
+    parser.add_argument("--fail-kv-chunk-epoch", type=int, action="append", default=[])
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.num_threads)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = NodeRuntime(world, cfg, store.tensors, Topology.of(args.world_size, script["topology"]), failure_hook,
                           kv_path=args.kv_path, precopy_chunk_bytes=args.precopy_chunk_bytes, host_id=args.host_id,
                           master_addr=args.master_addr, kv_fault_epoch=args.fail_kv_connect_epoch,
-                          kv_fault_chunk_epoch=args.fail_kv_chunk_epoch)
+                          kv_fault_chunk_epochs=tuple(args.fail_kv_chunk_epoch))
     boot_ms = (time.perf_counter() - t_boot) * 1000.0
     report: dict = {
         "rank": args.rank, "num_groups": world.num_groups, "store_created": store.created,
