@@ -121,12 +121,14 @@ class MigrationDriver:
         span.set_attribute("nitsum.permits_ms", round(permits_ms, 3))
         timings = getattr(backend.runtime, "last_prepare_timings_ms", {})
         span.set_attribute("nitsum.prepare_step_ms", round(pending.duration_ms, 3))
+        final = next((a for a in acks if a.epoch == epoch), None)
+        by_path = ", ".join(f"{p} {n}" for p, n in final.bytes_by_path) if final is not None else ""
         log.info("epoch %d: prepare step %.1f ms (%s), then pre-copy of %d flow(s) + %d local copy(ies), %d chunk(s), "
-                 "%d bytes, done %.1f ms after the pending prepare ack (permits %.1f ms)%s", epoch, pending.duration_ms,
+                 "%d bytes, done %.1f ms after the pending prepare ack (permits %.1f ms)%s%s", epoch, pending.duration_ms,
                  ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
                  len(remote), len(local), sum(len(f.chunks) for f in flows), sum(f.size_bytes for f in flows),
-                 time.time() * 1000.0 - drive_start_unix_ms, permits_ms, f"; errors: {errors[:3]}" if errors else "")
-        final = next((a for a in acks if a.epoch == epoch), None)
+                 time.time() * 1000.0 - drive_start_unix_ms, permits_ms, f"; this worker's bytes by path: {by_path}"
+                 if by_path else "", f"; errors: {errors[:3]}" if errors else "")
         if final is None:
             why = "; ".join(f"{type(e).__name__}: {e}" for e in errors[:3]) or "no final ack"
             return dataclasses.replace(pending, ok=False, pending=False, reason=f"pre-copy did not complete: {why}")

@@ -48,6 +48,7 @@ The transition code itself (prepare/commit/abort, pre-copy, the command and ack 
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
@@ -74,6 +75,7 @@ from nitsum.model.tokenizer import Tokenizer
 from nitsum.parallel.world import NodeWorld
 
 FailureHook = Callable[[str, int], None]
+KV_HISTORY = 4096  # entries of kv_pairs / kv_tos kept
 
 
 class NodeRuntime(NodeTransition):
@@ -133,9 +135,10 @@ class NodeRuntime(NodeTransition):
         self.node_tag = node_tag or f"p{world.master_port}"
         self.bytes_by_path = {"shm": 0, "tcp": 0, "p2p": 0}  # KV bytes this worker moved into other workers' caches
         self.planned_by_path = {"shm": 0, "tcp": 0, "p2p": 0}  # ... that the agreed plans gave it to move
-        # (epoch, src, dst, path, bytes) of every migration flow of an agreed plan with this worker as source.
-        self.kv_pairs: list[tuple[int, int, int, str, int]] = []
-        self.kv_tos: list[int] = []  # IP_TOS of every TCP KV link this worker opened (tests)
+        # (epoch, src, dst, path, bytes) of the migration flows of agreed plans with this worker as source, and
+        # the IP_TOS of the TCP KV links it opened: the latest ones (tests, diagnostics).
+        self.kv_pairs: deque[tuple[int, int, int, str, int]] = deque(maxlen=KV_HISTORY)
+        self.kv_tos: deque[int] = deque(maxlen=KV_HISTORY)
         self._failure_hook = failure_hook
         self.topology = topology
         self.epoch = 0

@@ -21,7 +21,6 @@ import torch
 from nitsum.engine import kv_segment, migration
 from nitsum.engine.kv_tcp import KvLinks
 from nitsum.engine.precopy import MigrationFlow, PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
-from nitsum.transfer.framing import TransferError
 from nitsum.engine.runner import ModelRunner
 from nitsum.kv.reshard import (
     Group,
@@ -34,6 +33,7 @@ from nitsum.kv.reshard import (
     transition_span,
 )
 from nitsum.model import loader
+from nitsum.transfer.framing import TransferError
 
 COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
 KV_PATHS = ("auto", "shm", "tcp", "p2p")
@@ -254,7 +254,7 @@ class NodeTransition:
                                                            reserve=False)
                     reserve = kv_segment.reserver(segment)
                     prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new))[1])
-                elif self.kv_path in ("shm", "tcp"):  # only TCP writes into it: private memory does
+                elif self.kv_path in ("shm", "tcp"):  # only its receiver thread writes into it: private memory
                     prepared.new_cache = torch.zeros(self._cache_shape(my_new.tp), dtype=self._dtype)
                     prepared.build = _Build(lambda: self._new_runner(my_new))
                 else:  # p2p receives into the new runner's own cache right here
