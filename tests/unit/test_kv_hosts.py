@@ -62,6 +62,8 @@ def test_mode_resolution():
     assert resolve_mode(members(["a"] * 2, device="cuda:0")) == "p2p"  # GPU caches: the paired fallback
     with pytest.raises(ValueError, match="needs CPU caches"):
         resolve_mode(members(["a"] * 2, kv_path="shm", device="cuda:0"))
+    with pytest.raises(ValueError, match=r"writable /dev/shm \(workers \[0, 1\]"):
+        resolve_mode(members(["a"] * 2, kv_path="shm", shm=False))
     mixed = members(["a", "a"])[:1] + members(["a", "a"], kv_path="p2p")[1:]
     with pytest.raises(ValueError, match="disagree on the KV path"):
         resolve_mode(mixed)

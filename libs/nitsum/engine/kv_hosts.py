@@ -117,9 +117,10 @@ def shares_memory(a: Member, b: Member) -> bool:
 
 
 def resolve_mode(members: tuple[Member, ...]) -> str:
-    """The world's KV mode from every member's configuration (ValueError when it cannot work):
-    "p2p" when configured, or by "auto" when some cache is on a GPU (one-sided writes need host memory);
-    otherwise one-sided: "shm" unless it was "tcp" or no two workers share a /dev/shm."""
+    """The world's KV mode from every member's configuration (ValueError when it cannot work; every
+    member raises the same, as it decides from the same list): "p2p" when configured, or by "auto" when some
+    cache is on a GPU (one-sided writes need host memory); otherwise one-sided: "shm" unless it was "tcp"
+    or no two workers share a /dev/shm."""
     paths = {m.kv_path for m in members}
     if len(paths) > 1:
         raise ValueError(f"the node's workers disagree on the KV path: {sorted(paths)}")
@@ -131,9 +132,12 @@ def resolve_mode(members: tuple[Member, ...]) -> str:
         raise ValueError(f"kv_path {path!r} needs CPU caches (workers {on_gpu} are on a GPU)")
     if path == "tcp":
         return "tcp"
-    any_shared = any(shares_memory(a, b) for a in members for b in members if a.rank < b.rank)
     if path == "shm":
+        lacking = [m.rank for m in members if not m.shm]
+        if lacking:
+            raise ValueError(f"kv_path 'shm' needs a writable /dev/shm (workers {lacking} have none)")
         return "shm"
+    any_shared = any(shares_memory(a, b) for a in members for b in members if a.rank < b.rank)
     return "shm" if any_shared else "tcp"
 
 

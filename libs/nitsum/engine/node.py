@@ -113,9 +113,8 @@ class NodeRuntime(NodeTransition):
         }
         # Chosen once, by the whole world: who shares a host (and so a /dev/shm), where each KV receiver
         # listens, and the mode (one-sided "shm"/"tcp", or paired "p2p"); then a path per pair (`kv_hosts`).
+        # (A setting that cannot work raises on every member after the exchange, not on one before it.)
         shm_possible = world.device == "cpu" and kv_segment.available()
-        if kv_path == "shm" and not shm_possible:
-            raise ValueError("kv_path 'shm' needs CPU caches and a writable /dev/shm")
         addr = kv_hosts.advertise_addr(kv_advertise_addr, master_addr)
         self._kv_receiver: KvReceiver | None = None
         if world.device == "cpu" and kv_path != "p2p":
