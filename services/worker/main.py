@@ -74,7 +74,8 @@ def build_backend(config: WorkerConfig, role: str):
         return PlainBackend(build_engine(config, role), config.device_index)
     from nitsum.engine.node import NodeRuntime
     from nitsum.kv.reshard import Topology
-    from nitsum.parallel.weights import SharedWeightStore
+    from nitsum.model import loader
+    from nitsum.parallel.weights import SharedWeightStore, boot_weights
     from nitsum.parallel.world import NodeWorld
 
     cfg = _engine_config(config, role)
@@ -83,13 +84,18 @@ def build_backend(config: WorkerConfig, role: str):
         device=config.device, min_tp=config.min_tp, max_tp=config.max_tp, timeout_s=config.world_timeout_s,
     )
     store = SharedWeightStore.open(cfg.model_dir, cfg.dtype)
+    # CPU: the host-wide store's views. CUDA: this device's resident copy of the slices it uses at every
+    # allowed level, made once here (ALGORITHMS.md §1.1); every later TP change cuts views of it.
+    weights = boot_weights(store, world.device, world.rank, world.levels[0], world.levels[-1],
+                           config=loader.load_config(cfg.model_dir), node_size=world.size)
+
     def failure_hook(phase: str, epoch: int) -> None:
         if phase == "prepare" and epoch == config.fault_prepare_epoch:
             raise RuntimeError(f"injected failure (NITSUM_FAULT_PREPARE_EPOCH={epoch})")
         die_if_told(config, phase, epoch)
 
     runtime = NodeRuntime(
-        world, cfg, store.tensors, Topology.uniform(config.node_size, 1), failure_hook, kv_path=config.kv_path,
+        world, cfg, weights, Topology.uniform(config.node_size, 1), failure_hook, kv_path=config.kv_path,
         host_id=config.host_id, kv_advertise_addr=config.kv_advertise_addr, master_addr=config.node_master_addr,
         kv_fault_epoch=config.fault_kv_connect_epoch,
     )

@@ -9,15 +9,13 @@ hulls, so q|k|v and gate|up run fused on the copy (separate on the store). Each 
 first, then the resident one, over the same process group; nothing is read from the checkpoint (the store
 is written by the test process beforehand).
 
-A second test runs a whole node (4 `nitsum.engine.node_run` workers, levels 2..4) through real transitions
-(2xTP2 -> TP4 -> 2xTP2, requests in flight) with each worker's `NodeRuntime` on its resident copy, the way
-the worker service is to be wired (`boot_weights` -> `NodeRuntime(weights=...)`): tokens equal a run without
-changes, and after boot and after every commit the parameters in use are views of the worker's resident
-copy and no checkpoint byte has been read. node_run builds its weights from `SharedWeightStore.open(...)
-.tensors` and checks views with `store.contains`; the worker process here hands it the real store with the
-tensors replaced by the real `boot_weights(..., resident=True)` copy (and `contains` by the copy's).
+A second test runs a whole node (4 `nitsum.engine.node_run --resident-weights` workers, levels 2..4) through
+real transitions (2xTP2 -> TP4 -> 2xTP2, requests in flight) with each worker's `NodeRuntime` on its resident
+copy, wired as the worker service wires it on CUDA (`boot_weights` -> `NodeRuntime(weights=...)`): tokens equal
+a run without changes, and after boot and after every commit the parameters in use are views of the worker's
+resident copy and no checkpoint byte has been read.
 
-Run as a script, this file is one rank (`main`) or one node worker (`node_worker`); the tests spawn it."""
+Run as a script, this file is one rank (`main`); the first test spawns it."""
 
 import argparse
 import json
@@ -180,7 +178,8 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "node", "--model-dir", str(tiny_dir), "--rank", str(rank),
+            [sys.executable, "-m", "nitsum.engine.node_run", "--resident-weights", "--model-dir", str(tiny_dir),
+             "--rank", str(rank),
              "--world-size", str(NODE), "--min-tp", str(MIN_TP), "--max-tp", str(MAX_TP), "--master-port", str(port),
              "--script", str(script), "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(shm),
              "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64"],
@@ -202,7 +201,6 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
     codes = [p.returncode for p in procs]
     assert codes == [0] * NODE, f"worker exit codes {codes}:\n" + "\n---\n".join(logs)
     reports = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(NODE)]
-    residents = [json.loads((tmp_path / f"out{rank}.json.resident").read_text()) for rank in range(NODE)]
 
     engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=128))
     expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in NODE_REQUESTS])
@@ -216,7 +214,7 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
     whole = sum(t.numel() * t.element_size() for n, t in store.tensors.items() if n.endswith("norm.weight"))
     sharded = sum(t.numel() * t.element_size() for t in store.tensors.values()) - whole
     # Hulls over TP=2 and TP=4: device 0 [0, 2) | [0, 1); 1: [2, 4) | [1, 2); 2: [0, 2) | [2, 3); 3: [2, 4) | [3, 4).
-    assert [r["tensor_bytes"] for r in residents] == [whole + sharded * n // 4 for n in (2, 3, 3, 2)]
+    assert [r["resident_bytes"] for r in reports] == [whole + sharded * n // 4 for n in (2, 3, 3, 2)]
     for rep in reports:
         assert rep["store_created"] is False and rep["boot_bytes_read"] == 0
         assert [c["label"] for c in rep["checks"]] == ["boot", "commit", "commit"]
@@ -225,36 +223,5 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
         assert [c["group"][1] for c in rep["checks"]] == [2, 4, 2]
 
 
-def node_worker(argv: list[str]) -> int:
-    """One `node_run` worker whose weights are this device's resident boot copy (see the module docstring)."""
-    from nitsum.engine import node_run
-    from nitsum.model import loader
-    from nitsum.parallel.weights import SharedWeightStore, boot_weights
-
-    parser = argparse.ArgumentParser()
-    for flag in ("--rank", "--world-size", "--min-tp", "--max-tp"):
-        parser.add_argument(flag, type=int, required=True)
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--out", required=True)
-    known, _ = parser.parse_known_args(argv)
-
-    class ResidentBoot:
-        """The boot store as node_run sees it: `.tensors` is what the worker computes on."""
-
-        @staticmethod
-        def open(model_dir, dtype, shm_dir):
-            store = SharedWeightStore.open(model_dir, dtype, shm_dir)
-            resident = boot_weights(store, "cpu", known.rank, known.min_tp, known.max_tp,
-                                    config=loader.load_config(model_dir), node_size=known.world_size, resident=True)
-            with open(known.out + ".resident", "w") as handle:
-                json.dump({"tensor_bytes": resident.tensor_bytes, "size_bytes": resident.size_bytes}, handle)
-            boot = ResidentBoot()
-            boot.store, boot.tensors, boot.created, boot.contains = store, resident, store.created, resident.contains
-            return boot
-
-    node_run.SharedWeightStore = ResidentBoot
-    return node_run.main(argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(node_worker(sys.argv[2:]) if sys.argv[1:2] == ["node"] else main())
+    raise SystemExit(main())

@@ -41,7 +41,7 @@ from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.engine.params import EngineConfig, SamplingParams
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader
-from nitsum.parallel.weights import DEFAULT_SHM_DIR, SharedWeightStore
+from nitsum.parallel.weights import DEFAULT_SHM_DIR, ResidentWeights, SharedWeightStore, boot_weights
 from nitsum.parallel.world import NodeWorld
 
 IDLE_SLEEP_S = 0.002
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-id", default="")
     parser.add_argument("--fail-kv-connect-epoch", type=int, default=0)
     parser.add_argument("--fail-kv-chunk-epoch", type=int, action="append", default=[])
+    parser.add_argument("--resident-weights", action="store_true",
+                        help="compute on this device's resident boot copy (what CUDA does) instead of the store's views")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.num_threads)
@@ -76,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     world = NodeWorld(args.rank, args.world_size, args.master_addr, args.master_port,
                       min_tp=args.min_tp, max_tp=args.max_tp)
     store = SharedWeightStore.open(args.model_dir, "float32", args.shm_dir)
+    # The store's views on CPU; on CUDA (or forced here) this device's resident copy of what it may use.
+    weights = boot_weights(store, world.device, args.rank, world.levels[0], world.levels[-1],
+                           config=loader.load_config(args.model_dir), node_size=world.size,
+                           resident=True if args.resident_weights else None)
+    holder = weights if isinstance(weights, ResidentWeights) else store
     cfg = EngineConfig(model_dir=args.model_dir, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                        enable_prefix_caching=True)
 
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if phase == "prepare" and epoch == args.fail_prepare_epoch:
             raise RuntimeError("injected failure")
 
-    runtime = NodeRuntime(world, cfg, store.tensors, Topology.of(args.world_size, script["topology"]), failure_hook,
+    runtime = NodeRuntime(world, cfg, weights, Topology.of(args.world_size, script["topology"]), failure_hook,
                           kv_path=args.kv_path, precopy_chunk_bytes=args.precopy_chunk_bytes, host_id=args.host_id,
                           master_addr=args.master_addr, kv_fault_epoch=args.fail_kv_connect_epoch,
                           kv_fault_chunk_epochs=tuple(args.fail_kv_chunk_epoch))
@@ -93,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         "boot_bytes_read": loader.bytes_read, "boot_ms": boot_ms, "ready_unix": time.time(),
         "records": [], "acks": [], "checks": [], "kv_path": runtime.kv_path, "node_tag": runtime.node_tag, "precopy_rounds": [],
         "hosts": [m.host for m in runtime.members],
+        "resident_bytes": weights.tensor_bytes if isinstance(weights, ResidentWeights) else None,
     }
 
     def check(label: str) -> None:
         params = list(runtime.runner.model.parameters())
         report["checks"].append({
             "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],
-            "views_of_store": all(store.contains(p) for p in params), "num_params": len(params),
+            "views_of_store": all(holder.contains(p) for p in params), "num_params": len(params),
             "bytes_read": loader.bytes_read, "kv_segments": kv_segment.leftovers(runtime.node_tag),
             "kv_data_plane": list(runtime.kv_data_plane_open()),
         })
