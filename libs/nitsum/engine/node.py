@@ -94,8 +94,17 @@ class NodeRuntime(NodeTransition):
         master_addr: str = "127.0.0.1",
         kv_fault_epoch: int = 0,
         kv_fault_chunk_epochs: tuple[int, ...] = (),
+        engine: Engine | None = None,
+        epoch: int = 0,
     ) -> None:
+        """`engine` (with `epoch`): adopt a TP=1 engine this worker already serves with (a standalone worker,
+        or one that fell back to TP=1, joining a re-formed node world): its runner, KV cache and requests
+        carry on unchanged (a TP=1 engine uses no communicator); later changes build runners from `weights`."""
         assert topology.num_workers == world.size, "the topology covers the node's workers"
+        if engine is not None and topology.group_of(world.rank).tp != 1:
+            raise ValueError(f"an adopted engine serves TP=1, but worker {world.rank} is in {topology.group_of(world.rank)}")
+        if engine is not None and engine.runner.group.size != 1:
+            raise ValueError(f"only a TP=1 engine can be adopted, this one runs at TP={engine.runner.group.size}")
         if kv_path not in KV_PATHS:
             raise ValueError(f"kv_path must be one of {KV_PATHS}, got {kv_path!r}")
         self.world = world
@@ -140,13 +149,16 @@ class NodeRuntime(NodeTransition):
         self.kv_tos: deque[int] = deque(maxlen=KV_HISTORY)
         self._failure_hook = failure_hook
         self.topology = topology
-        self.epoch = 0
+        self.epoch = epoch  # an adopting worker keeps its epoch: epochs it saw never come back
         self._prepared: _Prepared | None = None
         self._prepare_done: TransitionAck | None = None
         self.engine: Engine | None = None
-        self.runner: ModelRunner = self._new_runner(self.group)
-        if self.is_leader:
-            self.engine = self._new_engine(self.group, self.runner)
+        if engine is not None:
+            self.runner, self.engine = engine.runner, engine
+        else:
+            self.runner = self._new_runner(self.group)
+            if self.is_leader:
+                self.engine = self._new_engine(self.group, self.runner)
         self.last_ack: TransitionAck | None = None
         # Where the last prepare step's time went (ms since its start, cumulative): built (runner + new
         # cache), exchanged (the span's rendezvous: the wait for the slowest member), planned, mapped, agreed.
@@ -160,6 +172,11 @@ class NodeRuntime(NodeTransition):
     @property
     def is_leader(self) -> bool:
         return self.group.leader == self.rank
+
+    @property
+    def in_transition(self) -> bool:
+        """A prepared change is held (its commit or abort has not come yet)."""
+        return self._prepared is not None
 
     def _tp_group(self, group: Group):
         return self.world.group(group.start, group.tp)
@@ -265,8 +282,9 @@ class NodeRuntime(NodeTransition):
 
     def leave_world(self, reason: str) -> list[str]:
         """A collective failed because a worker of the node world is gone. A process world cannot take a
-        member back, so this worker serves standalone at TP=1 from now on (as a restarted worker does) and
-        takes part in no further collective. Returns the ids of the requests its engine held and could not
+        member back, so this worker serves standalone at TP=1 (as a restarted worker does) and takes part in
+        no further collective of this world, until the node is re-formed: a new world generation among the
+        same devices (NodeWorld(generation=g)) whose NodeRuntime adopts this TP=1 engine (`engine=`). Returns the ids of the requests its engine held and could not
         keep: the caller re-queues them.
 
         A TP=1 group holds its requests' whole KV: its runner and engine stay, its requests continue. A

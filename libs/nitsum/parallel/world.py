@@ -3,7 +3,15 @@ allowed TP level is created once, right then (8 devices, levels 1..8: 8 + 4 + 2 
 
 A TP change *selects* one of these groups; nothing here creates or destroys a process group after boot.
 `torch.distributed.new_group` must be called by every rank in the same order, so the order is fixed:
-levels ascending, then starts ascending. A TP=1 "group" is the plain path (`TPGroup.single`, no process
+levels ascending, then starts ascending.
+
+Generations: a process world cannot take a member back, so a node whose world lost a member is *re-formed*:
+the same devices (survivors, which still hold the broken world, and restarted workers, which hold none)
+build a new world, generation g > 0, at run time. torch.distributed's default process group is
+process-global, so the old one (and every group built on it) is destroyed first. Each generation meets at
+its own rendezvous port, `master_port + g % PORT_SPAN` (a small range above NITSUM_NODE_MASTER_PORT), so a
+restarted device 0 can host it and the old generation's store socket is not in the way; the KV segment
+names carry that port (`master_port` below), so they differ between consecutive generations too. A TP=1 "group" is the plain path (`TPGroup.single`, no process
 group, collectives are the identity), as everywhere else in the engine.
 
 The world also carries the few node-level collectives a transition needs (an all-gather of msgpack
@@ -19,6 +27,26 @@ import torch
 import torch.distributed as dist
 
 from nitsum.parallel.group import TPGroup
+
+# Generations rendezvous at master_port + generation % PORT_SPAN (ports master_port .. master_port + 15).
+PORT_SPAN = 16
+
+
+def rendezvous_port(master_port: int, generation: int) -> int:
+    """Where generation `generation` of the node world whose base port is `master_port` meets."""
+    assert generation >= 0, f"generation {generation} < 0"
+    port = master_port + generation % PORT_SPAN
+    if port > 65535:
+        raise ValueError(f"node world generation {generation} would rendezvous at port {port} (> 65535): "
+                         f"NITSUM_NODE_MASTER_PORT must be at most {65535 - PORT_SPAN + 1}")
+    return port
+
+
+def leave_process_world() -> None:
+    """Destroy this process's default process group and every group built on it (a no-op without one).
+    A new generation's `init_process_group` needs this first: the default group is process-global."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def allowed_levels(min_tp: int, max_tp: int) -> tuple[int, ...]:
@@ -44,11 +72,15 @@ class NodeWorld:
         min_tp: int = 1,
         max_tp: int | None = None,
         timeout_s: float = 60.0,
+        generation: int = 0,
     ) -> None:
         assert 0 <= rank < size, f"rank {rank} outside a node of {size}"
         self.rank = rank
         self.size = size
-        self.master_port = master_port  # names this node's shared-memory KV segments (one world per port)
+        self.generation = generation
+        self.base_port = master_port
+        # This generation's rendezvous port; it also names this world's shared-memory KV segments.
+        self.master_port = rendezvous_port(master_port, generation)
         self.levels = allowed_levels(min_tp, max_tp or size)
         assert self.levels[-1] <= size, f"max_tp {self.levels[-1]} exceeds the node's {size} workers"
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -56,25 +88,33 @@ class NodeWorld:
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = f"cuda:{torch.cuda.current_device()}"
         self.device = device
-        self._store = dist.TCPStore(
-            master_addr, master_port, size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s)
-        )
-        dist.init_process_group(
-            backend=self.backend, store=self._store, rank=rank, world_size=size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        if generation > 0:
+            leave_process_world()  # the previous generation (broken by a lost member) goes first
         # (start, tp) -> process group (only for groups this rank belongs to; None at TP=1).
         self._groups: dict[tuple[int, int], Any] = {}
         self.num_groups = 0
-        for tp in self.levels:
-            for start in range(0, size, tp):
-                self.num_groups += 1
-                members = list(range(start, start + tp))
-                # The world's timeout bounds every collective: a subgroup gets torch's 30-minute default
-                # otherwise, and a survivor of a dead peer would sit that long in a ring that never closes.
-                pg = dist.new_group(ranks=members, backend=self.backend, timeout=timedelta(seconds=timeout_s)) if tp > 1 else None
-                if rank in members:
-                    self._groups[(start, tp)] = pg
+        self._store = None
+        try:
+            self._store = dist.TCPStore(
+                master_addr, self.master_port, size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s)
+            )
+            dist.init_process_group(
+                backend=self.backend, store=self._store, rank=rank, world_size=size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            for tp in self.levels:
+                for start in range(0, size, tp):
+                    self.num_groups += 1
+                    members = list(range(start, start + tp))
+                    # The world's timeout bounds every collective: a subgroup gets torch's 30-minute default
+                    # otherwise, and a survivor of a dead peer would sit that long in a ring that never closes.
+                    pg = dist.new_group(ranks=members, backend=self.backend, timeout=timedelta(seconds=timeout_s)) if tp > 1 else None
+                    if rank in members:
+                        self._groups[(start, tp)] = pg
+        except BaseException:
+            # A rendezvous that failed (a member never came, the port was taken) leaves no half-built world.
+            self.destroy()
+            raise
 
     def group(self, start: int, tp: int) -> TPGroup:
         """This rank's view of the pre-built group [start, start + tp)."""
@@ -113,5 +153,7 @@ class NodeWorld:
         dist.barrier()
 
     def destroy(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Tear this world down (its groups, the default group and, on device 0, the rendezvous server)."""
+        self._groups.clear()
+        leave_process_world()
+        self._store = None
