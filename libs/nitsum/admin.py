@@ -1,4 +1,4 @@
-"""`nitsum admin status|set-policy|set-topology|drain|role`: the admin plane over NATS (JSON).
+"""`nitsum admin status|set-policy|set-topology|drain|role|reform-node`: the admin plane over NATS (JSON).
 
 Connects as the admin identity: NITSUM_NATS_URL / NITSUM_NATS_USER / NITSUM_NATS_PASSWORD, or else the
 credentials `nitsum up` wrote (0600) to NITSUM_HOME/run/current.json. Each command carries an id
@@ -15,6 +15,10 @@ import sys
 import uuid
 
 from nitsum.config import default_home
+
+DEFAULT_TIMEOUT_S = 2.0
+# A re-formation is answered once every worker joined the new world (each waits at most its world timeout).
+REFORM_TIMEOUT_S = 180.0
 from nitsum.wire.subjects import Subjects
 
 
@@ -33,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nitsum admin", description="Operate a running nitsum mesh.")
     p.add_argument("--nats", default="", help="NATS URL (default: NITSUM_NATS_URL or the running `nitsum up`)")
     p.add_argument("--namespace", default=os.environ.get("NITSUM_NAMESPACE", "nitsum"))
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=float, default=None, help=f"seconds to wait for the answer (default {DEFAULT_TIMEOUT_S:g}; reform-node {REFORM_TIMEOUT_S:g})")
     p.add_argument("--id", default="", help="command id (retries with the same id are answered once)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("status", help="workers, groups, queue depth per tier, active policy")
@@ -48,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ro = sub.add_parser("role", help="set a worker's role")
     ro.add_argument("worker_id")
     ro.add_argument("role", choices=("prefill", "decode", "hybrid"))
+    rf = sub.add_parser("reform-node", help="re-form a node's world after it lost a member (the coordinator also does it by itself)")
+    rf.add_argument("--node", default="node0")
     return p
 
 
@@ -84,8 +90,11 @@ def main(argv: list[str]) -> int:
         body.update(worker_id=args.worker_id, undo=args.undo)
     elif args.command == "role":
         body.update(worker_id=args.worker_id, role=args.role)
+    elif args.command == "reform-node":
+        body.update(node_id=args.node)
+    timeout_s = args.timeout if args.timeout is not None else REFORM_TIMEOUT_S if args.command == "reform-node" else DEFAULT_TIMEOUT_S
     subject = Subjects(args.namespace).admin(args.command)
-    answer = asyncio.run(call(url, user, password, subject, body, args.timeout))
+    answer = asyncio.run(call(url, user, password, subject, body, timeout_s))
     json.dump(answer, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0 if answer.get("ok") else 1

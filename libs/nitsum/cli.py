@@ -50,7 +50,7 @@ USAGE = """usage: nitsum <verb> ...
 verbs:
   up                 run the whole mesh on this machine (nats-server, services, CPU workers, tiny model)
   serve SERVICE      run one service: gateway | coordinator | prefill-worker | decode-worker | flow-scheduler
-  admin CMD          admin plane over NATS: status | set-policy | set-topology | drain | role
+  admin CMD          admin plane over NATS: status | set-policy | set-topology | drain | role | reform-node
   model make-tiny DIR  write the deterministic tiny Llama checkpoint (Hugging Face format)
   sim EXPERIMENT     cluster simulator experiments: tiers | flows | reconfig
   load               load generator against any OpenAI-compatible endpoint

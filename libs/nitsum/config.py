@@ -19,6 +19,10 @@ from typing import Any, Callable, Mapping, TypeVar
 C = TypeVar("C")
 
 
+# A node world re-formed as generation g meets at NITSUM_NODE_MASTER_PORT + g % NODE_PORT_SPAN.
+NODE_PORT_SPAN = 16
+
+
 class ConfigError(ValueError):
     """A setting has a bad value; the message names the setting and what was expected."""
 
@@ -254,7 +258,8 @@ class WorkerConfig(CommonConfig):
     role: str = setting("NITSUM_ROLE", "", "starting role: prefill | decode | hybrid (default: from the service name)")
     node_size: int = setting("NITSUM_NODE_SIZE", 0, "workers in this node's world for run-time TP changes (0: standalone TP=1)", check=non_negative)
     node_master_addr: str = setting("NITSUM_NODE_MASTER_ADDR", "127.0.0.1", "rendezvous address of the node world (device 0 hosts it)")
-    node_master_port: int = setting("NITSUM_NODE_MASTER_PORT", 29400, "rendezvous port of the node world", check=port)
+    node_master_port: int = setting("NITSUM_NODE_MASTER_PORT", 29400, "rendezvous port of the node world; a re-formed world of generation g meets at this port + g mod 16", check=port)
+    node_standby: bool = setting("NITSUM_NODE_STANDBY", False, "boot standalone (TP=1 on the node's shared weights) and join the node world when the coordinator re-forms it (`nitsum up` sets it on a restarted worker)")
     min_tp: int = setting("NITSUM_MIN_TP", 1, "smallest TP level of a group", check=power_of_two)
     host_id: str = setting("NITSUM_HOST_ID", "", "host identity for KV migration: workers with the same id share /dev/shm and move KV through it, others over TCP ('': hostname + boot id + /dev/shm device)")
     kv_advertise_addr: str = setting("NITSUM_KV_ADVERTISE_ADDR", "", "address other hosts' workers reach this worker's KV receiver at ('': 127.0.0.1 when NITSUM_NODE_MASTER_ADDR is loopback, else this host's address on the route to it; port: ephemeral)")

@@ -167,7 +167,8 @@ def main(argv: list[str]) -> int:
     ]
     # Workers of the node join one process world (pre-built groups, shared weights) so that the
     # coordinator can merge and split them at run time.
-    world = {} if args.no_node_world or args.max_tp == 1 else {"NITSUM_NODE_SIZE": str(args.devices), "NITSUM_NODE_MASTER_PORT": str(free_port())}
+    # Re-formed worlds (generation g) meet at the master port + g mod 16: the whole span starts out free.
+    world = {} if args.no_node_world or args.max_tp == 1 else {"NITSUM_NODE_SIZE": str(args.devices), "NITSUM_NODE_MASTER_PORT": str(_free_port_span())}
     for i in range(args.devices):
         service = "prefill-worker" if i < args.prefill_workers else "decode-worker"
         children.append(Child(f"worker-{i}", service, env_for("worker", NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=f"node0-{i}", **world), run_dir / f"worker-{i}.log"))
@@ -209,6 +210,18 @@ def _remove_weight_store(model_dir: Path, dtype: str) -> None:
     base = Path(DEFAULT_SHM_DIR) / store_key(model_dir, dtype)
     for suffix in (".json", ".bin", ".lock"):
         base.with_suffix(suffix).unlink(missing_ok=True)
+
+
+def _free_port_span(count: int = 0) -> int:
+    """A free port whose next `count - 1` ports are free too (default: the node world's generation span)."""
+    from nitsum.config import NODE_PORT_SPAN
+
+    count = count or NODE_PORT_SPAN
+    for _ in range(200):
+        base = free_port()
+        if base + count - 1 <= 65535 and all(_port_free(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found for the node world's rendezvous")
 
 
 def _port_free(port: int) -> bool:
@@ -263,10 +276,11 @@ def _supervise(children: list[Child], stopping: dict, run_dir: Path) -> int:
             print(f"nitsum up: {child.name} died ({why}); restarting it. Last lines of {child.log_path}:\n{child.tail()}", file=sys.stderr, flush=True)
             child.restarts.append(now)
             if child.env.get("NITSUM_NODE_SIZE", "0") != "0":
-                # A process world cannot take a member back: the restarted worker serves standalone (TP=1)
-                # and the coordinator stops changing TP on this node until the mesh is restarted.
-                child.env = {**child.env, "NITSUM_NODE_SIZE": "0"}
-                print(f"nitsum up: {child.name} rejoins as a standalone TP=1 worker; run-time TP changes on this node are off until restart", file=sys.stderr, flush=True)
+                # A process world cannot take a member back: the restarted worker boots in standby (TP=1 on the
+                # node's shared weights) and the coordinator re-forms the node's world (a new generation)
+                # once every worker of the node is back at TP=1; TP changes on the node resume then.
+                child.env = {**child.env, "NITSUM_NODE_STANDBY": "1"}
+                print(f"nitsum up: {child.name} rejoins standalone (TP=1); run-time TP changes on this node resume once the coordinator has re-formed its node world", file=sys.stderr, flush=True)
             child.start()
             write_pids(children, run_dir)
         time.sleep(0.5)

@@ -66,6 +66,7 @@ class AdminPlane:
                     "leader": s.leader,
                     "epoch": s.epoch,
                     "in_world": s.in_world,
+                    "generation": s.generation,
                 }
             )
             group = groups.setdefault(s.group_id, {"group_id": s.group_id, "tp": s.tp, "role": s.role, "node_id": s.node_id, "members": []})
@@ -81,6 +82,7 @@ class AdminPlane:
             "requests_in_flight": len(c.members.requests),
             "last_decisions": c.last_decisions,
             "transitions": c.transitions.history[-5:],
+            "reforms": c.reforms.history[-5:],
             "pinned_nodes": sorted(c.pinned_nodes),
         }
 
@@ -144,6 +146,23 @@ class AdminPlane:
         if not ack.ok:
             return _error("cannot_change", ack.reason)
         return {"ok": True, "worker_id": worker_id, "role": role, "change": ack.reason}
+
+
+    async def cmd_reform_node(self, body: dict) -> dict:
+        """Re-form a node's world now (what the coordinator also does by itself): every worker at TP=1 joins
+        a new world generation, keeping its engine and requests."""
+        from nitsum_services.coordinator.reform import ReformError
+
+        node_id = body.get("node_id", "node0")
+        if not isinstance(node_id, str) or not node_id:
+            return _error("bad_request", "'node_id' must be a non-empty string")
+        try:
+            report = await self.coordinator.reforms.reform(node_id, "admin reform-node")
+        except ReformError as exc:
+            return _error("cannot_reform", str(exc))
+        if not report["ok"]:
+            return {"ok": False, "error": {"code": "reform_failed", "message": report["error"]}, "reform": report}
+        return {"ok": True, "reform": report}
 
 
 def _error(code: str, message: str) -> dict:

@@ -30,6 +30,7 @@ from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
 from nitsum_services.coordinator.membership import Membership, WorkerRecord
 from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot
+from nitsum_services.coordinator.reform import ReformAgent
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
 log = logging.getLogger("nitsum.coordinator")
@@ -133,6 +134,7 @@ class Coordinator:
         self.last_decisions: list[dict] = []
         self.last_reconfig_ms: dict[str, float] = {}
         self.transitions = TransitionAgent(self)
+        self.reforms = ReformAgent(self)  # re-forms a node world that lost a member (services/coordinator/reform.py)
         # Nodes whose topology an operator set by hand: the policy leaves them alone until the next set-policy.
         self.pinned_nodes: set[str] = set()
         self.arrivals = ArrivalWindow()

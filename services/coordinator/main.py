@@ -1,4 +1,5 @@
-"""`nitsum serve coordinator`: membership, admission, routing, policy epochs, worker-loss handling, admin.
+"""`nitsum serve coordinator`: membership, admission, routing, policy epochs, worker-loss handling, node
+world re-formation, admin.
 
 Owns no GPU and no durable state: on start it asks every worker for fresh stats (`coordinator_up`) and
 rebuilds its tables from them, so streams in flight keep going across a coordinator restart.
@@ -29,7 +30,8 @@ async def body(ctx: ServiceContext) -> None:
     await admin.subscribe()
     # Ask every worker for its state now, so that a restarted coordinator rebuilds its tables at once.
     await bus.publish_raw(bus.subjects.coordinator_up, b"")
-    tasks = {asyncio.create_task(coordinator.watch()), asyncio.create_task(coordinator.epochs())}
+    tasks = {asyncio.create_task(coordinator.watch()), asyncio.create_task(coordinator.epochs()),
+             asyncio.create_task(coordinator.reforms.run(ctx.stop))}
 
     async def stop_loops() -> None:
         await asyncio.wait(tasks, timeout=2.0)

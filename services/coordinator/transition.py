@@ -12,6 +12,8 @@ surviving leaders (so does a phase whose acks all came back with a failure, as b
 are added to the history entry as they come (survivors answer once their own collectives have failed).
 The requests of a lost worker are announced by the coordinator as for any loss (the gateways re-submit
 them); survivors whose group lost a member fall back to TP=1 and re-queue theirs (services/worker/peer_loss.py).
+Once the lost worker is back (restarted in standby), the node's world is re-formed (reform.py) and TP
+changes are possible again.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ class TransitionAgent:
             raise TransitionError(f"no worker of node {node_id!r} is known")
         if not all(r.stats.in_world for r in records):
             outside = [r.worker_id for r in records if not r.stats.in_world]
-            raise TransitionError(f"workers {outside} are not in the node world (standalone or restarted): TP cannot change on {node_id}")
+            raise TransitionError(f"workers {outside} are not in the node world (standalone or restarted): TP cannot change on {node_id} "
+                                  "until its world is re-formed (automatic once every worker of the node is back at TP=1; "
+                                  "`nitsum admin reform-node` asks now)")
         devices = [r.stats.device_index for r in records]
         if devices != list(range(len(records))):
             raise TransitionError(f"node {node_id} is missing workers (have devices {devices})")

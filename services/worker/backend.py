@@ -1,6 +1,11 @@
 """What the worker session drives: a plain TP=1 engine, or this worker's share of a node whose TP groups
 change at run time (`NodeRuntime`). Both answer the same calls; only the node backend can become a peer
-(it then follows its group leader's step plans instead of taking requests)."""
+(it then follows its group leader's step plans instead of taking requests).
+
+A `StandbyBackend` is a plain TP=1 engine of a worker that belongs to a node but is not in its world (a
+restarted one, NITSUM_NODE_STANDBY): it computes on the node's boot weights (the host's shared store) so
+that, when the coordinator re-forms the node world, a NodeRuntime adopts its engine as it is
+(services/worker/peer_loss.py `form_generation`)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ _IDLE_STATS = EngineStats(
 class PlainBackend:
     in_world = False
     epoch = 0
+    generation = 0
 
     def __init__(self, engine, device_index: int) -> None:
         self.engine = engine
@@ -65,6 +71,17 @@ class PlainBackend:
         return None
 
 
+class StandbyBackend(PlainBackend):
+    """A standalone TP=1 engine over the node's boot weights, waiting to join a re-formed node world."""
+
+    generation = 0  # of the node world this worker was last in (none: 0)
+
+    def __init__(self, engine, device_index: int, weights, cfg) -> None:
+        super().__init__(engine, device_index)
+        self.weights = weights  # boot_weights(...) of this device: a later NodeRuntime's weights
+        self.cfg = cfg  # the EngineConfig the engine was built with
+
+
 class NodeBackend:
     in_world = True
 
@@ -85,6 +102,10 @@ class NodeBackend:
     @property
     def epoch(self) -> int:
         return self.runtime.epoch
+
+    @property
+    def generation(self) -> int:
+        return self.runtime.world.generation
 
     @property
     def group(self) -> tuple[int, int]:

@@ -31,10 +31,10 @@ import torch
 from nitsum.config import WorkerConfig, parse_die_at
 from nitsum.modelpath import resolve_model_dir
 from nitsum.service import ServiceContext, run_service
-from nitsum.wire.messages import AbortRequest, RoleChange, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
-from nitsum_services.worker.backend import NodeBackend, PlainBackend
+from nitsum.wire.messages import AbortRequest, NodeReform, RoleChange, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
+from nitsum_services.worker.backend import NodeBackend, PlainBackend, StandbyBackend
 from nitsum_services.worker.migration_flows import MigrationDriver
-from nitsum_services.worker.peer_loss import PeerLossGuard
+from nitsum_services.worker.peer_loss import PeerLossGuard, form_generation, reform_refusal
 from nitsum_services.worker.session import WorkerSession
 from nitsum_services.worker.transfer import MAX_IN_FLIGHT, NODE_MAX_IN_FLIGHT, KvMover, TransferAgent
 
@@ -68,39 +68,91 @@ def build_engine(config: WorkerConfig, role: str):
 
 
 def build_backend(config: WorkerConfig, role: str):
-    """A standalone engine, or this worker's share of the node world (boot store + pre-built groups)."""
+    """A standalone engine, this worker's share of the node world (boot store + pre-built groups), or, in
+    standby (NITSUM_NODE_STANDBY), a standalone engine over the node's boot weights that a re-formed world
+    adopts later."""
     torch.set_num_threads(config.torch_threads)
     if config.node_size <= 1:
         return PlainBackend(build_engine(config, role), config.device_index)
-    from nitsum.engine.node import NodeRuntime
     from nitsum.kv.reshard import Topology
-    from nitsum.model import loader
-    from nitsum.parallel.weights import SharedWeightStore, boot_weights
     from nitsum.parallel.world import NodeWorld
 
     cfg = _engine_config(config, role)
+    if config.node_standby:
+        return build_standby(config, cfg)
     world = NodeWorld(
         config.device_index, config.node_size, config.node_master_addr, config.node_master_port,
         device=config.device, min_tp=config.min_tp, max_tp=config.max_tp, timeout_s=config.world_timeout_s,
     )
+    weights = node_weights(config, cfg, world.device)
+    runtime = node_runtime(config, world, cfg, weights, Topology.uniform(config.node_size, 1))
+    engine = runtime.engine
+    return PeerLossGuard(runtime, engine.model_name, engine.max_model_len)
+
+
+def node_weights(config: WorkerConfig, cfg, device: str):
+    """CPU: the host-wide store's views. CUDA: this device's resident copy of the slices it uses at every
+    allowed level, made once here (ALGORITHMS.md §1.1); every later TP change cuts views of it."""
+    from nitsum.model import loader
+    from nitsum.parallel.weights import SharedWeightStore, boot_weights
+    from nitsum.parallel.world import allowed_levels
+
     store = SharedWeightStore.open(cfg.model_dir, cfg.dtype)
-    # CPU: the host-wide store's views. CUDA: this device's resident copy of the slices it uses at every
-    # allowed level, made once here (ALGORITHMS.md §1.1); every later TP change cuts views of it.
-    weights = boot_weights(store, world.device, world.rank, world.levels[0], world.levels[-1],
-                           config=loader.load_config(cfg.model_dir), node_size=world.size)
+    levels = allowed_levels(config.min_tp, config.max_tp or config.node_size)
+    return boot_weights(store, device, config.device_index, levels[0], levels[-1],
+                        config=loader.load_config(cfg.model_dir), node_size=config.node_size)
+
+
+def node_runtime(config: WorkerConfig, world, cfg, weights, topology, engine=None, epoch: int = 0):
+    from nitsum.engine.node import NodeRuntime
 
     def failure_hook(phase: str, epoch: int) -> None:
         if phase == "prepare" and epoch == config.fault_prepare_epoch:
             raise RuntimeError(f"injected failure (NITSUM_FAULT_PREPARE_EPOCH={epoch})")
         die_if_told(config, phase, epoch)
 
-    runtime = NodeRuntime(
-        world, cfg, weights, Topology.uniform(config.node_size, 1), failure_hook, kv_path=config.kv_path,
+    return NodeRuntime(
+        world, cfg, weights, topology, failure_hook, kv_path=config.kv_path,
         host_id=config.host_id, kv_advertise_addr=config.kv_advertise_addr, master_addr=config.node_master_addr,
-        kv_fault_epoch=config.fault_kv_connect_epoch,
+        kv_fault_epoch=config.fault_kv_connect_epoch, engine=engine, epoch=epoch,
     )
-    engine = runtime.engine
-    return PeerLossGuard(runtime, engine.model_name, engine.max_model_len)
+
+
+def build_standby(config: WorkerConfig, cfg) -> StandbyBackend:
+    """A restarted node worker: TP=1 on the node's boot weights, outside any world until a re-formation."""
+    from nitsum.engine import Engine
+    from nitsum.engine.runner import ModelRunner
+    from nitsum.model import loader
+    from nitsum.parallel.group import TPGroup
+
+    if not 0 <= config.device_index < config.node_size:
+        raise ValueError(f"NITSUM_DEVICE_INDEX={config.device_index} is outside the node's {config.node_size} devices")
+    weights = node_weights(config, cfg, cfg.device)
+    runner = ModelRunner(cfg.model_dir, TPGroup.single(cfg.device), device=cfg.device, dtype=cfg.dtype,
+                         block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_cache_mb=cfg.kv_cache_mb,
+                         weights=weights, config=loader.load_config(cfg.model_dir))
+    log.info("standby: serving standalone at TP=1 until the coordinator re-forms node %s", config.node_id)
+    return StandbyBackend(Engine(cfg, runner=runner), config.device_index, weights, cfg)
+
+
+def join_generation(config: WorkerConfig, backend, generation: int):
+    """Background thread: build world `generation` of this worker's node and a NodeRuntime over it that
+    adopts the backend's TP=1 engine (peer_loss.form_generation). Returns the new PeerLossGuard."""
+    from nitsum.kv.reshard import Topology
+    from nitsum.parallel.world import NodeWorld
+
+    def make_world():
+        return NodeWorld(
+            config.device_index, config.node_size, config.node_master_addr, config.node_master_port,
+            device=config.device, min_tp=config.min_tp, max_tp=config.max_tp, timeout_s=config.world_timeout_s,
+            generation=generation,
+        )
+
+    def make_runtime(world, cfg, weights, engine, epoch):
+        return node_runtime(config, world, cfg, weights, Topology.uniform(config.node_size, 1), engine, epoch)
+
+    runtime = form_generation(backend, make_world, make_runtime)
+    return PeerLossGuard(runtime, backend.model_name, backend.max_model_len)
 
 
 def die_if_told(config: WorkerConfig, phase: str, epoch: int) -> None:
@@ -140,6 +192,7 @@ def make_body(service_name: str):
 
         def stats_message() -> WorkerStats:
             s = session.stats()
+            backend = session.backend  # swapped when the node world is re-formed
             start, tp = backend.group
             return WorkerStats(
                 worker_id=worker_id,
@@ -171,10 +224,12 @@ def make_body(service_name: str):
                 num_kv_imported=mover.num_imported,
                 num_reused_blocks=mover.num_reused_blocks,
                 num_transfer_failures=mover.num_failures,
+                node_size=config.node_size if config.node_size > 1 else 0,
+                generation=backend.generation,
             )
 
         async def publish_stats() -> None:
-            ctx.metrics.current_tp_level().labels(worker=worker_id).set(backend.group[1])
+            ctx.metrics.current_tp_level().labels(worker=worker_id).set(session.backend.group[1])
             ctx.metrics.worker_requests_running().labels(worker=worker_id).set(len(session.running))
             ctx.metrics.kv_blocks_free().labels(worker=worker_id).set(session.stats().num_kv_blocks_free)
             try:
@@ -184,16 +239,16 @@ def make_body(service_name: str):
 
         session.on_topology_change = publish_stats
 
+        loop = asyncio.get_running_loop()
+
+        def requeue(request_ids: list[str], why: str) -> None:
+            """Step thread: the engine lost these requests (its group lost a worker). Their streams end
+            with the retryable `worker_lost`, so the gateway re-submits each with the tokens it has."""
+            for rid in request_ids:
+                asyncio.run_coroutine_threadsafe(session.fail(rid, "worker_lost", f"its TP group lost a worker ({why}); re-queued"), loop)
+            asyncio.run_coroutine_threadsafe(publish_stats(), loop)
+
         if isinstance(backend, PeerLossGuard):
-            loop = asyncio.get_running_loop()
-
-            def requeue(request_ids: list[str], why: str) -> None:
-                """Step thread: the engine lost these requests (its group lost a worker). Their streams end
-                with the retryable `worker_lost`, so the gateway re-submits each with the tokens it has."""
-                for rid in request_ids:
-                    asyncio.run_coroutine_threadsafe(session.fail(rid, "worker_lost", f"its TP group lost a worker ({why}); re-queued"), loop)
-                asyncio.run_coroutine_threadsafe(publish_stats(), loop)
-
             backend.on_dropped = requeue
 
         async def on_run(run: RunRequest, _delivery) -> RunAck:
@@ -203,7 +258,7 @@ def make_body(service_name: str):
             problem = session.validate(run)
             if not problem and roles["engine"] == "prefill" and not run.decode_worker:
                 problem = "a prefill worker runs requests only with a decode worker to hand them to"
-            if not problem and (run.decode_worker or run.reuse_from) and backend.in_world:
+            if not problem and (run.decode_worker or run.reuse_from) and session.backend.in_world:
                 problem = "KV hand-offs need a standalone worker"
             if problem:
                 return RunAck(rid, worker_id, False, problem)
@@ -231,7 +286,7 @@ def make_body(service_name: str):
         async def change_role(msg: RoleChange) -> TopologyAck:
             if msg.role not in ("prefill", "decode", "hybrid"):
                 return TopologyAck(worker_id, 0, False, "role", f"unknown role {msg.role!r}")
-            if backend.in_world:
+            if session.backend.in_world:
                 return TopologyAck(worker_id, 0, False, "role", "workers in a node world serve hybrid groups; change the topology instead")
 
             def apply(b) -> None:
@@ -247,14 +302,60 @@ def make_body(service_name: str):
             log.info("role %s -> %s", previous, msg.role)
             return TopologyAck(worker_id, 0, True, "role", f"{previous} -> {msg.role}")
 
+        reforming = {"generation": 0}  # the generation being formed here (0: none)
+
+        async def reform(msg: NodeReform) -> TopologyAck:
+            """Join world generation `msg.generation` of this node (peer_loss.py): answered once this worker
+            serves in it, or refused / failed with why (it then serves on exactly as before)."""
+            backend = session.backend
+            problem = reform_refusal(backend, config.node_id, config.node_size, msg, bool(reforming["generation"]))
+            if problem:
+                log.warning("re-formation of generation %d refused: %s", msg.generation, problem)
+                return TopologyAck(worker_id, msg.generation, False, "reform", problem)
+            reforming["generation"] = msg.generation
+            t0 = time.perf_counter()
+            with ctx.tracer.start_as_current_span("worker.reform", attributes={"nitsum.generation": msg.generation, "nitsum.worker": worker_id}) as span:
+                try:
+                    new = await asyncio.to_thread(join_generation, config, backend, msg.generation)
+
+                    def swap(current):
+                        # At a step boundary: the next iteration steps the same engine through the new backend.
+                        assert current is backend, "the backend changed while the node world was re-formed"
+                        session.backend = new
+                        return new
+
+                    await session.call(swap)
+                except Exception as exc:  # the rendezvous or the runtime's exchange failed: serve on as before
+                    why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+                    span.set_attribute("nitsum.error", why)
+                    log.error("re-formation of generation %d failed: %s", msg.generation, why)
+                    await publish_stats()
+                    return TopologyAck(worker_id, msg.generation, False, "reform", f"generation {msg.generation} not formed: {why}")
+                finally:
+                    reforming["generation"] = 0
+            new.on_dropped = requeue
+            ctx.state["in_world"] = True
+            if isinstance(backend, NodeBackend):
+                await asyncio.to_thread(backend.runtime.close)  # the old world's KV receiver and segments
+            ms = (time.perf_counter() - t0) * 1000.0
+            log.info("joined node %s world generation %d (%d workers) in %.0f ms; %d request(s) kept running",
+                     config.node_id, msg.generation, config.node_size, ms, len(session.running))
+            await publish_stats()
+            return TopologyAck(worker_id, msg.generation, True, "reform", f"generation {msg.generation}", ms)
+
         async def on_control(msg, _delivery) -> TopologyAck:
             if isinstance(msg, RoleChange):
                 return await change_role(msg)
+            if isinstance(msg, NodeReform):
+                return await reform(msg)
+            backend = session.backend
             phase = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "abort"}[type(msg)]
+            if reforming["generation"]:
+                return TopologyAck(worker_id, msg.epoch, False, phase, f"this worker is joining node world generation {reforming['generation']}")
             if not isinstance(backend, NodeBackend):
-                return TopologyAck(worker_id, msg.epoch, False, phase, "this worker is not in a node world (NITSUM_NODE_SIZE)")
+                return TopologyAck(worker_id, msg.epoch, False, phase, "this worker is not in a node world (NITSUM_NODE_SIZE; a restarted one waits for the node's re-formation)")
             if backend.runtime.world_lost and phase != "abort":
-                return TopologyAck(worker_id, msg.epoch, False, phase, f"this worker's node world lost a member ({backend.runtime.world_lost}): TP cannot change here until restart")
+                return TopologyAck(worker_id, msg.epoch, False, phase, f"this worker's node world lost a member ({backend.runtime.world_lost}): TP cannot change here until the node is re-formed")
             if phase == "commit":
                 die_if_told(config, "commit", msg.epoch)
             # The coordinator sends commands to the leaders of the topology it just committed; a peer promoted
@@ -304,7 +405,7 @@ def make_body(service_name: str):
                     pass
 
         await bus.subscribe(bus.subjects.worker_run(worker_id), on_run, expected=RunRequest)
-        await bus.subscribe(bus.subjects.worker_control(worker_id), on_control, expected=(TopologyPrepare, TopologyCommit, TopologyAbort, RoleChange), concurrent=True)
+        await bus.subscribe(bus.subjects.worker_control(worker_id), on_control, expected=(TopologyPrepare, TopologyCommit, TopologyAbort, RoleChange, NodeReform), concurrent=True)
         await bus.subscribe(bus.subjects.abort, on_abort, expected=AbortRequest)
         await bus.nc.subscribe(bus.subjects.coordinator_up, cb=on_coordinator_up)
         await agent.start()
@@ -328,8 +429,8 @@ def make_body(service_name: str):
             engine_stop.set()
             await asyncio.wait({loop_task, beat_task}, timeout=5.0)
             mover.close()
-            if isinstance(backend, NodeBackend):
-                backend.runtime.close()  # no KV segment of this worker stays in /dev/shm
+            if isinstance(session.backend, NodeBackend):
+                session.backend.runtime.close()  # no KV segment of this worker stays in /dev/shm
 
         ctx.drain_hooks.append(drain)
 

@@ -1,6 +1,14 @@
 """The worker's defence against the death of another worker of its node world (issue 4: a worker that
-dies mid-transition). `PeerLossGuard` wraps the node backend's calls that run collectives; see its
-docstring for what a survivor does. Built by services/worker/main.py for every node-world worker."""
+dies mid-transition), and its way back in. `PeerLossGuard` wraps the node backend's calls that run
+collectives; see its docstring for what a survivor does. Built by services/worker/main.py for every
+node-world worker.
+
+Re-formation: once every device of the node is back (the dead one restarted in standby, NITSUM_NODE_STANDBY)
+the coordinator sends `NodeReform(node_id, generation, size)` to all of them. A worker at TP=1 that is not in
+a transition (`reform_refusal` says why not otherwise) builds world generation `generation` in a background
+thread (`form_generation`: the old world goes, the new one's rendezvous waits for every member, bounded by
+NITSUM_WORLD_TIMEOUT_S) and a NodeRuntime that adopts the engine it serves with; the worker shell swaps it in
+at a step boundary. Requests keep running throughout (a TP=1 engine uses no communicator)."""
 
 from __future__ import annotations
 
@@ -21,12 +29,14 @@ class PeerLossGuard(NodeBackend):
     - in a transition (a prepare/commit/abort command, as leader or as a peer following one): the failed
       exchange spanned other groups; if this worker's own group still answers a check on its own
       communicator (a separate process group, untouched by the failure), the group keeps serving its
-      requests in the old topology and only refuses further transitions; otherwise, or at TP=1,
+      requests in the old topology and only refuses further transitions (it also blocks the node's
+      re-formation, which takes TP=1 workers only); otherwise, or at TP=1,
     - anywhere else (a step, a keepalive) or when the check fails: the worker leaves the node world
       (NodeRuntime.leave_world): at TP=1 it keeps its engine and requests; a larger group's leader gets an
       empty TP=1 engine over the same weights and the requests it held are re-queued (`on_dropped`:
       the session ends their streams with the retryable `worker_lost`, the gateway re-submits them with
       the tokens already streamed).
+    Either way TP changes on the node stop until the coordinator re-forms its world (module docstring).
     """
 
     def __init__(self, runtime, model_name: str, max_model_len: int) -> None:
@@ -49,7 +59,7 @@ class PeerLossGuard(NodeBackend):
 
         lost = self.runtime.world_lost
         if lost and cmd.kind != "abort":  # an abort touches nothing but this group's prepared state
-            return TransitionAck(cmd.epoch, False, cmd.kind, f"this worker's node world lost a member ({lost}): TP cannot change here until restart")
+            return TransitionAck(cmd.epoch, False, cmd.kind, f"this worker's node world lost a member ({lost}): TP cannot change here until the node is re-formed")
         try:
             return super().command(cmd)
         except Exception as exc:  # a collective of the transition failed (a peer died or timed out)
@@ -127,3 +137,51 @@ def _first_line(exc: BaseException) -> str:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def reform_refusal(backend, node_id: str, node_size: int, msg, busy: bool) -> str:
+    """Why this worker cannot join generation `msg.generation` of its node's world now ("" when it can)."""
+    if msg.node_id != node_id:
+        return f"this worker belongs to node {node_id!r}, not {msg.node_id!r}"
+    if node_size <= 1:
+        return "this worker is not part of a node world (NITSUM_NODE_SIZE is 0)"
+    if msg.size != node_size:
+        return f"this worker's node has {node_size} workers (NITSUM_NODE_SIZE), the re-formation asks for {msg.size}"
+    if busy:
+        return "a re-formation is already running on this worker"
+    if msg.generation <= backend.generation:
+        return f"generation {msg.generation} is not newer than this worker's world (generation {backend.generation})"
+    start, tp = backend.group
+    if tp != 1:
+        return (f"this worker serves in a TP={tp} group (devices {start}-{start + tp - 1}) that kept serving after the "
+                "loss: only TP=1 workers join a re-formed world")
+    if isinstance(backend, NodeBackend) and (backend.runtime.in_transition or backend.precopy_active):
+        return "a TP transition is in progress on this worker"
+    return ""
+
+
+def form_generation(backend, make_world, make_runtime):
+    """Background thread: this worker's share of a new world generation. `make_world()` builds the NodeWorld
+    (it destroys this process's old world first); `make_runtime(world, cfg, weights, engine, epoch)` the
+    NodeRuntime that adopts the backend's TP=1 engine. The backend keeps serving meanwhile: at TP=1 its
+    steps run no collective, and the pre-built TP=1 entries it looks up stay. Raises when the rendezvous or
+    the runtime's exchange fails; the backend then serves on exactly as before, outside any world."""
+    old = backend.runtime if isinstance(backend, NodeBackend) else None
+    if old is not None:
+        # Whatever groups the old world still has may include the dead member: they go (at TP=1 none is used).
+        old.drop_communicators(keep=None)
+        cfg, weights, engine, epoch = old.cfg, old.weights, old.engine, old.epoch
+    else:
+        cfg, weights, engine, epoch = backend.cfg, backend.weights, backend.engine, backend.epoch
+    assert engine is not None, "a TP=1 worker leads its group and owns an engine"
+    world = None
+    try:
+        world = make_world()
+        return make_runtime(world, cfg, weights, engine, epoch)
+    except BaseException as exc:
+        if world is not None:
+            world.destroy()
+        if old is not None and not old.world_lost:
+            # Its old world is gone too now (destroyed to make room for the new one).
+            old.world_lost = f"re-formation failed: {_describe(exc)}"
+        raise

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nitsum.config import NODE_PORT_SPAN
 from nitsum.parallel.group import TPGroup
 
 # Generations rendezvous at master_port + generation % PORT_SPAN (ports master_port .. master_port + 15).
-PORT_SPAN = 16
+PORT_SPAN = NODE_PORT_SPAN
 
 
 def rendezvous_port(master_port: int, generation: int) -> int:

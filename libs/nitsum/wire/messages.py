@@ -8,7 +8,8 @@ Channels (see subjects.py):
   request path   SubmitRequest → SubmitReply (gateway ↔ coordinator), RunRequest → RunAck (coordinator ↔ worker),
                  TokenChunk (worker → gateway, one subject per request), AbortRequest (anyone → workers)
   membership     WorkerStats (worker → coordinator, heartbeat), WorkerLost (coordinator → gateways)
-  topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers)
+  topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers),
+                 NodeReform → TopologyAck (a node world re-formed after it lost a member)
   flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler), FlowSubmitBatch →
                  FlowPermitBatch (one round trip for every flow of a request)
   KV hand-off    KvLayer → KvAck (worker ↔ worker: one layer of a P/D hand-off or of a stage-1 prefix fetch,
@@ -169,6 +170,8 @@ class WorkerStats:
     num_kv_imported: int = 0  # requests adopted from a prefill worker (P/D)
     num_reused_blocks: int = 0  # prefix blocks fetched from other workers instead of computed (stage 1)
     num_transfer_failures: int = 0  # KV transfers that failed at this end (either side)
+    node_size: int = 0  # workers of its node's world (NITSUM_NODE_SIZE; 0: a standalone worker)
+    generation: int = 0  # generation of the node world it is (or was last) in; 0: the boot world or none
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,19 @@ class TopologyAbort:
     node_id: str
     epoch: int
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class NodeReform:
+    """Coordinator → every worker of a node (control subject): form world generation `generation` of the
+    node's `size` workers, adopting your TP=1 engine. Answered with a TopologyAck of phase "reform" whose
+    epoch is the generation, once the worker serves in the new world (or refused/failed, with why)."""
+
+    KIND: ClassVar[str] = "node_reform"
+    VERSION: ClassVar[int] = 1
+    node_id: str
+    generation: int
+    size: int
 
 
 @dataclass(frozen=True)
@@ -388,6 +404,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TopologyPrepare,
     TopologyCommit,
     TopologyAbort,
+    NodeReform,
     RoleChange,
     TopologyAck,
     FlowSubmit,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
-ADMIN_COMMANDS = ("status", "set-policy", "set-topology", "drain", "role")
+ADMIN_COMMANDS = ("status", "set-policy", "set-topology", "drain", "role", "reform-node")
 
 
 def check_token(value: str, what: str) -> str:
@@ -40,7 +40,7 @@ class Subjects:
         return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.run"
 
     def worker_control(self, worker_id: str) -> str:
-        """coordinator → one worker: topology Prepare/Commit/Abort (request/reply → TopologyAck)."""
+        """coordinator → one worker: topology Prepare/Commit/Abort, NodeReform, RoleChange (request/reply → TopologyAck)."""
         return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.control"
 
     def worker_kv(self, worker_id: str) -> str:

@@ -1,0 +1,176 @@
+"""A node whose world lost a member heals without restarting the mesh, on the live CPU mesh (`nitsum up`, 4
+workers in one node world, a real nats-server, a ~27M-parameter random Llama, greedy streams).
+
+Device 0 (the host of the world's rendezvous) is SIGKILLed while streams run. `nitsum up` restarts it in
+standby (NITSUM_NODE_STANDBY: TP=1 on the shared weights); the coordinator re-forms the node's world as
+generation 1 by itself (the restarted device 0 hosts its rendezvous, the survivors keep their engines and
+requests); then `set-topology` to TP4 succeeds again. Checked: the streams in flight at the kill finish with
+exactly the tokens of an in-process run of the same model (re-routed ones included: nothing duplicated or
+missing), streams started after the merge too, every worker reports generation 1 in the world, the re-formation
+is in `status`, and no KV segment is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.e2e.conftest import start_mesh, stop_mesh
+from tests.e2e.harness import prompts, stream_completion
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+HANG_GUARD_S = 240.0
+SETTLE_S = 120.0
+TP1 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
+MERGE4 = "[0-3 TP4 hybrid]"
+MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}
+LENGTHS = [160, 200, 240, 180, 220, 140]
+AFTER_LENGTHS = [40, 60, 50, 30]
+
+
+def reference_tokens(model_dir, batch, lengths) -> list[list[int]]:
+    """The same greedy requests on one in-process TP=1 engine: what every stream must produce."""
+    from nitsum.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=512))
+    return engine.generate(batch, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+
+
+@pytest.fixture(scope="module")
+def mid_mesh(tmp_path_factory):
+    from nitsum.model.tiny import make_tiny
+
+    tmp = tmp_path_factory.mktemp("reform")
+    model = make_tiny(tmp / "mid", config_overrides=MID)
+    expected = reference_tokens(model, prompts(len(LENGTHS), seed=3), LENGTHS)
+    expected_after = reference_tokens(model, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS)
+    env = {
+        "NITSUM_RECONFIG_INTERVAL_MS": "600000",  # only the test changes the topology
+        "NITSUM_WORLD_TIMEOUT_S": "30",
+        "NITSUM_HEARTBEAT_TIMEOUT_MS": "5000",  # four busy workers on a small machine must not look lost
+        "NITSUM_STREAM_TIMEOUT_S": "90",
+    }
+    mesh = start_mesh(tmp, devices=4, extra_args=("--model", str(model)), env_extra=env)
+    port = master_port(mesh)
+    try:
+        yield mesh, port, expected, expected_after
+    finally:
+        stop_mesh(mesh.process)
+        from nitsum.engine import kv_segment
+
+        for name in kv_segment.leftovers(f"p{port}") + kv_segment.leftovers(f"p{port + 1}"):
+            kv_segment.unlink(name)  # only a failure of the test itself can leave one (checked below)
+
+
+def master_port(mesh) -> int:
+    """The node world's base rendezvous port, as `nitsum up` gave it to its workers."""
+    raw = open(f"/proc/{pids(mesh)['worker-0']}/environ", "rb").read().decode(errors="replace")
+    return int(dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)["NITSUM_NODE_MASTER_PORT"])
+
+
+async def admin(mesh, command: str, body: dict, timeout_s: float = 150.0) -> dict:
+    import nats
+
+    info = json.loads((mesh.home / "run" / "current.json").read_text())
+    nc = await nats.connect(servers=[info["nats_url"]], user=info["admin_user"], password=info["admin_password"])
+    try:
+        msg = await nc.request(f"nitsum.admin.{command}", json.dumps(body).encode(), timeout=timeout_s)
+        return json.loads(msg.data)
+    finally:
+        await nc.close()
+
+
+def status(mesh) -> dict:
+    return asyncio.run(admin(mesh, "status", {}, timeout_s=10))
+
+
+def pids(mesh) -> dict[str, int]:
+    return json.loads((mesh.run_dir / "processes.json").read_text())
+
+
+def wait_for(mesh, done, what: str) -> dict:
+    deadline = time.monotonic() + SETTLE_S
+    st = status(mesh)
+    while not done(st):
+        assert time.monotonic() < deadline, f"{what}: {json.dumps(st)[:4000]}\n{mesh.log_path.read_text()[-3000:]}"
+        time.sleep(0.5)
+        st = status(mesh)
+    return st
+
+
+async def stream_batch(mesh, batch, lengths, during=None):
+    """Stream the batch; once every stream has a token, `await during()` runs while they continue."""
+    counts = [0] * len(batch)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG_GUARD_S)) as session:
+        def tracker(i):
+            def on_token(n):
+                counts[i] = n
+            return on_token
+
+        tasks = [asyncio.create_task(stream_completion(session, mesh.url, p, n, on_token=tracker(i))) for i, (p, n) in enumerate(zip(batch, lengths))]
+        extra = None
+        if during is not None:
+            while min(counts) < 1 and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            assert not any(t.done() for t in tasks), "every stream must still be running at the kill"
+            extra = await during()
+        return await asyncio.gather(*tasks), extra
+
+
+def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
+    mesh, port, expected, expected_after = mid_mesh
+    st = status(mesh)
+    assert all(w["in_world"] and w["generation"] == 0 for w in st["workers"]) and len(st["workers"]) == 4
+    assert asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))["ok"]  # pins the node: only the test changes it
+    victim_pid = pids(mesh)["worker-0"]
+
+    async def kill_device_0():
+        os.kill(victim_pid, signal.SIGKILL)
+        return time.monotonic()
+
+    results, _ = asyncio.run(stream_batch(mesh, prompts(len(LENGTHS), seed=3), LENGTHS, during=kill_device_0))
+    for got, ref, n in zip(results, expected, LENGTHS):
+        assert got.status == 200 and got.error is None, got
+        assert len(got.token_ids) == n  # no duplicated, no missing token
+        assert got.token_ids == ref
+
+    # The supervisor restarted device 0 in standby; the coordinator re-formed the world by itself.
+    log = mesh.log_path.read_text()
+    assert "worker-0 died (signal 9); restarting it" in log and "rejoins standalone (TP=1)" in log, log[-2000:]
+    st = wait_for(mesh, lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 1 for w in s["workers"]),
+                  "the node world was not re-formed")
+    assert pids(mesh)["worker-0"] != victim_pid
+    formed = [r for r in st["reforms"] if r["ok"]]
+    assert formed and formed[-1]["generation"] == 1 and formed[-1]["node_id"] == "node0", st["reforms"]
+    assert sorted(formed[-1]["workers"]) == ["node0-0", "node0-1", "node0-2", "node0-3"]
+    assert "node0-0" in formed[-1]["outside"] and formed[-1]["reason"].startswith("automatic"), formed[-1]
+    assert all(a["ok"] for a in formed[-1]["acks"]), formed[-1]
+    # Asked again by hand: nothing to do, said clearly.
+    again = asyncio.run(admin(mesh, "reform-node", {"node_id": "node0"}))
+    assert again["ok"] is False and again["error"]["code"] == "cannot_reform" and "nothing to re-form" in again["error"]["message"], again
+
+    # TP changes work again on the node: merge to TP4, streams started after it give the reference tokens.
+    merged = asyncio.run(admin(mesh, "set-topology", {"topology": MERGE4}))
+    assert merged["ok"] is True and merged["transition"]["changed"] is True, merged
+    after, _ = asyncio.run(stream_batch(mesh, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS))
+    for got, ref in zip(after, expected_after):
+        assert got.status == 200 and got.error is None, got
+        assert got.token_ids == ref
+    st = status(mesh)
+    assert sorted((w["device_index"], w["tp"]) for w in st["workers"] if w["leader"]) == [(0, 4)]
+    # And back: the new world splits as the boot one did; every KV block is free, no segment is left.
+    split = asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))
+    assert split["ok"] is True, split
+    st = wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"])
+                  and sorted((w["device_index"], w["tp"]) for w in s["workers"] if w["leader"]) == [(0, 1), (1, 1), (2, 1), (3, 1)],
+                  "KV not free after the split")
+    from nitsum.engine import kv_segment
+
+    assert kv_segment.leftovers(f"p{port + 1}") == [] and kv_segment.leftovers(f"p{port}") == []
