@@ -93,7 +93,11 @@ def advertise_addr(override: str, master_addr: str) -> str:
             probe.connect((master_addr, 9))
             return probe.getsockname()[0]
     except OSError:
+        pass
+    try:
         return socket.gethostbyname(socket.gethostname())
+    except OSError:  # never raise before the exchange: one member raising alone would leave the others waiting
+        return "127.0.0.1"  # (then `_check_reachable` names the problem on every member)
 
 
 def exchange(world, me: Member) -> tuple[Member, ...]:
@@ -130,15 +134,29 @@ def resolve_mode(members: tuple[Member, ...]) -> str:
         return "p2p"
     if on_gpu:
         raise ValueError(f"kv_path {path!r} needs CPU caches (workers {on_gpu} are on a GPU)")
-    if path == "tcp":
-        return "tcp"
     if path == "shm":
         lacking = [m.rank for m in members if not m.shm]
         if lacking:
             raise ValueError(f"kv_path 'shm' needs a writable /dev/shm (workers {lacking} have none)")
-        return "shm"
-    any_shared = any(shares_memory(a, b) for a in members for b in members if a.rank < b.rank)
-    return "shm" if any_shared else "tcp"
+    mode = path if path in ("tcp", "shm") else (
+        "shm" if any(shares_memory(a, b) for a in members for b in members if a.rank < b.rank) else "tcp")
+    _check_reachable(mode, members)
+    return mode
+
+
+def _check_reachable(mode: str, members: tuple[Member, ...]) -> None:
+    """A receiver that advertises a loopback address cannot be reached from another machine. When every
+    member advertises loopback the world is one machine (host ids that differ there are containers sharing
+    its network, or a test); when some advertise a routable address, a loopback one that a TCP pair would
+    use is a configuration error -- found here, at boot, on every member alike, not at the first change."""
+    if all(is_loopback(m.addr) for m in members):
+        return
+    stuck = sorted({d.rank for s in members for d in members
+                    if pair_path(mode, members, s.rank, d.rank) == "tcp" and is_loopback(d.addr)})
+    if stuck:
+        raise ValueError(f"workers {stuck} advertise a loopback address for their KV receiver, but workers on "
+                         "other hosts would connect to it: set NITSUM_KV_ADVERTISE_ADDR (or a routable "
+                         "NITSUM_NODE_MASTER_ADDR)")
 
 
 def pair_path(mode: str, members: tuple[Member, ...], src: int, dst: int) -> str:

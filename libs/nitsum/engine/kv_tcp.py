@@ -31,11 +31,13 @@ delta runs inside a stream's pause, so the connection takes the explicit-urgent 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -61,7 +63,11 @@ STAGE_M_DSCP = DSCP_TABLE[STAGE_M_LEVEL]
 # so that a stuck link fails as a link (the span refuses the epoch) before the span's exchange times out.
 CONNECT_TIMEOUT_S = 10.0
 IO_TIMEOUT_S = 10.0
+ERROR_PEEK_S = 0.5  # after a failed write: how long to look for the receiver's ERROR that explains it
+MAX_ERRORS = 256  # what a receiver keeps of its refusals (each is logged too)
 THREAD_PREFIX = "nitsum-kv-recv"
+
+log = logging.getLogger("nitsum.kv")
 
 
 def flow_id(epoch: int, src: int, dst: int) -> str:
@@ -159,6 +165,9 @@ class _Conn:
     sock: socket.socket
     src: int | None = None  # known after the hello
     data: bytearray | None = None  # a DATA frame waiting for its END
+    buf: bytearray = field(default_factory=bytearray)  # bytes received, not yet a whole frame
+    since: float | None = None  # monotonic time the oldest partial frame began (its deadline: + IO_TIMEOUT_S)
+    refused: bool = False  # an ERROR went out: what still comes is read and dropped until the source closes
 
 
 @dataclass
@@ -243,14 +252,19 @@ class KvReceiver:
         sel.register(session.wake[0], selectors.EVENT_READ, "wake")
         try:
             while not session.stop:
-                for key, _ in sel.select(timeout=1.0):
+                for key, _ in sel.select(timeout=0.5):
                     if key.data == "wake":
                         return
                     if key.data == "listen":
                         self._accept(session, sel)
-                    elif not self._serve_frame(session, key.data):
+                    elif not self._serve_readable(session, key.data):
                         sel.unregister(key.fileobj)
                         key.data.sock.close()
+                now = time.monotonic()
+                for conn in [c for c in session.conns if c.since is not None and now - c.since > IO_TIMEOUT_S]:
+                    # A source that stalls mid-frame fails alone; the others' frames are served meanwhile.
+                    self._refuse(session, conn, TransferError(ErrorCode.TIMEOUT, f"no whole frame within {IO_TIMEOUT_S} s",
+                                                              self._fid(session, conn)))
         finally:
             sel.close()
             for conn in session.conns:
@@ -261,20 +275,74 @@ class KvReceiver:
             sock, _ = self._listen.accept()
         except (BlockingIOError, InterruptedError):
             return
-        sock.setblocking(True)
-        sock.settimeout(IO_TIMEOUT_S)
+        sock.setblocking(False)  # read what is there; frames are cut from the connection's own buffer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_for_dscp(STAGE_M_DSCP))  # acks go in the class too
         conn = _Conn(sock)
         session.conns.append(conn)
         sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _serve_frame(self, session: _Session, conn: _Conn) -> bool:
-        """Read and apply one frame; False when the connection is done (closed, failed or refused)."""
-        fid = flow_id(session.epoch, conn.src if conn.src is not None else -1, session.me)
+    @staticmethod
+    def _fid(session: _Session, conn: _Conn) -> str:
+        return flow_id(session.epoch, conn.src if conn.src is not None else -1, session.me)
+
+    def _serve_readable(self, session: _Session, conn: _Conn) -> bool:
+        """Take what the connection has, serve every whole frame in it; False when it is done (closed,
+        failed). Never waits for more bytes: one slow source cannot hold the others' frames."""
         try:
-            header, payload = read_frame(conn.sock)
-            fid = header.flow_id
+            while True:
+                try:
+                    got = conn.sock.recv(1 << 20)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    raise TransferError(ErrorCode.CLOSED, repr(exc), self._fid(session, conn)) from exc
+                if not got:
+                    if conn.buf or conn.data is not None:  # (a source closing its link between frames is normal)
+                        self._record(f"{self._fid(session, conn)}: closed by the source mid-chunk")
+                    return False
+                if conn.refused:
+                    continue  # drained, so the source's writes complete and it reads the ERROR sent before
+                conn.buf += got
+                if len(got) < 1 << 20:
+                    break
+            while not conn.refused:
+                frame = self._cut_frame(conn)
+                if frame is None:
+                    break
+                if not self._serve_frame(session, conn, *frame):
+                    return False
+            conn.since = (conn.since or time.monotonic()) if conn.buf and not conn.refused else None
+            return True
+        except TransferError as exc:  # a torn or corrupt frame (bad magic, CRC, size) or a lost connection
+            if exc.code is ErrorCode.CLOSED:
+                self._record(f"{exc.flow_id or self._fid(session, conn)}: {exc}")
+                return False
+            return self._refuse(session, conn, exc)
+        except Exception as exc:  # noqa: BLE001 -- a bug here must fail the link loudly, not kill the thread
+            return self._refuse(session, conn, TransferError(ErrorCode.SINK, f"{type(exc).__name__}: {exc}",
+                                                             self._fid(session, conn)))
+
+    @staticmethod
+    def _cut_frame(conn: _Conn) -> tuple[FrameHeader, bytearray] | None:
+        """The next whole frame of the connection's buffer, or None until more bytes arrive."""
+        buf = conn.buf
+        if len(buf) < PREFIX.size:
+            return None
+        hdr_len, payload_len, crc = decode_prefix(bytes(buf[: PREFIX.size]), DEFAULT_MAX_PAYLOAD_BYTES)
+        end = PREFIX.size + hdr_len + payload_len
+        if len(buf) < end:
+            return None
+        hdr = bytes(buf[PREFIX.size : PREFIX.size + hdr_len])
+        payload = buf[PREFIX.size + hdr_len : end]
+        del buf[:end]
+        conn.since = None
+        return decode_body(hdr, payload, crc), payload
+
+    def _serve_frame(self, session: _Session, conn: _Conn, header: FrameHeader, payload: bytearray) -> bool:
+        """Apply one frame; False when the connection is done (closed unanswered)."""
+        fid = header.flow_id
+        try:
             if conn.src is None:
                 return self._hello(session, conn, header)
             if header.kind is FrameKind.DATA:
@@ -290,21 +358,46 @@ class KvReceiver:
                     raise TransferError(ErrorCode.SINK, "injected chunk failure", fid)
                 write_blocks(session.cache, session.heads, header.block_ids, data)
                 self.bytes_written += len(data)
-                write_frame(conn.sock, FrameHeader(FrameKind.ACK, fid, total_bytes=len(data)))
+                self._send(conn, FrameHeader(FrameKind.ACK, fid, total_bytes=len(data)))
                 return True
             if header.kind is FrameKind.ERROR:
-                self.errors.append(f"{fid}: the source gave up: {header.code}: {header.message}")
+                self._record(f"{fid}: the source gave up: {header.code}: {header.message}")
                 return False
             raise TransferError(ErrorCode.PROTOCOL, f"unexpected {header.kind.value} frame at the receiver", fid)
         except TransferError as exc:
-            if exc.code is not ErrorCode.CLOSED or conn.data is not None:  # (a source closing its link is normal)
-                self.errors.append(f"{fid}: {exc}")
-            if exc.code is not ErrorCode.CLOSED:
-                try:
-                    write_frame(conn.sock, FrameHeader(FrameKind.ERROR, fid, code=exc.code.value, message=exc.message))
-                except TransferError:
-                    pass  # the source is gone; its own read fails
-            return False
+            if exc.code is ErrorCode.CLOSED:
+                self._record(f"{fid}: {exc}")
+                return False
+            return self._refuse(session, conn, exc)
+
+    def _refuse(self, session: _Session, conn: _Conn, exc: TransferError) -> bool:
+        """Tell the source why (ERROR), then keep reading and dropping what it still sends until it closes:
+        closing at once would reset the connection under its pending writes, and a reset discards the ERROR
+        before the source reads it (it would see only "broken pipe")."""
+        self._record(f"{exc.flow_id or self._fid(session, conn)}: {exc}")
+        conn.refused, conn.data, conn.since = True, None, None
+        conn.buf.clear()
+        try:
+            self._send(conn, FrameHeader(FrameKind.ERROR, exc.flow_id or self._fid(session, conn),
+                                         code=exc.code.value, message=exc.message))
+        except TransferError:
+            return False  # the source is gone; its own read fails
+        return True
+
+    @staticmethod
+    def _send(conn: _Conn, header: FrameHeader) -> None:
+        """A small frame (ack, error) on the non-blocking connection: it fits the socket buffer, except when
+        the source reads nothing -- then, bounded, it fails as a stall."""
+        conn.sock.settimeout(IO_TIMEOUT_S)
+        try:
+            write_frame(conn.sock, header)
+        finally:
+            conn.sock.setblocking(False)
+
+    def _record(self, what: str) -> None:
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(what)
+        log.warning("KV receiver: %s", what)
 
     def _hello(self, session: _Session, conn: _Conn, header: FrameHeader) -> bool:
         ids = header.block_ids
@@ -316,10 +409,10 @@ class KvReceiver:
                                 f"serves epoch {session.epoch} of w{session.me} from {sorted(session.sources)}",
                                 header.flow_id)
         if epoch == self.fault_epoch:
-            self.errors.append(f"{header.flow_id}: injected connection failure")
+            self._record(f"{header.flow_id}: injected connection failure")
             return False  # closed unanswered: the source's hello fails as a lost connection
         conn.src = src
-        write_frame(conn.sock, FrameHeader(FrameKind.ACK, header.flow_id))
+        self._send(conn, FrameHeader(FrameKind.ACK, header.flow_id))
         return True
 
 
@@ -355,14 +448,31 @@ class KvLink:
         src_index = torch.tensor(t.src_block_ids[start:end], dtype=torch.long)
         h0, h1 = t.head_start - old_heads[0], t.head_end - old_heads[0]
         chunk = old_kv[t.layer_start : t.layer_end, :, src_index, :, h0:h1].contiguous()
-        data = memoryview(chunk.numpy()).cast("B")
+        # As raw bytes: numpy has no bfloat16, and the receiver views them in its cache's dtype anyway.
+        data = memoryview(chunk.view(-1).view(torch.uint8).numpy())
         fid = f"{self.flow_id}-c{self.chunks}"
         self.chunks += 1
         placement = (t.layer_start, t.layer_end, t.head_start, t.head_end, *t.dst_block_ids[start:end])
-        write_frame(self.sock, FrameHeader(FrameKind.DATA, fid), data)
-        write_frame(self.sock, FrameHeader(FrameKind.END, fid, total_bytes=len(data), block_ids=placement))
+        try:
+            write_frame(self.sock, FrameHeader(FrameKind.DATA, fid), data)
+            write_frame(self.sock, FrameHeader(FrameKind.END, fid, total_bytes=len(data), block_ids=placement))
+        except TransferError as exc:
+            raise self._refusal_or(exc) from exc
         self.in_flight.append((fid, len(data)))
         return len(data)
+
+    def _refusal_or(self, exc: TransferError) -> TransferError:
+        """A write failed: if the receiver had refused something before (an ERROR waits to be read), that
+        refusal is the reason worth reporting; otherwise `exc`."""
+        try:
+            self.sock.settimeout(ERROR_PEEK_S)
+            while True:
+                header, _ = read_frame(self.sock, 0)
+                if header.kind is FrameKind.ERROR:
+                    return TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}",
+                                         header.flow_id)
+        except (TransferError, OSError):
+            return exc
 
     def wait(self) -> int:
         """Every ack of what was sent (the hello's included); returns the acked chunk bytes."""

@@ -188,7 +188,7 @@ class PreCopy:
             return
         try:
             link.send(t, start, end, self.old_kv, self.old_heads)
-        except TransferError as exc:
+        except Exception as exc:  # noqa: BLE001 -- any failure is this link's: the span then refuses together
             self._broke(link, exc)
 
     def _acks(self) -> int:
@@ -199,13 +199,14 @@ class PreCopy:
                 continue
             try:
                 acked += link.wait()
-            except TransferError as exc:
+            except Exception as exc:  # noqa: BLE001 -- as in _send
                 self._broke(link, exc)
         self.bytes_by_path["tcp"] += acked
         return acked
 
-    def _broke(self, link, exc: TransferError) -> None:
-        link.broken = f"worker {self.me}: KV link to worker {link.dst} failed: {exc}"
+    def _broke(self, link, exc: Exception) -> None:
+        what = str(exc) if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
+        link.broken = f"worker {self.me}: KV link to worker {link.dst} failed: {what}"
         self.error = self.error or link.broken
 
     def finish_mine(self) -> int:
