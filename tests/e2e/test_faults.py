@@ -125,7 +125,7 @@ def test_client_disconnects_abort_at_the_workers_and_free_kv(mesh2):
             await asyncio.gather(*(start_and_drop(p) for p in batch))
 
     asyncio.run(drop_all())
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # generous: 100 aborts on a loaded 2-core machine take a while to land
     aborted = 0.0
     while time.monotonic() < deadline:
         aborted = sum(_metric(mesh2, f"worker-{i}", "nitsum_aborted_requests_total", 'reason="client_disconnected"') for i in range(2))
@@ -134,7 +134,7 @@ def test_client_disconnects_abort_at_the_workers_and_free_kv(mesh2):
         time.sleep(0.2)
     assert aborted == 100
     status = mesh2.wait_workers(2)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(w["kv_blocks_free"] != w["kv_blocks_total"] for w in status["workers"]):
         time.sleep(0.3)
         status = mesh2.admin_status()
