@@ -10,14 +10,12 @@ and no KV segment left in /dev/shm. A shorter run checks the gloo point-to-point
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from engine_test_helpers import prompts_of_lengths
+from engine_test_helpers import free_port, prompts_of_lengths, run_workers
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
 
@@ -49,12 +47,6 @@ BLOCK_SIZE = 8
 CHUNK_BYTES = 3 * 4096
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_script(prompts):
     events = [
         {"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
@@ -72,8 +64,7 @@ def run_node(model_dir, script, tmp_path, shm_dir, kv_path="shm"):
     script_path = tmp_path / "script.json"
     script_path.write_text(json.dumps(script))
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = []
+    argvs = []
     for rank in range(WORLD):
         argv = [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", str(model_dir), "--rank", str(rank),
                 "--world-size", str(WORLD), "--master-port", str(port), "--script", str(script_path),
@@ -82,19 +73,8 @@ def run_node(model_dir, script, tmp_path, shm_dir, kv_path="shm"):
                 "--precopy-chunk-bytes", str(CHUNK_BYTES)]
         if rank == FAILING_WORKER:
             argv += ["--fail-prepare-epoch", str(FAILING_EPOCH)]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=150)
-            logs.append(out.decode(errors="replace"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * WORLD, f"worker exit codes {codes}:\n" + "\n---\n".join(logs)
+        argvs.append(argv)
+    run_workers(argvs, timeout_s=150)
     return [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(WORLD)]
 
 

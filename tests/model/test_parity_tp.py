@@ -1,49 +1,23 @@
 """TP = 2 and 4 (gloo, one process per rank): logits equal transformers' (<= 1e-4), 64 greedy tokens identical."""
 
 import json
-import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
-from engine_test_helpers import prompts_of_lengths
+from engine_test_helpers import free_port, prompts_of_lengths, run_workers
 
 NUM_TOKENS = 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_group(model_dir, world_size, prompt, out_path, device="cpu"):
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "nitsum.engine.tp_run", "--model-dir", str(model_dir), "--rank", str(rank),
-             "--world-size", str(world_size), "--master-port", str(port), "--device", device,
-             "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(NUM_TOKENS),
-             "--out", str(out_path)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )
+    run_workers([
+        [sys.executable, "-m", "nitsum.engine.tp_run", "--model-dir", str(model_dir), "--rank", str(rank),
+         "--world-size", str(world_size), "--master-port", str(port), "--device", device,
+         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(NUM_TOKENS), "--out", str(out_path)]
         for rank in range(world_size)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=180)
-            logs.append(out.decode(errors="replace"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world_size, f"rank exit codes {codes}:\n" + "\n---\n".join(logs)
+    ])
     return json.loads(out_path.read_text())
 
 

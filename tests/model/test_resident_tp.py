@@ -19,56 +19,32 @@ Run as a script, this file is one rank (`main`); the first test spawns it."""
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 
 import pytest
+from engine_test_helpers import free_port, prompts_of_lengths, run_workers
 
 NUM_TOKENS = 32
 FIRST_DEVICE, NODE, MIN_TP, MAX_TP = 2, 4, 2, 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_tp2_group_on_resident_copies_generates_the_store_groups_tokens(tiny_dir, tmp_path):
-    from engine_test_helpers import prompts_of_lengths
-
     from nitsum.parallel.weights import SharedWeightStore
 
     shm = tmp_path / "shm"
     store = SharedWeightStore.open(tiny_dir, "float32", shm)  # written here: the ranks only map it
     [prompt] = prompts_of_lengths([23], seed=11)
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
+    try:
+        run_workers([
             [sys.executable, __file__, "--model-dir", str(tiny_dir), "--shm-dir", str(shm), "--rank", str(rank),
              "--master-port", str(port), "--prompt-ids", ",".join(map(str, prompt)),
-             "--out", str(tmp_path / f"rank{rank}.json")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )
-        for rank in range(2)
-    ]
-    logs: list[str] = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=180)
-            logs.append(out.decode(errors="replace"))
+             "--out", str(tmp_path / f"rank{rank}.json")]
+            for rank in range(2)
+        ])
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
         store.remove()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0], f"rank exit codes {codes}:\n" + "\n---\n".join(logs)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
     leader = reports[0]
@@ -160,8 +136,6 @@ BLOCK_SIZE = 8
 
 @pytest.mark.slow
 def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_dir, tmp_path):
-    from engine_test_helpers import prompts_of_lengths
-
     from nitsum.engine import Engine, EngineConfig, SamplingParams
     from nitsum.parallel.weights import SharedWeightStore
 
@@ -175,31 +149,16 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
     shm = tmp_path / "shm"
     store = SharedWeightStore.open(tiny_dir, "float32", shm)  # written here: the workers only map it
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "nitsum.engine.node_run", "--resident-weights", "--model-dir", str(tiny_dir),
-             "--rank", str(rank),
-             "--world-size", str(NODE), "--min-tp", str(MIN_TP), "--max-tp", str(MAX_TP), "--master-port", str(port),
-             "--script", str(script), "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(shm),
-             "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )
-        for rank in range(NODE)
-    ]
-    logs: list[str] = []
     try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=180)
-            logs.append(out.decode(errors="replace"))
+        run_workers([
+            [sys.executable, "-m", "nitsum.engine.node_run", "--resident-weights", "--model-dir", str(tiny_dir),
+             "--rank", str(rank), "--world-size", str(NODE), "--min-tp", str(MIN_TP), "--max-tp", str(MAX_TP),
+             "--master-port", str(port), "--script", str(script), "--out", str(tmp_path / f"out{rank}.json"),
+             "--shm-dir", str(shm), "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64"]
+            for rank in range(NODE)
+        ])
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
         store.remove()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * NODE, f"worker exit codes {codes}:\n" + "\n---\n".join(logs)
     reports = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(NODE)]
 
     engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=128))
