@@ -420,7 +420,8 @@ class KvReceiver:
 class KvLink:
     """One source -> destination connection of an epoch (the source's end)."""
 
-    def __init__(self, epoch: int, src: int, dst: int, addr: str, port: int, dscp: int = STAGE_M_DSCP) -> None:
+    def __init__(self, epoch: int, src: int, dst: int, addr: str, port: int, dscp: int = STAGE_M_DSCP,
+                 timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.epoch, self.src, self.dst = epoch, src, dst
         self.flow_id = flow_id(epoch, src, dst)
         self.in_flight: list[tuple[str, int]] = []  # (chunk flow id, bytes) sent, not acked yet
@@ -430,7 +431,7 @@ class KvLink:
         try:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_for_dscp(dscp))  # before connect: the SYN too
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(CONNECT_TIMEOUT_S)  # until the hello's ack (KvLinks.connect), then IO_TIMEOUT_S
+            sock.settimeout(max(timeout_s, 0.001))  # until the hello's ack (KvLinks.connect), then IO_TIMEOUT_S
             sock.connect((addr, port))
             write_frame(sock, FrameHeader(FrameKind.END, self.flow_id, block_ids=(epoch, src, dst)))
         except (OSError, TransferError) as exc:
@@ -474,20 +475,30 @@ class KvLink:
         except (TransferError, OSError):
             return exc
 
-    def wait(self) -> int:
-        """Every ack of what was sent (the hello's included); returns the acked chunk bytes."""
+    def wait(self, deadline: float | None = None) -> int:
+        """Every ack of what was sent (the hello's included); returns the acked chunk bytes. `deadline`
+        (monotonic) bounds the whole wait, not each read: links waited one after another share one budget."""
         acked = 0
-        while self.in_flight:
-            fid, size = self.in_flight[0]
-            header, _ = read_frame(self.sock, 0)
-            if header.kind is FrameKind.ERROR:
-                raise TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}",
-                                    header.flow_id)
-            if header.kind is not FrameKind.ACK or header.flow_id != fid or header.total_bytes != size:
-                raise TransferError(ErrorCode.PROTOCOL, f"expected the ack of {fid}, got {header.kind.value} "
-                                                        f"{header.flow_id}", fid)
-            self.in_flight.pop(0)
-            acked += size
+        try:
+            while self.in_flight:
+                fid, size = self.in_flight[0]
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TransferError(ErrorCode.TIMEOUT, f"acks of w{self.dst} not in time", fid)
+                    self.sock.settimeout(left)
+                header, _ = read_frame(self.sock, 0)
+                if header.kind is FrameKind.ERROR:
+                    raise TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}",
+                                        header.flow_id)
+                if header.kind is not FrameKind.ACK or header.flow_id != fid or header.total_bytes != size:
+                    raise TransferError(ErrorCode.PROTOCOL, f"expected the ack of {fid}, got {header.kind.value} "
+                                                            f"{header.flow_id}", fid)
+                self.in_flight.pop(0)
+                acked += size
+        finally:
+            if deadline is not None and self.sock.fileno() >= 0:
+                self.sock.settimeout(IO_TIMEOUT_S)
         return acked
 
     def close(self) -> None:
@@ -503,10 +514,11 @@ class KvLinks:
     def connect(self, epoch: int, src: int, targets: dict[int, tuple[str, int]], dscp: int = STAGE_M_DSCP) -> None:
         """Connect to every destination and wait for each hello's ack; TransferError on the first that fails
         (the links made so far stay, for `close`)."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S  # one budget for all: unreachable peers do not add up
         for dst, (addr, port) in sorted(targets.items()):
-            self.links[dst] = KvLink(epoch, src, dst, addr, port, dscp)
+            self.links[dst] = KvLink(epoch, src, dst, addr, port, dscp, deadline - time.monotonic())
         for link in self.links.values():
-            link.wait()
+            link.wait(deadline)
             link.sock.settimeout(IO_TIMEOUT_S)
 
     def __contains__(self, dst: int) -> bool:

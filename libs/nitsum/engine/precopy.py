@@ -27,12 +27,13 @@ afresh) and only the blocks that commit keeps were copied while they were still 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from nitsum.engine.kv_tcp import KvLinks
+from nitsum.engine.kv_tcp import IO_TIMEOUT_S, KvLinks
 from nitsum.kv.reshard import Transfer
 from nitsum.transfer.framing import TransferError
 
@@ -194,11 +195,12 @@ class PreCopy:
     def _acks(self) -> int:
         """Wait for every chunk sent on a link; bytes acked."""
         acked = 0
+        deadline = time.monotonic() + IO_TIMEOUT_S  # one budget for every link (they were all sent to already)
         for link in (self.links.links.values() if self.links is not None else ()):
             if link.broken or not link.in_flight:
                 continue
             try:
-                acked += link.wait()
+                acked += link.wait(deadline)
             except Exception as exc:  # noqa: BLE001 -- as in _send
                 self._broke(link, exc)
         self.bytes_by_path["tcp"] += acked
