@@ -1,8 +1,9 @@
-"""A node world that lost a member is re-formed as generation 1 at the engine level (4 processes, gloo on
-127.0.0.1, the tiny Llama): device 0 (the rendezvous host) is SIGKILLed while every worker has requests in
-flight; a fresh process takes its place as a standalone TP=1 engine on the shared weights; the three
-survivors (still holding the broken world) and the fresh one form generation 1 at the next rendezvous
-port, each NodeRuntime adopting the engine it served with; then 4xTP1 -> TP4 runs on the new world.
+"""A node world that lost a member is re-formed at the engine level (4 processes, gloo on 127.0.0.1, the tiny
+Llama, the worker's own re-formation code): device 0 (the rendezvous host) is SIGKILLed while every worker
+has requests in flight; the survivors' first attempt (generation 1) fails, nobody hosting its rendezvous, and
+they serve on as before; a fresh process takes device 0's place as a standalone TP=1 engine on the shared
+weights; the three survivors (still holding the broken world) and the fresh one form generation 2 at its
+rendezvous port, each NodeRuntime adopting the engine it served with; then 4xTP1 -> TP4 runs on the new world.
 Every surviving request's greedy tokens equal a run with no fault and no change, each index exactly once.
 """
 
@@ -34,19 +35,23 @@ HANG_GUARD_S = 150
 
 
 def free_port() -> int:
-    # Generation 1 meets at port + 1: pick a port whose successor is free too.
+    # Generations 1 and 2 meet at port + 1 and port + 2: pick a port whose successors are free too.
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
+        if port + 2 <= 65535 and all(_free(port + i) for i in (1, 2)):
             return port
-    raise RuntimeError("no free port pair")
+    raise RuntimeError("no free port triple")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def spawn(tiny_dir, rank, port, sync, out, shm_dir, requests, fresh=False):
@@ -84,8 +89,13 @@ def generation_run(tiny_dir, tmp_path_factory):
             victim.send_signal(signal.SIGKILL)
             assert victim.wait(30) == -signal.SIGKILL
             victim.stdout.close()
-            procs[VICTIM] = spawn(tiny_dir, VICTIM, port, sync, tmp / f"out{VICTIM}.json", shm_dir, fresh_requests, fresh=True)
             (sync / "go").write_text("")
+            while not all((sync / f"failed-{r}").exists() for r in procs):
+                assert all(p.poll() is None for p in procs.values()), "a survivor exited after its failed attempt"
+                assert time.monotonic() < deadline + HANG_GUARD_S, "the failed attempt did not end"
+                time.sleep(0.05)
+            procs[VICTIM] = spawn(tiny_dir, VICTIM, port, sync, tmp / f"out{VICTIM}.json", shm_dir, fresh_requests, fresh=True)
+            (sync / "go2").write_text("")
             logs = {}
             for rank, proc in sorted(procs.items()):
                 out, _ = proc.communicate(timeout=HANG_GUARD_S)
@@ -117,10 +127,21 @@ def test_new_generation_adopts_engines_and_merges_with_exact_tokens(tiny_dir, ge
     assert not any(r[0] == "a" for r in records)
 
 
-def test_the_new_world_is_generation_1_at_the_next_port_and_runs_tp4(generation_run):
+def test_a_failed_attempt_leaves_the_survivors_serving_as_before(generation_run):
+    _, reports, port = generation_run
+    for rank in (1, 2, 3):
+        failed = reports[rank]["failed_attempt"]
+        assert failed is not None, f"worker {rank}: generation 1 formed without device 0"
+        assert f"127.0.0.1, {port + 1}" in failed["error"], failed  # its rendezvous, which nobody hosted
+        # Same engine, same TP=1 group; outside any world now (its old one went to make room), and says why.
+        assert failed["same_engine"] is True and failed["group"] == [rank, 1] and failed["in_world"] is False, failed
+        assert failed["world_lost"].startswith("re-formation failed"), failed
+
+
+def test_the_new_world_is_generation_2_at_its_port_and_runs_tp4(generation_run):
     _, reports, port = generation_run
     for rank, rep in reports.items():
-        assert rep["generation"] == 1 and rep["rendezvous_port"] == port + 1, rep
+        assert rep["generation"] == 2 and rep["rendezvous_port"] == port + 2, rep
         assert rep["adopted"] is True  # the runtime kept the engine it served with
         assert rep["acks"] == [["prepare", 1, True, ""], ["commit", 1, True, ""]], rep["acks"]
         assert rep["group"] == [0, SIZE]
