@@ -1,13 +1,17 @@
 """`nitsum serve prefill-worker|decode-worker`: one engine per device, driven over NATS.
 
 Subscriptions: `worker.<id>.run` (RunRequest → RunAck), `worker.<id>.control` (topology Prepare / Commit /
-Abort → TopologyAck), the abort broadcast, `coordinator_up` (answer with fresh stats at once).
+Abort, NodeReform, RoleChange → TopologyAck), the abort broadcast, `coordinator_up` (answer with fresh stats
+at once).
 Heartbeats: WorkerStats every NITSUM_HEARTBEAT_INTERVAL_MS. SIGTERM: report `draining` (no new work is
 routed here), let running requests finish, hand the rest back, exit.
 
 With NITSUM_NODE_SIZE > 1 every worker of the node joins one process world at boot (pre-built groups for
 every aligned TP group) and maps the host-wide shared weight store, so the coordinator can merge and
-split groups at run time; otherwise the worker is a standalone TP=1 engine.
+split groups at run time; otherwise the worker is a standalone TP=1 engine (services/worker/boot.py).
+A node worker restarted after a crash boots in standby (NITSUM_NODE_STANDBY) and joins the node's re-formed
+world when the coordinator sends NodeReform (services/worker/peer_loss.py); the session's backend is swapped
+then, so everything here reads `session.backend`.
 
 P/D: a standalone prefill-worker (NITSUM_ROLE=prefill, or the `prefill-worker` service) runs its engine in
 role "prefill" and reports role "prefill"; a RunRequest with `decode_worker` is prefilled here and handed
@@ -22,19 +26,16 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 import time
 import uuid
 
-import torch
-
-from nitsum.config import WorkerConfig, parse_die_at
-from nitsum.modelpath import resolve_model_dir
+from nitsum.config import WorkerConfig
 from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import AbortRequest, NodeReform, RoleChange, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
-from nitsum_services.worker.backend import NodeBackend, PlainBackend, StandbyBackend
+from nitsum_services.worker.backend import NodeBackend
+from nitsum_services.worker.boot import build_backend, build_engine, die_if_told, join_generation  # noqa: F401 (build_engine: nitsum bench gateway)
 from nitsum_services.worker.migration_flows import MigrationDriver
-from nitsum_services.worker.peer_loss import PeerLossGuard, form_generation, reform_refusal
+from nitsum_services.worker.peer_loss import PeerLossGuard, reform_refusal
 from nitsum_services.worker.session import WorkerSession
 from nitsum_services.worker.transfer import MAX_IN_FLIGHT, NODE_MAX_IN_FLIGHT, KvMover, TransferAgent
 
@@ -42,126 +43,6 @@ log = logging.getLogger("nitsum.worker")
 
 DRAIN_TIMEOUT_S = 30.0
 CONTROL_TIMEOUT_S = 120.0
-
-
-def _engine_config(config: WorkerConfig, role: str):
-    from nitsum.engine import EngineConfig
-
-    model_dir = resolve_model_dir(config.model)
-    return EngineConfig(
-        model_dir=str(model_dir),
-        device=config.device if config.device == "cpu" else f"cuda:{config.device_index}",
-        dtype=config.dtype,
-        block_size=config.block_size,
-        kv_cache_mb=config.kv_cache_mb,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        role=role,
-    )
-
-
-def build_engine(config: WorkerConfig, role: str):
-    from nitsum.engine import Engine
-
-    torch.set_num_threads(config.torch_threads)
-    return Engine(_engine_config(config, role))
-
-
-def build_backend(config: WorkerConfig, role: str):
-    """A standalone engine, this worker's share of the node world (boot store + pre-built groups), or, in
-    standby (NITSUM_NODE_STANDBY), a standalone engine over the node's boot weights that a re-formed world
-    adopts later."""
-    torch.set_num_threads(config.torch_threads)
-    if config.node_size <= 1:
-        return PlainBackend(build_engine(config, role), config.device_index)
-    from nitsum.kv.reshard import Topology
-    from nitsum.parallel.world import NodeWorld
-
-    cfg = _engine_config(config, role)
-    if config.node_standby:
-        return build_standby(config, cfg)
-    world = NodeWorld(
-        config.device_index, config.node_size, config.node_master_addr, config.node_master_port,
-        device=config.device, min_tp=config.min_tp, max_tp=config.max_tp, timeout_s=config.world_timeout_s,
-    )
-    weights = node_weights(config, cfg, world.device)
-    runtime = node_runtime(config, world, cfg, weights, Topology.uniform(config.node_size, 1))
-    engine = runtime.engine
-    return PeerLossGuard(runtime, engine.model_name, engine.max_model_len)
-
-
-def node_weights(config: WorkerConfig, cfg, device: str):
-    """CPU: the host-wide store's views. CUDA: this device's resident copy of the slices it uses at every
-    allowed level, made once here (ALGORITHMS.md §1.1); every later TP change cuts views of it."""
-    from nitsum.model import loader
-    from nitsum.parallel.weights import SharedWeightStore, boot_weights
-    from nitsum.parallel.world import allowed_levels
-
-    store = SharedWeightStore.open(cfg.model_dir, cfg.dtype)
-    levels = allowed_levels(config.min_tp, config.max_tp or config.node_size)
-    return boot_weights(store, device, config.device_index, levels[0], levels[-1],
-                        config=loader.load_config(cfg.model_dir), node_size=config.node_size)
-
-
-def node_runtime(config: WorkerConfig, world, cfg, weights, topology, engine=None, epoch: int = 0):
-    from nitsum.engine.node import NodeRuntime
-
-    def failure_hook(phase: str, epoch: int) -> None:
-        if phase == "prepare" and epoch == config.fault_prepare_epoch:
-            raise RuntimeError(f"injected failure (NITSUM_FAULT_PREPARE_EPOCH={epoch})")
-        die_if_told(config, phase, epoch)
-
-    return NodeRuntime(
-        world, cfg, weights, topology, failure_hook, kv_path=config.kv_path,
-        host_id=config.host_id, kv_advertise_addr=config.kv_advertise_addr, master_addr=config.node_master_addr,
-        kv_fault_epoch=config.fault_kv_connect_epoch, engine=engine, epoch=epoch,
-    )
-
-
-def build_standby(config: WorkerConfig, cfg) -> StandbyBackend:
-    """A restarted node worker: TP=1 on the node's boot weights, outside any world until a re-formation."""
-    from nitsum.engine import Engine
-    from nitsum.engine.runner import ModelRunner
-    from nitsum.model import loader
-    from nitsum.parallel.group import TPGroup
-
-    if not 0 <= config.device_index < config.node_size:
-        raise ValueError(f"NITSUM_DEVICE_INDEX={config.device_index} is outside the node's {config.node_size} devices")
-    weights = node_weights(config, cfg, cfg.device)
-    runner = ModelRunner(cfg.model_dir, TPGroup.single(cfg.device), device=cfg.device, dtype=cfg.dtype,
-                         block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_cache_mb=cfg.kv_cache_mb,
-                         weights=weights, config=loader.load_config(cfg.model_dir))
-    log.info("standby: serving standalone at TP=1 until the coordinator re-forms node %s", config.node_id)
-    return StandbyBackend(Engine(cfg, runner=runner), config.device_index, weights, cfg)
-
-
-def join_generation(config: WorkerConfig, backend, generation: int):
-    """Background thread: build world `generation` of this worker's node and a NodeRuntime over it that
-    adopts the backend's TP=1 engine (peer_loss.form_generation). Returns the new PeerLossGuard."""
-    from nitsum.kv.reshard import Topology
-    from nitsum.parallel.world import NodeWorld
-
-    def make_world():
-        return NodeWorld(
-            config.device_index, config.node_size, config.node_master_addr, config.node_master_port,
-            device=config.device, min_tp=config.min_tp, max_tp=config.max_tp, timeout_s=config.world_timeout_s,
-            generation=generation,
-        )
-
-    def make_runtime(world, cfg, weights, engine, epoch):
-        return node_runtime(config, world, cfg, weights, Topology.uniform(config.node_size, 1), engine, epoch)
-
-    runtime = form_generation(backend, make_world, make_runtime)
-    return PeerLossGuard(runtime, backend.model_name, backend.max_model_len)
-
-
-def die_if_told(config: WorkerConfig, phase: str, epoch: int) -> None:
-    """NITSUM_FAULT_DIE_AT: a worker that dies mid-transition, as a crash would (no goodbye, no drain)."""
-    target = parse_die_at(config.fault_die_at)
-    if target == (phase, epoch, config.device_index):
-        log.error("NITSUM_FAULT_DIE_AT=%s: killing this worker now", config.fault_die_at)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def group_id_of(node_id: str, start: int, tp: int) -> str:

@@ -117,7 +117,7 @@ def standby(tiny_model_dir):
     """A worker restarted in standby (NITSUM_NODE_STANDBY=1) of a 4-device node, built as the worker does."""
     from nitsum.config import WorkerConfig, load
     from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
-    from nitsum_services.worker.main import build_backend
+    from nitsum_services.worker.boot import build_backend
 
     env = {"NITSUM_MODEL": str(tiny_model_dir), "NITSUM_NODE_SIZE": "4", "NITSUM_NODE_STANDBY": "1",
            "NITSUM_DEVICE_INDEX": "2", "NITSUM_KV_CACHE_MB": "4"}
