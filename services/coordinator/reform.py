@@ -13,8 +13,12 @@ recorded and retried later with the next generation. Automatic (`run`, every RET
 (`nitsum admin reform-node`). Every attempt is a `coordinator.reform` span, a log line and a history entry
 (admin `status`, "reforms").
 
-A TP>1 group that survived the loss whole keeps serving but refuses transitions; it blocks the re-formation
-(only TP=1 workers join a new world) and the answer says so.
+Only TP=1 workers join a new world. A TP>1 group whose members are all still in the world (the loss was
+elsewhere, so its own communicator works) is split to TP=1 first, by a transition sent to its leader alone:
+its span is the group itself, so only the group's own communicator is used (the workers outside it learn
+nothing, and need not: every worker gets a fresh all-TP=1 topology in the new world right after). A group
+that took part in a failed transition refuses that split (its leader refuses every change until the node is
+re-formed); then the re-formation cannot run and the answer says so.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import logging
 import time
 
 from nitsum.bus import BusError
+from nitsum.policy.decisions import GroupSpec, Topology
 from nitsum.telemetry.tracing import mark_error
-from nitsum.wire.messages import NodeReform, TopologyAck
+from nitsum.wire.messages import GroupAssignment, NodeReform, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare
+from nitsum_services.coordinator.transition import _Watch, group_id_of
 
 log = logging.getLogger("nitsum.coordinator.reform")
 
@@ -33,8 +39,10 @@ log = logging.getLogger("nitsum.coordinator.reform")
 # done; this only bounds a worker that never answers.
 REFORM_TIMEOUT_S = 150.0
 CHECK_PERIOD_S = 1.0
-RETRY_AFTER_S = 10.0
+RETRY_AFTER_S = 10.0  # after a failed attempt; doubled after each further one, up to MAX_RETRY_AFTER_S
+MAX_RETRY_AFTER_S = 160.0
 SETTLE_S = 3.0
+SPLIT_TIMEOUT_S = 90.0
 HISTORY = 20
 
 
@@ -48,6 +56,7 @@ class ReformAgent:
         self.generation = 0  # the largest generation this agent asked for
         self.history: list[dict] = []
         self._retry_at: dict[str, float] = {}  # node -> monotonic time of the next automatic attempt
+        self._failures: dict[str, int] = {}  # node -> automatic attempts failed in a row
 
     def nodes(self) -> list[str]:
         return sorted({r.stats.node_id for r in self.c.members.workers.values() if r.stats.node_size > 1})
@@ -77,11 +86,11 @@ class ReformAgent:
         if all(r.stats.in_world for r in records):
             generation = max(r.stats.generation for r in records)
             raise ReformError(f"every worker of node {node_id} is in its world (generation {generation}): nothing to re-form")
-        wide = sorted({(r.stats.group_id, r.stats.tp) for r in records if r.stats.tp > 1})
-        if wide:
-            groups = ", ".join(f"{g} (TP={tp})" for g, tp in wide)
-            raise ReformError(f"group(s) {groups} survived the loss whole and keep serving, but refuse TP changes; only "
-                              f"TP=1 workers join a re-formed world, so node {node_id} is re-formed once they are at TP=1")
+        broken = sorted({(r.stats.group_id, r.stats.tp) for r in records if r.stats.tp > 1 and not r.stats.in_world})
+        if broken:
+            groups = ", ".join(f"{g} (TP={tp})" for g, tp in broken)
+            raise ReformError(f"group(s) {groups} of node {node_id} have members outside the world: they cannot be split "
+                              "to TP=1, and only TP=1 workers join a re-formed world")
         if not holding_lock and self.c.transitions.lock.locked():
             raise ReformError("a transition or re-formation is running on the mesh; try again when it is done")
         return records
@@ -98,7 +107,10 @@ class ReformAgent:
                     log.debug("node %s not re-formed yet: %s", node_id, exc)
                     continue
                 if not report["ok"]:
-                    self._retry_at[node_id] = time.monotonic() + RETRY_AFTER_S
+                    failures = self._failures[node_id] = self._failures.get(node_id, 0) + 1
+                    self._retry_at[node_id] = time.monotonic() + min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (failures - 1))
+                else:
+                    self._failures.pop(node_id, None)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=CHECK_PERIOD_S)
             except asyncio.TimeoutError:
@@ -109,21 +121,30 @@ class ReformAgent:
         self.check(node_id)  # refuse at once rather than wait for the lock
         async with self.c.transitions.lock:
             records = self.check(node_id, holding_lock=True)  # things may have changed while waiting for it
-            size = len(records)
-            generation = max([self.generation] + [r.stats.generation for r in records]) + 1
-            self.generation = generation
-            outside = [r.worker_id for r in records if not r.stats.in_world]
             t0 = time.perf_counter()
             with self.c.ctx.tracer.start_as_current_span(
-                "coordinator.reform", attributes={"nitsum.node": node_id, "nitsum.generation": generation, "nitsum.reason": reason}
+                "coordinator.reform", attributes={"nitsum.node": node_id, "nitsum.reason": reason}
             ) as span:
+                splits, problem = await self._split_wide_groups(node_id, records)
+                if problem:
+                    report = {"ok": False, "node_id": node_id, "generation": None, "workers": [r.worker_id for r in records],
+                              "reason": reason, "splits": splits, "error": problem, "ms": round((time.perf_counter() - t0) * 1000.0, 3)}
+                    mark_error(span, problem)
+                    log.error("node %s: not re-formed: %s", node_id, problem)
+                    self._record(report)
+                    return report
+                size = len(records)
+                generation = max([self.generation] + [r.stats.generation for r in records]) + 1
+                self.generation = generation
+                span.set_attribute("nitsum.generation", generation)
+                outside = [r.worker_id for r in records if not r.stats.in_world]
                 log.info("node %s: re-forming its world as generation %d (%d workers; outside it: %s): %s", node_id, generation, size, outside, reason)
                 acks = await asyncio.gather(*(self._ask(r.worker_id, NodeReform(node_id, generation, size)) for r in records))
                 ms = (time.perf_counter() - t0) * 1000.0
                 failed = [a for a in acks if not a.ok]
                 report = {
                     "ok": not failed, "node_id": node_id, "generation": generation, "workers": [r.worker_id for r in records],
-                    "outside": outside, "reason": reason, "ms": round(ms, 3),
+                    "outside": outside, "reason": reason, "ms": round(ms, 3), "splits": splits,
                     "acks": [{"worker_id": a.worker_id, "ok": a.ok, "reason": a.reason} for a in acks],
                 }
                 if failed:
@@ -138,9 +159,55 @@ class ReformAgent:
                     # Heartbeats sent before the swap may still arrive: do not read them as a new need at once.
                     self._retry_at[node_id] = time.monotonic() + SETTLE_S
                     log.info("node %s: world generation %d formed in %.0f ms; TP changes are on again", node_id, generation, ms)
-            self.history.append(report)
-            del self.history[:-HISTORY]
+            self._record(report)
             return report
+
+    def _record(self, report: dict) -> None:
+        self.history.append(report)
+        del self.history[:-HISTORY]
+
+    async def _split_wide_groups(self, node_id: str, records: list) -> tuple[list[dict], str]:
+        """Split every TP>1 group of the node (all its members in the world) to TP=1 workers, one group at a
+        time, by a transition sent to that group's leader only. Returns (one entry per group, why it failed
+        or "")."""
+        transitions = self.c.transitions
+        splits: list[dict] = []
+        by_device = {r.stats.device_index: r.worker_id for r in records}
+        wide = sorted({(r.stats.device_index - r.stats.device_index % r.stats.tp, r.stats.tp) for r in records if r.stats.tp > 1})
+        for start, tp in wide:
+            group_id = group_id_of(node_id, start, tp)
+            current = transitions.current(node_id)
+            singles = tuple(GroupSpec(d, 1, "hybrid") for d in range(start, start + tp))
+            target = Topology(tuple(g for g in current.groups if g.start != start) + singles)
+            members = [r for r in records if start <= r.stats.device_index < start + tp]
+            leader = [r for r in members if r.stats.device_index == start]
+            epoch = max([transitions.epoch] + [r.stats.epoch for r in records]) + 1
+            groups = tuple(GroupAssignment(group_id_of(node_id, g.start, g.tp), g.start, g.tp, "hybrid",
+                                           tuple(by_device[d] for d in range(g.start, g.start + g.tp))) for g in target.groups)
+            t0 = time.perf_counter()
+            log.info("node %s: splitting %s to TP=1 (epoch %d) before re-forming its world", node_id, group_id, epoch)
+            watch = _Watch(r.worker_id for r in members)
+            transitions._watch = watch  # the loss of a member ends the wait (TransitionAgent.worker_lost)
+            try:
+                phase = "prepare"
+                _acks, why = await transitions._gather(leader, TopologyPrepare(node_id, epoch, groups, "re-formation: split to TP=1"),
+                                                       SPLIT_TIMEOUT_S, phase, epoch, watch)
+                if not why:
+                    phase = "commit"
+                    _acks, why = await transitions._gather(leader, TopologyCommit(node_id, epoch), SPLIT_TIMEOUT_S, phase, epoch, watch)
+                if why and not watch.lost:  # whatever the leader prepared goes (a committed leader refuses: stale)
+                    await transitions._gather(leader, TopologyAbort(node_id, epoch, why), SPLIT_TIMEOUT_S, "abort", epoch, _Watch(()))
+            finally:
+                transitions._watch = None
+            transitions.epoch = max(transitions.epoch, epoch)
+            splits.append({"group": group_id, "epoch": epoch, "ok": not why, "phase": phase, "error": why,
+                           "ms": round((time.perf_counter() - t0) * 1000.0, 3)})
+            if why:
+                return splits, f"group {group_id} (TP={tp}) could not be split to TP=1 in {phase}: {why}"
+            for r in members:  # until fresh heartbeats arrive
+                r.stats = type(r.stats)(**{**r.stats.__dict__, "tp": 1, "group_id": group_id_of(node_id, r.stats.device_index, 1),
+                                           "leader": True, "epoch": epoch})
+        return splits, ""
 
     async def _ask(self, worker_id: str, message: NodeReform) -> TopologyAck:
         bus = self.c.bus

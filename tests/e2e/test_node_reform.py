@@ -65,7 +65,7 @@ def mid_mesh(tmp_path_factory):
         stop_mesh(mesh.process)
         from nitsum.engine import kv_segment
 
-        for name in kv_segment.leftovers(f"p{port}") + kv_segment.leftovers(f"p{port + 1}"):
+        for name in [n for g in range(3) for n in kv_segment.leftovers(f"p{port + g}")]:
             kv_segment.unlink(name)  # only a failure of the test itself can leave one (checked below)
 
 
@@ -174,3 +174,42 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     from nitsum.engine import kv_segment
 
     assert kv_segment.leftovers(f"p{port + 1}") == [] and kv_segment.leftovers(f"p{port}") == []
+
+
+MIXED = "[0-1 TP2 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
+
+
+def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed(mid_mesh):
+    """After the first test (generation 1, 4 x TP1): a TP2 group 0-1 and two TP1 workers; device 3 is killed
+    while streams run. Group 0-1 never used a communicator with device 3 in it, so it serves on at TP2, still
+    in the world. Once device 3 is back in standby, the coordinator splits 0-1 to TP=1 (a transition sent to its
+    leader only, inside its own communicator), then re-forms the world as generation 2; TP4 works again."""
+    mesh, port, expected, expected_after = mid_mesh
+    assert asyncio.run(admin(mesh, "set-topology", {"topology": MIXED}))["ok"]
+    victim_pid = pids(mesh)["worker-3"]
+
+    async def kill_device_3():
+        os.kill(victim_pid, signal.SIGKILL)
+
+    results, _ = asyncio.run(stream_batch(mesh, prompts(len(LENGTHS), seed=3), LENGTHS, during=kill_device_3))
+    for got, ref, n in zip(results, expected, LENGTHS):
+        assert got.status == 200 and got.error is None, got
+        assert len(got.token_ids) == n
+        assert got.token_ids == ref
+
+    st = wait_for(mesh, lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 2 for w in s["workers"]),
+                  "the node world was not re-formed as generation 2")
+    assert pids(mesh)["worker-3"] != victim_pid
+    formed = [r for r in st["reforms"] if r["ok"]][-1]
+    assert formed["generation"] == 2 and "node0-3" in formed["outside"], formed
+    assert [(s["group"], s["ok"]) for s in formed["splits"]] == [("node0-g0-tp2", True)], formed["splits"]
+    merged = asyncio.run(admin(mesh, "set-topology", {"topology": MERGE4}))
+    assert merged["ok"] is True and merged["transition"]["changed"] is True, merged
+    after, _ = asyncio.run(stream_batch(mesh, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS))
+    for got, ref in zip(after, expected_after):
+        assert got.status == 200 and got.error is None, got
+        assert got.token_ids == ref
+    from nitsum.engine import kv_segment
+
+    st = wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
+    assert [kv_segment.leftovers(f"p{port + g}") for g in range(3)] == [[], [], []]

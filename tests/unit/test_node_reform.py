@@ -51,11 +51,17 @@ def test_why_a_node_cannot_be_reformed():
     assert "not ready" in _refused(_agent(_stats(0, in_world=False, state="draining"), _stats(1), _stats(2), _stats(3)))
     nothing = _refused(_agent(*(_stats(d, generation=2) for d in range(4))))
     assert "nothing to re-form" in nothing and "generation 2" in nothing
-    blocked = _refused(_agent(_stats(0, tp=2, in_world=True), _stats(1, tp=2, in_world=True), _stats(2, in_world=False), _stats(3, in_world=False)))
-    assert "node0-g0-tp2 (TP=2)" in blocked and "refuse TP changes" in blocked
+    # A TP>1 group with a member outside the world cannot be split (its communicator has no use now).
+    blocked = _refused(_agent(_stats(0, tp=2, in_world=True), _stats(1, tp=2, in_world=False), _stats(2, in_world=False), _stats(3)))
+    assert "node0-g0-tp2 (TP=2)" in blocked and "members outside the world" in blocked
     assert "standalone" in _refused(_agent(*(_stats(d, in_world=False, node_size=0) for d in range(2))))
     assert "no worker of node 'node9'" in _refused(_agent(_stats(0)), "node9")
     assert "disagree" in _refused(_agent(_stats(0, in_world=False), _stats(1, node_size=2)))
+
+
+def test_a_tp2_group_still_whole_in_the_world_is_accepted_to_be_split_first():
+    agent = _agent(_stats(0, tp=2), _stats(1, tp=2), _stats(2), _stats(3, in_world=False))
+    assert [r.stats.tp for r in agent.check("node0")] == [2, 2, 1, 1]
 
 
 def test_standalone_meshes_never_need_a_reformation():
