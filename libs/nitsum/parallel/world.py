@@ -103,9 +103,14 @@ class NodeWorld:
                 backend=self.backend, store=self._store, rank=rank, world_size=size,
                 timeout=timedelta(seconds=timeout_s),
             )
-            for tp in self.levels:
-                for start in range(0, size, tp):
-                    self.num_groups += 1
+            # A transition's span (the smallest aligned group covering the workers that change,
+            # kv.reshard.transition_span) may be wider than max_tp -- two TP2 groups of a max_tp=2 node
+            # that both change span four workers -- and the boot exchange spans the whole world: those
+            # exchanges need a communicator too, pre-built here as well (never a TP level; not counted).
+            span_levels = [tp for tp in (1 << k for k in range(1, size.bit_length())) if tp not in self.levels]
+            for tp in list(self.levels) + span_levels:
+                for start in range(0, size - tp + 1, tp):
+                    self.num_groups += tp in self.levels
                     members = list(range(start, start + tp))
                     # The world's timeout bounds every collective: a subgroup gets torch's 30-minute default
                     # otherwise, and a survivor of a dead peer would sit that long in a ring that never closes.
@@ -127,10 +132,14 @@ class NodeWorld:
 
     # -- node-level collectives ---------------------------------------------------------------------
     def all_gather_bytes(self, payload: bytes, start: int, tp: int) -> list[bytes]:
-        """Every member's payload, in rank order, over the pre-built group [start, start + tp)."""
+        """Every member's payload, in rank order, over the pre-built group [start, start + tp) (a TP level's
+        or a span's; the whole world's is always there)."""
         if tp == 1:
             return [payload]
-        pg = self._groups[(start, tp)]
+        if (start, tp) not in self._groups and (start, tp) == (0, self.size):
+            pg = None  # a world whose size is no power of two: its default group
+        else:
+            pg = self._groups[(start, tp)]
         dev = self.device
         length = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
         lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(tp)]
