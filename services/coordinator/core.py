@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 
 from nitsum.bus import BusError, RemoteError
 from nitsum.config import CoordinatorConfig
@@ -36,6 +37,7 @@ from nitsum_services.coordinator.transition import TransitionAgent, TransitionEr
 log = logging.getLogger("nitsum.coordinator")
 
 EXPIRE_PERIOD_S = 0.25
+MAX_RESUMED_REMEMBERED = 8192
 # A prefix fetch costs a round trip per layer; below this many blocks computing them is as cheap.
 MIN_REUSE_BLOCKS = 2
 
@@ -135,6 +137,8 @@ class Coordinator:
         self.last_reconfig_ms: dict[str, float] = {}
         self.transitions = TransitionAgent(self)
         self.reforms = ReformAgent(self)  # re-forms a node world that lost a member (services/coordinator/reform.py)
+        # Requests re-submitted with tokens already streamed -> how many (the latest ones; reform.py asks).
+        self.resumed_requests: OrderedDict[str, int] = OrderedDict()
         # Nodes whose topology an operator set by hand: the policy leaves them alone until the next set-policy.
         self.pinned_nodes: set[str] = set()
         self.arrivals = ArrivalWindow()
@@ -186,6 +190,11 @@ class Coordinator:
             )
             if req.attempt == 0 and req.ttft_ms <= 1000.0 and self.members.outstanding_by_tier().get(req.tier, 0) > 0:
                 self.trigger.set()
+            if req.output_token_ids:
+                self.resumed_requests[req.request_id] = len(req.output_token_ids)
+                self.resumed_requests.move_to_end(req.request_id)
+                while len(self.resumed_requests) > MAX_RESUMED_REMEMBERED:
+                    self.resumed_requests.popitem(last=False)
             if req.attempt == 0:
                 self.arrivals.add(now_ms, req.tier, req.ttft_ms, req.tpot_ms, req.weight, view.prompt_tokens, view.max_tokens)
             snap = self.snapshot()

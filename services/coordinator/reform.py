@@ -13,12 +13,14 @@ recorded and retried later with the next generation. Automatic (`run`, every RET
 (`nitsum admin reform-node`). Every attempt is a `coordinator.reform` span, a log line and a history entry
 (admin `status`, "reforms").
 
-Only TP=1 workers join a new world. A TP>1 group whose members are all still in the world (the loss was
-elsewhere, so its own communicator works) is split to TP=1 first, by a transition sent to its leader alone:
-its span is the group itself, so only the group's own communicator is used (the workers outside it learn
-nothing, and need not: every worker gets a fresh all-TP=1 topology in the new world right after). A group
-that took part in a failed transition refuses that split (its leader refuses every change until the node is
-re-formed); then the re-formation cannot run and the answer says so.
+Only TP=1 workers join a new world. A TP>1 group whose members all still answer is split to TP=1 first, by
+a transition sent to its leader alone: its span is the group itself, so only the group's own communicator is
+used (the workers outside it learn nothing, and need not: every worker gets a fresh all-TP=1 topology in the
+new world right after). That holds both for a group the loss never touched and for one that kept serving after
+the failed transition that lost the member (its leader takes a split of itself, `PeerLossGuard.local_change`).
+The re-formation waits (`check`) while the members of a group disagree on it (one is dying or falling back),
+and while a group to split serves re-submitted requests (a request re-routed after the loss carries the tokens
+it had as prompt; a split that moved it to another leader would stream it from its engine's count).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ RETRY_AFTER_S = 10.0  # after a failed attempt; doubled after each further one, 
 MAX_RETRY_AFTER_S = 160.0
 SETTLE_S = 3.0
 SPLIT_TIMEOUT_S = 90.0
+SPLIT_SETTLE_S = 15.0  # for the split group's heartbeats to show TP=1
 HISTORY = 20
 
 
@@ -91,6 +94,20 @@ class ReformAgent:
             groups = ", ".join(f"{g} (TP={tp})" for g, tp in broken)
             raise ReformError(f"group(s) {groups} of node {node_id} have members outside the world: they cannot be split "
                               "to TP=1, and only TP=1 workers join a re-formed world")
+        for start, tp in sorted({(r.stats.device_index - r.stats.device_index % r.stats.tp, r.stats.tp) for r in records if r.stats.tp > 1}):
+            group_id = group_id_of(node_id, start, tp)
+            members = [r for r in records if start <= r.stats.device_index < start + tp]
+            if any(r.stats.group_id != group_id for r in members):
+                raise ReformError(f"the workers of devices {start}-{start + tp - 1} disagree on their group (one may be gone or "
+                                  "falling back): waiting for their reports to settle")
+            # A re-submitted request (re-routed after a loss, with the tokens it had) that a split moves to another
+            # leader would be streamed from its engine's count, not its stream's: such a group is split once they end.
+            resumed = getattr(self.c, "resumed_requests", {})
+            ids = {r.worker_id for r in members}
+            busy = sorted(rid for rid, q in self.c.members.requests.items() if q.worker_id in ids and rid in resumed)
+            if busy:
+                raise ReformError(f"group {group_id} (TP={tp}) runs {len(busy)} re-submitted request(s) ({', '.join(busy[:3])}): "
+                                  "it is split to TP=1, and the node re-formed, once they finish")
         if not holding_lock and self.c.transitions.lock.locked():
             raise ReformError("a transition or re-formation is running on the mesh; try again when it is done")
         return records
@@ -133,6 +150,8 @@ class ReformAgent:
                     log.error("node %s: not re-formed: %s", node_id, problem)
                     self._record(report)
                     return report
+                if splits:
+                    records = self.check(node_id, holding_lock=True)  # every worker reports TP=1 now
                 size = len(records)
                 generation = max([self.generation] + [r.stats.generation for r in records]) + 1
                 self.generation = generation
@@ -204,9 +223,14 @@ class ReformAgent:
                            "ms": round((time.perf_counter() - t0) * 1000.0, 3)})
             if why:
                 return splits, f"group {group_id} (TP={tp}) could not be split to TP=1 in {phase}: {why}"
-            for r in members:  # until fresh heartbeats arrive
-                r.stats = type(r.stats)(**{**r.stats.__dict__, "tp": 1, "group_id": group_id_of(node_id, r.stats.device_index, 1),
-                                           "leader": True, "epoch": epoch})
+            # The leader answered the commit; its peers apply it in their step threads and then report: the
+            # re-formation (TP=1 workers only) waits for those reports.
+            deadline = time.monotonic() + SPLIT_SETTLE_S
+            while time.monotonic() < deadline and any(r.stats.tp != 1 for r in transitions.node_records(node_id)
+                                                      if start <= r.stats.device_index < start + tp):
+                await asyncio.sleep(0.05)
+            if any(r.stats.tp != 1 for r in transitions.node_records(node_id) if start <= r.stats.device_index < start + tp):
+                return splits, f"group {group_id} was split (epoch {epoch}) but its workers do not report TP=1 yet"
         return splits, ""
 
     async def _ask(self, worker_id: str, message: NodeReform) -> TopologyAck:

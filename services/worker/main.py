@@ -235,8 +235,10 @@ def make_body(service_name: str):
                 return TopologyAck(worker_id, msg.epoch, False, phase, f"this worker is joining node world generation {reforming['generation']}")
             if not isinstance(backend, NodeBackend):
                 return TopologyAck(worker_id, msg.epoch, False, phase, "this worker is not in a node world (NITSUM_NODE_SIZE; a restarted one waits for the node's re-formation)")
-            if backend.runtime.world_lost and phase != "abort":
-                return TopologyAck(worker_id, msg.epoch, False, phase, f"this worker's node world lost a member ({backend.runtime.world_lost}): TP cannot change here until the node is re-formed")
+            groups = tuple(sorted((g.start, g.tp) for g in msg.groups)) if phase == "prepare" else ()
+            refused = backend.refusal(phase, msg.epoch, groups) if isinstance(backend, PeerLossGuard) else ""
+            if refused:
+                return TopologyAck(worker_id, msg.epoch, False, phase, refused)
             if phase == "commit":
                 die_if_told(config, "commit", msg.epoch)
             # The coordinator sends commands to the leaders of the topology it just committed; a peer promoted
@@ -249,7 +251,6 @@ def make_body(service_name: str):
                 return TopologyAck(worker_id, msg.epoch, False, phase, "commands enter a group through its leader")
             from nitsum.engine.node import NodeCommand
 
-            groups = tuple(sorted((g.start, g.tp) for g in msg.groups)) if phase == "prepare" else ()
             with ctx.tracer.start_as_current_span(f"worker.topology.{phase}", attributes={"nitsum.epoch": msg.epoch, "nitsum.worker": worker_id}) as span:
                 try:
                     ack = await asyncio.wait_for(session.control(NodeCommand(phase, msg.epoch, groups)), CONTROL_TIMEOUT_S)

@@ -29,8 +29,9 @@ class PeerLossGuard(NodeBackend):
     - in a transition (a prepare/commit/abort command, as leader or as a peer following one): the failed
       exchange spanned other groups; if this worker's own group still answers a check on its own
       communicator (a separate process group, untouched by the failure), the group keeps serving its
-      requests in the old topology and only refuses further transitions (it also blocks the node's
-      re-formation, which takes TP=1 workers only); otherwise, or at TP=1,
+      requests in the old topology and refuses further transitions, but a split of itself (`local_change`:
+      the coordinator splits it to TP=1 before it re-forms the node's world, which takes TP=1 workers only);
+      otherwise, or at TP=1,
     - anywhere else (a step, a keepalive) or when the check fails: the worker leaves the node world
       (NodeRuntime.leave_world): at TP=1 it keeps its engine and requests; a larger group's leader gets an
       empty TP=1 engine over the same weights and the requests it held are re-queued (`on_dropped`:
@@ -54,12 +55,43 @@ class PeerLossGuard(NodeBackend):
     def engine(self):
         return self.runtime.engine
 
-    def command(self, cmd):
-        from nitsum.engine.node import TransitionAck
-
+    def refusal(self, kind: str, epoch: int, groups: tuple = ()) -> str:
+        """Why this leader refuses a topology command now ("" when it takes it). After the world lost a member
+        only changes inside this worker's own (whole) group pass: an abort (it touches nothing but this group's
+        prepared state), a split of the group (`local_change`) and the commit of such a split."""
         lost = self.runtime.world_lost
-        if lost and cmd.kind != "abort":  # an abort touches nothing but this group's prepared state
-            return TransitionAck(cmd.epoch, False, cmd.kind, f"this worker's node world lost a member ({lost}): TP cannot change here until the node is re-formed")
+        if not lost or kind == "abort":
+            return ""
+        if kind == "prepare" and self.local_change(groups) is not None:
+            return ""
+        prepared = self.runtime._prepared
+        if kind == "commit" and prepared is not None and prepared.epoch == epoch:
+            return ""  # only a local change is ever prepared here once the world lost a member
+        return f"this worker's node world lost a member ({lost}): TP cannot change here until the node is re-formed"
+
+    def local_change(self, groups: tuple):
+        """The command's groups with every device outside this worker's group as this worker last knew it,
+        when the change asked for stays inside this group (its span is then this group, whose own communicator
+        still works); None otherwise. The coordinator splits a surviving group this way before it re-forms the
+        node's world; its view of the other devices (fallen back, restarted) may differ from this worker's."""
+        own = self.runtime.group
+        if own.tp == 1:
+            return None
+        mine = range(own.start, own.start + own.tp)
+        inside = [(start, tp) for start, tp in groups if start in mine]
+        if any(start + tp > own.start + own.tp for start, tp in inside) or sum(tp for _s, tp in inside) != own.tp:
+            return None
+        outside = [(g.start, g.tp) for g in self.runtime.topology.groups if g.start not in mine]
+        return tuple(sorted(outside + inside))
+
+    def command(self, cmd):
+        from nitsum.engine.node import NodeCommand, TransitionAck
+
+        why = self.refusal(cmd.kind, cmd.epoch, cmd.groups)
+        if why:
+            return TransitionAck(cmd.epoch, False, cmd.kind, why)
+        if self.runtime.world_lost and cmd.kind == "prepare":
+            cmd = NodeCommand(cmd.kind, cmd.epoch, self.local_change(cmd.groups))  # what the peers get too
         try:
             return super().command(cmd)
         except Exception as exc:  # a collective of the transition failed (a peer died or timed out)

@@ -13,6 +13,7 @@ is in `status`, and no KV segment is left in /dev/shm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -44,29 +45,42 @@ def reference_tokens(model_dir, batch, lengths) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def mid_mesh(tmp_path_factory):
+def mid_model(tmp_path_factory):
+    """The model, and the tokens every stream of the two batches must produce."""
     from nitsum.model.tiny import make_tiny
 
-    tmp = tmp_path_factory.mktemp("reform")
-    model = make_tiny(tmp / "mid", config_overrides=MID)
+    model = make_tiny(tmp_path_factory.mktemp("mid") / "mid", config_overrides=MID)
     expected = reference_tokens(model, prompts(len(LENGTHS), seed=3), LENGTHS)
     expected_after = reference_tokens(model, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS)
+    return model, expected, expected_after
+
+
+@contextlib.contextmanager
+def running_mesh(tmp, model, **env_extra: str):
     env = {
         "NITSUM_RECONFIG_INTERVAL_MS": "600000",  # only the test changes the topology
         "NITSUM_WORLD_TIMEOUT_S": "30",
         "NITSUM_HEARTBEAT_TIMEOUT_MS": "5000",  # four busy workers on a small machine must not look lost
         "NITSUM_STREAM_TIMEOUT_S": "90",
+        **env_extra,
     }
     mesh = start_mesh(tmp, devices=4, extra_args=("--model", str(model)), env_extra=env)
     port = master_port(mesh)
     try:
-        yield mesh, port, expected, expected_after
+        yield mesh, port
     finally:
         stop_mesh(mesh.process)
         from nitsum.engine import kv_segment
 
         for name in [n for g in range(3) for n in kv_segment.leftovers(f"p{port + g}")]:
             kv_segment.unlink(name)  # only a failure of the test itself can leave one (checked below)
+
+
+@pytest.fixture(scope="module")
+def mid_mesh(tmp_path_factory, mid_model):
+    model, expected, expected_after = mid_model
+    with running_mesh(tmp_path_factory.mktemp("reform"), model) as (mesh, port):
+        yield mesh, port, expected, expected_after
 
 
 def master_port(mesh) -> int:
@@ -213,3 +227,45 @@ def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed
 
     st = wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
     assert [kv_segment.leftovers(f"p{port + g}") for g in range(3)] == [[], [], []]
+
+
+SPLIT2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
+
+
+def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp_path, mid_model):
+    """2xTP2 -> TP4 with device 3 dying in the prepare (NITSUM_FAULT_DIE_AT): group 0-1 is whole and keeps
+    serving at TP2 (it refuses every change but a split of itself), device 2 falls back to TP=1 and its
+    requests are re-submitted, device 3 comes back in standby. The coordinator splits 0-1 inside its own
+    communicator, re-forms the world as generation 1, and TP4 works again."""
+    model, expected, expected_after = mid_model
+    with running_mesh(tmp_path, model, NITSUM_FAULT_DIE_AT="prepare:2:3") as (mesh, port):
+        assert asyncio.run(admin(mesh, "set-topology", {"topology": SPLIT2}))["ok"]  # epoch 1; pins the node
+        victim_pid = pids(mesh)["worker-3"]
+
+        async def failing_merge():
+            return await admin(mesh, "set-topology", {"topology": MERGE4})
+
+        results, answer = asyncio.run(stream_batch(mesh, prompts(len(LENGTHS), seed=3), LENGTHS, during=failing_merge))
+        assert answer["ok"] is False and answer["transition"]["aborted"] is True, answer
+        for got, ref, n in zip(results, expected, LENGTHS):
+            assert got.status == 200 and got.error is None, got
+            assert len(got.token_ids) == n
+            assert got.token_ids == ref
+        st = wait_for(mesh, lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 1 for w in s["workers"]),
+                      "the node world was not re-formed")
+        assert pids(mesh)["worker-3"] != victim_pid
+        formed = [r for r in st["reforms"] if r["ok"]][-1]
+        assert [(s["group"], s["ok"]) for s in formed["splits"]] == [("node0-g0-tp2", True)], formed
+        # 2 fell back, 3 restarted; 0 and 1 left the world's view once split (a TP=1 worker of a world that lost a
+        # member is outside it).
+        assert sorted(formed["outside"]) == ["node0-0", "node0-1", "node0-2", "node0-3"], formed
+        merged = asyncio.run(admin(mesh, "set-topology", {"topology": MERGE4}))
+        assert merged["ok"] is True and merged["transition"]["changed"] is True, merged
+        after, _ = asyncio.run(stream_batch(mesh, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS))
+        for got, ref in zip(after, expected_after):
+            assert got.status == 200 and got.error is None, got
+            assert got.token_ids == ref
+        from nitsum.engine import kv_segment
+
+        wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
+        assert [kv_segment.leftovers(f"p{port + g}") for g in range(2)] == [[], []]

@@ -64,6 +64,22 @@ def test_a_tp2_group_still_whole_in_the_world_is_accepted_to_be_split_first():
     assert [r.stats.tp for r in agent.check("node0")] == [2, 2, 1, 1]
 
 
+def test_a_group_whose_members_disagree_waits_for_them_to_settle():
+    # Device 3 died at TP2; its last report still says TP2 while device 2 already fell back to TP=1.
+    agent = _agent(_stats(0), _stats(1), _stats(2, in_world=False), _stats(3, tp=2))
+    assert "disagree on their group" in _refused(agent)
+
+
+def test_a_group_running_resubmitted_requests_is_split_only_once_they_finish():
+    agent = _agent(_stats(0, tp=2), _stats(1, tp=2), _stats(2), _stats(3, in_world=False))
+    agent.c.members.assign("r-resumed", "interactive", "node0-0", 0.0)
+    agent.c.members.assign("r-fresh", "interactive", "node0-0", 0.0)
+    agent.c.resumed_requests = {"r-resumed": 6, "r-elsewhere": 3}
+    assert "runs 1 re-submitted request(s) (r-resumed)" in _refused(agent)
+    agent.c.members.unassign("r-resumed", "node0-0")
+    assert len(agent.check("node0")) == 4
+
+
 def test_standalone_meshes_never_need_a_reformation():
     agent = _agent(*(_stats(d, in_world=False, node_size=0) for d in range(2)))
     assert agent.nodes() == [] and not agent.needed("node0")
@@ -162,3 +178,16 @@ def test_what_a_worker_refuses_to_reform(standby):
     assert "has 4 workers" in why(NodeReform("node0", 1, 2))
     assert "already running" in why(NodeReform("node0", 1, 4), busy=True)
     assert "not newer" in why(NodeReform("node0", 0, 4))
+
+
+def test_leaving_the_process_world_resets_torch_group_names():
+    """A rendezvous that failed inside init_process_group advanced torch's group counter; members that disagree on
+    it wait for each other's keys forever. Each generation starts from 0."""
+    import torch.distributed as dist
+
+    from nitsum.parallel.world import leave_process_world
+
+    assert not dist.is_initialized()
+    dist.distributed_c10d._world.group_count = 3
+    leave_process_world()
+    assert dist.distributed_c10d._world.group_count == 0

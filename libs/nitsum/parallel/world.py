@@ -48,6 +48,12 @@ def leave_process_world() -> None:
     A new generation's `init_process_group` needs this first: the default group is process-global."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Groups are named from a process-global counter, which torch resets only when it destroys a default group;
+    # a rendezvous that failed inside init_process_group advanced it all the same. Members that disagree on it
+    # wait for each other's keys until the timeout: every generation starts from 0, as a fresh process does.
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def allowed_levels(min_tp: int, max_tp: int) -> tuple[int, ...]:
