@@ -44,6 +44,7 @@ CHECK_PERIOD_S = 1.0
 RETRY_AFTER_S = 10.0  # after a failed attempt; doubled after each further one, up to MAX_RETRY_AFTER_S
 MAX_RETRY_AFTER_S = 160.0
 SETTLE_S = 3.0
+FRESH_S = 1.5  # every worker's last heartbeat is at most this old (they beat every 0.5 s by default)
 SPLIT_TIMEOUT_S = 90.0
 SPLIT_SETTLE_S = 15.0  # for the split group's heartbeats to show TP=1
 HISTORY = 20
@@ -69,8 +70,9 @@ class ReformAgent:
         records = self.c.transitions.node_records(node_id)
         return any(r.stats.node_size > 1 for r in records) and not all(r.stats.in_world for r in records)
 
-    def check(self, node_id: str, holding_lock: bool = False) -> list:
+    def check(self, node_id: str, holding_lock: bool = False, now_s: float | None = None) -> list:
         """The node's workers by device, or ReformError with why it cannot be re-formed now."""
+        now_s = time.monotonic() if now_s is None else now_s
         records = self.c.transitions.node_records(node_id)
         if not records:
             raise ReformError(f"no worker of node {node_id!r} is known")
@@ -83,6 +85,11 @@ class ReformAgent:
         devices = [r.stats.device_index for r in records]
         if devices != list(range(size)):
             raise ReformError(f"node {node_id} is missing workers: have devices {devices}, its world needs 0..{size - 1}")
+        # A worker that just died is listed until its heartbeat times out: a world formed with it would wait for
+        # it at the rendezvous until the workers' world timeout. Only workers heard from just now take part.
+        silent = [r.worker_id for r in records if now_s - r.last_seen_s > FRESH_S]
+        if silent:
+            raise ReformError(f"workers {silent} of node {node_id} have not reported for over {FRESH_S:g} s")
         not_ready = [r.worker_id for r in records if r.stats.state != "ready"]
         if not_ready:
             raise ReformError(f"workers {not_ready} of node {node_id} are not ready")

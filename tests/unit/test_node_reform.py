@@ -32,16 +32,16 @@ def _agent(*stats: WorkerStats) -> ReformAgent:
     return ReformAgent(coordinator)
 
 
-def _refused(agent: ReformAgent, node: str = "node0") -> str:
+def _refused(agent: ReformAgent, node: str = "node0", now_s: float = 0.5) -> str:
     with pytest.raises(ReformError) as err:
-        agent.check(node)
+        agent.check(node, now_s=now_s)
     return str(err.value)
 
 
 def test_a_node_with_every_device_back_at_tp1_and_one_outside_its_world_is_reformed():
     agent = _agent(_stats(0, in_world=False), _stats(1), _stats(2), _stats(3))
     assert agent.nodes() == ["node0"] and agent.needed("node0")
-    assert [r.stats.device_index for r in agent.check("node0")] == [0, 1, 2, 3]
+    assert [r.stats.device_index for r in agent.check("node0", now_s=0.5)] == [0, 1, 2, 3]
 
 
 def test_why_a_node_cannot_be_reformed():
@@ -61,7 +61,17 @@ def test_why_a_node_cannot_be_reformed():
 
 def test_a_tp2_group_still_whole_in_the_world_is_accepted_to_be_split_first():
     agent = _agent(_stats(0, tp=2), _stats(1, tp=2), _stats(2), _stats(3, in_world=False))
-    assert [r.stats.tp for r in agent.check("node0")] == [2, 2, 1, 1]
+    assert [r.stats.tp for r in agent.check("node0", now_s=0.5)] == [2, 2, 1, 1]
+
+
+def test_a_worker_not_heard_from_just_now_holds_the_reformation_back():
+    agent = _agent(_stats(0, in_world=False), _stats(1), _stats(2), _stats(3))
+    agent.c.members.on_stats(_stats(0, in_world=False), 2.0)
+    agent.c.members.on_stats(_stats(1), 2.0)
+    agent.c.members.on_stats(_stats(2), 2.0)
+    assert "['node0-3'] of node node0 have not reported" in _refused(agent, now_s=2.1)
+    agent.c.members.on_stats(_stats(3), 2.0)
+    assert len(agent.check("node0", now_s=2.1)) == 4
 
 
 def test_a_group_whose_members_disagree_waits_for_them_to_settle():
@@ -77,7 +87,7 @@ def test_a_group_running_resubmitted_requests_is_split_only_once_they_finish():
     agent.c.resumed_requests = {"r-resumed": 6, "r-elsewhere": 3}
     assert "runs 1 re-submitted request(s) (r-resumed)" in _refused(agent)
     agent.c.members.unassign("r-resumed", "node0-0")
-    assert len(agent.check("node0")) == 4
+    assert len(agent.check("node0", now_s=0.5)) == 4
 
 
 def test_standalone_meshes_never_need_a_reformation():
@@ -93,7 +103,7 @@ def test_a_running_transition_holds_the_reformation_back():
             return _refused(agent)
 
     assert "running" in asyncio.run(go())
-    assert len(agent.check("node0")) == 4  # once it is done
+    assert len(agent.check("node0", now_s=0.5)) == 4  # once it is done
 
 
 def test_node_reform_and_the_new_heartbeat_fields_round_trip():
