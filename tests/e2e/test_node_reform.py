@@ -17,6 +17,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -166,9 +168,12 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     assert sorted(formed[-1]["workers"]) == ["node0-0", "node0-1", "node0-2", "node0-3"]
     assert "node0-0" in formed[-1]["outside"] and formed[-1]["reason"].startswith("automatic"), formed[-1]
     assert all(a["ok"] for a in formed[-1]["acks"]), formed[-1]
-    # Asked again by hand: nothing to do, said clearly.
-    again = asyncio.run(admin(mesh, "reform-node", {"node_id": "node0"}))
-    assert again["ok"] is False and again["error"]["code"] == "cannot_reform" and "nothing to re-form" in again["error"]["message"], again
+    # Asked again by hand (the CLI verb, as an operator types it): nothing to do, said clearly.
+    cli = subprocess.run([sys.executable, "-m", "nitsum.cli", "admin", "reform-node", "--node", "node0"], env=mesh.env(),
+                         capture_output=True, text=True, timeout=120)
+    again = json.loads(cli.stdout)
+    assert cli.returncode == 1 and again["ok"] is False and again["error"]["code"] == "cannot_reform", (cli.stdout, cli.stderr)
+    assert "nothing to re-form" in again["error"]["message"] and "generation 1" in again["error"]["message"], again
 
     # TP changes work again on the node: merge to TP4, streams started after it give the reference tokens.
     merged = asyncio.run(admin(mesh, "set-topology", {"topology": MERGE4}))
