@@ -8,14 +8,12 @@ read after boot, every KV block free, KV moved through shared memory while the o
 and no KV segment left in /dev/shm. A shorter run checks the gloo point-to-point fallback path.
 """
 
-import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from engine_test_helpers import free_port, prompts_of_lengths, run_workers
+from engine_test_helpers import prompts_of_lengths, run_node_script
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
 
@@ -61,21 +59,10 @@ def make_script(prompts):
 
 
 def run_node(model_dir, script, tmp_path, shm_dir, kv_path="shm"):
-    script_path = tmp_path / "script.json"
-    script_path.write_text(json.dumps(script))
-    port = free_port()
-    argvs = []
-    for rank in range(WORLD):
-        argv = [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", str(model_dir), "--rank", str(rank),
-                "--world-size", str(WORLD), "--master-port", str(port), "--script", str(script_path),
-                "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(shm_dir),
-                "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--kv-path", kv_path,
-                "--precopy-chunk-bytes", str(CHUNK_BYTES)]
-        if rank == FAILING_WORKER:
-            argv += ["--fail-prepare-epoch", str(FAILING_EPOCH)]
-        argvs.append(argv)
-    run_workers(argvs, timeout_s=150)
-    return [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_node_script(
+        model_dir, script, tmp_path, WORLD, {FAILING_WORKER: ["--fail-prepare-epoch", str(FAILING_EPOCH)]},
+        shm_dir=shm_dir, block_size=BLOCK_SIZE, num_kv_blocks=64, kv_path=kv_path, precopy_chunk_bytes=CHUNK_BYTES,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,12 @@ same-host pairs, every TCP KV link carried the stage-M DSCP, every KV block is f
 socket, receiver thread or /dev/shm segment outlives a transition.
 """
 
-import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from engine_test_helpers import free_port, prompts_of_lengths, run_workers
+from engine_test_helpers import prompts_of_lengths, run_node_script
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
 from nitsum.engine.kv_tcp import STAGE_M_DSCP
@@ -69,19 +67,10 @@ def reference_tokens(tiny_dir, prompts, requests):
 
 
 def run_node(model_dir, script, tmp_path, shm_dir, extra_args):
-    script_path = tmp_path / "script.json"
-    script_path.write_text(json.dumps(script))
-    port = free_port()
-    argvs = []
-    for rank in range(WORLD):
-        argv = [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", str(model_dir), "--rank", str(rank),
-                "--world-size", str(WORLD), "--master-port", str(port), "--script", str(script_path),
-                "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(shm_dir),
-                "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--host-id", HOSTS[rank],
-                "--precopy-chunk-bytes", str(CHUNK_BYTES)]
-        argvs.append(argv + extra_args.get(rank, []))
-    run_workers(argvs, timeout_s=150)
-    return [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_node_script(
+        model_dir, script, tmp_path, WORLD, lambda rank: ["--host-id", HOSTS[rank], *extra_args.get(rank, [])],
+        shm_dir=shm_dir, block_size=BLOCK_SIZE, num_kv_blocks=64, precopy_chunk_bytes=CHUNK_BYTES,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,8 @@ communicator the world pre-builds at boot (before: KeyError (0, 4) at NodeRuntim
 Scripted run (node_run, greedy, requests in flight): 4xTP1 -> 2xTP2 (span: all four) -> 4xTP1 -> 2xTP2,
 tokens equal a run without changes."""
 
-import json
-import sys
-
 import pytest
-from engine_test_helpers import free_port, prompts_of_lengths, run_workers
+from engine_test_helpers import prompts_of_lengths, run_node_script
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
 
@@ -31,17 +28,8 @@ def test_changes_spanning_more_than_max_tp(tiny_dir, tmp_path):
     events = [{"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
               for (rid, leader, tick, _, n), prompt in zip(REQUESTS, prompts)]
     events += [{"tick": t, "kind": k, "epoch": e, **({"groups": g} if g else {})} for t, k, e, g in EVENTS]
-    script = tmp_path / "script.json"
-    script.write_text(json.dumps({"topology": TP1, "events": events}))
-    port = free_port()
-    run_workers([
-        [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", str(tiny_dir), "--rank", str(rank),
-         "--world-size", str(WORLD), "--max-tp", str(MAX_TP), "--master-port", str(port), "--script", str(script),
-         "--out", str(tmp_path / f"out{rank}.json"), "--shm-dir", str(tmp_path / "shm"),
-         "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64"]
-        for rank in range(WORLD)
-    ], timeout_s=150)
-    reports = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(WORLD)]
+    reports = run_node_script(tiny_dir, {"topology": TP1, "events": events}, tmp_path, WORLD, max_tp=MAX_TP,
+                              block_size=BLOCK_SIZE, num_kv_blocks=64)
     assert all(rep["num_groups"] == 4 + 2 for rep in reports)  # TP levels 1 and 2 (the span group not counted)
     assert [(kind, epoch, ok) for _, kind, epoch, ok, *_ in reports[0]["acks"]] == [
         (kind, epoch, True) for _, kind, epoch, _ in EVENTS]
