@@ -130,6 +130,10 @@ class ReformAgent:
                 except ReformError as exc:
                     log.debug("node %s not re-formed yet: %s", node_id, exc)
                     continue
+                except Exception:  # a bug must not end the loop: log it, try again later
+                    log.exception("re-formation of node %s raised", node_id)
+                    self._retry_at[node_id] = time.monotonic() + MAX_RETRY_AFTER_S
+                    continue
                 if not report["ok"]:
                     failures = self._failures[node_id] = self._failures.get(node_id, 0) + 1
                     self._retry_at[node_id] = time.monotonic() + min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (failures - 1))

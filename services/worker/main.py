@@ -196,8 +196,10 @@ def make_body(service_name: str):
             reforming["generation"] = msg.generation
             t0 = time.perf_counter()
             with ctx.tracer.start_as_current_span("worker.reform", attributes={"nitsum.generation": msg.generation, "nitsum.worker": worker_id}) as span:
+                new = None
                 try:
                     new = await asyncio.to_thread(join_generation, config, backend, msg.generation)
+                    new.on_dropped = requeue
 
                     def swap(current):
                         # At a step boundary: the next iteration steps the same engine through the new backend.
@@ -207,6 +209,11 @@ def make_body(service_name: str):
 
                     await session.call(swap)
                 except Exception as exc:  # the rendezvous or the runtime's exchange failed: serve on as before
+                    if new is not None and session.backend is not new:  # formed but not taken: it goes again
+                        new.runtime.close()
+                        new.runtime.world.destroy()
+                        if isinstance(backend, NodeBackend) and not backend.runtime.world_lost:
+                            backend.runtime.world_lost = f"re-formation failed: {exc}"  # its old world went too
                     why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
                     span.set_attribute("nitsum.error", why)
                     log.error("re-formation of generation %d failed: %s", msg.generation, why)
@@ -214,7 +221,6 @@ def make_body(service_name: str):
                     return TopologyAck(worker_id, msg.generation, False, "reform", f"generation {msg.generation} not formed: {why}")
                 finally:
                     reforming["generation"] = 0
-            new.on_dropped = requeue
             ctx.state["in_world"] = True
             if isinstance(backend, NodeBackend):
                 await asyncio.to_thread(backend.runtime.close)  # the old world's KV receiver and segments
