@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict
 
 from nitsum.bus import BusError, RemoteError
 from nitsum.config import CoordinatorConfig
@@ -28,7 +27,7 @@ from nitsum.policy.registry import make_policy
 from nitsum.policy.snapshot import ClusterSnapshot, RequestView
 from nitsum.service import ServiceContext
 from nitsum.telemetry.tracing import mark_error
-from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
+from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, StreamOffset, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
 from nitsum_services.coordinator.membership import Membership, WorkerRecord
 from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot
 from nitsum_services.coordinator.reform import ReformAgent
@@ -37,7 +36,6 @@ from nitsum_services.coordinator.transition import TransitionAgent, TransitionEr
 log = logging.getLogger("nitsum.coordinator")
 
 EXPIRE_PERIOD_S = 0.25
-MAX_RESUMED_REMEMBERED = 8192
 # A prefix fetch costs a round trip per layer; below this many blocks computing them is as cheap.
 MIN_REUSE_BLOCKS = 2
 
@@ -137,8 +135,6 @@ class Coordinator:
         self.last_reconfig_ms: dict[str, float] = {}
         self.transitions = TransitionAgent(self)
         self.reforms = ReformAgent(self)  # re-forms a node world that lost a member (services/coordinator/reform.py)
-        # Requests re-submitted with tokens already streamed -> how many (the latest ones; reform.py asks).
-        self.resumed_requests: OrderedDict[str, int] = OrderedDict()
         # Nodes whose topology an operator set by hand: the policy leaves them alone until the next set-policy.
         self.pinned_nodes: set[str] = set()
         self.arrivals = ArrivalWindow()
@@ -190,11 +186,6 @@ class Coordinator:
             )
             if req.attempt == 0 and req.ttft_ms <= 1000.0 and self.members.outstanding_by_tier().get(req.tier, 0) > 0:
                 self.trigger.set()
-            if req.output_token_ids:
-                self.resumed_requests[req.request_id] = len(req.output_token_ids)
-                self.resumed_requests.move_to_end(req.request_id)
-                while len(self.resumed_requests) > MAX_RESUMED_REMEMBERED:
-                    self.resumed_requests.popitem(last=False)
             if req.attempt == 0:
                 self.arrivals.add(now_ms, req.tier, req.ttft_ms, req.tpot_ms, req.weight, view.prompt_tokens, view.max_tokens)
             snap = self.snapshot()
@@ -214,8 +205,12 @@ class Coordinator:
             plan = pd_plan(req, candidates, decision.group_id)
             holders = self.members.routable()  # a worker excluded from running it may still serve its prefix
             reasons = []
+            told: set[str] = set()  # nodes whose workers know this re-submitted request's stream offset
             for record, decode_worker in plan:
                 worker_id = record.worker_id
+                if req.output_token_ids and record.stats.node_size > 1 and record.stats.node_id not in told:
+                    told.add(record.stats.node_id)
+                    await self.announce_offset(req, record.stats.node_id)
                 reuse_from, reuse_hashes = reuse_hint(req, record, holders)
                 if decode_worker:
                     span.set_attribute("nitsum.decode_worker", decode_worker)
@@ -239,6 +234,18 @@ class Coordinator:
                     return SubmitReply(req.request_id, False, status=400, reason=ack.reason)
             mark_error(span, "; ".join(reasons))
             return SubmitReply(req.request_id, False, status=503, retry_after_s=1.0, reason="no worker accepted the request: " + "; ".join(reasons))
+
+    async def announce_offset(self, req: SubmitRequest, node_id: str) -> None:
+        """A re-submitted request carries its streamed tokens as prompt, so an engine counts its output from
+        there: every worker of the node learns the offset, so that whichever adopts it in a later TP change
+        continues its stream at the right index (the worker it is routed to knows it from the request)."""
+        offset = StreamOffset(req.request_id, len(req.output_token_ids))
+        for record in self.members.workers.values():
+            if record.stats.node_id == node_id:
+                try:
+                    await self.bus.publish(self.bus.subjects.worker_control(record.worker_id), offset)
+                except Exception as exc:  # NATS down: the request itself cannot be routed either
+                    log.warning("could not tell %s the stream offset of %s: %s", record.worker_id, req.request_id, exc)
 
     async def on_stats(self, stats: WorkerStats, _delivery) -> None:
         for worker_id, request_ids in self.members.on_stats(stats, time.monotonic()):

@@ -18,9 +18,8 @@ a transition sent to its leader alone: its span is the group itself, so only the
 used (the workers outside it learn nothing, and need not: every worker gets a fresh all-TP=1 topology in the
 new world right after). That holds both for a group the loss never touched and for one that kept serving after
 the failed transition that lost the member (its leader takes a split of itself, `PeerLossGuard.local_change`).
-The re-formation waits (`check`) while the members of a group disagree on it (one is dying or falling back),
-and while a group to split serves re-submitted requests (a request re-routed after the loss carries the tokens
-it had as prompt; a split that moved it to another leader would stream it from its engine's count).
+The re-formation waits (`check`) while a worker has not reported just now (one that just died is listed until
+its heartbeat times out) and while the members of a group disagree on it (one is dying or falling back).
 """
 
 from __future__ import annotations
@@ -107,14 +106,6 @@ class ReformAgent:
             if any(r.stats.group_id != group_id for r in members):
                 raise ReformError(f"the workers of devices {start}-{start + tp - 1} disagree on their group (one may be gone or "
                                   "falling back): waiting for their reports to settle")
-            # A re-submitted request (re-routed after a loss, with the tokens it had) that a split moves to another
-            # leader would be streamed from its engine's count, not its stream's: such a group is split once they end.
-            resumed = getattr(self.c, "resumed_requests", {})
-            ids = {r.worker_id for r in members}
-            busy = sorted(rid for rid, q in self.c.members.requests.items() if q.worker_id in ids and rid in resumed)
-            if busy:
-                raise ReformError(f"group {group_id} (TP={tp}) runs {len(busy)} re-submitted request(s) ({', '.join(busy[:3])}): "
-                                  "it is split to TP=1, and the node re-formed, once they finish")
         if not holding_lock and self.c.transitions.lock.locked():
             raise ReformError("a transition or re-formation is running on the mesh; try again when it is done")
         return records

@@ -1,7 +1,7 @@
 """`nitsum serve prefill-worker|decode-worker`: one engine per device, driven over NATS.
 
 Subscriptions: `worker.<id>.run` (RunRequest → RunAck), `worker.<id>.control` (topology Prepare / Commit /
-Abort, NodeReform, RoleChange → TopologyAck), the abort broadcast, `coordinator_up` (answer with fresh stats
+Abort, NodeReform, RoleChange → TopologyAck; StreamOffset, no reply), the abort broadcast, `coordinator_up` (answer with fresh stats
 at once).
 Heartbeats: WorkerStats every NITSUM_HEARTBEAT_INTERVAL_MS. SIGTERM: report `draining` (no new work is
 routed here), let running requests finish, hand the rest back, exit.
@@ -31,7 +31,7 @@ import uuid
 
 from nitsum.config import WorkerConfig
 from nitsum.service import ServiceContext, run_service
-from nitsum.wire.messages import AbortRequest, NodeReform, RoleChange, RunAck, RunRequest, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
+from nitsum.wire.messages import AbortRequest, NodeReform, RoleChange, RunAck, RunRequest, StreamOffset, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare, WorkerStats
 from nitsum_services.worker.backend import NodeBackend
 from nitsum_services.worker.boot import build_backend, build_engine, die_if_told, join_generation  # noqa: F401 (build_engine: nitsum bench gateway)
 from nitsum_services.worker.migration_flows import MigrationDriver
@@ -43,6 +43,7 @@ log = logging.getLogger("nitsum.worker")
 
 DRAIN_TIMEOUT_S = 30.0
 CONTROL_TIMEOUT_S = 120.0
+MAX_STREAM_OFFSETS = 8192  # re-submitted requests whose stream offset this worker remembers
 
 
 def group_id_of(node_id: str, start: int, tp: int) -> str:
@@ -235,6 +236,12 @@ def make_body(service_name: str):
                 return await change_role(msg)
             if isinstance(msg, NodeReform):
                 return await reform(msg)
+            if isinstance(msg, StreamOffset):
+                session.stream_offsets[msg.request_id] = msg.offset
+                session.stream_offsets.move_to_end(msg.request_id)
+                while len(session.stream_offsets) > MAX_STREAM_OFFSETS:
+                    session.stream_offsets.popitem(last=False)
+                return None
             backend = session.backend
             phase = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "abort"}[type(msg)]
             if reforming["generation"]:
@@ -293,7 +300,7 @@ def make_body(service_name: str):
                     pass
 
         await bus.subscribe(bus.subjects.worker_run(worker_id), on_run, expected=RunRequest)
-        await bus.subscribe(bus.subjects.worker_control(worker_id), on_control, expected=(TopologyPrepare, TopologyCommit, TopologyAbort, RoleChange, NodeReform), concurrent=True)
+        await bus.subscribe(bus.subjects.worker_control(worker_id), on_control, expected=(TopologyPrepare, TopologyCommit, TopologyAbort, RoleChange, NodeReform, StreamOffset), concurrent=True)
         await bus.subscribe(bus.subjects.abort, on_abort, expected=AbortRequest)
         await bus.nc.subscribe(bus.subjects.coordinator_up, cb=on_coordinator_up)
         await agent.start()

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -69,6 +69,9 @@ class WorkerSession:
         self.on_handoff = None  # P/D: callback(Running) once a prefill finished; it owns the request then
         self.prefill_role = False  # the engine pins every finished request (release it after its hand-off)
         self._held: dict[str, SubmitRequest] = {}  # accepted, waiting for a stage-1 prefix fetch
+        # Request id -> tokens it had streamed when it was re-submitted (its engine counts from there): an
+        # adopted one continues its stream at engine count + offset (StreamOffset from the coordinator).
+        self.stream_offsets: OrderedDict[str, int] = OrderedDict()
         self._handoffs: set[asyncio.Task] = set()
 
     # ---- called from the event loop -------------------------------------------------------------
@@ -294,7 +297,8 @@ class WorkerSession:
         for request_id, produced in held.items():
             if request_id not in self.running:
                 span = self.tracer.start_span("worker.generate", attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.adopted": True})
-                self.running[request_id] = Running(request_id, self.bus.subjects.stream(request_id), 0, produced, span)
+                offset = self.stream_offsets.get(request_id, 0)
+                self.running[request_id] = Running(request_id, self.bus.subjects.stream(request_id), 0, produced + offset, span)
         if self.on_topology_change is not None:
             await self.on_topology_change()
 

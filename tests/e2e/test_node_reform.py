@@ -122,7 +122,8 @@ def wait_for(mesh, done, what: str) -> dict:
 
 
 async def stream_batch(mesh, batch, lengths, during=None):
-    """Stream the batch; once every stream has a token, `await during()` runs while they continue."""
+    """Stream the batch; once every stream has a token, `await during()` runs while they continue (given the
+    streams' token counts and tasks when it takes them)."""
     counts = [0] * len(batch)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG_GUARD_S)) as session:
         def tracker(i):
@@ -136,7 +137,7 @@ async def stream_batch(mesh, batch, lengths, during=None):
             while min(counts) < 1 and not all(t.done() for t in tasks):
                 await asyncio.sleep(0.01)
             assert not any(t.done() for t in tasks), "every stream must still be running at the kill"
-            extra = await during()
+            extra = await (during(counts, tasks) if during.__code__.co_argcount == 2 else during())
         return await asyncio.gather(*tasks), extra
 
 
@@ -274,3 +275,60 @@ def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp
 
         wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
         assert [kv_segment.leftovers(f"p{port + g}") for g in range(2)] == [[], []]
+
+
+LONG = [520, 600, 560, 640, 580, 540]
+
+
+def test_streams_rerouted_by_the_loss_keep_their_tokens_across_a_merge_after_the_reformation(tmp_path, mid_model):
+    """Device 1 is killed while long streams run; its streams are re-submitted with the tokens they had (their
+    engines count output from there). The world is re-formed and, while every stream still runs, merged to TP4:
+    each request, re-submitted ones included, moves to the TP4 leader and its stream continues at the right index
+    (the coordinator told every worker of the node each re-submitted request's offset): exact tokens, none lost."""
+    model, _, _ = mid_model
+    batch = prompts(len(LONG), seed=22)  # seed 21: request 3 differs from the in-process engine at index 165 even on a mesh without any fault or change
+    expected = reference_tokens(model, batch, LONG)
+    with running_mesh(tmp_path, model) as (mesh, port):
+        assert asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))["ok"]  # pins the node
+        victim_pid = pids(mesh)["worker-1"]
+        seen: dict = {}
+
+        async def kill_reform_merge(counts, tasks):
+            while min(counts) < 30 and not all(t.done() for t in tasks):  # re-submitted ones carry 30+ tokens
+                await asyncio.sleep(0.01)
+            os.kill(victim_pid, signal.SIGKILL)
+            deadline = time.monotonic() + SETTLE_S
+            while True:
+                st = await admin(mesh, "status", {}, timeout_s=10)
+                if len(st["workers"]) == 4 and all(w["in_world"] and w["generation"] == 1 for w in st["workers"]):
+                    break
+                assert time.monotonic() < deadline, f"not re-formed: {json.dumps(st)[:3000]}"
+                await asyncio.sleep(0.2)
+            seen["at_merge"] = list(counts)
+            seen["answer"] = await admin(mesh, "set-topology", {"topology": MERGE4})
+
+        results, _ = asyncio.run(stream_batch(mesh, batch, LONG, during=kill_reform_merge))
+        assert seen["answer"]["ok"] is True and seen["answer"]["transition"]["changed"] is True, seen["answer"]
+        rerouted = rerouted_streams(mesh)
+        for got, ref, n, at_merge in zip(results, expected, LONG, seen["at_merge"]):
+            assert got.status == 200 and got.error is None, got
+            assert len(got.token_ids) == n  # no duplicated, no missing token
+            first = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref)) if a != b), None)
+            assert first is None, (got.request_id, f"first difference at {first}", f"{at_merge} tokens at the merge",
+                                   f"re-routed with {rerouted.get(got.request_id)}")
+        # The case this test is for happened: a stream re-routed from the victim was still running at the merge.
+        ids = [r.request_id for r in results]
+        moving = [i for i, rid in enumerate(ids) if rid in rerouted and seen["at_merge"][i] < LONG[i]]
+        assert moving, (rerouted, seen["at_merge"])
+
+
+def rerouted_streams(mesh) -> dict[str, int]:
+    """request id -> tokens it had when the gateway re-submitted it after the loss of node0-1 (from the spans)."""
+    time.sleep(0.6)  # the span processors flush every 200 ms
+    path = mesh.run_dir / "spans.jsonl"
+    spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {
+        s["attributes"]["nitsum.request_id"]: e["attributes"]["nitsum.tokens_so_far"]
+        for s in spans if s["name"] == "gateway.request"
+        for e in s["events"] if e["name"] == "rerouted" and e["attributes"].get("nitsum.from_worker") == "node0-1"
+    }

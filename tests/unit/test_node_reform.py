@@ -80,16 +80,6 @@ def test_a_group_whose_members_disagree_waits_for_them_to_settle():
     assert "disagree on their group" in _refused(agent)
 
 
-def test_a_group_running_resubmitted_requests_is_split_only_once_they_finish():
-    agent = _agent(_stats(0, tp=2), _stats(1, tp=2), _stats(2), _stats(3, in_world=False))
-    agent.c.members.assign("r-resumed", "interactive", "node0-0", 0.0)
-    agent.c.members.assign("r-fresh", "interactive", "node0-0", 0.0)
-    agent.c.resumed_requests = {"r-resumed": 6, "r-elsewhere": 3}
-    assert "runs 1 re-submitted request(s) (r-resumed)" in _refused(agent)
-    agent.c.members.unassign("r-resumed", "node0-0")
-    assert len(agent.check("node0", now_s=0.5)) == 4
-
-
 def test_standalone_meshes_never_need_a_reformation():
     agent = _agent(*(_stats(d, in_world=False, node_size=0) for d in range(2)))
     assert agent.nodes() == [] and not agent.needed("node0")
@@ -106,9 +96,12 @@ def test_a_running_transition_holds_the_reformation_back():
     assert len(agent.check("node0", now_s=0.5)) == 4  # once it is done
 
 
-def test_node_reform_and_the_new_heartbeat_fields_round_trip():
+def test_node_reform_stream_offset_and_the_new_heartbeat_fields_round_trip():
+    from nitsum.wire.messages import StreamOffset
+
     msg = NodeReform("node0", 3, 4)
     assert decode(encode(msg)) == msg
+    assert decode(encode(StreamOffset("cmpl-1", 6))) == StreamOffset("cmpl-1", 6)
     stats = _stats(2, node_size=4, generation=5)
     back = decode(encode(stats))
     assert back.node_size == 4 and back.generation == 5 and back == stats

@@ -9,7 +9,7 @@ Channels (see subjects.py):
                  TokenChunk (worker → gateway, one subject per request), AbortRequest (anyone → workers)
   membership     WorkerStats (worker → coordinator, heartbeat), WorkerLost (coordinator → gateways)
   topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers),
-                 NodeReform → TopologyAck (a node world re-formed after it lost a member)
+                 NodeReform → TopologyAck (a node world re-formed after it lost a member), StreamOffset
   flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler), FlowSubmitBatch →
                  FlowPermitBatch (one round trip for every flow of a request)
   KV hand-off    KvLayer → KvAck (worker ↔ worker: one layer of a P/D hand-off or of a stage-1 prefix fetch,
@@ -239,6 +239,18 @@ class NodeReform:
 
 
 @dataclass(frozen=True)
+class StreamOffset:
+    """Coordinator → every worker of a node (control subject, no reply): request `request_id` was re-submitted
+    with `offset` tokens already streamed (they are part of its prompt now). A worker that adopts it in a TP
+    change streams it from its engine's count plus this offset."""
+
+    KIND: ClassVar[str] = "stream_offset"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    offset: int
+
+
+@dataclass(frozen=True)
 class RoleChange:
     """Coordinator → one standalone worker: serve as prefill, decode or hybrid from the next step on."""
 
@@ -405,6 +417,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TopologyCommit,
     TopologyAbort,
     NodeReform,
+    StreamOffset,
     RoleChange,
     TopologyAck,
     FlowSubmit,
