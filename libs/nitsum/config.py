@@ -55,6 +55,12 @@ def port(value: int) -> str | None:
     return None if 0 <= value <= 65535 else "must be a TCP port (0-65535)"
 
 
+def node_port(value: int) -> str | None:
+    """A node world's base rendezvous port: its re-formed generations use the NODE_PORT_SPAN - 1 ports above."""
+    top = 65535 - NODE_PORT_SPAN + 1
+    return port(value) or (None if value <= top else f"must be at most {top}: re-formed node worlds meet at up to {NODE_PORT_SPAN - 1} ports above it")
+
+
 def one_of(*choices: str) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         return None if value in choices else f"must be one of {', '.join(choices)}"
@@ -258,7 +264,7 @@ class WorkerConfig(CommonConfig):
     role: str = setting("NITSUM_ROLE", "", "starting role: prefill | decode | hybrid (default: from the service name)")
     node_size: int = setting("NITSUM_NODE_SIZE", 0, "workers in this node's world for run-time TP changes (0: standalone TP=1)", check=non_negative)
     node_master_addr: str = setting("NITSUM_NODE_MASTER_ADDR", "127.0.0.1", "rendezvous address of the node world (device 0 hosts it)")
-    node_master_port: int = setting("NITSUM_NODE_MASTER_PORT", 29400, "rendezvous port of the node world; a re-formed world of generation g meets at this port + g mod 16", check=port)
+    node_master_port: int = setting("NITSUM_NODE_MASTER_PORT", 29400, "rendezvous port of the node world; a re-formed world of generation g meets at this port + g mod 16", check=node_port)
     node_standby: bool = setting("NITSUM_NODE_STANDBY", False, "boot standalone (TP=1 on the node's shared weights) and join the node world when the coordinator re-forms it (`nitsum up` sets it on a restarted worker)")
     min_tp: int = setting("NITSUM_MIN_TP", 1, "smallest TP level of a group", check=power_of_two)
     host_id: str = setting("NITSUM_HOST_ID", "", "host identity for KV migration: workers with the same id share /dev/shm and move KV through it, others over TCP ('': hostname + boot id + /dev/shm device)")

@@ -70,19 +70,8 @@ class PeerLossGuard(NodeBackend):
         return f"this worker's node world lost a member ({lost}): TP cannot change here until the node is re-formed"
 
     def local_change(self, groups: tuple):
-        """The command's groups with every device outside this worker's group as this worker last knew it,
-        when the change asked for stays inside this group (its span is then this group, whose own communicator
-        still works); None otherwise. The coordinator splits a surviving group this way before it re-forms the
-        node's world; its view of the other devices (fallen back, restarted) may differ from this worker's."""
-        own = self.runtime.group
-        if own.tp == 1:
-            return None
-        mine = range(own.start, own.start + own.tp)
-        inside = [(start, tp) for start, tp in groups if start in mine]
-        if any(start + tp > own.start + own.tp for start, tp in inside) or sum(tp for _s, tp in inside) != own.tp:
-            return None
-        outside = [(g.start, g.tp) for g in self.runtime.topology.groups if g.start not in mine]
-        return tuple(sorted(outside + inside))
+        """`local_change` of this worker's topology and group (see the function)."""
+        return local_change(self.runtime.topology, self.runtime.group, groups)
 
     def command(self, cmd):
         from nitsum.engine.node import NodeCommand, TransitionAck
@@ -169,6 +158,22 @@ def _first_line(exc: BaseException) -> str:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def local_change(topology, own, groups: tuple) -> tuple | None:
+    """The command's groups ((start, tp) pairs) with every device outside group `own` as `topology` (this
+    worker's last view) has it, when the change asked for stays inside `own` (its span is then `own`, whose
+    own communicator still works); None otherwise (or when `own` is TP=1: nothing to split). The coordinator
+    splits a surviving group this way before it re-forms the node's world; its view of the other devices
+    (fallen back, restarted) may differ from this worker's."""
+    if own.tp == 1:
+        return None
+    end = own.start + own.tp
+    inside = [(start, tp) for start, tp in groups if own.start <= start < end]
+    if any(start + tp > end for start, tp in inside) or sum(tp for _s, tp in inside) != own.tp:
+        return None
+    outside = [(g.start, g.tp) for g in topology.groups if not own.start <= g.start < end]
+    return tuple(sorted(outside + inside))
 
 
 def reform_refusal(backend, node_id: str, node_size: int, msg, busy: bool) -> str:

@@ -194,3 +194,26 @@ def test_leaving_the_process_world_resets_torch_group_names():
     dist.distributed_c10d._world.group_count = 3
     leave_process_world()
     assert dist.distributed_c10d._world.group_count == 0
+
+
+def test_a_group_that_lost_its_world_takes_only_a_change_inside_itself():
+    from nitsum.kv.reshard import Group, Topology
+    from nitsum_services.worker.peer_loss import local_change
+
+    # What group 0-1 last knew (the failed merge never committed) vs the coordinator's view now (2 fell back).
+    mine = Topology.of(4, [(0, 2), (2, 2)])
+    own = Group(0, 2)
+    # The split the coordinator asks for: kept inside 0-1, the rest as this worker knows it (span = 0-1).
+    assert local_change(mine, own, ((0, 1), (1, 1), (2, 1), (3, 1))) == ((0, 1), (1, 1), (2, 2))
+    assert local_change(mine, own, ((0, 2), (2, 1), (3, 1))) == ((0, 2), (2, 2))  # no change inside: a no-op
+    assert local_change(mine, own, ((0, 4),)) is None  # a merge reaches outside the group
+    assert local_change(Topology.of(4, [(0, 4)]), Group(0, 4), ((0, 2), (2, 1), (3, 1))) == ((0, 2), (2, 1), (3, 1))
+    assert local_change(Topology.uniform(4, 1), Group(1, 1), ((0, 1), (1, 1), (2, 1), (3, 1))) is None  # TP=1
+
+
+def test_a_master_port_without_room_for_the_generations_is_refused():
+    from nitsum.config import ConfigError, WorkerConfig, load
+
+    assert load(WorkerConfig, [], {"NITSUM_NODE_MASTER_PORT": "65520"}).node_master_port == 65520
+    with pytest.raises(ConfigError, match="NITSUM_NODE_MASTER_PORT.*at most 65520"):
+        load(WorkerConfig, [], {"NITSUM_NODE_MASTER_PORT": "65530"})
