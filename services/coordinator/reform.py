@@ -9,7 +9,7 @@ it sends `NodeReform(node_id, generation, n)` to all of them at once (generation
 reports or this agent tried, plus one). Each worker builds the new world in the background (the rendezvous
 waits for every member, bounded by the workers' NITSUM_WORLD_TIMEOUT_S) and swaps it in at a step boundary,
 keeping its engine and requests. The acks are gathered with a timeout (never hangs); a failure is logged,
-recorded and retried later with the next generation. Automatic (`run`, every RETRY_PERIOD_S) and by hand
+recorded and retried later with the next generation. Automatic (`run`, looking every CHECK_PERIOD_S) and by hand
 (`nitsum admin reform-node`). Every attempt is a `coordinator.reform` span, a log line and a history entry
 (admin `status`, "reforms").
 
@@ -111,7 +111,8 @@ class ReformAgent:
         return records
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Re-form every node that needs it, as soon as it can be; a failed attempt waits RETRY_AFTER_S."""
+        """Re-form every node that needs it, as soon as it can be; after a failed attempt the next one waits
+        RETRY_AFTER_S, doubled with each further failure (up to MAX_RETRY_AFTER_S)."""
         while not stop.is_set():
             for node_id in self.nodes():
                 if not self.needed(node_id) or time.monotonic() < self._retry_at.get(node_id, 0.0):
