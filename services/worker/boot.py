@@ -10,7 +10,7 @@ import signal
 
 import torch
 
-from nitsum.config import WorkerConfig, parse_die_at
+from nitsum.config import ConfigError, WorkerConfig, parse_die_at
 from nitsum.modelpath import resolve_model_dir
 from nitsum_services.worker.backend import PlainBackend, StandbyBackend
 from nitsum_services.worker.peer_loss import PeerLossGuard, form_generation
@@ -51,6 +51,10 @@ def build_backend(config: WorkerConfig, role: str):
     from nitsum.kv.reshard import Topology
     from nitsum.parallel.world import NodeWorld
 
+    if config.min_tp != 1:
+        # Node workers boot as one TP=1 group each (and a re-formed world adopts TP=1 engines).
+        raise ConfigError(f"NITSUM_MIN_TP={config.min_tp}: a node world's workers boot at TP=1, so it needs "
+                          "NITSUM_MIN_TP=1 (larger groups come from merges)")
     cfg = _engine_config(config, role)
     if config.node_standby:
         return build_standby(config, cfg)
