@@ -275,6 +275,12 @@ def make_body(service_name: str):
                 span.set_attribute("nitsum.ok", ack.ok)
                 if not ack.ok:
                     span.set_attribute("nitsum.error", ack.reason)
+                if phase == "commit" and ack.ok:
+                    timings = getattr(backend.runtime, "last_commit_timings_ms", {})
+                    for name, ms in timings.items():
+                        span.set_attribute(f"nitsum.commit_{name}_ms", round(ms, 3))
+                    log.info("epoch %d: commit %.1f ms (%s), %d bytes moved", msg.epoch, ack.duration_ms,
+                             ", ".join(f"{k} {v:.0f}" for k, v in timings.items()), ack.bytes_moved)
             if phase in ("prepare", "commit") and ack.ok:
                 ctx.metrics.kv_migration_bytes_total().inc(ack.bytes_moved)
                 for path, size in ack.bytes_by_path:

@@ -163,6 +163,7 @@ class NodeRuntime(NodeTransition):
         # Where the last prepare step's time went (ms since its start, cumulative): built (runner + new
         # cache), exchanged (the span's rendezvous: the wait for the slowest member), planned, mapped, agreed.
         self.last_prepare_timings_ms: dict[str, float] = {}
+        self.last_commit_timings_ms: dict[str, float] = {}  # the same for the last commit (see `commit`)
 
     # -- what this worker is now --------------------------------------------------------------------
     @property

@@ -373,6 +373,10 @@ class NodeTransition:
             return TransitionAck(epoch, False, "commit", f"epoch {epoch} was not prepared")
         old, new = self.topology, prepared.new
         moved, by_path = 0, {}
+        # Where the pause went (ms since the commit began, cumulative): the span's state exchange (it waits for
+        # the slowest old leader's step boundary), the delta's plan, its copy, the agreement after it, and
+        # the new engines adopting the requests.
+        timings = self.last_commit_timings_ms = {}
         if prepared.span is not None:
             span = prepared.span
             gone, born = changed_groups(old, new)
@@ -407,6 +411,7 @@ class NodeTransition:
                 span.start, span.tp,
             )
             decoded = [msgpack.unpackb(p, raw=False) for p in parts]
+            timings["exchanged"] = _ms(t0)
             errors = [e for *_, e in decoded if e]
             if errors:
                 # Every worker saw the same: all keep the old topology (normally the leader's final prepare
@@ -421,15 +426,18 @@ class NodeTransition:
                 plan = dataclasses.replace(plan, src_tables={rid: (() if rid in stale else t)
                                                              for rid, t in plan.src_tables.items()})
             delta = plan_commit(plan, requests, self.geometry, self._num_blocks_of)
+            timings["planned"] = _ms(t0)
             if self.kv_path in ("shm", "tcp"):
                 heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank) if my_old in gone else None
                 by_path, error = copy_transfers_one_sided(
                     self.rank, delta.transfers, self.runner.kv_cache if my_old in gone else None, heads,
                     prepared.dst_caches, prepared.links, self._block_bytes, self.precopy_chunk_bytes)
+                timings["moved"] = _ms(t0)
                 # Every write into a new cache has landed (TCP: acked after the write) before any new group
                 # runs a step; a link that failed means some did not: then every worker keeps the old topology.
                 answers = self.world.all_gather_bytes(msgpack.packb(error), span.start, span.tp)
                 errors = [e for e in (msgpack.unpackb(a, raw=False) for a in answers) if e]
+                timings["agreed"] = _ms(t0)
                 if errors:
                     self._drop(prepared)
                     return TransitionAck(epoch, False, "commit", "; ".join(errors), _ms(t0))
@@ -439,6 +447,7 @@ class NodeTransition:
                 moved = sum(by_path.values())
             else:
                 moved = self._move(delta, my_old, my_new, gone, born, prepared.runner)
+                timings["moved"] = timings["agreed"] = _ms(t0)
                 self.bytes_by_path["p2p"] += moved
                 by_path = {"p2p": moved}
             if my_new in born:
@@ -457,6 +466,7 @@ class NodeTransition:
         prepared.precopy = None
         self._release_links(prepared)
         self.topology, self.epoch, self._prepared = new, epoch, None
+        timings["adopted"] = _ms(t0)
         return TransitionAck(epoch, True, "commit", "", _ms(t0), moved, bytes_by_path=tuple(by_path.items()))
 
     def _refuse_in_span(self, epoch: int, new: Topology, reason: str, t0: float) -> TransitionAck:
