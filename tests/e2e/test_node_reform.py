@@ -33,6 +33,24 @@ HANG_GUARD_S = 240.0
 SETTLE_S = 120.0
 TP1 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 MERGE4 = "[0-3 TP4 hybrid]"
+
+
+def assert_exact(results, expected, lengths=None) -> None:
+    """Every stream answered 200 with the reference tokens (and, given lengths, that many: no duplicated, no
+    missing token)."""
+    for i, (got, ref) in enumerate(zip(results, expected)):
+        assert got.status == 200 and got.error is None, got
+        if lengths is not None:
+            assert len(got.token_ids) == lengths[i]
+        assert got.token_ids == ref
+
+
+def merge_and_stream(mesh, expected_after) -> None:
+    """TP changes work on the node again: merge to TP4; streams started after it give the reference tokens."""
+    merged = asyncio.run(admin(mesh, "set-topology", {"topology": MERGE4}))
+    assert merged["ok"] is True and merged["transition"]["changed"] is True, merged
+    after, _ = asyncio.run(stream_batch(mesh, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS))
+    assert_exact(after, expected_after)
 MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}
 LENGTHS = [160, 200, 240, 180, 220, 140]
 AFTER_LENGTHS = [40, 60, 50, 30]
@@ -153,10 +171,7 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
         return time.monotonic()
 
     results, _ = asyncio.run(stream_batch(mesh, prompts(len(LENGTHS), seed=3), LENGTHS, during=kill_device_0))
-    for got, ref, n in zip(results, expected, LENGTHS):
-        assert got.status == 200 and got.error is None, got
-        assert len(got.token_ids) == n  # no duplicated, no missing token
-        assert got.token_ids == ref
+    assert_exact(results, expected, LENGTHS)
 
     # The supervisor restarted device 0 in standby; the coordinator re-formed the world by itself.
     log = mesh.log_path.read_text()
@@ -177,12 +192,7 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     assert "nothing to re-form" in again["error"]["message"] and "generation 1" in again["error"]["message"], again
 
     # TP changes work again on the node: merge to TP4, streams started after it give the reference tokens.
-    merged = asyncio.run(admin(mesh, "set-topology", {"topology": MERGE4}))
-    assert merged["ok"] is True and merged["transition"]["changed"] is True, merged
-    after, _ = asyncio.run(stream_batch(mesh, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS))
-    for got, ref in zip(after, expected_after):
-        assert got.status == 200 and got.error is None, got
-        assert got.token_ids == ref
+    merge_and_stream(mesh, expected_after)
     st = status(mesh)
     assert sorted((w["device_index"], w["tp"]) for w in st["workers"] if w["leader"]) == [(0, 4)]
     # And back: the new world splits as the boot one did; every KV block is free, no segment is left.
@@ -212,10 +222,7 @@ def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed
         os.kill(victim_pid, signal.SIGKILL)
 
     results, _ = asyncio.run(stream_batch(mesh, prompts(len(LENGTHS), seed=3), LENGTHS, during=kill_device_3))
-    for got, ref, n in zip(results, expected, LENGTHS):
-        assert got.status == 200 and got.error is None, got
-        assert len(got.token_ids) == n
-        assert got.token_ids == ref
+    assert_exact(results, expected, LENGTHS)
 
     st = wait_for(mesh, lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 2 for w in s["workers"]),
                   "the node world was not re-formed as generation 2")
@@ -223,12 +230,7 @@ def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed
     formed = [r for r in st["reforms"] if r["ok"]][-1]
     assert formed["generation"] == 2 and "node0-3" in formed["outside"], formed
     assert [(s["group"], s["ok"]) for s in formed["splits"]] == [("node0-g0-tp2", True)], formed["splits"]
-    merged = asyncio.run(admin(mesh, "set-topology", {"topology": MERGE4}))
-    assert merged["ok"] is True and merged["transition"]["changed"] is True, merged
-    after, _ = asyncio.run(stream_batch(mesh, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS))
-    for got, ref in zip(after, expected_after):
-        assert got.status == 200 and got.error is None, got
-        assert got.token_ids == ref
+    merge_and_stream(mesh, expected_after)
     from nitsum.engine import kv_segment
 
     st = wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
@@ -253,10 +255,7 @@ def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp
 
         results, answer = asyncio.run(stream_batch(mesh, prompts(len(LENGTHS), seed=3), LENGTHS, during=failing_merge))
         assert answer["ok"] is False and answer["transition"]["aborted"] is True, answer
-        for got, ref, n in zip(results, expected, LENGTHS):
-            assert got.status == 200 and got.error is None, got
-            assert len(got.token_ids) == n
-            assert got.token_ids == ref
+        assert_exact(results, expected, LENGTHS)
         st = wait_for(mesh, lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 1 for w in s["workers"]),
                       "the node world was not re-formed")
         assert pids(mesh)["worker-3"] != victim_pid
@@ -265,12 +264,7 @@ def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp
         # 2 fell back, 3 restarted; 0 and 1 left the world's view once split (a TP=1 worker of a world that lost a
         # member is outside it).
         assert sorted(formed["outside"]) == ["node0-0", "node0-1", "node0-2", "node0-3"], formed
-        merged = asyncio.run(admin(mesh, "set-topology", {"topology": MERGE4}))
-        assert merged["ok"] is True and merged["transition"]["changed"] is True, merged
-        after, _ = asyncio.run(stream_batch(mesh, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS))
-        for got, ref in zip(after, expected_after):
-            assert got.status == 200 and got.error is None, got
-            assert got.token_ids == ref
+        merge_and_stream(mesh, expected_after)
         from nitsum.engine import kv_segment
 
         wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
