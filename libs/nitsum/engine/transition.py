@@ -30,6 +30,7 @@ from nitsum.kv.reshard import (
     changed_groups,
     plan_commit,
     plan_prepare,
+    local_target,
     transition_span,
 )
 from nitsum.model import loader
@@ -80,6 +81,7 @@ class _Prepared:
     epoch: int
     new: Topology
     span: Group | None  # None: this worker is outside the span (a bystander)
+    local: Topology | None = None  # the change as this worker's component sees it (`kv.reshard.local_target`)
     plan: ReshardPlan | None = None
     runner: ModelRunner | None = None  # the new runner, when this worker's group changes
     timings_ms: dict[str, float] = field(default_factory=dict)
@@ -233,13 +235,16 @@ class NodeTransition:
         if epoch <= self.epoch:
             return TransitionAck(epoch, False, "prepare", f"stale epoch {epoch} (committed {self.epoch})")
         old = self.topology
-        span = transition_span(old, new)
+        # Only this worker's component of the change: its span is that component, so independent parts of one
+        # change (2xTP2 -> 4xTP1: two splits) exchange, copy and cut over each inside its own group.
+        part = local_target(old, new, self.rank)
+        span = transition_span(old, part)
         if span is None or self.rank not in span.workers:
             self._prepared = _Prepared(epoch, new, None, t0=t0, acked=True)
             return TransitionAck(epoch, True, "prepare", "not affected", _ms(t0))
-        gone, born = changed_groups(old, new)
-        my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
-        prepared = _Prepared(epoch, new, span, t0=t0)
+        gone, born = changed_groups(old, part)
+        my_old, my_new = old.group_of(self.rank), part.group_of(self.rank)
+        prepared = _Prepared(epoch, new, span, t0=t0, local=part)
         self._prepared = prepared
         reason = ""
         try:
@@ -282,7 +287,7 @@ class NodeTransition:
             return TransitionAck(epoch, False, "prepare", "; ".join(failures), _ms(t0))
         requests = [_kv_unwire(w) for _, _, entries in decoded for w in entries]
         timings["exchanged"] = _ms(t0)
-        plan = plan_prepare(old, new, requests, self.geometry, self._num_blocks_of)
+        plan = plan_prepare(old, part, requests, self.geometry, self._num_blocks_of)
         prepared.plan = plan
         timings["planned"] = _ms(t0)
         if self.kv_path == "p2p":
@@ -379,8 +384,9 @@ class NodeTransition:
         timings = self.last_commit_timings_ms = {}
         if prepared.span is not None:
             span = prepared.span
-            gone, born = changed_groups(old, new)
-            my_old, my_new = old.group_of(self.rank), new.group_of(self.rank)
+            assert prepared.local is not None, "a span worker's prepare kept its component's change"
+            gone, born = changed_groups(old, prepared.local)
+            my_old, my_new = old.group_of(self.rank), prepared.local.group_of(self.rank)
             if prepared.precopy is not None:
                 # Normally nothing is left: the coordinator commits after every prepare ack. A scripted
                 # commit may come earlier; the rest is one-sided, so it runs right here.
@@ -471,7 +477,7 @@ class NodeTransition:
 
     def _refuse_in_span(self, epoch: int, new: Topology, reason: str, t0: float) -> TransitionAck:
         """Refuse `epoch`, taking part in its span's exchange when this worker is in the span."""
-        span = transition_span(self.topology, new)
+        span = transition_span(self.topology, local_target(self.topology, new, self.rank))
         if span is not None and self.rank in span.workers:
             parts = self.world.all_gather_bytes(
                 msgpack.packb([False, f"worker {self.rank}: {reason}", []], use_bin_type=True), span.start, span.tp)

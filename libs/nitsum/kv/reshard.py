@@ -101,6 +101,29 @@ def transition_span(old: Topology, new: Topology) -> Group | None:
     return Group(lo - lo % size, size)
 
 
+def component_of(old: Topology, new: Topology, worker: int) -> Group | None:
+    """The part of a change `worker` belongs to: the largest changed group (old or new) that holds it, or None
+    when its group does not change. Aligned groups either nest or are disjoint, so every changed group that
+    overlaps it lies inside it, and no unchanged group does: the changes inside one component touch no other
+    component's workers, KV or requests. 2xTP2 -> 4xTP1 is two components (two independent splits); a merge or
+    a split of one group is one."""
+    gone, born = changed_groups(old, new)
+    holding = [g for g in gone + born if worker in g.workers]
+    return max(holding, key=lambda g: g.tp) if holding else None
+
+
+def local_target(old: Topology, new: Topology, worker: int) -> Topology:
+    """`new` inside `worker`'s component and `old` everywhere else: the change as that worker's component sees
+    it. Its span is the component itself, so each component exchanges within its own group, at its own step
+    boundary, and never waits for another's (ALGORITHMS.md §1.4 per part). `old` when `worker` is unchanged."""
+    component = component_of(old, new, worker)
+    if component is None:
+        return old
+    inside = [g for g in new.groups if g.start in component.workers]
+    outside = [g for g in old.groups if g.start not in component.workers]
+    return Topology(old.num_workers, tuple(inside + outside))
+
+
 def kv_head_range(num_kv_heads: int, tp: int, position: int) -> tuple[int, int]:
     """Global KV heads [start, end) held by the worker at `position` of a TP=`tp` group."""
     assert 0 <= position < tp, f"position {position} outside TP={tp}"
