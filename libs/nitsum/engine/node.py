@@ -6,7 +6,9 @@ it owns an `Engine`, batches, samples and drives its peers through the msgpack s
 same step boundary: the leader gets it (from the coordinator), broadcasts it as a control plan, and every
 member applies it (`NodeRuntime.command` on the leader, `follow` on peers).
 
-Transition (ALGORITHMS.md §1.4), with `span` = the smallest aligned group covering every changed worker:
+Transition (ALGORITHMS.md §1.4), with `span` = this worker's *component* of the change: the largest changed
+group (old or new) that holds it (`kv.reshard.component_of`). Components share no worker, KV or request, so each
+runs the steps below inside its own group (2xTP2 -> 4xTP1: two splits, neither waits for the other):
 - `prepare(epoch, new)`: each changed worker allocates a fresh KV cache for its new head slice and starts
   building its new runner (weight *views* of the boot store: no weight is read or allocated) in a thread;
   the span all-gathers the old leaders' block tables; every worker computes the same `plan_prepare` (the
