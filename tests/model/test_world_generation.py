@@ -10,7 +10,6 @@ Every surviving request's greedy tokens equal a run with no fault and no change,
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,23 +34,10 @@ HANG_GUARD_S = 150
 
 
 def free_port() -> int:
-    # Generations 1 and 2 meet at port + 1 and port + 2: pick a port whose successors are free too.
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 2 <= 65535 and all(_free(port + i) for i in (1, 2)):
-            return port
-    raise RuntimeError("no free port triple")
+    # Generations 1 and 2 meet at port + 1 and port + 2: a port whose successors are free too.
+    from nitsum.up import _free_port_span
 
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    return _free_port_span(3)
 
 
 def spawn(tiny_dir, rank, port, sync, out, shm_dir, requests, fresh=False):
