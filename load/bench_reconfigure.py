@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,8 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nitsum.natsserver import free_port
 from nitsum.wire.subjects import Subjects
-from nitsum_load.mesh import stop_process
+from nitsum_load.mesh import run_all, stop_process
 
 TP1X4 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 TP2X2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
@@ -202,12 +202,6 @@ def format_live_table(report: dict) -> str:
 
 # ---------------------------------------------------------------- shell: a live `nitsum up` (also used by
 # load/bench_policy_live.py)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _http_status(url: str, timeout_s: float) -> int:
     try:
@@ -593,37 +587,17 @@ model and the KV cache -- timed from process start until every worker is ready.
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_node(model_dir: str, workers: int, script: dict, work: Path, shm_dir: Path, timeout_s: float) -> list[dict]:
     script_path = work / "script.json"
     script_path.write_text(json.dumps(script))
-    port = _free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", model_dir, "--rank", str(rank),
-             "--world-size", str(workers), "--master-port", str(port), "--script", str(script_path),
-             "--out", str(work / f"out{rank}.json"), "--shm-dir", str(shm_dir), "--num-kv-blocks", "256"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )
+    port = free_port()
+    codes, logs = run_all([
+        [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", model_dir, "--rank", str(rank),
+         "--world-size", str(workers), "--master-port", str(port), "--script", str(script_path),
+         "--out", str(work / f"out{rank}.json"), "--shm-dir", str(shm_dir), "--num-kv-blocks", "256"]
         for rank in range(workers)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout_s)
-            logs.append(out.decode(errors="replace"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if any(p.returncode for p in procs):
+    ], timeout_s)
+    if any(codes):
         raise RuntimeError("a worker failed:\n" + "\n---\n".join(logs))
     return [json.loads((work / f"out{rank}.json").read_text()) for rank in range(workers)]
 

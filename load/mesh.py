@@ -66,3 +66,21 @@ def start_mesh(run_dir: Path, *, devices: int = 1, extra_args: tuple[str, ...] =
         time.sleep(0.3)
     mesh.stop()
     raise RuntimeError(f"nitsum up was not ready within {ready_timeout_s} s:\n{log_path.read_text()[-3000:]}")
+
+
+def run_all(argvs, timeout_s: float) -> tuple[list[int], list[str]]:
+    """Run one process per argv together (a TP group or a node world: gloo on loopback, one torch thread each)
+    until all exit; whatever is left at a timeout or an error is killed. Returns (exit codes, logs), argv order."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for argv in argvs]
+    logs: list[str] = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout_s)
+            logs.append(out.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [int(p.returncode) for p in procs], logs

@@ -7,7 +7,6 @@ process) for tests that read logs and spans.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nitsum.natsserver import free_port
+from nitsum_load.mesh import stop_process
 
 
 @dataclass
@@ -70,15 +70,7 @@ def start_mesh(tmp: Path, devices: int = 2, extra_args: tuple[str, ...] = (), en
     return Mesh(url, run_dir, home, process, log_path, nats_port)
 
 
-def stop_mesh(process: subprocess.Popen, timeout_s: float = 30.0) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    return process.returncode
+stop_mesh = stop_process  # Ctrl-C `nitsum up` as a user does; kill its process group only if it hangs
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 import torch
 
+from nitsum.natsserver import free_port
+
 
 def prompts_of_lengths(lengths, seed=1):
     """Deterministic byte-token prompts (ids < 256) of the given lengths."""
@@ -23,36 +25,12 @@ def record_logits(engine):
     return recorded
 
 
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (the rendezvous of a spawned group)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(argvs, timeout_s: float = 180.0) -> list[str]:
-    """Run one process per argv (a TP group or a node: gloo on loopback, one torch thread each) until all
-    exit; kills whatever is left on a timeout or an error; asserts every exit code is 0, showing every log
-    otherwise. Returns the logs in argv order."""
-    import os
-    import subprocess
+    """`nitsum_load.mesh.run_all`, asserting every exit code is 0 (showing every log otherwise); the logs."""
+    from nitsum_load.mesh import run_all
 
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for argv in argvs]
-    logs: list[str] = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout_s)
-            logs.append(out.decode(errors="replace"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * len(procs), f"worker exit codes {codes}:\n" + "\n---\n".join(logs)
+    codes, logs = run_all(argvs, timeout_s)
+    assert codes == [0] * len(codes), f"worker exit codes {codes}:\n" + "\n---\n".join(logs)
     return logs
 
 
