@@ -61,6 +61,7 @@ from nitsum.engine.kv_tcp import KvReceiver
 from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
 from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES
+from nitsum.engine.reaper import Reaper
 from nitsum.engine.runner import ModelRunner, num_kv_blocks_for
 from nitsum.engine.transition import (  # noqa: F401  (re-exported: the worker shell and tests import them here)
     COMMAND_KINDS,
@@ -150,6 +151,7 @@ class NodeRuntime(NodeTransition):
         self.kv_pairs: deque[tuple[int, int, int, str, int]] = deque(maxlen=KV_HISTORY)
         self.kv_tos: deque[int] = deque(maxlen=KV_HISTORY)
         self._failure_hook = failure_hook
+        self._reaper = Reaper(f"nitsum-reaper-{world.rank}")  # frees what a commit retired, off the step thread
         self.topology = topology
         self.epoch = epoch  # an adopting worker keeps its epoch: epochs it saw never come back
         self._prepared: _Prepared | None = None
@@ -237,6 +239,7 @@ class NodeRuntime(NodeTransition):
         if prepared is not None:
             self._release_links(prepared)
         self._close_receiver()
+        self._reaper.drain()
         for name in kv_segment.leftovers(self.node_tag):
             if name.endswith(f"-w{self.rank}"):
                 kv_segment.unlink(name)

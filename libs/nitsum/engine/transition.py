@@ -377,7 +377,7 @@ class NodeTransition:
         if prepared is None or prepared.epoch != epoch:
             return TransitionAck(epoch, False, "commit", f"epoch {epoch} was not prepared")
         old, new = self.topology, prepared.new
-        moved, by_path = 0, {}
+        moved, by_path, retired = 0, {}, None
         # Where the pause went (ms since the commit began, cumulative): the span's state exchange (it waits for
         # the slowest old leader's step boundary), the delta's plan, its copy, the agreement after it, and
         # the new engines adopting the requests.
@@ -458,6 +458,9 @@ class NodeTransition:
                 by_path = {"p2p": moved}
             if my_new in born:
                 assert prepared.runner is not None, "a changed worker built its new runner at prepare"
+                retired = (self.runner, self.engine)
+                if prepared.runner.device == self.runner.device:
+                    prepared.runner.workspace = self.runner.workspace  # its pages are touched already
                 self.runner = prepared.runner
                 self.engine = None
                 if my_new.leader == self.rank:
@@ -468,7 +471,16 @@ class NodeTransition:
                     migration.install_states(engine, states, placements)
                     engine.check_integrity()
                     self.engine = engine
-        prepared.dst_caches.clear()  # drop the mappings of other workers' caches
+        # The old cache, the mappings of other workers' new caches and the pre-copy go to the reaper: freeing
+        # them here (~10-20 ms of page freeing with the GIL held) was part of the pause (see engine.reaper).
+        old_runner, old_engine = retired if retired is not None else (None, None)
+        self._reaper.retire(
+            own=[old_runner.kv_cache] if old_runner is not None and old_runner.kv_cache is not self.runner.kv_cache else [],
+            mapped=[cache for w, (cache, _) in prepared.dst_caches.items() if w != self.rank],
+            other=[old_runner, old_engine, prepared.precopy],
+        )
+        del old_runner, old_engine, retired
+        prepared.dst_caches.clear()
         prepared.precopy = None
         self._release_links(prepared)
         self.topology, self.epoch, self._prepared = new, epoch, None

@@ -1,0 +1,86 @@
+"""The reaper frees what a commit retired, in its own thread, without touching memory it does not own."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from nitsum.engine import kv_segment
+from nitsum.engine.reaper import Reaper, release_pages
+
+linux_shm = pytest.mark.skipif(not (sys.platform.startswith("linux") and kv_segment.available()),
+                               reason="needs Linux /dev/shm")
+
+
+def _resident_kb(path: str) -> int:
+    """KiB of shared memory a tmpfs file holds (its allocated blocks)."""
+    return os.stat(path).st_blocks // 2
+
+
+@linux_shm
+def test_own_segment_pages_are_freed_and_a_peer_mapping_keeps_the_owners_data(tmp_path):
+    name = f"{kv_segment.SEGMENT_PREFIX}reaper-test-{os.getpid()}-e1-w0"
+    shape = (64, 4096)  # 1 MiB of float32
+    try:
+        owner = kv_segment.create(name, shape, torch.float32)  # reserved: every page allocated
+        peer = kv_segment.attach(name, shape, torch.float32)
+        path = os.path.join(kv_segment.SHM_DIR, name)
+        owner.fill_(3.0)
+        full_kb = _resident_kb(path)
+        assert full_kb >= math.prod(shape) * 4 // 1024
+
+        # A peer's mapping goes: only its page table entries, the owner's data stays.
+        assert release_pages(peer, own=False) == math.prod(shape) * 4
+        assert _resident_kb(path) == full_kb
+        assert torch.equal(owner, torch.full(shape, 3.0))
+
+        # The owner's release frees the segment's pages (reads now see a hole: zeros).
+        assert release_pages(owner, own=True) == math.prod(shape) * 4
+        assert _resident_kb(path) < full_kb
+        assert float(owner.abs().sum()) == 0.0
+    finally:
+        kv_segment.unlink(name)
+
+
+def test_private_memory_is_released_with_dontneed():
+    t = torch.full((1 << 20,), 7.0)  # 4 MiB: its own mapping, whole pages inside
+    advised = release_pages(t, own=True)
+    if not sys.platform.startswith("linux"):
+        assert advised == 0
+        return
+    assert advised > 0 and advised <= t.numel() * 4
+    assert float(t[(t.numel() // 2)]) == 0.0  # a page in the middle was handed back (reads as zero)
+
+
+def test_tiny_and_non_cpu_tensors_are_left_alone():
+    small = torch.ones(4)  # inside one page, maybe sharing it with other allocations: never advised
+    assert release_pages(small, own=True) == 0
+    assert torch.equal(small, torch.ones(4))
+    if torch.cuda.is_available():
+        assert release_pages(torch.ones(1 << 20, device="cuda"), own=True) == 0
+
+
+def test_reaper_drops_references_in_its_own_thread_and_drain_waits():
+    dropped_in = []
+
+    class Marker:
+        def __del__(self):
+            dropped_in.append(threading.current_thread().name)
+
+    reaper = Reaper("test-reaper")
+    own = torch.zeros(1 << 20)
+    reaper.retire(own=[own], mapped=[], other=[Marker()])
+    del own
+    reaper.drain()
+    assert dropped_in == ["test-reaper"]
+    if sys.platform.startswith("linux"):
+        assert reaper.bytes_released > 0
+    # It restarts after a drain.
+    reaper.retire(other=[Marker()])
+    reaper.drain()
+    assert dropped_in == ["test-reaper", "test-reaper"]
