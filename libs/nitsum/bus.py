@@ -5,6 +5,7 @@
 - `subscribe` decodes frames strictly: an undecodable frame is dropped and counted (and answered with
   an ErrorReply when the sender waits for one), never a crash; queue groups spread worker pools;
 - W3C trace context rides in NATS headers both ways;
+- `round_trip` proves the connection hears the server now (a message to itself, then its handlers run);
 - `drain` on stop lets in-flight handlers finish.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -72,6 +74,10 @@ class Bus:
         self.metrics = metrics
         self.name = name
         self._tasks: set[asyncio.Task] = set()
+        self._subscriptions: weakref.WeakSet = weakref.WeakSet()  # gone once unsubscribed and dropped
+        self._echo_subject = ""
+        self._echo_waiters: dict[bytes, asyncio.Future] = {}
+        self._echo_seq = 0
         self.reconnects = 0
 
     @classmethod
@@ -142,6 +148,46 @@ class Bus:
     async def flush(self, timeout_s: float = 2.0) -> None:
         await self.nc.flush(timeout=timeout_s)
 
+    async def round_trip(self, timeout_s: float) -> None:
+        """A message to this connection's own inbox and back through the server, then a turn of the event loop
+        for every message that came in before it: on return, everything the server had sent this connection
+        before it saw the echo has been handed to this Bus's handlers (in-order handlers have run it).
+        Raises BusTimeout when the echo does not come back in time (the server or this process stalled, or
+        the connection is down), BusError when it cannot be sent.
+
+        Not `nc.flush`: nats-py (2.16) cancels a timed-out flush's PONG future, and the late PONG then
+        raises in its reader task, which stops reading for good. A late echo here is simply ignored.
+        """
+        loop = asyncio.get_running_loop()
+        if not self._echo_subject:
+            self._echo_subject = self.nc.new_inbox()
+
+            async def on_echo(msg: Msg) -> None:
+                waiter = self._echo_waiters.pop(msg.data, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+
+            await self.nc.subscribe(self._echo_subject, cb=on_echo)
+        self._echo_seq += 1
+        token = str(self._echo_seq).encode()
+        waiter = loop.create_future()
+        self._echo_waiters[token] = waiter
+        try:
+            await self.nc.publish(self._echo_subject, token)
+            await asyncio.wait_for(waiter, timeout=timeout_s)
+        except asyncio.TimeoutError:
+            raise BusTimeout(f"{self.name}: no round trip through NATS within {timeout_s:.3g} s") from None
+        except nats.errors.Error as exc:
+            raise BusError(f"{self.name}: cannot reach NATS: {exc}") from None
+        finally:
+            self._echo_waiters.pop(token, None)
+        # Each subscription dispatches from its own queue in its own task: let them catch up to the echo.
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if not any(sub.pending_msgs for sub in list(self._subscriptions)):
+                break
+        await asyncio.sleep(0)  # the last message taken from a queue finishes its (synchronous) handling
+
     async def request(self, subject: str, message: Any, timeout_s: float, expected: type | tuple | None = None) -> Any:
         """Send and wait for one answer; raises BusTimeout, NoResponders, RemoteError or DecodeError."""
         try:
@@ -187,7 +233,9 @@ class Bus:
             else:
                 await self._handle(handler, message, msg)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        self._subscriptions.add(sub)
+        return sub
 
     async def subscribe_json(self, subject: str, handler: Callable[[Any, Delivery], Awaitable[Any]], queue: str = ""):
         """Admin subjects: JSON in (empty payload = {}), JSON out."""

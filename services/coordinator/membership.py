@@ -116,16 +116,27 @@ class Membership:
             record.assigned.pop(request_id, None)
         self._forget(request_id, worker_id)
 
+    def silent(self, now_s: float) -> list[str]:
+        """Workers silent for longer than the heartbeat timeout at `now_s` (what `expire` would remove)."""
+        return [w for w, record in self.workers.items() if now_s - record.last_seen_s > self.heartbeat_timeout_s]
+
+    def credit(self, seconds: float, now_s: float) -> None:
+        """Time during which the coordinator could not have heard anyone (its own process or machine stalled,
+        NATS did not answer) does not count as silence: every worker's last-seen time moves `seconds` later,
+        never past `now_s`. `credit(math.inf, now_s)` counts every worker's silence from `now_s`."""
+        for record in self.workers.values():
+            if record.last_seen_s < now_s:
+                record.last_seen_s = min(record.last_seen_s + seconds, now_s)
+
     def expire(self, now_s: float) -> list[tuple[str, tuple[str, ...]]]:
         """Workers silent for longer than the timeout: removed, with the requests they held."""
         lost = []
-        for worker_id, record in list(self.workers.items()):
-            if now_s - record.last_seen_s > self.heartbeat_timeout_s:
-                rids = tuple(sorted(r for r, q in self.requests.items() if q.worker_id == worker_id))
-                for rid in rids:
-                    del self.requests[rid]
-                del self.workers[worker_id]
-                lost.append((worker_id, rids))
+        for worker_id in self.silent(now_s):
+            rids = tuple(sorted(r for r, q in self.requests.items() if q.worker_id == worker_id))
+            for rid in rids:
+                del self.requests[rid]
+            del self.workers[worker_id]
+            lost.append((worker_id, rids))
         return lost
 
     def routable(self, exclude: tuple[str, ...] = ()) -> list[WorkerRecord]:

@@ -159,3 +159,60 @@ async def test_reconnects_after_server_restart(tmp_path):
         await a.drain()
         await b.drain()
         server.stop()
+
+
+async def test_round_trip_hears_what_came_before_and_survives_a_stalled_server(nats_server):
+    """`round_trip` returns only once the messages sent before it were handled; one that times out while the
+    server is stopped leaves the connection reading (nats-py's own flush would kill its reader on the late PONG)."""
+    import signal
+
+    a = await Bus.connect(_config(nats_server.url), "a")
+    b = await Bus.connect(_config(nats_server.url), "b")
+    seen: list[str] = []
+    try:
+        async def record(msg: AbortRequest, _d):
+            seen.append(msg.request_id)
+
+        await b.subscribe("t.beats", record, expected=AbortRequest)
+        await b.round_trip(2.0)  # b's subscription is known to the server
+        for i in range(20):
+            await a.publish("t.beats", AbortRequest(f"r{i}"))
+        await a.round_trip(2.0)  # the server has a's messages ...
+        await b.round_trip(2.0)  # ... and b has handled every one the server routed to it before the echo
+        assert seen == [f"r{i}" for i in range(20)]
+
+        nats_server.process.send_signal(signal.SIGSTOP)
+        try:
+            _until_stopped(nats_server.process.pid)
+            with pytest.raises(BusTimeout):
+                await b.round_trip(0.3)
+        finally:
+            nats_server.process.send_signal(signal.SIGCONT)
+        await b.round_trip(2.0)
+        await a.publish("t.beats", AbortRequest("after"))
+        await a.round_trip(2.0)
+        await b.round_trip(2.0)
+        assert seen[-1] == "after"
+    finally:
+        await a.drain()
+        await b.drain()
+
+
+def _until_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP takes a moment to stop every thread of a process (the server may still answer meanwhile)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if states and all(s in "Tt" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.01)

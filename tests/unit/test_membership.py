@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from nitsum.wire.messages import WorkerStats
 from nitsum_services.coordinator.membership import Membership
 
@@ -36,6 +38,49 @@ def test_expiry_returns_the_lost_requests():
     m.on_stats(_stats("w1", device=1), 1.5)
     assert m.expire(now_s=1.6) == [("w0", ("r1",))]
     assert list(m.workers) == ["w1"] and m.requests == {}
+
+
+def test_silent_lists_what_expire_removes():
+    m = Membership(1.0)
+    m.on_stats(_stats("w0"), 0.0)
+    m.on_stats(_stats("w1", device=1), 0.5)
+    assert m.silent(now_s=1.0) == []  # exactly the timeout is not yet silent
+    assert m.silent(now_s=1.2) == ["w0"]
+    assert m.silent(now_s=1.6) == ["w0", "w1"]
+    assert sorted(w for w, _ in m.expire(1.6)) == ["w0", "w1"]
+
+
+def test_credit_moves_every_last_seen_later_but_never_past_now():
+    m = Membership(1.0)
+    m.on_stats(_stats("w0", running=("r1",)), 0.0)
+    m.on_stats(_stats("w1", device=1), 2.9)  # heard right after a stall, before the watch noticed it
+    # The coordinator did not run from 0.25 to 3.0: 2.5 s beyond its period is nobody's silence.
+    m.credit(2.5, now_s=3.0)
+    assert m.workers["w0"].last_seen_s == 2.5
+    assert m.workers["w1"].last_seen_s == 3.0  # capped at now: its silence is judged from now on, no later
+    assert m.expire(now_s=3.0) == [] and m.silent(3.4) == []
+    # A worker that is really gone is still lost, one timeout after the credited time.
+    m.on_stats(_stats("w1", device=1), 3.5)
+    assert m.expire(now_s=3.6) == [("w0", ("r1",))]
+    assert list(m.workers) == ["w1"] and m.requests == {}
+
+
+def test_credit_of_everything_counts_silence_from_now():
+    m = Membership(1.0)
+    m.on_stats(_stats("w0"), 0.0)
+    m.on_stats(_stats("w1", device=1), 4.0)
+    m.credit(math.inf, now_s=5.0)  # NATS answers again after not answering
+    assert {w: r.last_seen_s for w, r in m.workers.items()} == {"w0": 5.0, "w1": 5.0}
+    assert m.expire(5.9) == []
+    assert [w for w, _ in m.expire(6.1)] == ["w0", "w1"]
+
+
+def test_credit_without_workers_or_time_changes_nothing():
+    m = Membership(1.0)
+    m.credit(10.0, now_s=1.0)
+    m.on_stats(_stats("w0"), 1.0)
+    m.credit(0.0, now_s=5.0)
+    assert m.workers["w0"].last_seen_s == 1.0 and m.silent(5.0) == ["w0"]
 
 
 def test_a_new_instance_under_the_same_id_is_a_loss():
