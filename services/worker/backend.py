@@ -93,6 +93,7 @@ class NodeBackend:
         # Pre-copy flows allowed to run (flow index -> callback(index, result)), set from the event loop
         # (MigrationDriver, once a flow has its permit), advanced by the step thread one chunk per step.
         self._allowed: dict[int, Callable[[int, tuple], None]] = {}
+        self._classes: dict[int, int] = {}  # allowed flow index -> the DSCP of its permit's level
         self._allowed_lock = threading.Lock()
 
     @property
@@ -145,11 +146,17 @@ class NodeBackend:
         """The flows of a pending prepare (immutable once prepare returned, so the event loop may read them)."""
         return self.runtime.precopy_flows()
 
-    def allow(self, flow_index: int, on_done: Callable[[int, tuple], None]) -> None:
-        """Event loop: this flow may run now. `on_done(index, (ok, final prepare ack or None, error))` is
+    def allow(self, flow_index: int, on_done: Callable[[int, tuple], None], dscp: int | None = None) -> None:
+        """Event loop: this flow may run now, its chunks across hosts in class `dscp` (the DSCP of the level
+        its permit grants; None: the lowest level's). Allowing it again with another class (a promotion)
+        moves its next chunks to that class. `on_done(index, (ok, final prepare ack or None, error))` is
         called from the step thread when its last chunk ran, or when the pre-copy ended without it."""
         with self._allowed_lock:
             self._allowed[flow_index] = on_done
+            if dscp is None:
+                self._classes.pop(flow_index, None)
+            else:
+                self._classes[flow_index] = dscp
 
     @property
     def precopy_active(self) -> bool:
@@ -159,6 +166,7 @@ class NodeBackend:
         """Step thread, before a step: the next chunk of every allowed flow, all pairs in one round."""
         with self._allowed_lock:
             allowed = dict(self._allowed)
+            classes = {i: d for i, d in self._classes.items() if i in allowed}
         if not allowed:
             return
         runtime = self.runtime
@@ -171,7 +179,7 @@ class NodeBackend:
         if items:
             try:
                 self._last_broadcast_s = time.monotonic()
-                runtime.precopy(items)
+                runtime.precopy(items, classes=classes)
             except Exception as exc:  # a collective failed (a peer died)
                 why = f"pre-copy round failed: {type(exc).__name__}: {exc}"
                 self._finish(allowed, (False, None, why))
@@ -200,6 +208,7 @@ class NodeBackend:
         with self._allowed_lock:
             for i in flows:
                 self._allowed.pop(i, None)
+                self._classes.pop(i, None)
         for i, on_done in flows.items():
             on_done(i, result)
 

@@ -11,7 +11,13 @@ worker (old cache -> its own new cache) involve no link: they run without a perm
 
 The scheduler is advice, never a gate: silent (TransferAgent.permits times out) or pruning, the flows
 still run at the lowest level (logged, counted in nitsum_flow_fallbacks_total / here). A transition
-never waits on it. The final prepare ack (the one the coordinator gets) comes when every chunk is done.
+never waits on it.
+
+On the wire (ALGORITHMS.md §2.4): the agent calls a flow's `send(level)` with the level its permit (or a
+later promotion) grants; the flow's chunks to another host then go over the pair's TCP connection of that
+level's class, `agent.dscp[level]` (IP_TOS = tos_for_dscp of it; nitsum.engine.kv_tcp opens one connection
+per class), handed to the step thread with `backend.allow`. A flow without a permit runs at the lowest level,
+so in its DSCP. The commit's delta is not a flow here: it runs inside the commit, in STAGE_M_DSCP. The final prepare ack (the one the coordinator gets) comes when every chunk is done.
 """
 
 from __future__ import annotations
@@ -90,14 +96,15 @@ class MigrationDriver:
                 permits[i] = FlowPermit(permit.flow_id, lowest, self.agent.dscp[lowest], reason=permit.reason or "pruned")
         acks = []
 
-        async def run_flow(flow) -> int:
-            """Allow the flow in the step thread (one chunk per step from now on) and wait for its end."""
+        async def run_flow(flow, dscp: int | None = None) -> int:
+            """Allow the flow in the step thread (one chunk per step from now on, across hosts in class `dscp`)
+            and wait for its end."""
             future = loop.create_future()
 
             def on_done(_index: int, result: tuple) -> None:  # step thread
                 loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 
-            backend.allow(flow.index, on_done)
+            backend.allow(flow.index, on_done, dscp)
             self.session.wake()
             ok, ack, error = await future
             if ack is not None:
@@ -107,8 +114,8 @@ class MigrationDriver:
             return flow.size_bytes
 
         def send_of(flow):
-            async def send(_level: int) -> int:
-                return await run_flow(flow)
+            async def send(level: int) -> int:
+                return await run_flow(flow, self.agent.dscp[min(max(level, 1), lowest)])
             return send
 
         tasks = [self.agent.run(s.flow_id, p, send_of(f)) for f, s, p in zip(remote, submits, permits)]

@@ -6,8 +6,10 @@ One scripted run with greedy requests of different lengths in flight: 4xTP1 -> T
 2xTP2 -> TP4 whose prepare fails because worker 0's KV receiver drops every connection of that epoch
 (--fail-kv-connect-epoch), then the same merge again, and TP4 -> 4xTP1. The assertions are exact: tokens
 equal a run with no change, the TCP bytes are the plans' cross-host bytes and shared memory carried only
-same-host pairs, every TCP KV link carried the stage-M DSCP, every KV block is free at the end, and no
-socket, receiver thread or /dev/shm segment outlives a transition.
+same-host pairs, every pair's TCP KV link opened in prepare in the stage-M (delta) class and its scripted
+pre-copy -- no flow-scheduler, so no permit -- went in the lowest level's class, every KV block is free at the
+end, and no socket, receiver thread or /dev/shm segment outlives a transition. (tests/unit/test_kv_classes.py
+checks chunk by chunk, on real sockets, that a permitted level's bytes go in that level's class.)
 """
 
 import os
@@ -18,7 +20,7 @@ import pytest
 from engine_test_helpers import prompts_of_lengths, run_node_script
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
-from nitsum.engine.kv_tcp import STAGE_M_DSCP
+from nitsum.engine.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP
 from nitsum.policy.flows import tos_for_dscp
 
 WORLD = 4
@@ -139,11 +141,15 @@ def test_tcp_carried_exactly_the_cross_host_bytes_and_shm_only_same_host_pairs(c
 
 
 @pytest.mark.slow
-def test_tcp_links_carry_the_stage_m_dscp(cross_host_run):
+def test_tcp_links_carry_the_delta_class_and_the_unpermitted_precopy_the_lowest(cross_host_run):
     _, reports = cross_host_run
+    stage_m, lowest = tos_for_dscp(STAGE_M_DSCP), tos_for_dscp(LOWEST_DSCP)
     for rep in reports:
-        assert rep["kv_tos"], rep["rank"]  # every worker was a source across hosts at some point
-        assert set(rep["kv_tos"]) == {tos_for_dscp(STAGE_M_DSCP)}
+        tos = rep["kv_tos"]  # the IP_TOS of every KV connection this worker opened, in order
+        # Every worker pre-copied across hosts (epoch 1: all four hold requests at prepare) without a permit.
+        assert set(tos) == {stage_m, lowest}, rep["rank"]
+        # A pre-copy class is opened on a pair whose link prepare opened in the delta's class: never more often.
+        assert tos.count(lowest) <= tos.count(stage_m) and tos[0] == stage_m, (rep["rank"], tos)
 
 
 @pytest.mark.slow

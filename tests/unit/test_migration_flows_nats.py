@@ -4,7 +4,9 @@ worker session's step thread between iterations, and answers with the final prep
 flow-scheduler the same pre-copy runs at the lowest level: a transition never waits on it.
 
 The node side is one leader's real `PreCopy` over small caches (two workers' worth of a node world would need
-two processes; tests/e2e/test_adaptive_tp.py runs the whole thing on a live 4-worker mesh)."""
+two processes; tests/e2e/test_adaptive_tp.py runs the whole thing on a live 4-worker mesh). With
+`across_hosts` worker 1's new cache sits behind a real KV receiver on a real TCP link: the flow's bytes must
+arrive on a connection in the class of the level its permit granted (the lowest level's without a permit)."""
 
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ from opentelemetry import trace
 
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig, FlowSchedulerConfig
+from nitsum.engine.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
 from nitsum.engine.node import TransitionAck
 from nitsum.engine.precopy import PreCopy, plan_flows, transfer_block_bytes
 from nitsum.kv.reshard import Transfer
+from nitsum.policy.flows import DSCP_TABLE, tos_for_dscp
 from nitsum.service import ServiceContext
 from nitsum.telemetry.metrics import Metrics
-from nitsum.wire.messages import GroupAssignment, TopologyPrepare
+from nitsum.wire.messages import FlowPermit, FlowPermitBatch, FlowSubmitBatch, GroupAssignment, TopologyPrepare
 from nitsum_services.flow_scheduler.main import body
 from nitsum_services.worker.backend import NodeBackend
 from nitsum_services.worker.migration_flows import MigrationDriver
@@ -37,7 +41,7 @@ class _LeaderRuntime:
     """What NodeBackend drives on an old group's leader (worker 0): the NodeRuntime calls it uses, over a
     real PreCopy; worker 1's new cache is just another tensor here (a mapped segment in a node world)."""
 
-    def __init__(self) -> None:
+    def __init__(self, across_hosts: bool = False) -> None:
         shape = (LAYERS, 2, 8, BLOCK, HEADS, DIM)
         self.old = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
         self.new = {0: torch.zeros(shape), 1: torch.zeros(shape)}
@@ -45,8 +49,16 @@ class _LeaderRuntime:
                      Transfer(0, 1, 0, LAYERS, 0, HEADS, (2, 3, 4), (5, 6, 7))]
         per_block = transfer_block_bytes(transfers[1], BLOCK, DIM, 4)
         flows = plan_flows(transfers, lambda t: transfer_block_bytes(t, BLOCK, DIM, 4), chunk_bytes=per_block)
+        self.receiver, self.links = None, None
+        mapped = dict(self.new)
+        if across_hosts:  # worker 1 on another host: its receiver writes what the link brings (as in prepare)
+            self.receiver = KvReceiver("127.0.0.1")
+            self.receiver.open(EPOCH, 1, mapped.pop(1), (0, HEADS), sources={0})
+            self.links = KvLinks()
+            self.links.connect(EPOCH, 0, {1: ("127.0.0.1", self.receiver.port)})
         self.pc = PreCopy(0, [0], transfers, flows, self.old, (0, HEADS),
-                               {w: (cache, (0, HEADS)) for w, cache in self.new.items()})
+                          {w: (cache, (0, HEADS)) for w, cache in mapped.items()}, self.links)
+        self.classes: list[dict[int, int]] = []  # the classes of each round, as the backend passed them
         self._prepared = SimpleNamespace(precopy=self.pc)
         self.final: TransitionAck | None = None
         self.is_leader, self.engine, self.epoch = True, None, 0
@@ -59,9 +71,10 @@ class _LeaderRuntime:
     def precopy_flows(self):
         return self.pc.flows
 
-    def precopy(self, items):
+    def precopy(self, items, classes=None):
         self.rounds.append(list(items))
-        sent = self.pc.run(items)
+        self.classes.append(dict(classes or {}))
+        sent = self.pc.run(items, classes)
         if self.pc.complete:
             self.final = TransitionAck(EPOCH, True, "prepare", "", 1.0, self.pc.bytes_sent)
         return sent
@@ -80,14 +93,21 @@ class _LeaderRuntime:
     def group(self):
         return SimpleNamespace(start=0, tp=2)
 
+    def close(self) -> None:
+        if self.links is not None:
+            self.links.close()
+        if self.receiver is not None:
+            self.receiver.close()
+
 
 PREPARE = TopologyPrepare("node0", EPOCH, (GroupAssignment("node0-g0-tp2", 0, 2, "hybrid", ("w0", "w1")),))
 
 
-async def _drive(nats_url: str, permit_timeout_s: float) -> tuple[TransitionAck, _LeaderRuntime, TransferAgent, Metrics]:
+async def _drive(nats_url: str, permit_timeout_s: float,
+                 across_hosts: bool = False) -> tuple[TransitionAck, _LeaderRuntime, TransferAgent, Metrics]:
     bus = await Bus.connect(CommonConfig(nats_url=nats_url), "w0")
     metrics = Metrics("w0")
-    runtime = _LeaderRuntime()
+    runtime = _LeaderRuntime(across_hosts)
     session = WorkerSession(NodeBackend(runtime, "m", 64), bus, "w0", metrics, trace.get_tracer("test"))
     stop = asyncio.Event()
     loop_task = asyncio.create_task(session.run(stop))
@@ -102,6 +122,7 @@ async def _drive(nats_url: str, permit_timeout_s: float) -> tuple[TransitionAck,
         stop.set()
         await asyncio.wait({loop_task}, timeout=5)
         await bus.drain()
+        runtime.close()
 
 
 def _check_copied(runtime: _LeaderRuntime) -> None:
@@ -147,3 +168,37 @@ async def test_precopy_goes_on_without_a_flow_scheduler(nats_server):
     text = metrics.render()[0].decode()
     assert "nitsum_flow_fallbacks_total 1.0" in text
     assert "nitsum_kv_migration_unpermitted_flows_total 1.0" in text
+
+
+PERMIT_LEVEL = 3  # neither the delta's class (1) nor the lowest level's (8)
+
+
+async def test_a_flow_across_hosts_goes_on_the_connection_of_its_permits_class(nats_server):
+    """A flow-scheduler that grants level 3: the remote flow's bytes arrive on a connection whose handshake
+    carried tos_for_dscp(DSCP of level 3); the pair's stage-M connection (opened in prepare) carried none."""
+    fs_bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "flow-scheduler")
+
+    async def grant(batch: FlowSubmitBatch, _delivery) -> FlowPermitBatch:
+        return FlowPermitBatch(tuple(FlowPermit(f.flow_id, PERMIT_LEVEL, DSCP_TABLE[PERMIT_LEVEL]) for f in batch.flows))
+
+    await fs_bus.subscribe(fs_bus.subjects.flow_submit, grant, expected=FlowSubmitBatch)
+    try:
+        ack, runtime, agent, _ = await _drive(nats_server.url, permit_timeout_s=5.0, across_hosts=True)
+    finally:
+        await fs_bus.drain()
+    assert (ack.ok, ack.pending) == (True, False) and agent.num_fallbacks == 0
+    _check_copied(runtime)
+    dscp = agent.dscp[PERMIT_LEVEL]
+    assert dscp == DSCP_TABLE[PERMIT_LEVEL]
+    assert runtime.classes == [{1: dscp}] * 3  # flow 1 is the remote pair; the local flow 0 has no class
+    assert runtime.receiver.bytes_by_tos == {tos_for_dscp(dscp): ack.bytes_moved}
+    assert runtime.receiver.errors == []
+
+
+async def test_an_unpermitted_flow_across_hosts_goes_in_the_lowest_levels_class(nats_server):
+    ack, runtime, agent, _ = await _drive(nats_server.url, permit_timeout_s=0.2, across_hosts=True)
+    assert (ack.ok, ack.pending) == (True, False) and agent.num_fallbacks == 1
+    _check_copied(runtime)
+    assert agent.dscp[agent.num_levels] == LOWEST_DSCP
+    assert runtime.classes == [{1: LOWEST_DSCP}] * 3
+    assert runtime.receiver.bytes_by_tos == {tos_for_dscp(LOWEST_DSCP): ack.bytes_moved}

@@ -1,4 +1,4 @@
-"""A TP transition's KV across hosts: the transfer data plane's framing over TCP, tagged with stage M's DSCP.
+"""A TP transition's KV across hosts: the transfer data plane's framing over TCP, one connection per DSCP class.
 
 Workers of one host write migrated blocks straight into each other's new caches (shared memory,
 `kv_segment`). A source on another host cannot: it sends each chunk to the destination's `KvReceiver`,
@@ -7,11 +7,14 @@ ack, so when every source of a commit has its acks the delta has landed everywhe
 is safe.
 
 Protocol (frames of `nitsum.transfer.framing`: magic, msgpack header, payload, CRC32), one connection per
-(epoch, source, destination) pair, opened by the source in prepare with IP_TOS = `STAGE_M_DSCP` set before
-connect (the SYN carries the class too):
-- hello: an END frame, flow id `kvmig-e<epoch>-w<src>-w<dst>`, `block_ids` = (epoch, src, dst), no bytes.
-  The receiver checks it against the epoch it serves and answers ACK, or ERROR and closes. The source waits
-  for that ACK inside prepare: a pair that cannot connect refuses the prepare on every member.
+(epoch, source, destination) pair *and class*, each with IP_TOS = `tos_for_dscp(dscp)` set before connect
+(the handshake carries the class too):
+- hello: an END frame, flow id `kvmig-e<epoch>-w<src>-w<dst>`, `block_ids` = (epoch, src, dst, dscp), no
+  bytes. The receiver checks it against the epoch it serves, marks its end of the connection with the same
+  class (its acks and errors travel in the class of the bytes they answer) and answers ACK, or ERROR and
+  closes. The pair's first connection is opened by the source in prepare, in the delta's class
+  `STAGE_M_DSCP`, and the source waits for that ACK inside prepare: a pair that cannot connect refuses the
+  prepare on every member.
 - a chunk: a DATA frame (offset 0, the chunk's K/V bytes in the layout
   [layers, K/V, blocks, block_size, heads, head_dim]) then an END frame with `total_bytes` and, in
   `block_ids`, the placement: (layer_start, layer_end, head_start, head_end, *destination block ids), so
@@ -24,9 +27,24 @@ nothing. The receiver needs one thread per epoch anyway (its worker's step threa
 group's steps while sources write): a `selectors` loop over the listening socket and the epoch's
 connections. The async classes also buffer a flow whole before a sink sees it; here a chunk is one frame.
 
-Class: stage-M flows carry an explicit deadline (the planned cutover) and are paced on the host by their
-flow-scheduler permits (services/worker/migration_flows.py); what reaches the wire was permitted, and the
-delta runs inside a stream's pause, so the connection takes the explicit-urgent class P1 of DSCP_TABLE.
+Classes (ALGORITHMS.md §2.4: each level maps to a DSCP; KV bytes across hosts go over TCP connections whose
+IP_TOS carries it, one connection per class):
+- pre-copy: a stage-M flow's chunks go in the class of the level its flow-scheduler permit grants
+  (services/worker/migration_flows.py maps the level through the agent's DSCP table; the step thread gets
+  the DSCP with the chunks, `NodeCommand.classes`). A flow run without a permit (scheduler silent or
+  pruning) goes at the lowest level's, `LOWEST_DSCP` (LE), like every unpermitted flow.
+- the commit's delta, and any pre-copy chunk still left at commit: copied inside the commit, not under a
+  permit, on the critical path of the cutover (streams are paused): the highest class used for urgent
+  stage-M traffic, `STAGE_M_DSCP` = P1 of DSCP_TABLE (EF).
+The choice: one connection per class per pair, as `nitsum.transfer.tcp.TcpTransferSender` does (DSCP ->
+connection, TOS set before connect), the delta's opened in prepare (it doubles as the reachability check),
+every other class lazily at its first chunk (a connect and a hello written from the step thread; the hello's
+ack is read with the chunk's). Re-marking the pair's single connection (setsockopt IP_TOS between classes)
+was not taken: a pair carries one pre-copy flow per epoch, but also the delta, in another class; Linux
+reads a socket's TOS at transmit time, so re-marking would re-class whatever TCP still holds queued or
+retransmits, the receiver would need an in-band re-mark to keep its acks in step, and a switch could not be
+observed on the wire by the receiver (it sees the class of the handshake). Separate connections keep each
+class's bytes on its own queue; it costs one connection per class a pair actually uses (normally two).
 """
 
 from __future__ import annotations
@@ -36,15 +54,17 @@ import math
 import os
 import selectors
 import socket
+import struct
+import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from nitsum.kv.reshard import Transfer
-from nitsum.policy.flows import DSCP_TABLE, tos_for_dscp
+from nitsum.policy.flows import DSCP_LE, DSCP_TABLE, tos_for_dscp
 from nitsum.transfer.framing import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     PREFIX,
@@ -57,8 +77,11 @@ from nitsum.transfer.framing import (
     encode_frame,
 )
 
+# The commit's delta (and chunks left to the commit): inside the pause, the urgent explicit class P1.
 STAGE_M_LEVEL = 1
 STAGE_M_DSCP = DSCP_TABLE[STAGE_M_LEVEL]
+# A pre-copy chunk whose flow has no permit class: the lowest level's (every dscp_table(K) maps level K to LE).
+LOWEST_DSCP = DSCP_LE
 # Connect + hello, and then one frame or one ack: below the node world's collective timeout (30 s by default),
 # so that a stuck link fails as a link (the span refuses the epoch) before the span's exchange times out.
 CONNECT_TIMEOUT_S = 10.0
@@ -114,6 +137,33 @@ def tos_of(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
 
 
+_IP_PKTOPTIONS = getattr(socket, "IP_PKTOPTIONS", 9)  # Linux
+_CMSG_HEADER = struct.Struct("@Nii")  # cmsg_len, cmsg_level, cmsg_type
+
+
+def handshake_tos(sock: socket.socket) -> int | None:
+    """The TOS byte an accepted TCP connection's handshake arrived with, i.e. the class the peer set before
+    connecting, as seen on the wire (Linux keeps it for IP_PKTOPTIONS once IP_RECVTOS is on); None where the
+    platform does not tell."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+        raw = sock.getsockopt(socket.IPPROTO_IP, _IP_PKTOPTIONS, 256)
+    except OSError:
+        return None
+    offset, align = 0, struct.calcsize("@N")
+    while offset + _CMSG_HEADER.size <= len(raw):
+        length, level, kind = _CMSG_HEADER.unpack_from(raw, offset)
+        if length < _CMSG_HEADER.size:
+            return None
+        data = raw[offset + _CMSG_HEADER.size : offset + length]
+        if level == socket.IPPROTO_IP and kind == socket.IP_TOS and data:
+            return struct.unpack("@i", data)[0] & 0xFF if len(data) >= 4 else data[0]
+        offset += (length + align - 1) // align * align
+    return None
+
+
 def open_kv_sockets(receiver_port: int, peer_ports: Iterable[int]) -> int:
     """TCP sockets this process holds open on the KV data plane (Linux: its descriptors matched against
     /proc/net/tcp): connections accepted on `receiver_port` and links to the peers' receiver ports. The
@@ -164,6 +214,8 @@ def write_blocks(cache: torch.Tensor, heads: tuple[int, int], placement: tuple[i
 class _Conn:
     sock: socket.socket
     src: int | None = None  # known after the hello
+    dscp: int | None = None  # the class its hello names (this end's acks go in it too)
+    wire_tos: int | None = None  # the TOS its handshake arrived with (`handshake_tos`), where known
     data: bytearray | None = None  # a DATA frame waiting for its END
     buf: bytearray = field(default_factory=bytearray)  # bytes received, not yet a whole frame
     since: float | None = None  # monotonic time the oldest partial frame began (its deadline: + IO_TIMEOUT_S)
@@ -198,6 +250,9 @@ class KvReceiver:
         self.fault_chunk_epochs = frozenset(fault_chunk_epochs)  # tests: refuse their chunks (after the hello)
         self.errors: list[str] = []  # what this end refused or lost (logs, tests)
         self.bytes_written = 0
+        # bytes_written by the TOS their connection arrived with (its handshake's, as seen here; where the
+        # platform does not tell, the class its hello names): which class carried what, from the wire's side
+        self.bytes_by_tos: dict[int, int] = {}
         self._session: _Session | None = None
 
     @property
@@ -277,8 +332,7 @@ class KvReceiver:
             return
         sock.setblocking(False)  # read what is there; frames are cut from the connection's own buffer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_for_dscp(STAGE_M_DSCP))  # acks go in the class too
-        conn = _Conn(sock)
+        conn = _Conn(sock, wire_tos=handshake_tos(sock))  # its own class: set at the hello (`_hello`)
         session.conns.append(conn)
         sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -358,6 +412,8 @@ class KvReceiver:
                     raise TransferError(ErrorCode.SINK, "injected chunk failure", fid)
                 write_blocks(session.cache, session.heads, header.block_ids, data)
                 self.bytes_written += len(data)
+                tos = conn.wire_tos if conn.wire_tos is not None else tos_for_dscp(conn.dscp or 0)
+                self.bytes_by_tos[tos] = self.bytes_by_tos.get(tos, 0) + len(data)
                 self._send(conn, FrameHeader(FrameKind.ACK, fid, total_bytes=len(data)))
                 return True
             if header.kind is FrameKind.ERROR:
@@ -401,9 +457,9 @@ class KvReceiver:
 
     def _hello(self, session: _Session, conn: _Conn, header: FrameHeader) -> bool:
         ids = header.block_ids
-        if header.kind is not FrameKind.END or len(ids) != 3:
+        if header.kind is not FrameKind.END or len(ids) != 4 or not 0 <= ids[3] < 64:
             raise TransferError(ErrorCode.PROTOCOL, "the first frame must be the pair's hello", header.flow_id)
-        epoch, src, dst = ids
+        epoch, src, dst, dscp = ids
         if epoch != session.epoch or dst != session.me or src not in session.sources:
             raise TransferError(ErrorCode.PROTOCOL, f"hello for epoch {epoch}, w{src} -> w{dst}: this receiver "
                                 f"serves epoch {session.epoch} of w{session.me} from {sorted(session.sources)}",
@@ -411,41 +467,95 @@ class KvReceiver:
         if epoch == self.fault_epoch:
             self._record(f"{header.flow_id}: injected connection failure")
             return False  # closed unanswered: the source's hello fails as a lost connection
-        conn.src = src
+        conn.src, conn.dscp = src, dscp
+        conn.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_for_dscp(dscp))  # acks go in the class too
         self._send(conn, FrameHeader(FrameKind.ACK, header.flow_id))
         return True
 
 
 # -- the source side --------------------------------------------------------------------------------------
+@dataclass
+class _ClassConn:
+    """One connection of a pair, in one class."""
+
+    sock: socket.socket
+    dscp: int
+    tos: int  # IP_TOS read back from the socket once connected: what its packets carry
+    in_flight: list[tuple[str, int]] = field(default_factory=list)  # (chunk flow id, bytes) sent, not acked yet
+    bytes_sent: int = 0  # chunk bytes written on it (acked or not)
+
+
 class KvLink:
-    """One source -> destination connection of an epoch (the source's end)."""
+    """One source -> destination pair of an epoch (the source's end): a connection per class, the first
+    (`dscp`, normally the delta's STAGE_M_DSCP) opened here, every other one at its first chunk (`send`)."""
 
     def __init__(self, epoch: int, src: int, dst: int, addr: str, port: int, dscp: int = STAGE_M_DSCP,
-                 timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 timeout_s: float = CONNECT_TIMEOUT_S, on_open: Callable[[int], None] | None = None) -> None:
         self.epoch, self.src, self.dst = epoch, src, dst
+        self.addr, self.port = addr, port
         self.flow_id = flow_id(epoch, src, dst)
-        self.in_flight: list[tuple[str, int]] = []  # (chunk flow id, bytes) sent, not acked yet
+        self.dscp = dscp  # the class of the connection opened with the link
+        self.conns: dict[int, _ClassConn] = {}  # DSCP -> connection
+        self.on_open = on_open  # told the TOS of every connection opened (NodeRuntime.kv_tos)
         self.chunks = 0
         self.broken = ""  # why this link failed (then nothing more is sent on it)
+        self._open(dscp, timeout_s)
+
+    def _open(self, dscp: int, timeout_s: float) -> _ClassConn:
+        """Connect in class `dscp` and write the hello (its ack is read with the next `wait`)."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_for_dscp(dscp))  # before connect: the SYN too
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(timeout_s, 0.001))  # until the hello's ack (KvLinks.connect), then IO_TIMEOUT_S
-            sock.connect((addr, port))
-            write_frame(sock, FrameHeader(FrameKind.END, self.flow_id, block_ids=(epoch, src, dst)))
+            sock.connect((self.addr, self.port))
+            write_frame(sock, FrameHeader(FrameKind.END, self.flow_id, block_ids=(self.epoch, self.src, self.dst, dscp)))
+            conn = _ClassConn(sock, dscp, tos_of(sock), [(self.flow_id, 0)])
         except (OSError, TransferError) as exc:
             sock.close()
-            raise TransferError(ErrorCode.CLOSED, f"connect to w{dst} at {addr}:{port}: {exc}", self.flow_id) from exc
-        self.sock = sock
-        self.in_flight.append((self.flow_id, 0))
+            raise TransferError(ErrorCode.CLOSED, f"connect to w{self.dst} at {self.addr}:{self.port} (DSCP {dscp}): "
+                                                  f"{exc}", self.flow_id) from exc
+        self.conns[dscp] = conn
+        if self.on_open is not None:
+            self.on_open(conn.tos)
+        return conn
+
+    def connection(self, dscp: int) -> _ClassConn:
+        """The pair's connection in class `dscp`, opened now if it is the first chunk of that class."""
+        conn = self.conns.get(dscp)
+        if conn is None:
+            conn = self._open(dscp, CONNECT_TIMEOUT_S)
+            conn.sock.settimeout(IO_TIMEOUT_S)
+        return conn
 
     @property
-    def tos(self) -> int:
-        return tos_of(self.sock)
+    def sock(self) -> socket.socket:
+        """The connection opened with the link (class `self.dscp`)."""
+        return self.conns[self.dscp].sock
 
-    def send(self, t: Transfer, start: int, end: int, old_kv: torch.Tensor, old_heads: tuple[int, int]) -> int:
-        """Blocks [start, end) of transfer `t` from this worker's old cache; returns their bytes (not yet acked)."""
+    @property
+    def tos(self) -> list[int]:
+        """IP_TOS of each open connection, in the order they were opened."""
+        return [c.tos for c in self.conns.values() if c.sock.fileno() >= 0]
+
+    @property
+    def in_flight(self) -> list[tuple[str, int]]:
+        return [item for c in self.conns.values() for item in c.in_flight]
+
+    @property
+    def bytes_by_tos(self) -> dict[int, int]:
+        """Chunk bytes written, by the IP_TOS of the connection that carried them."""
+        out: dict[int, int] = {}
+        for c in self.conns.values():
+            if c.bytes_sent:
+                out[c.tos] = out.get(c.tos, 0) + c.bytes_sent
+        return out
+
+    def send(self, t: Transfer, start: int, end: int, old_kv: torch.Tensor, old_heads: tuple[int, int],
+             dscp: int = STAGE_M_DSCP) -> int:
+        """Blocks [start, end) of transfer `t` from this worker's old cache, on the pair's connection of class
+        `dscp`; returns their bytes (not yet acked)."""
+        conn = self.connection(dscp)
         src_index = torch.tensor(t.src_block_ids[start:end], dtype=torch.long)
         h0, h1 = t.head_start - old_heads[0], t.head_end - old_heads[0]
         chunk = old_kv[t.layer_start : t.layer_end, :, src_index, :, h0:h1].contiguous()
@@ -455,20 +565,21 @@ class KvLink:
         self.chunks += 1
         placement = (t.layer_start, t.layer_end, t.head_start, t.head_end, *t.dst_block_ids[start:end])
         try:
-            write_frame(self.sock, FrameHeader(FrameKind.DATA, fid), data)
-            write_frame(self.sock, FrameHeader(FrameKind.END, fid, total_bytes=len(data), block_ids=placement))
+            write_frame(conn.sock, FrameHeader(FrameKind.DATA, fid), data)
+            write_frame(conn.sock, FrameHeader(FrameKind.END, fid, total_bytes=len(data), block_ids=placement))
         except TransferError as exc:
-            raise self._refusal_or(exc) from exc
-        self.in_flight.append((fid, len(data)))
+            raise self._refusal_or(conn, exc) from exc
+        conn.in_flight.append((fid, len(data)))
+        conn.bytes_sent += len(data)
         return len(data)
 
-    def _refusal_or(self, exc: TransferError) -> TransferError:
+    def _refusal_or(self, conn: _ClassConn, exc: TransferError) -> TransferError:
         """A write failed: if the receiver had refused something before (an ERROR waits to be read), that
         refusal is the reason worth reporting; otherwise `exc`."""
         try:
-            self.sock.settimeout(ERROR_PEEK_S)
+            conn.sock.settimeout(ERROR_PEEK_S)
             while True:
-                header, _ = read_frame(self.sock, 0)
+                header, _ = read_frame(conn.sock, 0)
                 if header.kind is FrameKind.ERROR:
                     return TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}",
                                          header.flow_id)
@@ -476,47 +587,54 @@ class KvLink:
             return exc
 
     def wait(self, deadline: float | None = None) -> int:
-        """Every ack of what was sent (the hello's included); returns the acked chunk bytes. `deadline`
-        (monotonic) bounds the whole wait, not each read: links waited one after another share one budget."""
+        """Every ack of what was sent, on every class (the hellos' included); returns the acked chunk bytes.
+        `deadline` (monotonic) bounds the whole wait, not each read: connections and links waited one after
+        another share one budget."""
+        return sum(self._wait(conn, deadline) for conn in list(self.conns.values()))
+
+    def _wait(self, conn: _ClassConn, deadline: float | None) -> int:
         acked = 0
         try:
-            while self.in_flight:
-                fid, size = self.in_flight[0]
+            while conn.in_flight:
+                fid, size = conn.in_flight[0]
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TransferError(ErrorCode.TIMEOUT, f"acks of w{self.dst} not in time", fid)
-                    self.sock.settimeout(left)
-                header, _ = read_frame(self.sock, 0)
+                    conn.sock.settimeout(left)
+                header, _ = read_frame(conn.sock, 0)
                 if header.kind is FrameKind.ERROR:
                     raise TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}",
                                         header.flow_id)
                 if header.kind is not FrameKind.ACK or header.flow_id != fid or header.total_bytes != size:
                     raise TransferError(ErrorCode.PROTOCOL, f"expected the ack of {fid}, got {header.kind.value} "
                                                             f"{header.flow_id}", fid)
-                self.in_flight.pop(0)
+                conn.in_flight.pop(0)
                 acked += size
         finally:
-            if deadline is not None and self.sock.fileno() >= 0:
-                self.sock.settimeout(IO_TIMEOUT_S)
+            if deadline is not None and conn.sock.fileno() >= 0:
+                conn.sock.settimeout(IO_TIMEOUT_S)
         return acked
 
     def close(self) -> None:
-        self.sock.close()
+        for conn in self.conns.values():
+            conn.sock.close()
 
 
 class KvLinks:
-    """A source's links of one epoch, one per destination on another host."""
+    """A source's links of one epoch, one per destination on another host (each a connection per class).
+    `on_open` is told the IP_TOS of every connection opened, in prepare or later (NodeRuntime.kv_tos)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_open: Callable[[int], None] | None = None) -> None:
         self.links: dict[int, KvLink] = {}
+        self.on_open = on_open
 
     def connect(self, epoch: int, src: int, targets: dict[int, tuple[str, int]], dscp: int = STAGE_M_DSCP) -> None:
-        """Connect to every destination and wait for each hello's ack; TransferError on the first that fails
-        (the links made so far stay, for `close`)."""
+        """Connect to every destination in class `dscp` and wait for each hello's ack; TransferError on the
+        first that fails (the links made so far stay, for `close`)."""
         deadline = time.monotonic() + CONNECT_TIMEOUT_S  # one budget for all: unreachable peers do not add up
         for dst, (addr, port) in sorted(targets.items()):
-            self.links[dst] = KvLink(epoch, src, dst, addr, port, dscp, deadline - time.monotonic())
+            self.links[dst] = KvLink(epoch, src, dst, addr, port, dscp, deadline - time.monotonic(), self.on_open)
         for link in self.links.values():
             link.wait(deadline)
             link.sock.settimeout(IO_TIMEOUT_S)
@@ -529,11 +647,11 @@ class KvLinks:
 
     @property
     def tos(self) -> list[int]:
-        return [link.tos for link in self.links.values() if link.sock.fileno() >= 0]
+        return [tos for link in self.links.values() for tos in link.tos]
 
     @property
     def open_connections(self) -> int:
-        return sum(1 for link in self.links.values() if link.sock.fileno() >= 0)
+        return sum(1 for link in self.links.values() for c in link.conns.values() if c.sock.fileno() >= 0)
 
     def close(self) -> None:
         for link in self.links.values():

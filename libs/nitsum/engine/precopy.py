@@ -7,8 +7,10 @@ worker) pair, and each flow is cut into chunks of at most `chunk_bytes` (whole b
 A source writes a chunk one-sidedly into the destination's new cache, which lives in shared memory
 (`kv_segment`) when both are on one host: no receive has to be posted, so a chunk runs whenever the
 *source's* group is between two of its own steps. A destination on another host has a receiver thread that
-writes the chunks arriving over TCP (`kv_tcp.KvLinks`, stage-M DSCP) and acks each after the write; the
-source counts a chunk done only on its ack. Either way the destination's step thread takes no part. Groups
+writes the chunks arriving over TCP (`kv_tcp.KvLinks`) and acks each after the write; the source counts a
+chunk done only on its ack. Across hosts a chunk goes on the pair's connection of its class: the DSCP of the
+level its flow's permit grants (`run`'s `classes`), the lowest level's without one, and the delta's
+STAGE_M_DSCP for what the commit copies (`finish_mine`, `copy_transfers_one_sided`). Either way the destination's step thread takes no part. Groups
 of a span are not in lockstep; that is why pre-copy cannot use paired send/recv.
 
 A chunk whose link failed is marked done all the same (the group must agree on what is left) and the
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nitsum.engine.kv_tcp import IO_TIMEOUT_S, KvLinks
+from nitsum.engine.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
 from nitsum.kv.reshard import Transfer
 from nitsum.transfer.framing import TransferError
 
@@ -153,9 +155,13 @@ class PreCopy:
                 items.append((f.index, left[0]))
         return items
 
-    def run(self, items: Iterable[tuple[int, int]]) -> int:
+    def run(self, items: Iterable[tuple[int, int]], classes: Mapping[int, int] | None = None,
+            default_dscp: int = LOWEST_DSCP) -> int:
         """Run the items this worker is the source of, mark all done; returns bytes sent to others (over
-        TCP: acked). Chunks for other hosts all go out first, then their acks are awaited."""
+        TCP: acked). Chunks for other hosts all go out first, then their acks are awaited. `classes`: flow
+        index -> DSCP of the level its permit grants; a flow not in it goes at `default_dscp` (pre-copy: the
+        lowest level's, as a flow without a permit)."""
+        classes = classes or {}
         sent = 0
         for flow_index, chunk_index in items:
             key = (flow_index, chunk_index)
@@ -168,7 +174,7 @@ class PreCopy:
                 assert self.old_kv is not None and self.old_heads is not None, f"worker {self.me} holds no old KV"
                 t = self.transfers[chunk.transfer]
                 if self.links is not None and flow.dst_worker in self.links:
-                    self._send(flow.dst_worker, t, chunk.start, chunk.end)
+                    self._send(flow.dst_worker, t, chunk.start, chunk.end, classes.get(flow_index, default_dscp))
                 else:
                     dst_kv, dst_heads = self.dst_caches[flow.dst_worker]
                     copy_blocks(t, chunk.start, chunk.end, self.old_kv, self.old_heads, dst_kv, dst_heads)
@@ -182,13 +188,13 @@ class PreCopy:
         self.bytes_sent += sent + acked
         return sent + acked
 
-    def _send(self, dst: int, t: Transfer, start: int, end: int) -> None:
+    def _send(self, dst: int, t: Transfer, start: int, end: int, dscp: int) -> None:
         assert self.links is not None and self.old_kv is not None and self.old_heads is not None
         link = self.links.link(dst)
         if link.broken:
             return
         try:
-            link.send(t, start, end, self.old_kv, self.old_heads)
+            link.send(t, start, end, self.old_kv, self.old_heads, dscp)  # a class's first chunk connects it
         except Exception as exc:  # noqa: BLE001 -- any failure is this link's: the span then refuses together
             self._broke(link, exc)
 
@@ -212,9 +218,10 @@ class PreCopy:
         self.error = self.error or link.broken
 
     def finish_mine(self) -> int:
-        """Run every chunk of this worker's own that is still left (at commit); bytes sent to others."""
+        """Run every chunk of this worker's own that is still left (at commit); bytes sent to others. Inside
+        the commit's pause, not under a permit: the delta's class, STAGE_M_DSCP."""
         return self.run([(f.index, c) for f in self.flows if f.src_worker == self.me
-                         for c in range(len(f.chunks)) if (f.index, c) not in self.done])
+                         for c in range(len(f.chunks)) if (f.index, c) not in self.done], default_dscp=STAGE_M_DSCP)
 
 
 def copy_transfers_one_sided(
@@ -229,7 +236,8 @@ def copy_transfers_one_sided(
 ) -> tuple[dict[str, int], str]:
     """Whole transfers whose source is `me` (the commit's delta), straight into the destinations' caches:
     mapped ones written here, those on other hosts sent over `links` in chunks of at most `chunk_bytes` and
-    acked (every byte written there) before this returns. Returns (bytes written into other workers' caches
+    acked (every byte written there) before this returns; across hosts in the delta's class STAGE_M_DSCP (the
+    cutover waits for these bytes: no permit, the highest class used for urgent stage-M traffic). Returns (bytes written into other workers' caches
     by path "shm" / "tcp", the first link failure or "")."""
     mine = [t for t in transfers if t.src_worker == me]
     if mine:
@@ -250,6 +258,6 @@ def copy_transfers_one_sided(
     # The same chunking as pre-copy: one flow per pair, whole blocks, at most chunk_bytes a frame.
     flows = plan_flows(remote, block_bytes, chunk_bytes)
     pre = PreCopy(me, [me], remote, flows, old_kv, old_heads, {}, links)
-    pre.run([(f.index, c) for f in flows for c in range(len(f.chunks))])
+    pre.run([(f.index, c) for f in flows for c in range(len(f.chunks))], default_dscp=STAGE_M_DSCP)
     by_path["tcp"] = pre.bytes_by_path["tcp"]
     return by_path, pre.error

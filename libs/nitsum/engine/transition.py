@@ -13,13 +13,13 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import msgpack
 import torch
 
 from nitsum.engine import kv_segment, migration
-from nitsum.engine.kv_tcp import KvLinks
+from nitsum.engine.kv_tcp import STAGE_M_DSCP, KvLinks
 from nitsum.engine.precopy import MigrationFlow, PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
 from nitsum.engine.runner import ModelRunner
 from nitsum.kv.reshard import (
@@ -48,18 +48,20 @@ class NodeCommand:
     epoch: int
     groups: tuple[tuple[int, int], ...] = ()  # prepare: the new topology as (start, tp) pairs
     chunks: tuple[tuple[int, int], ...] = ()  # precopy: (flow index, chunk index) items to run now
+    # precopy: (flow index, DSCP of its permit's level); a flow not here goes across hosts at the lowest level's
+    classes: tuple[tuple[int, int], ...] = ()
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.kind, self.epoch, [list(g) for g in self.groups], [list(c) for c in self.chunks]],
-                             use_bin_type=True)
+        return msgpack.packb([self.kind, self.epoch, [list(g) for g in self.groups], [list(c) for c in self.chunks],
+                              [list(c) for c in self.classes]], use_bin_type=True)
 
     @staticmethod
     def decode(payload: bytes) -> NodeCommand:
-        kind, epoch, groups, chunks = msgpack.unpackb(payload, raw=False)
+        kind, epoch, groups, chunks, classes = msgpack.unpackb(payload, raw=False)
         if kind not in COMMAND_KINDS:
             raise ValueError(f"unknown node command {kind!r}")
         return NodeCommand(kind, int(epoch), tuple((int(s), int(t)) for s, t in groups),
-                           tuple((int(f), int(c)) for f, c in chunks))
+                           tuple((int(f), int(c)) for f, c in chunks), tuple((int(f), int(d)) for f, d in classes))
 
 
 @dataclass(frozen=True)
@@ -140,9 +142,12 @@ class NodeTransition:
             return ()
         return prepared.precopy.flows
 
-    def precopy(self, items: list[tuple[int, int]] | None = None, wait_build: bool = False) -> int | None:
+    def precopy(self, items: list[tuple[int, int]] | None = None, wait_build: bool = False,
+                classes: Mapping[int, int] | None = None) -> int | None:
         """Leader of an old group, between two steps: run these (flow, chunk) items on every member (default:
-        the next chunk of every unfinished flow). Returns the bytes this worker sent, None when no
+        the next chunk of every unfinished flow); across hosts each flow's chunks go in its class, `classes`
+        (flow index -> the DSCP of its permit's level), the lowest level's for a flow not in it (no permit:
+        a scripted driver). Returns the bytes this worker sent, None when no
         pre-copy is running (finished, committed or aborted). The final prepare ack also needs this
         worker's new runner: `wait_build` waits for it here once every chunk is done (a scripted
         coordinator); otherwise `poll_prepare` produces it at a later step boundary."""
@@ -152,7 +157,7 @@ class NodeTransition:
         prepared = self._prepared
         assert prepared is not None and prepared.precopy is not None
         chunks = tuple(items) if items is not None else tuple(prepared.precopy.next_items())
-        cmd = NodeCommand("precopy", prepared.epoch, chunks=chunks)
+        cmd = NodeCommand("precopy", prepared.epoch, chunks=chunks, classes=tuple(sorted((classes or {}).items())))
         self._broadcast(cmd)
         return self._run_precopy(cmd, wait_build)
 
@@ -171,7 +176,7 @@ class NodeTransition:
         if prepared is None or prepared.epoch != cmd.epoch or prepared.precopy is None:
             return 0  # aborted or committed meanwhile: nothing left to copy
         before = dict(prepared.precopy.bytes_by_path)
-        sent = prepared.precopy.run(cmd.chunks)
+        sent = prepared.precopy.run(cmd.chunks, dict(cmd.classes))
         self._count_moved({p: n - before[p] for p, n in prepared.precopy.bytes_by_path.items()})
         self._maybe_finish_prepare(prepared, wait_build=wait_build)
         return sent
@@ -555,17 +560,18 @@ class NodeTransition:
         prepared.receiving = True
 
     def _connect_remote(self, prepared: _Prepared, born: tuple[Group, ...]) -> str:
-        """Source: a TCP link to every new cache of the span on another host; a problem, or ""."""
+        """Source: a TCP link to every new cache of the span on another host; a problem, or "". Its first
+        connection is in the delta's class (STAGE_M_DSCP); pre-copy opens its permit's class at its first
+        chunk. `kv_tos` gets the IP_TOS of every connection opened, now or then."""
         targets = {w: (self.members[w].addr, self.members[w].port) for g in born for w in g.workers
                    if self.kv_path_of(self.rank, w) == "tcp"}
         if not targets:
             return ""
-        prepared.links = KvLinks()
+        prepared.links = KvLinks(on_open=self.kv_tos.append)
         try:
-            prepared.links.connect(prepared.epoch, self.rank, targets)
+            prepared.links.connect(prepared.epoch, self.rank, targets, STAGE_M_DSCP)
         except TransferError as exc:
             return f"worker {self.rank}: cannot reach a new KV cache on another host: {exc}"
-        self.kv_tos.extend(prepared.links.tos)
         return ""
 
     def _count_planned(self, epoch: int, flows: list[tuple[int, int, int]]) -> None:
