@@ -368,6 +368,7 @@ async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dic
                        return_token_ids=True, request_timeout_s=600.0)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
+    origin_unix = time.time()  # wall clock of clock() == 0, to line the timeline up with the services' logs
 
     def clock() -> float:
         return (loop.time() - t0) * 1000.0
@@ -412,7 +413,7 @@ async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dic
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     await nc.close()
-    return {"chain": chain, "windows": windows, "answers": answers,
+    return {"chain": chain, "windows": windows, "answers": answers, "origin_unix": origin_unix,
             "token_times_ms": [list(t.token_times_ms) for t in trackers],
             "streams": [{"tokens": len(t.token_times_ms), "error": t.error, "detail": t.error_detail}
                         for t in trackers]}
@@ -465,7 +466,11 @@ def build_live_report(run: dict, restart: dict, histogram: dict | None, meta: di
             "restart": {k: v for k, v in restart.items() if not k.startswith("_")},
             "coordinator_histogram_ms": histogram, "streams": run["streams"],
             "streams_failed": sum(1 for x in run["streams"] if x["error"] is not None),
-            "stalls": stalls(run["token_times_ms"], STALL_MS)}
+            "stalls": stalls(run["token_times_ms"], STALL_MS),
+            # Raw timeline (client clock, ms): each change's admin call (sent, answered) and every stream's
+            # token arrivals, for a closer look at where a gap falls.
+            "clock_origin_unix": run["origin_unix"], "windows_ms": [list(w) for w in run["windows"]],
+            "token_times_ms": run["token_times_ms"]}
 
 
 def live_main(argv: list[str]) -> int:

@@ -148,6 +148,19 @@ def test_weights_are_views_of_the_boot_store_and_nothing_is_reread(tiny_dir, nod
     assert groups[1] == [[1, 1], [0, 4], [0, 2], [0, 4], [0, 2], [1, 1], [0, 2]]
 
 
+def test_a_runner_per_level_is_built_once_and_every_change_reuses_it(node_run):
+    """Each worker constructs one runner per allowed level (its own at boot, the others ahead of any change);
+    six commits, two failed prepares and an abort construct none: a change swaps runners it already has."""
+    _, reports = node_run
+    for rep in reports:
+        assert {c["runner_builds"] for c in rep["checks"]} == {3}, rep["checks"]
+        by_group: dict[tuple[int, int], set[int]] = {}
+        for c in rep["checks"]:
+            by_group.setdefault(tuple(c["group"]), set()).add(c["runner_id"])
+        assert all(len(ids) == 1 for ids in by_group.values()), by_group  # the same object each time at a level
+        assert len({next(iter(ids)) for ids in by_group.values()}) == len(by_group)  # and one per level
+
+
 def test_every_kv_block_is_free_afterwards(node_run):
     _, reports = node_run
     # check_integrity() ran in every final leader (it raises on a broken invariant: exit code != 0).

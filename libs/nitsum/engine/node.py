@@ -50,6 +50,8 @@ The transition code itself (prepare/commit/abort, pre-copy, the command and ack 
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import deque
 from typing import Callable
 
@@ -74,12 +76,15 @@ from nitsum.engine.transition import (  # noqa: F401  (re-exported: the worker s
 from nitsum.kv.reshard import Group, KVGeometry, Topology
 from nitsum.model import loader
 from nitsum.model.loader import read_raw_config
+from nitsum.model.model import Workspace
 from nitsum.model.tokenizer import Tokenizer
 from nitsum.parallel.world import NodeWorld
 
 FailureHook = Callable[[str, int], None]
 KV_HISTORY = 4096  # entries of kv_pairs / kv_tos kept
 
+
+log = logging.getLogger("nitsum.engine.node")
 
 class NodeRuntime(NodeTransition):
     def __init__(
@@ -157,12 +162,21 @@ class NodeRuntime(NodeTransition):
         self._prepared: _Prepared | None = None
         self._prepare_done: TransitionAck | None = None
         self.engine: Engine | None = None
+        # This worker's runners for the TP levels it is not at, built ahead (see `_new_runner`).
+        self._runner_pool: dict[tuple[int, int], ModelRunner] = {}
+        self._pool_lock = threading.Lock()
+        self.runner_builds = 0  # ModelRunners this worker constructed (one per level unless a change outran `_build_ahead`)
         if engine is not None:
             self.runner, self.engine = engine.runner, engine
+            self._workspace = engine.runner.workspace
+            self.runner.node_group = (self.group.start, self.group.tp)
         else:
+            self._workspace = Workspace()
             self.runner = self._new_runner(self.group)
             if self.is_leader:
                 self.engine = self._new_engine(self.group, self.runner)
+        self._prebuild = threading.Thread(target=self._build_ahead, name="nitsum-runner-prebuild", daemon=True)
+        self._prebuild.start()
         self.last_ack: TransitionAck | None = None
         # Where the last prepare step's time went (ms since its start, cumulative): built (runner + new
         # cache), exchanged (the span's rendezvous: the wait for the slowest member), planned, mapped, agreed.
@@ -186,12 +200,61 @@ class NodeRuntime(NodeTransition):
     def _tp_group(self, group: Group):
         return self.world.group(group.start, group.tp)
 
-    def _new_runner(self, group: Group) -> ModelRunner:
+    # -- runners: one per TP level this worker may join --------------------------------------------------
+    def _new_runner(self, group: Group, with_cache: bool = True) -> ModelRunner:
+        """This worker's runner for `group`. Weights are views, so a runner is modules and rope tables; on a
+        loaded 2-core host building one took 100-400 ms of CPU and GIL, in a thread racing the old group's decode
+        steps and the prepare step's exchanges. So every level's runner is built once, ahead (`_build_ahead`,
+        at boot), and a runner a change leaves goes back to the pool (`_shelve_runner`); building here is the
+        fallback. `with_cache`: allocate its KV cache (zeros) here; else the caller attaches the one prepare made.
+        A worker sits at one aligned group per level, so (start, tp) names its runner for that level."""
+        key = (group.start, group.tp)
+        with self._pool_lock:
+            runner = self._runner_pool.pop(key, None)
+        if runner is None:
+            runner = self._build_runner(group)
+        runner.workspace = self._workspace  # one per worker (one runner computes at a time): its pages are warm
+        if with_cache and runner.kv_cache is None:
+            runner.kv_cache = torch.zeros(runner.kv_cache_shape, dtype=runner.dtype, device=runner.device)
+        return runner
+
+    def _build_runner(self, group: Group) -> ModelRunner:
         cfg = self.cfg
-        return ModelRunner(
+        with self._pool_lock:
+            self.runner_builds += 1
+        runner = ModelRunner(
             cfg.model_dir, self._tp_group(group), device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size,
             num_kv_blocks=self._num_blocks_of[group.tp], weights=self.weights, config=self.model_config,
+            allocate_kv_cache=False,
         )
+        runner.node_group = (group.start, group.tp)
+        return runner
+
+    def _shelve_runner(self, runner: ModelRunner) -> None:
+        """A runner no longer in use goes back to the pool, without its KV cache (the caller frees that)."""
+        runner.kv_cache = None
+        with self._pool_lock:
+            self._runner_pool.setdefault(runner.node_group, runner)
+
+    def wait_built_ahead(self, timeout_s: float | None = None) -> None:
+        """Until every level's runner is built (tests and benchmarks that want the steady state)."""
+        self._prebuild.join(timeout_s)
+
+    def _build_ahead(self) -> None:
+        """Boot, in a thread: this worker's runner at every other allowed level (no KV cache: a transition
+        allocates that). A failure only costs the later change the build it would have done anyway."""
+        for tp in sorted(self.world.levels):
+            group = Group(self.rank - self.rank % tp, tp)
+            with self._pool_lock:
+                if group == self.topology.group_of(self.rank) or (group.start, tp) in self._runner_pool:
+                    continue
+            try:
+                runner = self._build_runner(group)
+            except Exception:
+                log.exception("worker %d: building the TP=%d runner ahead failed (a change to it builds one)", self.rank, tp)
+                return
+            with self._pool_lock:
+                self._runner_pool.setdefault((group.start, tp), runner)
 
     def _new_engine(self, group: Group, runner: ModelRunner) -> Engine:
         return Engine(self.cfg, self._tp_group(group), runner=runner, tokenizer=self.tokenizer)
@@ -240,6 +303,7 @@ class NodeRuntime(NodeTransition):
             self._release_links(prepared)
         self._close_receiver()
         self._reaper.drain()
+        self._prebuild.join(30.0)
         for name in kv_segment.leftovers(self.node_tag):
             if name.endswith(f"-w{self.rank}"):
                 kv_segment.unlink(name)
@@ -255,8 +319,6 @@ class NodeRuntime(NodeTransition):
 
     def kv_data_plane_open(self) -> tuple[int, int]:
         """(TCP KV sockets this process holds open, KV receiver threads alive): (0, 0) between transitions."""
-        import threading
-
         from nitsum.engine.kv_tcp import THREAD_PREFIX, open_kv_sockets
 
         mine = self.members[self.rank].port

@@ -35,10 +35,13 @@ class ModelRunner:
         kv_cache_mb: int = 64,
         weights: dict[str, torch.Tensor] | ResidentWeights | None = None,
         config: loader.ModelConfig | None = None,
+        allocate_kv_cache: bool = True,
     ) -> None:
         """`weights` (full-size tensors, e.g. a shared store's, or a device's `ResidentWeights` boot copy)
         are used as they are: this rank's parameters become views of them and nothing is read from disk or
-        allocated. Without them the checkpoint is loaded."""
+        allocated. Without them the checkpoint is loaded. `allocate_kv_cache=False`: `kv_cache` stays None
+        until the owner attaches one of `kv_cache_shape` (a node worker's runners for other TP levels, built
+        ahead of any change: their cache is the one a transition allocates)."""
         self.group = group
         self.device = torch.device(group.device if group.size > 1 else device)
         self.dtype = loader.dtype_of(dtype)
@@ -69,9 +72,9 @@ class ModelRunner:
         self.num_kv_heads = loader.kv_heads_per_rank(cfg, group.size)
         self.num_kv_blocks = num_kv_blocks_for(cfg, group.size, block_size, self.dtype, num_kv_blocks, kv_cache_mb)
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, self.num_kv_blocks, block_size, self.num_kv_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
+        self.kv_cache_shape = (cfg.num_layers, 2, self.num_kv_blocks, block_size, self.num_kv_heads, cfg.head_dim)
+        self.kv_cache: torch.Tensor | None = (
+            torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device) if allocate_kv_cache else None
         )
         self.workspace = Workspace()  # reused gather buffers of the decode attention
 

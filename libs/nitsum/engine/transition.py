@@ -263,10 +263,10 @@ class NodeTransition:
                     prepared.new_cache = kv_segment.create(segment, self._cache_shape(my_new.tp), self._dtype,
                                                            reserve=False)
                     reserve = kv_segment.reserver(segment)
-                    prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new))[1])
+                    prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new, with_cache=False))[1])
                 elif self.kv_path in ("shm", "tcp"):  # only its receiver thread writes into it: private memory
                     prepared.new_cache = torch.zeros(self._cache_shape(my_new.tp), dtype=self._dtype)
-                    prepared.build = _Build(lambda: self._new_runner(my_new))
+                    prepared.build = _Build(lambda: self._new_runner(my_new, with_cache=False))
                 else:  # p2p receives into the new runner's own cache right here
                     prepared.build = _Build(lambda: self._new_runner(my_new))
                     prepared.runner = self._wait_runner(prepared)
@@ -349,7 +349,7 @@ class NodeTransition:
         runner = prepared.build.runner
         assert runner is not None
         if prepared.new_cache is not None:
-            assert tuple(runner.kv_cache.shape) == tuple(prepared.new_cache.shape), "the new cache fits the runner"
+            assert tuple(runner.kv_cache_shape) == tuple(prepared.new_cache.shape), "the new cache fits the runner"
             runner.kv_cache = prepared.new_cache
         return runner
 
@@ -358,6 +358,9 @@ class NodeTransition:
         prepared.acked = True
         if prepared.build is not None:
             prepared.build.wait()  # no thread outlives its epoch
+            if prepared.build.runner is not None:
+                self._shelve_runner(prepared.build.runner)  # without the epoch's cache: it goes with `prepared`
+                prepared.build.runner = prepared.runner = None
         self._release_links(prepared)
         if prepared.segment is not None:
             kv_segment.unlink(prepared.segment)
@@ -464,8 +467,6 @@ class NodeTransition:
             if my_new in born:
                 assert prepared.runner is not None, "a changed worker built its new runner at prepare"
                 retired = (self.runner, self.engine)
-                if prepared.runner.device == self.runner.device:
-                    prepared.runner.workspace = self.runner.workspace  # its pages are touched already
                 self.runner = prepared.runner
                 self.engine = None
                 if my_new.leader == self.rank:
@@ -478,12 +479,15 @@ class NodeTransition:
                     self.engine = engine
         # The old cache, the mappings of other workers' new caches and the pre-copy go to the reaper: freeing
         # them here (~10-20 ms of page freeing with the GIL held) was part of the pause (see engine.reaper).
+        # The old runner itself waits in the pool for the next change to its level.
         old_runner, old_engine = retired if retired is not None else (None, None)
         self._reaper.retire(
-            own=[old_runner.kv_cache] if old_runner is not None and old_runner.kv_cache is not self.runner.kv_cache else [],
+            own=[old_runner.kv_cache] if old_runner is not None else [],
             mapped=[cache for w, (cache, _) in prepared.dst_caches.items() if w != self.rank],
-            other=[old_runner, old_engine, prepared.precopy],
+            other=[old_engine, prepared.precopy],
         )
+        if old_runner is not None:
+            self._shelve_runner(old_runner)
         del old_runner, old_engine, retired
         prepared.dst_caches.clear()
         prepared.precopy = None
