@@ -100,16 +100,26 @@ class _Prepared:
 
 
 class _Build:
-    """The new runner built in a thread while the old group keeps decoding: weights are views, so this is
-    module construction and rope tables (100-400 ms on a loaded 2-core host for the ~27M model) -- time the
-    old group would otherwise not decode. Nothing needs it before commit: pre-copy writes into the new
-    cache, which prepare allocates itself (so that a lack of memory refuses the epoch in prepare)."""
+    """The new runner made ready in a thread while the old group keeps decoding: taken from the worker's pool
+    of runners built ahead (or built, when the pool has none: modules and rope tables, 100-400 ms on a loaded
+    2-core host for the ~27M model), and, in shm mode, the new cache segment's pages reserved (a 64 MiB
+    posix_fallocate is ~10-25 ms of kernel page zeroing). Nothing needs it before commit: pre-copy writes into
+    the new cache, which prepare allocates itself (so that a lack of memory refuses the epoch in prepare).
+    Prepare starts it only once the span agreed (`start`), so that this work does not compete with the
+    prepare step's exchanges -- the part of a change that stops the old group."""
 
-    def __init__(self, fn: Callable[[], ModelRunner]) -> None:
+    def __init__(self, fn: Callable[[], ModelRunner], start: bool = True) -> None:
         self.runner: ModelRunner | None = None
         self.error = ""
+        self.started = False
         self._thread = threading.Thread(target=self._run, args=(fn,), name="nitsum-prepare-build", daemon=True)
-        self._thread.start()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            self._thread.start()
 
     def _run(self, fn: Callable[[], ModelRunner]) -> None:
         try:
@@ -119,9 +129,11 @@ class _Build:
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self.started and not self._thread.is_alive()
 
     def wait(self, timeout_s: float | None = None) -> None:
+        """Until it is done (a build nobody started yet starts now)."""
+        self.start()
         self._thread.join(timeout_s)
 
 
@@ -263,10 +275,11 @@ class NodeTransition:
                     prepared.new_cache = kv_segment.create(segment, self._cache_shape(my_new.tp), self._dtype,
                                                            reserve=False)
                     reserve = kv_segment.reserver(segment)
-                    prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new, with_cache=False))[1])
+                    prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new, with_cache=False))[1],
+                                            start=False)
                 elif self.kv_path in ("shm", "tcp"):  # only its receiver thread writes into it: private memory
                     prepared.new_cache = torch.zeros(self._cache_shape(my_new.tp), dtype=self._dtype)
-                    prepared.build = _Build(lambda: self._new_runner(my_new, with_cache=False))
+                    prepared.build = _Build(lambda: self._new_runner(my_new, with_cache=False), start=False)
                 else:  # p2p receives into the new runner's own cache right here
                     prepared.build = _Build(lambda: self._new_runner(my_new))
                     prepared.runner = self._wait_runner(prepared)
@@ -325,6 +338,8 @@ class NodeTransition:
         if problems:
             self._drop(prepared)
             return TransitionAck(epoch, False, "prepare", "; ".join(problems), _ms(t0))
+        if prepared.build is not None:
+            prepared.build.start()  # after the exchanges: see _Build
         if my_old in gone:
             flows = plan_flows(plan.transfers, self._block_bytes, self.precopy_chunk_bytes)
             heads = migration.heads_of(self.model_config.num_kv_heads, my_old, self.rank)
@@ -357,7 +372,7 @@ class NodeTransition:
         """A failed prepare: nothing of it stays (runner, cache, mappings, segment name)."""
         prepared.acked = True
         if prepared.build is not None:
-            prepared.build.wait()  # no thread outlives its epoch
+            prepared.build.wait()  # no thread outlives its epoch (one not started yet runs now: it holds the reserve's fd)
             if prepared.build.runner is not None:
                 self._shelve_runner(prepared.build.runner)  # without the epoch's cache: it goes with `prepared`
                 prepared.build.runner = prepared.runner = None
