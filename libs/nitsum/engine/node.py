@@ -9,10 +9,11 @@ member applies it (`NodeRuntime.command` on the leader, `follow` on peers).
 Transition (ALGORITHMS.md §1.4), with `span` = this worker's *component* of the change: the largest changed
 group (old or new) that holds it (`kv.reshard.component_of`). Components share no worker, KV or request, so each
 runs the steps below inside its own group (2xTP2 -> 4xTP1: two splits, neither waits for the other):
-- `prepare(epoch, new)`: each changed worker allocates a fresh KV cache for its new head slice and starts
-  building its new runner (weight *views* of the boot store: no weight is read or allocated) in a thread;
-  the span all-gathers the old leaders' block tables; every worker computes the same `plan_prepare` (the
-  full blocks to move).
+- `prepare(epoch, new)`: each changed worker allocates a fresh KV cache for its new head slice; the span
+  all-gathers the old leaders' block tables; every worker computes the same `plan_prepare` (the full blocks
+  to move). Once the span agreed, a thread readies the new runner: each worker holds one runner per allowed
+  level (weight *views* of the boot store: no weight is read or allocated), built at boot (`_build_ahead`),
+  so a change takes it from the pool and, in shm mode, reserves the new segment's pages.
   KV paths are agreed once, at construction (`kv_hosts`): every worker all-gathers its host id
   (NITSUM_HOST_ID, else hostname + boot id + its /dev/shm's device), whether it can use /dev/shm, and where
   its KV receiver listens; then each (source, destination) pair has a path.
@@ -37,7 +38,9 @@ runs the steps below inside its own group (2xTP2 -> 4xTP1: two splits, neither w
   (the delta: blocks written since prepare, requests that arrived or were preempted since) and moves it
   (one-sided: shared-memory writes and acked TCP chunks, then an exchange that passes only once every
   source's bytes are written; a failed link there makes every worker keep the old topology); new leaders
-  adopt the requests into fresh engines; roles switch. This is the only pause a stream sees.
+  adopt the requests into fresh engines; roles switch. This is the only pause a stream sees. What the old
+  topology used is released after it, off the step thread: the old cache and the mappings by the reaper
+  (`reaper.py`), the old runner back into the pool.
 - `abort(epoch)`: drops the prepared state (new caches, views, mappings, TCP links and the receiver's
   session); the old topology never stopped.
 Epochs only grow: a command with an epoch at or below the committed one is refused (as is a commit of
