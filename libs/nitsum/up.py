@@ -44,6 +44,7 @@ class Child:
     log_path: Path
     process: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
+    port_retries: int = 0  # restarts because another process took the port `nitsum up` probed for it
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -189,7 +190,7 @@ def main(argv: list[str]) -> int:
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}"
     code = 0
     try:
-        code = _wait_ready(children, url, api_keys[0] if api_keys else "", args.ready_timeout, stopping)
+        code = _wait_ready(children, url, api_keys[0] if api_keys else "", args.ready_timeout, stopping, run_dir)
         if code == 0:
             print(f"nitsum up: ready in {time.monotonic() - t0:.1f} s — OpenAI-compatible API at {url}/v1 (Ctrl-C stops everything)", flush=True)
             code = _supervise(children, stopping, run_dir)
@@ -235,11 +236,32 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _wait_ready(children: list[Child], url: str, api_key: str, timeout_s: float, stopping: dict) -> int:
+MAX_PORT_RETRIES = 3
+
+
+def metrics_port_taken(child: Child) -> bool:
+    """The child could not start because the metrics port `nitsum up` probed for it was taken meanwhile (a
+    probe cannot reserve a port: another program can bind it between the probe and the child's bind)."""
+    port = child.env.get("NITSUM_METRICS_PORT", "0")
+    tail = child.tail(20)
+    return port != "0" and "address already in use" in tail and f", {port})" in tail
+
+
+def _wait_ready(children: list[Child], url: str, api_key: str, timeout_s: float, stopping: dict,
+                run_dir: Path | None = None) -> int:
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline and not stopping["flag"]:
         for child in children:
+            if child.process.poll() is not None and metrics_port_taken(child) and child.port_retries < MAX_PORT_RETRIES:
+                child.port_retries += 1
+                old, new = child.env["NITSUM_METRICS_PORT"], str(free_port())
+                child.env = {**child.env, "NITSUM_METRICS_PORT": new}
+                print(f"nitsum up: {child.name}: another process took its metrics port {old}; starting it again on {new}",
+                      file=sys.stderr, flush=True)
+                child.start()
+                if run_dir is not None:
+                    write_pids(children, run_dir)
             if child.process.poll() is not None:
                 print(f"nitsum up: {child.name} exited with code {child.process.returncode} while starting; its log ({child.log_path}):\n{child.tail()}", file=sys.stderr, flush=True)
                 return 1

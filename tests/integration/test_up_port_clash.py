@@ -1,0 +1,66 @@
+"""`nitsum up` probes a free port for each child's /metrics, but a probe reserves nothing: another program can
+bind the port before the child does. The child then cannot start; `nitsum up` starts it again on a new port
+instead of giving up on the whole mesh (seen on a shared machine: worker-3's port taken by a test run)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.request
+
+from nitsum.natsserver import free_port
+from nitsum.up import Child, _wait_ready
+
+
+def test_a_child_whose_metrics_port_was_taken_starts_again_on_another(nats_server, tmp_path):
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("0.0.0.0", 0))
+    squatter.listen(1)
+    taken = squatter.getsockname()[1]
+    env = {**os.environ, "NITSUM_NATS_URL": nats_server.url, "NITSUM_METRICS_PORT": str(taken),
+           "PYTHONUNBUFFERED": "1"}
+    child = Child("coordinator", "coordinator", env, tmp_path / "coordinator.log")
+    child.start()
+    try:
+        # Nothing serves this URL: _wait_ready runs to its deadline, restarting the child on the way.
+        code = _wait_ready([child], f"http://127.0.0.1:{free_port()}", "", 20.0, {"flag": False}, tmp_path)
+        assert code == 1
+        log = child.log_path.read_text()
+        assert "address already in use" in log and f", {taken})" in log, log  # the first start did fail on it
+        assert child.port_retries == 1
+        port = int(child.env["NITSUM_METRICS_PORT"])
+        assert port != taken
+        assert child.process.poll() is None, log  # the second start is running
+        assert (tmp_path / "processes.json").read_text() == f'{{"coordinator": {child.process.pid}}}'
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+                    assert resp.status == 200
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    finally:
+        squatter.close()
+        if child.process.poll() is None:
+            child.process.terminate()
+            child.process.wait(timeout=20)
+
+
+def test_a_failure_that_is_not_a_port_clash_is_not_retried(nats_server, tmp_path):
+    env = {**os.environ, "NITSUM_NATS_URL": nats_server.url, "NITSUM_METRICS_PORT": str(free_port()),
+           "NITSUM_HEARTBEAT_TIMEOUT_MS": "-5"}  # a bad setting: the child exits at once, with a clear error
+    child = Child("coordinator", "coordinator", env, tmp_path / "coordinator.log")
+    child.start()
+    try:
+        assert _wait_ready([child], f"http://127.0.0.1:{free_port()}", "", 60.0, {"flag": False}, tmp_path) == 1
+        assert child.process.poll() is not None and child.port_retries == 0
+        assert "NITSUM_HEARTBEAT_TIMEOUT_MS" in child.log_path.read_text()
+    finally:
+        if child.process.poll() is None:
+            child.process.kill()
+            child.process.wait()
