@@ -322,11 +322,12 @@ class Coordinator:
         """Every policy epoch: topology decisions and shedding."""
         period_s = self.config.reconfig_interval_ms / 1000.0
         while not self.ctx.stop.is_set():
-            # An epoch ends when its period is over, or early on a queue event (see on_submit).
-            try:
-                await asyncio.wait_for(self.trigger.wait(), timeout=period_s)
-            except asyncio.TimeoutError:
-                pass
+            # An epoch ends when its period is over, or early on a queue event (see on_submit) -- or at stop (a
+            # long NITSUM_RECONFIG_INTERVAL_MS must not hold the service's shutdown).
+            waits = {asyncio.ensure_future(self.trigger.wait()), asyncio.ensure_future(self.ctx.stop.wait())}
+            await asyncio.wait(waits, timeout=period_s, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
             self.trigger.clear()
             if self.ctx.stop.is_set():
                 break

@@ -8,6 +8,7 @@ rebuilds its tables from them, so streams in flight keep going across a coordina
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from nitsum.config import CoordinatorConfig, ConfigError
 from nitsum.policy.registry import make_policy
@@ -15,6 +16,9 @@ from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import SubmitRequest, WorkerStats
 from nitsum_services.coordinator.admin import AdminPlane
 from nitsum_services.coordinator.core import Coordinator, policy_config
+
+log = logging.getLogger("nitsum.coordinator")
+STOP_LOOPS_TIMEOUT_S = 2.0
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -34,7 +38,11 @@ async def body(ctx: ServiceContext) -> None:
              asyncio.create_task(coordinator.reforms.run(ctx.stop))}
 
     async def stop_loops() -> None:
-        await asyncio.wait(tasks, timeout=2.0)
+        _done, pending = await asyncio.wait(tasks, timeout=STOP_LOOPS_TIMEOUT_S)
+        for task in pending:  # a loop that does not watch ctx.stop: a bug, said out loud
+            log.warning("coordinator: %s did not stop within %.0f s of the stop; cancelled",
+                        task.get_coro().__qualname__, STOP_LOOPS_TIMEOUT_S)
+            task.cancel()
 
     ctx.drain_hooks.append(stop_loops)
 
