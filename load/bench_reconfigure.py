@@ -550,6 +550,7 @@ def live_main(argv: list[str]) -> int:
     (out / "report.json").write_text(text)
     if args.json:
         args.json.write_text(text)
+    write_timeline_plot(report, out / "timeline.png")
     rs = report["restart"]
     print(f"nitsum bench reconfigure (live): 4 CPU workers, model {args.model} ({store_bytes / 1e6:.1f} MB "
           f"fp32), {args.requests} greedy streams, {meta['machine']}; steady token gap {_fmt(report['steady_gap_ms'])} ms")
@@ -570,8 +571,40 @@ def live_main(argv: list[str]) -> int:
     worst = max((r["stream_pause_steps"] or 0.0) for r in report["rows"])
     least = min((r["speedup"] or 0.0) for r in report["rows"])
     print(f"goals: speedup >= 100x: {'met' if least >= 100 else 'NOT met'} (lowest {least:.0f}x); "
-          f"stream pause <= 2 steps: {'met' if worst <= 2 else 'NOT met'} (worst {worst:.1f}); report in {out}")
+          f"stream pause <= 2 steps: {'met' if worst <= 2 else 'NOT met'} (worst {worst:.1f}); report in {out} "
+          f"(timeline.png: every stream's inter-token gaps across the changes)")
     return 0
+
+
+def write_timeline_plot(report: dict, path: Path) -> None:
+    """Every stream's inter-token gaps over the run (a point per token, at its arrival), each change's admin
+    call shaded and labelled with its stream pause, the steady gaps of the stretches between changes dashed."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    ax = fig.subplots()
+    for i, times in enumerate(report["token_times_ms"]):
+        pts = [(b / 1000.0, b - a) for a, b in zip(times, times[1:])]
+        if pts:
+            ax.plot([t for t, _ in pts], [g for _, g in pts], ".", markersize=3, color=f"C{i % 10}", label=f"stream {i}")
+    windows = report["windows_ms"]
+    for k, ((start, end), row) in enumerate(zip(windows, report["rows"])):
+        ax.axvspan(start / 1000.0, end / 1000.0, color="tab:orange", alpha=0.25)
+        pause = row.get("stream_pause_steps")
+        ax.annotate(f"{row['transition']}\ntotal {row['total_ms']:.0f} ms, pause {_fmt(pause, '.1f')} steps",
+                    (start / 1000.0, 1.0 - 0.09 * (k % 2)), xycoords=("data", "axes fraction"), fontsize=7, va="top")
+        until = windows[k + 1][0] if k + 1 < len(windows) else None
+        steady = row.get("steady_gap_after_ms")
+        if steady and until is not None:
+            ax.hlines(steady, end / 1000.0, until / 1000.0, colors="gray", linestyles="dashed", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds since the streams started")
+    ax.set_ylabel("gap to the previous token (ms, log)")
+    ax.set_title(f"nitsum bench reconfigure ({report['model']}): inter-token gaps; shaded = a TP change's admin call; "
+                 "dashed = steady gap at the new TP")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.savefig(path, dpi=110)
 
 
 # ---------------------------------------------------------------- engine level (`--engine`)

@@ -36,3 +36,8 @@ def test_live_reconfigure_writes_a_report(tmp_path):
     assert any(row["restart_ms"] is not None for row in report["rows"])
     hist = report["coordinator_histogram_ms"]
     assert hist is not None and hist["total"]["count"] == 5 and hist["prepare"]["count"] == 5
+    # The raw timeline and its plot: a window per change, every stream's tokens in arrival order.
+    assert len(report["windows_ms"]) == 5 and all(s < e for s, e in report["windows_ms"])
+    assert len(report["token_times_ms"]) == 2
+    assert all(times == sorted(times) and len(times) > 5 for times in report["token_times_ms"])
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
