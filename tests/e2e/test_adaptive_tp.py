@@ -17,6 +17,7 @@ import pytest
 
 from tests.e2e.conftest import start_mesh, stop_mesh
 from tests.e2e.harness import prompts, stream_completion
+from tests.greedy_ties import check_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -31,12 +32,16 @@ MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "n
 
 
 @pytest.fixture(scope="module")
-def mesh4(tmp_path_factory):
+def mid_dir(tmp_path_factory):
     from nitsum.model.tiny import make_tiny
 
+    return make_tiny(tmp_path_factory.mktemp("mid") / "mid", config_overrides=MID)
+
+
+@pytest.fixture(scope="module")
+def mesh4(tmp_path_factory, mid_dir):
     tmp = tmp_path_factory.mktemp("adaptive")
-    model = make_tiny(tmp / "mid", config_overrides=MID)
-    mesh = start_mesh(tmp, devices=4, extra_args=("--model", str(model)), env_extra={"NITSUM_FAULT_PREPARE_EPOCH": "4", "NITSUM_RECONFIG_INTERVAL_MS": "600000"})
+    mesh = start_mesh(tmp, devices=4, extra_args=("--model", str(mid_dir)), env_extra={"NITSUM_FAULT_PREPARE_EPOCH": "4", "NITSUM_RECONFIG_INTERVAL_MS": "600000"})
     yield mesh
     stop_mesh(mesh.process)
 
@@ -118,7 +123,7 @@ async def _run(mesh, changes: list[str] | None):
     return results, reports
 
 
-def test_streams_survive_merge_and_split_with_identical_tokens(mesh4):
+def test_streams_survive_merge_and_split_with_identical_tokens(mesh4, mid_dir):
     assert topology_of(admin(mesh4, "status")) == [(0, 1), (1, 1), (2, 1), (3, 1)]
     permits_before = metric(mesh4, "flow-scheduler", "nitsum_flow_permits_total", stage="M")
     # Setting the topology by hand pins the node: the policy leaves it alone until the next set-policy.
@@ -131,10 +136,11 @@ def test_streams_survive_merge_and_split_with_identical_tokens(mesh4):
     assert all(min(r.token_ids and [len(r.token_ids)]) for r in results)
     assert [r["ok"] for r in reports] == [True, True, True], reports
     assert [r["transition"]["topology"] for r in reports] == [MERGE4, SPLIT2, TP1]
-    for ref, got, n in zip(reference, results, LENGTHS):
+    # Seed 5's stream 3 has a near-tie at output token 22 (top-2 margin 4e-6 of the logit scale): it may part there.
+    for prompt, ref, got, n in zip(prompts(len(LENGTHS), seed=5), reference, results, LENGTHS):
         assert got.status == 200 and got.error is None
         assert len(got.token_ids) == n  # no duplicated, no missing token
-        assert got.token_ids == ref.token_ids
+        check_greedy(mid_dir, prompt, got.token_ids, ref.token_ids, got.request_id)
     # Afterwards every block is free again on every group leader.
     deadline = time.monotonic() + 20
     while True:

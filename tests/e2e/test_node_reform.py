@@ -20,12 +20,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from tests.e2e.conftest import start_mesh, stop_mesh
 from tests.e2e.harness import prompts, stream_completion
+from tests.greedy_ties import check_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -35,14 +38,14 @@ TP1 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 MERGE4 = "[0-3 TP4 hybrid]"
 
 
-def assert_exact(results, expected, lengths=None) -> None:
+def assert_exact(results, expected: "Reference", lengths=None) -> None:
     """Every stream answered 200 with the reference tokens (and, given lengths, that many: no duplicated, no
-    missing token)."""
-    for i, (got, ref) in enumerate(zip(results, expected)):
+    missing token); a stream may part from the reference only at a near-tie of its logits (`check_greedy`)."""
+    for i, (got, ref) in enumerate(zip(results, expected.tokens)):
         assert got.status == 200 and got.error is None, got
         if lengths is not None:
             assert len(got.token_ids) == lengths[i]
-        assert got.token_ids == ref
+        check_greedy(expected.model_dir, expected.prompts[i], got.token_ids, ref, got.request_id)
 
 
 def merge_and_stream(mesh, expected_after) -> None:
@@ -56,12 +59,19 @@ LENGTHS = [160, 200, 240, 180, 220, 140]
 AFTER_LENGTHS = [40, 60, 50, 30]
 
 
-def reference_tokens(model_dir, batch, lengths) -> list[list[int]]:
+@dataclass
+class Reference:
+    model_dir: Path
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+
+
+def reference_tokens(model_dir, batch, lengths) -> Reference:
     """The same greedy requests on one in-process TP=1 engine: what every stream must produce."""
     from nitsum.engine import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=512))
-    return engine.generate(batch, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    return Reference(model_dir, batch, engine.generate(batch, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]))
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +290,8 @@ def test_streams_rerouted_by_the_loss_keep_their_tokens_across_a_merge_after_the
     each request, re-submitted ones included, moves to the TP4 leader and its stream continues at the right index
     (the coordinator told every worker of the node each re-submitted request's offset): exact tokens, none lost."""
     model, _, _ = mid_model
-    batch = prompts(len(LONG), seed=22)  # seed 21: request 3 differs from the in-process engine at index 165 even on a mesh without any fault or change
+    # (Seed 21's request 3 has a near-tie at output token 165: see tests/greedy_ties.py.)
+    batch = prompts(len(LONG), seed=22)
     expected = reference_tokens(model, batch, LONG)
     with running_mesh(tmp_path, model) as (mesh, port):
         assert asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))["ok"]  # pins the node
@@ -304,12 +315,11 @@ def test_streams_rerouted_by_the_loss_keep_their_tokens_across_a_merge_after_the
         results, _ = asyncio.run(stream_batch(mesh, batch, LONG, during=kill_reform_merge))
         assert seen["answer"]["ok"] is True and seen["answer"]["transition"]["changed"] is True, seen["answer"]
         rerouted = rerouted_streams(mesh)
-        for got, ref, n, at_merge in zip(results, expected, LONG, seen["at_merge"]):
+        for prompt, got, ref, n, at_merge in zip(batch, results, expected.tokens, LONG, seen["at_merge"]):
             assert got.status == 200 and got.error is None, got
             assert len(got.token_ids) == n  # no duplicated, no missing token
-            first = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref)) if a != b), None)
-            assert first is None, (got.request_id, f"first difference at {first}", f"{at_merge} tokens at the merge",
-                                   f"re-routed with {rerouted.get(got.request_id)}")
+            check_greedy(model, prompt, got.token_ids, ref,
+                         f"{got.request_id} ({at_merge} tokens at the merge, re-routed with {rerouted.get(got.request_id)})")
         # The case this test is for happened: a stream re-routed from the victim was still running at the merge.
         ids = [r.request_id for r in results]
         moving = [i for i, rid in enumerate(ids) if rid in rerouted and seen["at_merge"][i] < LONG[i]]
