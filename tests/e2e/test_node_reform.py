@@ -171,8 +171,9 @@ async def stream_batch(mesh, batch, lengths, during=None):
 
 def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     mesh, port, expected, expected_after = mid_mesh
-    st = status(mesh)
-    assert all(w["in_world"] and w["generation"] == 0 for w in st["workers"]) and len(st["workers"]) == 4
+    # /ready means one worker serves; the others may still be registering.
+    st = wait_for(mesh, lambda s: len(s["workers"]) == 4, "the four workers did not register")
+    assert all(w["in_world"] and w["generation"] == 0 for w in st["workers"])
     assert asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))["ok"]  # pins the node: only the test changes it
     victim_pid = pids(mesh)["worker-0"]
 

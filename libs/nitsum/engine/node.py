@@ -391,6 +391,11 @@ class NodeRuntime(NodeTransition):
 
         groups = self.world._groups  # (start, tp) -> process group (None at TP=1: there is nothing to drop)
         doomed = [key for key, pg in groups.items() if pg is not None and (keep is None or key != (keep.start, keep.tp))]
+        # The runners built ahead for other levels hold their groups too (a TP=1 runner holds none).
+        self._prebuild.join()
+        with self._pool_lock:
+            for key in [k for k in self._runner_pool if k in doomed]:
+                del self._runner_pool[key]
         for key in doomed:
             dist.destroy_process_group(groups.pop(key))
         gc.collect()  # runners and engines of a failed step may sit in reference cycles
