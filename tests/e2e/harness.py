@@ -220,3 +220,41 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
         length = 4 + (i * 7 + seed) % 40
         out.append([3 + (i * 31 + j * 17 + seed) % 250 for j in range(length)])
     return out
+
+
+def counter_total(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus counter's samples whose labels include `labels` (0 when absent)."""
+    import re
+
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def stream_across_changes(url: str, batch: list[list[int]], lengths: list[int], changes, change,
+                                timeout_s: float = 300.0):
+    """Stream the batch; once every stream has a token, `await change(c)` for each of `changes` in turn, letting
+    every stream move on before the next. Returns (stream results, the changes' answers)."""
+    counts = [0] * len(batch)
+    answers = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        def tracker(i):
+            def on_token(n):
+                counts[i] = n
+            return on_token
+
+        tasks = [asyncio.create_task(stream_completion(session, url, p, n, on_token=tracker(i)))
+                 for i, (p, n) in enumerate(zip(batch, lengths))]
+        for c in changes or []:
+            while min(counts) < 1 and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            answers.append(await change(c))
+            marks = list(counts)
+            while any(k <= m and k < n for k, m, n in zip(counts, marks, lengths)) and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+        results = await asyncio.gather(*tasks)
+    return results, answers

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 import sys
 import time
 
-import aiohttp
 import pytest
 
 from tests.e2e.conftest import start_mesh, stop_mesh
-from tests.e2e.harness import prompts, stream_completion
+from tests.e2e.harness import counter_total, prompts, stream_across_changes
 from tests.greedy_ties import check_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -76,14 +74,7 @@ def metric(mesh, service: str, name: str, **labels: str) -> float:
     import urllib.request
 
     port = service_env(mesh, service)["NITSUM_METRICS_PORT"]
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
-            if all(got.get(k) == v for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    return counter_total(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode(), name, **labels)
 
 
 def kv_segments_of(mesh) -> list[str]:
@@ -101,26 +92,10 @@ LENGTHS = [120, 160, 200, 240, 280, 140]
 
 async def _run(mesh, changes: list[str] | None):
     """Stream the batch; when every stream has tokens, apply each topology change in turn."""
-    batch = prompts(len(LENGTHS), seed=5)
-    counts = [0] * len(batch)
-    reports = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        def tracker(i):
-            def on_token(n):
-                counts[i] = n
-            return on_token
+    async def change(c):
+        return await admin_async(mesh, "set-topology", {"topology": c, "id": f"t-{c}-{time.monotonic()}"})
 
-        tasks = [asyncio.create_task(stream_completion(session, mesh.url, p, n, on_token=tracker(i))) for i, (p, n) in enumerate(zip(batch, LENGTHS))]
-        for change in changes or []:
-            while min(counts) < 1 and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.01)
-            reports.append(await admin_async(mesh, "set-topology", {"topology": change, "id": f"t-{change}-{time.monotonic()}"}))
-            marks = list(counts)
-            # let every stream move on before the next change
-            while any(c <= m and c < n for c, m, n in zip(counts, marks, LENGTHS)) and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.01)
-        results = await asyncio.gather(*tasks)
-    return results, reports
+    return await stream_across_changes(mesh.url, prompts(len(LENGTHS), seed=5), LENGTHS, changes, change)
 
 
 def test_streams_survive_merge_and_split_with_identical_tokens(mesh4, mid_dir):

@@ -8,16 +8,14 @@ with the faults, is tests/model/test_cross_host_kv.py.)"""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import urllib.request
 
-import aiohttp
 import pytest
 
 from nitsum.natsserver import NatsServer, free_port
 from nitsum.up import _free_port_span
-from tests.e2e.harness import ManualMesh, _admin, prompts, stream_completion
+from tests.e2e.harness import ManualMesh, _admin, counter_total, prompts, stream_across_changes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -54,37 +52,14 @@ def mesh(tmp_path_factory):
 
 
 def metric(mesh: ManualMesh, service: str, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(mesh.metrics_url(service), timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
-            if all(got.get(k) == v for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    return counter_total(urllib.request.urlopen(mesh.metrics_url(service), timeout=10).read().decode(), name, **labels)
 
 
 async def _run(mesh: ManualMesh, changes: list[str]):
-    batch = prompts(len(LENGTHS), seed=9)
-    counts = [0] * len(batch)
-    answers = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as session:
-        def tracker(i):
-            def on_token(n):
-                counts[i] = n
-            return on_token
+    async def change(c):
+        return await _admin(mesh.nats.url, "set-topology", {"topology": c, "id": f"x-{c}-{time.monotonic()}"})
 
-        tasks = [asyncio.create_task(stream_completion(session, mesh.url, p, n, on_token=tracker(i)))
-                 for i, (p, n) in enumerate(zip(batch, LENGTHS))]
-        for change in changes:
-            while min(counts) < 1 and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.01)
-            answers.append(await _admin(mesh.nats.url, "set-topology", {"topology": change, "id": f"x-{change}-{time.monotonic()}"}))
-            marks = list(counts)
-            while any(c <= m and c < n for c, m, n in zip(counts, marks, LENGTHS)) and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.01)
-        results = await asyncio.gather(*tasks)
-    return results, answers
+    return await stream_across_changes(mesh.url, prompts(len(LENGTHS), seed=9), LENGTHS, changes, change, timeout_s=240)
 
 
 def test_kv_moves_over_tcp_between_hosts_and_shared_memory_inside_one_and_tokens_are_unchanged(mesh):
