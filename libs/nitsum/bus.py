@@ -160,14 +160,18 @@ class Bus:
         """
         loop = asyncio.get_running_loop()
         if not self._echo_subject:
-            self._echo_subject = self.nc.new_inbox()
+            subject = self.nc.new_inbox()
 
             async def on_echo(msg: Msg) -> None:
                 waiter = self._echo_waiters.pop(msg.data, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
 
-            await self.nc.subscribe(self._echo_subject, cb=on_echo)
+            try:
+                await self.nc.subscribe(subject, cb=on_echo)
+            except (nats.errors.Error, ConnectionError) as exc:  # closed or draining: said as the Bus says it
+                raise BusError(f"{self.name}: cannot reach NATS: {exc}") from None
+            self._echo_subject = subject  # only once subscribed: a failed attempt is retried next time
         self._echo_seq += 1
         token = str(self._echo_seq).encode()
         waiter = loop.create_future()

@@ -15,7 +15,14 @@ from nitsum.wire.messages import WorkerStats
 @dataclass
 class WorkerRecord:
     stats: WorkerStats
-    last_seen_s: float
+    last_seen_s: float  # its last heartbeat, as heard (re-formation's freshness check reads this)
+    # Where its silence is counted from: its last heartbeat, moved later by `Membership.credit` for time the
+    # coordinator could not hear anyone (last_seen_s stays the true time: a credit is not a heartbeat).
+    silence_from_s: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.silence_from_s < 0:
+            self.silence_from_s = self.last_seen_s
     # request id -> time it was routed here; kept until a later heartbeat no longer lists it
     assigned: dict[str, float] = field(default_factory=dict)
     draining_by_admin: bool = False
@@ -72,7 +79,7 @@ class Membership:
             s = record.stats
             stats = replace(stats, tp=s.tp, group_id=s.group_id, leader=s.leader, epoch=s.epoch)
         record.stats = stats
-        record.last_seen_s = now_s
+        record.last_seen_s = record.silence_from_s = now_s
         if stats.state == "stopped":
             self.workers.pop(stats.worker_id, None)
             return lost
@@ -118,15 +125,17 @@ class Membership:
 
     def silent(self, now_s: float) -> list[str]:
         """Workers silent for longer than the heartbeat timeout at `now_s` (what `expire` would remove)."""
-        return [w for w, record in self.workers.items() if now_s - record.last_seen_s > self.heartbeat_timeout_s]
+        return [w for w, record in self.workers.items() if now_s - record.silence_from_s > self.heartbeat_timeout_s]
 
     def credit(self, seconds: float, now_s: float) -> None:
         """Time during which the coordinator could not have heard anyone (its own process or machine stalled,
-        NATS did not answer) does not count as silence: every worker's last-seen time moves `seconds` later,
-        never past `now_s`. `credit(math.inf, now_s)` counts every worker's silence from `now_s`."""
+        NATS did not answer) does not count as silence: where every worker's silence is counted from moves
+        `seconds` later, never past `now_s`. `credit(math.inf, now_s)` counts every worker's silence from
+        `now_s`. Its last heartbeat (`last_seen_s`) does not move: a worker that died during the stall must not
+        look freshly heard (re-formation admits only workers heard within a moment)."""
         for record in self.workers.values():
-            if record.last_seen_s < now_s:
-                record.last_seen_s = min(record.last_seen_s + seconds, now_s)
+            if record.silence_from_s < now_s:
+                record.silence_from_s = min(record.silence_from_s + seconds, now_s)
 
     def expire(self, now_s: float) -> list[tuple[str, tuple[str, ...]]]:
         """Workers silent for longer than the timeout: removed, with the requests they held."""

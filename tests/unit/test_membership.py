@@ -56,8 +56,10 @@ def test_credit_moves_every_last_seen_later_but_never_past_now():
     m.on_stats(_stats("w1", device=1), 2.9)  # heard right after a stall, before the watch noticed it
     # The coordinator did not run from 0.25 to 3.0: 2.5 s beyond its period is nobody's silence.
     m.credit(2.5, now_s=3.0)
-    assert m.workers["w0"].last_seen_s == 2.5
-    assert m.workers["w1"].last_seen_s == 3.0  # capped at now: its silence is judged from now on, no later
+    assert m.workers["w0"].silence_from_s == 2.5
+    assert m.workers["w1"].silence_from_s == 3.0  # capped at now: its silence is judged from now on, no later
+    # The heartbeats themselves are what they were: a credit is not a sign of life (re-formation reads these).
+    assert (m.workers["w0"].last_seen_s, m.workers["w1"].last_seen_s) == (0.0, 2.9)
     assert m.expire(now_s=3.0) == [] and m.silent(3.4) == []
     # A worker that is really gone is still lost, one timeout after the credited time.
     m.on_stats(_stats("w1", device=1), 3.5)
@@ -70,7 +72,8 @@ def test_credit_of_everything_counts_silence_from_now():
     m.on_stats(_stats("w0"), 0.0)
     m.on_stats(_stats("w1", device=1), 4.0)
     m.credit(math.inf, now_s=5.0)  # NATS answers again after not answering
-    assert {w: r.last_seen_s for w, r in m.workers.items()} == {"w0": 5.0, "w1": 5.0}
+    assert {w: r.silence_from_s for w, r in m.workers.items()} == {"w0": 5.0, "w1": 5.0}
+    assert {w: r.last_seen_s for w, r in m.workers.items()} == {"w0": 0.0, "w1": 4.0}
     assert m.expire(5.9) == []
     assert [w for w, _ in m.expire(6.1)] == ["w0", "w1"]
 
@@ -80,7 +83,7 @@ def test_credit_without_workers_or_time_changes_nothing():
     m.credit(10.0, now_s=1.0)
     m.on_stats(_stats("w0"), 1.0)
     m.credit(0.0, now_s=5.0)
-    assert m.workers["w0"].last_seen_s == 1.0 and m.silent(5.0) == ["w0"]
+    assert m.workers["w0"].silence_from_s == 1.0 and m.silent(5.0) == ["w0"]
 
 
 def test_a_new_instance_under_the_same_id_is_a_loss():

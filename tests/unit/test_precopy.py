@@ -103,6 +103,9 @@ def test_segment_of_another_size_is_refused_and_a_stale_one_is_replaced():
         reserve()
         seg[-1, -1] = 3.0
         assert seg.sum().item() == 3.0
+        with pytest.raises(OSError):
+            reserve()  # made once; its descriptor is closed
+        reserve.close()  # idempotent
     finally:
         kv_segment.unlink(sparse)
     assert kv_segment.leftovers(tag) == []

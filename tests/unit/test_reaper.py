@@ -6,6 +6,8 @@ import math
 import os
 import sys
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -84,3 +86,18 @@ def test_reaper_drops_references_in_its_own_thread_and_drain_waits():
     reaper.retire(other=[Marker()])
     reaper.drain()
     assert dropped_in == ["test-reaper", "test-reaper"]
+
+
+def test_nothing_retired_stays_alive_after_its_release():
+    """The reaper keeps no reference to what it released (on CUDA an old cache kept alive until the next retire
+    would hold a whole cache's device memory)."""
+    reaper = Reaper("test-reaper-refs")
+    own, m1, m2 = torch.zeros(1 << 18), torch.zeros(1 << 18), torch.zeros(1 << 18)
+    refs = [weakref.ref(t) for t in (own, m1, m2)]
+    reaper.retire(own=[own], mapped=[m1, m2], other=[])
+    del own, m1, m2
+    deadline = time.monotonic() + 30  # a hang guard: the thread runs this at once
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(r() is None for r in refs)  # freed while the reaper thread still runs (not drained)
+    reaper.drain()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -74,18 +73,32 @@ def create(name: str, shape: tuple[int, ...], dtype: torch.dtype, reserve: bool 
         raise
 
 
-def reserver(name: str) -> Callable[[], None]:
-    """For a segment created sparse: a call that backs every page of it (OSError when /dev/shm ran out
-    meanwhile). The descriptor is opened now, so the call still works after the name is unlinked."""
-    fd = os.open(_path(name), os.O_RDWR)
+class Reserver:
+    """For a segment created sparse: calling it backs every page (OSError when /dev/shm ran out meanwhile);
+    `close` gives the descriptor back without reserving (the segment is being dropped). The descriptor is
+    opened at construction, so either still works after the name is unlinked; each closes it, once."""
 
-    def reserve() -> None:
+    def __init__(self, name: str) -> None:
+        self._fd: int | None = os.open(_path(name), os.O_RDWR)
+
+    def __call__(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise OSError("the segment's reservation was already made or given up")
         try:
             os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
         finally:
             os.close(fd)
 
-    return reserve
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def reserver(name: str) -> Reserver:
+    """The `Reserver` of segment `name` (opened now, before its name is unlinked)."""
+    return Reserver(name)
 
 
 def attach(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -85,6 +85,10 @@ LOWEST_DSCP = DSCP_LE
 # Connect + hello, and then one frame or one ack: below the node world's collective timeout (30 s by default),
 # so that a stuck link fails as a link (the span refuses the epoch) before the span's exchange times out.
 CONNECT_TIMEOUT_S = 10.0
+# A class opened at its first chunk, from the old group's step thread: the peer already answered in prepare (in
+# the delta's class), so a slow connect here is the path refusing this class -- it must not stall decoding for
+# long; the flow then fails and the prepare is refused (the old topology keeps serving).
+LAZY_CONNECT_TIMEOUT_S = 2.0
 IO_TIMEOUT_S = 10.0
 ERROR_PEEK_S = 0.5  # after a failed write: how long to look for the receiver's ERROR that explains it
 MAX_ERRORS = 256  # what a receiver keeps of its refusals (each is logged too)
@@ -524,7 +528,7 @@ class KvLink:
         """The pair's connection in class `dscp`, opened now if it is the first chunk of that class."""
         conn = self.conns.get(dscp)
         if conn is None:
-            conn = self._open(dscp, CONNECT_TIMEOUT_S)
+            conn = self._open(dscp, LAZY_CONNECT_TIMEOUT_S)
             conn.sock.settimeout(IO_TIMEOUT_S)
         return conn
 

@@ -301,7 +301,9 @@ class NodeRuntime(NodeTransition):
         thread go too) and close the KV receiver's listening socket."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None and prepared.build is not None:
-            prepared.build.wait()
+            prepared.build.finish()
+            if prepared.build.runner is not None:
+                self._shelve_runner(prepared.build.runner)
         if prepared is not None:
             self._release_links(prepared)
         self._close_receiver()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             "runner_id": id(runtime.runner), "runner_builds": runtime.runner_builds,
             "views_of_store": all(holder.contains(p) for p in params), "num_params": len(params),
             "bytes_read": loader.bytes_read, "kv_segments": kv_segment.leftovers(runtime.node_tag),
+            "kv_segment_fds": _segment_fds(),
             "kv_data_plane": list(runtime.kv_data_plane_open()),
         })
 
@@ -213,8 +215,21 @@ def _after(report: dict, ack, check, runtime: NodeRuntime) -> None:
         check("commit")
     elif ack.phase == "abort":
         report.setdefault("abort_kv_segments", []).append([ack.epoch, kv_segment.leftovers(report["node_tag"])])
+        report.setdefault("abort_kv_segment_fds", []).append([ack.epoch, _segment_fds()])
     if ack.phase == "abort" or not ack.ok:
         report.setdefault("failed_kv_data_plane", []).append([ack.phase, ack.epoch, list(runtime.kv_data_plane_open())])
+
+
+def _segment_fds() -> int:
+    """File descriptors of this process open on a KV segment (a reservation made or given up closes its own)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        count += os.path.basename(target).startswith(kv_segment.SEGMENT_PREFIX)
+    return count
 
 
 def _record_ack(report: dict, tick: int, ack) -> None:

@@ -92,15 +92,20 @@ class Reaper:
             item = self._queue.get()
             if item is None:
                 return
-            own, mapped, other = item
-            try:
-                for t in own:
-                    self.bytes_released += release_pages(t, own=True)
-                for t in mapped:
-                    release_pages(t, own=False)
-            except Exception:  # never let a release kill the thread: the drop below frees it anyway
-                log.exception("releasing retired KV memory")
-            del own, mapped, other, item
+            self._release(*item)
+            del item  # nothing of it may outlive this turn (the thread then waits, maybe for hours)
+
+    def _release(self, own: list[torch.Tensor], mapped: list[torch.Tensor], other: list[Any]) -> None:
+        """One retire's memory; every reference it got goes with this frame (a loop variable left in `_run`
+        kept the last tensor alive -- on CUDA a whole old cache -- until the next retire)."""
+        try:
+            for t in own:
+                self.bytes_released += release_pages(t, own=True)
+            for t in mapped:
+                release_pages(t, own=False)
+        except Exception:  # never let a release kill the thread: the drop below frees it anyway
+            log.exception("releasing retired KV memory")
+        own.clear(), mapped.clear(), other.clear()
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until everything retired so far is released (the thread stops; a later retire restarts it)."""

@@ -106,15 +106,29 @@ class _Build:
     posix_fallocate is ~10-25 ms of kernel page zeroing). Nothing needs it before commit: pre-copy writes into
     the new cache, which prepare allocates itself (so that a lack of memory refuses the epoch in prepare).
     Prepare starts it only once the span agreed (`start`), so that this work does not compete with the
-    prepare step's exchanges -- the part of a change that stops the old group."""
+    prepare step's exchanges -- the part of a change that stops the old group. (Pre-copy may then write into
+    pages not reserved yet; /dev/shm's room was checked when the segment was created, and only another
+    program filling it in these milliseconds could make such a write fail.)"""
 
-    def __init__(self, fn: Callable[[], ModelRunner], start: bool = True) -> None:
+    def __init__(self, fn: Callable[[], ModelRunner], start: bool = True,
+                 cancel: Callable[[], None] | None = None) -> None:
         self.runner: ModelRunner | None = None
         self.error = ""
         self.started = False
+        self._cancel = cancel
         self._thread = threading.Thread(target=self._run, args=(fn,), name="nitsum-prepare-build", daemon=True)
         if start:
             self.start()
+
+    def finish(self) -> None:
+        """A prepare that failed or is dropped: wait for a started build; one never started is given up
+        (`cancel`: e.g. the reserve's descriptor closed) rather than run for nothing."""
+        if self.started:
+            self._thread.join()
+        elif self._cancel is not None:
+            self.started = True  # nothing may start it now
+            cancel, self._cancel = self._cancel, None
+            cancel()
 
     def start(self) -> None:
         if not self.started:
@@ -276,7 +290,7 @@ class NodeTransition:
                                                            reserve=False)
                     reserve = kv_segment.reserver(segment)
                     prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new, with_cache=False))[1],
-                                            start=False)
+                                            start=False, cancel=reserve.close)
                 elif self.kv_path in ("shm", "tcp"):  # only its receiver thread writes into it: private memory
                     prepared.new_cache = torch.zeros(self._cache_shape(my_new.tp), dtype=self._dtype)
                     prepared.build = _Build(lambda: self._new_runner(my_new, with_cache=False), start=False)
@@ -372,7 +386,7 @@ class NodeTransition:
         """A failed prepare: nothing of it stays (runner, cache, mappings, segment name)."""
         prepared.acked = True
         if prepared.build is not None:
-            prepared.build.wait()  # no thread outlives its epoch (one not started yet runs now: it holds the reserve's fd)
+            prepared.build.finish()  # no thread outlives its epoch; one never started is given up
             if prepared.build.runner is not None:
                 self._shelve_runner(prepared.build.runner)  # without the epoch's cache: it goes with `prepared`
                 prepared.build.runner = prepared.runner = None
