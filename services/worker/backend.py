@@ -70,6 +70,9 @@ class PlainBackend:
     def precopy_tick(self) -> None:
         return None
 
+    def precopy_all_allowed(self) -> bool:
+        return True
+
 
 class StandbyBackend(PlainBackend):
     """A standalone TP=1 engine over the node's boot weights, waiting to join a re-formed node world."""
@@ -161,6 +164,14 @@ class NodeBackend:
     @property
     def precopy_active(self) -> bool:
         return bool(self._allowed)
+
+    def precopy_all_allowed(self) -> bool:
+        """Every flow of the pending prepare's pre-copy may run (True when no pre-copy is pending)."""
+        if not self.runtime.precopy_pending:
+            return True
+        flows = self.runtime.precopy_flows()
+        with self._allowed_lock:
+            return all(f.index in self._allowed for f in flows)
 
     def precopy_tick(self) -> None:
         """Step thread, before a step: the next chunk of every allowed flow, all pairs in one round."""

@@ -202,3 +202,81 @@ async def test_an_unpermitted_flow_across_hosts_goes_in_the_lowest_levels_class(
     assert agent.dscp[agent.num_levels] == LOWEST_DSCP
     assert runtime.classes == [{1: LOWEST_DSCP}] * 3
     assert runtime.receiver.bytes_by_tos == {tos_for_dscp(LOWEST_DSCP): ack.bytes_moved}
+
+
+class _SteppingLeader(_LeaderRuntime):
+    """The leader of an old group that keeps decoding: every step and pre-copy round is logged in order, and
+    the prepare itself comes through the session's control path, as the coordinator's TopologyPrepare does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+        self.prepared = False
+
+    def command(self, cmd):
+        self.events.append(cmd.kind)
+        self.prepared = True
+        return TransitionAck(EPOCH, True, "prepare", "", 3.0, 0, pending=True)
+
+    @property
+    def precopy_pending(self) -> bool:
+        return self.prepared and not self.pc.complete
+
+    def precopy(self, items, classes=None):
+        self.events.append("round")
+        return super().precopy(items, classes)
+
+    def has_unfinished(self) -> bool:
+        return True
+
+    def step(self):
+        self.events.append("step")
+        import time as _time
+
+        _time.sleep(0.005)
+        return []
+
+    def idle_tick(self) -> None:
+        return None
+
+
+async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats_server, monkeypatch):
+    """A prepare that comes back pending holds the old group's next step until its flows are permitted (a
+    flow-scheduler round trip), so their first round runs before that step instead of one whole step later.
+    The hold is bounded by a fraction of a steady step; here the bound is set long, so the order is certain."""
+    from nitsum.engine.node import NodeCommand
+    from nitsum_services.worker import session as session_module
+
+    monkeypatch.setattr(session_module, "PRECOPY_HOLD_MAX_S", 30.0)
+    fs_bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "flow-scheduler")
+    ctx = ServiceContext("flow-scheduler", FlowSchedulerConfig(nats_url=nats_server.url), Metrics("flow-scheduler"),
+                         AsyncExitStack(), asyncio.Event(), bus=fs_bus)
+    await body(ctx)
+    bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "w0")
+    runtime = _SteppingLeader()
+    metrics = Metrics("w0")
+    session = WorkerSession(NodeBackend(runtime, "m", 64), bus, "w0", metrics, trace.get_tracer("test"))
+    session.step_ms_ewma = 1000.0  # a slow old group: the hold's bound is its cap (30 s here)
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(session.run(stop))
+    try:
+        agent = TransferAgent(bus, "w0", metrics, permit_timeout_s=5.0)
+        await agent.start()
+        driver = MigrationDriver(session, agent, "w0", metrics, budget_ms=2000.0)
+        pending = await asyncio.wait_for(session.control(NodeCommand("prepare", EPOCH, ((0, 2),))), 30)
+        assert pending.pending
+        ack = await asyncio.wait_for(driver.drive(PREPARE, pending), 30)
+        assert (ack.ok, ack.pending) == (True, False)
+        assert agent.num_fallbacks == 0  # the flow ran under its permit
+        first = runtime.events.index("prepare")
+        assert runtime.events[first + 1] == "round", runtime.events[:first + 5]  # not "step"
+        _check_copied(runtime)
+    finally:
+        stop.set()
+        await asyncio.wait({loop_task}, timeout=5)
+        await bus.drain()
+        runtime.close()
+        ctx.stop.set()
+        for hook in ctx.drain_hooks:
+            await hook()
+        await fs_bus.drain()
