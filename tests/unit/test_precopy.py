@@ -4,6 +4,7 @@ caches, and the shared-memory KV segment's lifecycle (real /dev/shm, real second
 import os
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -109,3 +110,31 @@ def test_segment_of_another_size_is_refused_and_a_stale_one_is_replaced():
     finally:
         kv_segment.unlink(sparse)
     assert kv_segment.leftovers(tag) == []
+
+
+def test_a_build_is_ready_with_its_runner_and_done_after_its_reservation():
+    """The prepare's new-runner thread: the final prepare ack needs only the runner (`ready`); a reservation
+    that fails afterwards is still an error of the build, which commit reads (and then refuses the epoch)."""
+    from nitsum.engine.transition import _Build
+
+    release = threading.Event()
+    reserved = []
+
+    def reserve():
+        release.wait(30)
+        reserved.append(True)
+        raise OSError("no room left in /dev/shm")
+
+    build = _Build(lambda: "runner", start=False, after=reserve)
+    assert not build.ready and not build.done
+    build.start()
+    build.wait_ready()
+    assert build.ready and build.runner == "runner" and build.runner_error == "" and not build.done
+    release.set()
+    build.wait()
+    assert build.done and reserved == [True] and "no room left" in build.error and build.runner_error == ""
+
+    cancelled = []
+    never = _Build(lambda: "runner", start=False, cancel=lambda: cancelled.append(True), after=reserve)
+    never.finish()  # a prepare dropped before its build started: given up, not run
+    assert cancelled == [True] and never.runner is None

@@ -101,3 +101,4 @@ def test_nothing_retired_stays_alive_after_its_release():
         time.sleep(0.01)
     assert all(r() is None for r in refs)  # freed while the reaper thread still runs (not drained)
     reaper.drain()
+

@@ -111,11 +111,17 @@ class _Build:
     program filling it in these milliseconds could make such a write fail.)"""
 
     def __init__(self, fn: Callable[[], ModelRunner], start: bool = True,
-                 cancel: Callable[[], None] | None = None) -> None:
+                 cancel: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
+        """`fn` makes the runner; `after` (the segment's reservation) runs next in the same thread. The final
+        prepare ack waits only for the runner (`ready`); commit waits for both (`wait`), and a failure of either
+        then refuses the epoch on the whole span."""
         self.runner: ModelRunner | None = None
-        self.error = ""
+        self.error = ""  # of fn or of after
+        self.runner_error = ""  # of fn only
         self.started = False
         self._cancel = cancel
+        self._after = after
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(fn,), name="nitsum-prepare-build", daemon=True)
         if start:
             self.start()
@@ -139,11 +145,27 @@ class _Build:
         try:
             self.runner = fn()
         except (RuntimeError, MemoryError, ValueError, OSError) as exc:  # told to the span at the exchange
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = self.runner_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._ready.set()
+        if self._after is not None:
+            try:
+                self._after()
+            except (RuntimeError, MemoryError, ValueError, OSError) as exc:  # told to the span at commit
+                self.error = self.error or f"{type(exc).__name__}: {exc}"
 
     @property
     def done(self) -> bool:
         return self.started and not self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        """The runner is made (or failed); `after` may still run."""
+        return self.started and self._ready.is_set()
+
+    def wait_ready(self) -> None:
+        self.start()
+        self._ready.wait()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Until it is done (a build nobody started yet starts now)."""
@@ -218,8 +240,8 @@ class NodeTransition:
         follows every member's own remaining chunks) or abort (then it is a failure)."""
         if prepared.acked or (not force and prepared.precopy is not None and not prepared.precopy.complete):
             return
-        if not force and not wait_build and prepared.build is not None and not prepared.build.done:
-            return  # the step thread does not wait for the build: a later poll_prepare finishes
+        if not force and not wait_build and prepared.build is not None and not prepared.build.ready:
+            return  # the step thread does not wait for the runner: a later poll_prepare finishes
         prepared.acked = True
         sent = prepared.precopy.bytes_sent if prepared.precopy is not None else 0
         if not reason and prepared.precopy is not None:
@@ -231,11 +253,12 @@ class NodeTransition:
                                            bytes_by_path=by_path)
 
     def _build_error(self, prepared: _Prepared) -> str:
-        """Wait for this worker's new runner (normally built long before) and say whether it failed."""
+        """Wait for this worker's new runner (normally ready long before; its cache's reservation may still run:
+        commit waits for that and refuses the epoch if it failed) and say whether it failed."""
         if prepared.build is None:
             return ""
-        prepared.build.wait()
-        return f"worker {self.rank}: {prepared.build.error}" if prepared.build.error else ""
+        prepared.build.wait_ready()
+        return f"worker {self.rank}: {prepared.build.runner_error}" if prepared.build.runner_error else ""
 
     def take_prepare_ack(self) -> TransitionAck | None:
         """The final ack of a prepare whose pre-copy just completed (once), else None."""
@@ -289,8 +312,8 @@ class NodeTransition:
                     prepared.new_cache = kv_segment.create(segment, self._cache_shape(my_new.tp), self._dtype,
                                                            reserve=False)
                     reserve = kv_segment.reserver(segment)
-                    prepared.build = _Build(lambda: (reserve(), self._new_runner(my_new, with_cache=False))[1],
-                                            start=False, cancel=reserve.close)
+                    prepared.build = _Build(lambda: self._new_runner(my_new, with_cache=False), start=False,
+                                            cancel=reserve.close, after=reserve)
                 elif self.kv_path in ("shm", "tcp"):  # only its receiver thread writes into it: private memory
                     prepared.new_cache = torch.zeros(self._cache_shape(my_new.tp), dtype=self._dtype)
                     prepared.build = _Build(lambda: self._new_runner(my_new, with_cache=False), start=False)
