@@ -64,3 +64,17 @@ def test_a_failure_that_is_not_a_port_clash_is_not_retried(nats_server, tmp_path
         if child.process.poll() is None:
             child.process.kill()
             child.process.wait()
+
+
+def test_the_node_worlds_port_span_lies_below_the_ephemeral_range():
+    """The rendezvous ports are picked where the kernel never takes a local port for an outgoing connection
+    (a NATS client or gloo pair could otherwise take one between the probe and the bind: EADDRINUSE)."""
+    from nitsum.config import NODE_PORT_SPAN
+    from nitsum.up import _ephemeral_low, _free_port_span, _port_free
+
+    low = _ephemeral_low()
+    for _ in range(5):
+        base = _free_port_span()
+        if low - NODE_PORT_SPAN > 10000:
+            assert 10000 <= base and base + NODE_PORT_SPAN <= low
+        assert all(_port_free(base + i) for i in range(NODE_PORT_SPAN))
