@@ -38,6 +38,9 @@ log = logging.getLogger("nitsum.worker")
 # steady step: the streams lose at most that, once.
 PRECOPY_HOLD_MAX_S = 0.025
 PRECOPY_HOLD_STEP_FRACTION = 0.25
+# Below this steady step the hold is not worth it: the step it saves is short, while holding stacks the prepare
+# step, the hold, the first round and the next step into one gap that streams see (with 20 ms steps: 2-3 steps).
+PRECOPY_HOLD_MIN_STEP_MS = 40.0
 
 
 @dataclass
@@ -300,8 +303,10 @@ class WorkerSession:
     async def _await_permits(self) -> None:
         """A prepare came back pending: the migration driver (the prepare's handler, which runs while this
         waits) is getting its pre-copy flows' permits. Wait until every flow is allowed, at most
-        PRECOPY_HOLD_STEP_FRACTION of a steady step (capped at PRECOPY_HOLD_MAX_S); the next iteration then
-        runs their first round before its step."""
+        PRECOPY_HOLD_STEP_FRACTION of a steady step (capped at PRECOPY_HOLD_MAX_S; not at all below
+        PRECOPY_HOLD_MIN_STEP_MS); the next iteration then runs their first round before its step."""
+        if self.step_ms_ewma < PRECOPY_HOLD_MIN_STEP_MS:
+            return
         hold_s = min(PRECOPY_HOLD_MAX_S, PRECOPY_HOLD_STEP_FRACTION * self.step_ms_ewma / 1000.0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold_s
