@@ -150,6 +150,11 @@ class ManualMesh:
             svc.stop()
         if self.nats is not None:
             self.nats.stop()
+        # A node world's workers share the model's weights in /dev/shm; like `nitsum up`, the mesh that made
+        # the store removes it (each test's model lives in its own tmp dir: its store would outlive the run).
+        from nitsum.up import _remove_weight_store
+
+        _remove_weight_store(Path(self.model_dir), self.base_env().get("NITSUM_DTYPE", "float32"))
 
 
 async def _admin(url: str, command: str, body: dict) -> dict:

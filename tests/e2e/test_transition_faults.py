@@ -71,12 +71,7 @@ def kv_segments(mesh: ManualMesh) -> list[Path]:
 
 
 def stop_world(mesh: ManualMesh) -> None:
-    from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
-
-    mesh.stop()
-    base = Path(DEFAULT_SHM_DIR) / store_key(mesh.model_dir, "float32")
-    for suffix in (".json", ".bin", ".lock"):
-        base.with_suffix(suffix).unlink(missing_ok=True)
+    mesh.stop()  # its weight store goes too
     for leftover in kv_segments(mesh):  # only a failure of the test itself can leave one (checked below)
         leftover.unlink(missing_ok=True)
 
