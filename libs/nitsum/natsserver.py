@@ -99,7 +99,35 @@ def find_binary() -> str:
     return path
 
 
+LOWEST_PICKED_PORT = 10000
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel hands out as the local port of outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now for a listener on `host`. Picked at random below the kernel's ephemeral range when there is
+    room: a probe reserves nothing, and an ephemeral port can become some outgoing connection's local port (a NATS
+    client, a gloo pair, an HTTP call) between this probe and the listener's bind -- EADDRINUSE, seen on loaded
+    machines. Ports below that range are only ever taken by listeners, which the probe sees."""
+    import random
+
+    low = ephemeral_low()
+    if low - LOWEST_PICKED_PORT > 1000:
+        rng = random.Random()
+        for _ in range(100):
+            port = rng.randrange(LOWEST_PICKED_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

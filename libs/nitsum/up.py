@@ -214,20 +214,20 @@ def _remove_weight_store(model_dir: Path, dtype: str) -> None:
 
 
 def _free_port_span(count: int = 0) -> int:
-    """A free port whose next `count - 1` ports are free too (default: the node world's generation span),
-    below the kernel's ephemeral range when there is room: a port the kernel hands out to outgoing
-    connections (NATS clients, gloo pairs) can be taken as some connection's local port between the probe and
-    the rendezvous' bind (seen: EADDRINUSE on a restart); ports below that range are never handed out so."""
+    """A free port whose next `count - 1` ports are free too (default: the node world's generation span), below
+    the kernel's ephemeral range when there is room (see `free_port`: such ports never become an outgoing
+    connection's local port between the probe and the rendezvous' bind)."""
     import random
 
     from nitsum.config import NODE_PORT_SPAN
+    from nitsum.natsserver import LOWEST_PICKED_PORT, ephemeral_low
 
     count = count or NODE_PORT_SPAN
-    low = _ephemeral_low()
-    if low - count > 10000:
+    low = ephemeral_low()
+    if low - count > LOWEST_PICKED_PORT:
         rng = random.Random()
         for _ in range(200):
-            base = rng.randrange(10000, low - count)
+            base = rng.randrange(LOWEST_PICKED_PORT, low - count)
             if all(_port_free(base + i) for i in range(count)):
                 return base
     for _ in range(200):
@@ -235,14 +235,6 @@ def _free_port_span(count: int = 0) -> int:
         if base + count - 1 <= 65535 and all(_port_free(base + i) for i in range(1, count)):
             return base
     raise RuntimeError(f"no {count} consecutive free ports found for the node world's rendezvous")
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out to outgoing connections (Linux; 32768 elsewhere)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def _port_free(port: int) -> bool:

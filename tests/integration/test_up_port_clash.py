@@ -66,13 +66,28 @@ def test_a_failure_that_is_not_a_port_clash_is_not_retried(nats_server, tmp_path
             child.process.wait()
 
 
+def test_free_ports_lie_below_the_ephemeral_range():
+    """Listener ports (gateway, NATS, /metrics) are picked where the kernel never takes a local port for an
+    outgoing connection (seen: a gateway port probed free, then taken by some connection before the bind)."""
+    from nitsum.natsserver import LOWEST_PICKED_PORT, ephemeral_low
+
+    low = ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        if low - LOWEST_PICKED_PORT > 1000:
+            assert LOWEST_PICKED_PORT <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free indeed
+
+
 def test_the_node_worlds_port_span_lies_below_the_ephemeral_range():
     """The rendezvous ports are picked where the kernel never takes a local port for an outgoing connection
     (a NATS client or gloo pair could otherwise take one between the probe and the bind: EADDRINUSE)."""
     from nitsum.config import NODE_PORT_SPAN
-    from nitsum.up import _ephemeral_low, _free_port_span, _port_free
+    from nitsum.natsserver import ephemeral_low
+    from nitsum.up import _free_port_span, _port_free
 
-    low = _ephemeral_low()
+    low = ephemeral_low()
     for _ in range(5):
         base = _free_port_span()
         if low - NODE_PORT_SPAN > 10000:
