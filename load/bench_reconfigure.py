@@ -51,6 +51,8 @@ from nitsum_load.mesh import run_all, stop_process
 TP1X4 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 TP2X2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
 TP4 = "[0-3 TP4 hybrid]"
+TP1X2 = "[0 TP1 hybrid][1 TP1 hybrid]"
+TP2 = "[0-1 TP2 hybrid]"
 # (kind, from, to): every merge and split the brief asks for, starting and ending where workers boot.
 CHAIN: tuple[tuple[str, str, str], ...] = (
     ("merge", TP1X4, TP4),
@@ -59,7 +61,16 @@ CHAIN: tuple[tuple[str, str, str], ...] = (
     ("split", TP4, TP2X2),
     ("split", TP2X2, TP1X4),
 )
-SHAPE_NAMES = {TP1X4: "4xTP1", TP2X2: "2xTP2", TP4: "TP4"}
+# `--devices 2`: one worker per core on a 2-core machine (the 4-worker chain runs two processes per core).
+CHAIN_2: tuple[tuple[str, str, str], ...] = (
+    ("merge", TP1X2, TP2),
+    ("split", TP2, TP1X2),
+    ("merge", TP1X2, TP2),
+    ("split", TP2, TP1X2),
+)
+SHAPE_NAMES = {TP1X4: "4xTP1", TP2X2: "2xTP2", TP4: "TP4", TP1X2: "2xTP1", TP2: "TP2"}
+CHAINS = {4: CHAIN, 2: CHAIN_2}
+BOOT_SHAPES = {4: TP1X4, 2: TP1X2}  # workers boot as one TP1 group each
 # The ~27M-parameter random Llama of the live policy test: big enough that a weight reload costs something.
 MID_OVERRIDES = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8,
                  "num_key_value_heads": 4}
@@ -173,8 +184,8 @@ def precopy_stats(log_lines: Sequence[str]) -> dict[int, dict[str, float]]:
 
 
 def restart_ms(stop_ms: float, boot_ms: float, to_target_ms: dict[str, float], target: str) -> float | None:
-    """Restart baseline for one target shape: workers boot as 4xTP1; other shapes need one more change."""
-    if target == TP1X4:
+    """Restart baseline for one target shape: workers boot as N x TP1; other shapes need one more change."""
+    if target in BOOT_SHAPES.values():
         return stop_ms + boot_ms
     return stop_ms + boot_ms + to_target_ms[target] if target in to_target_ms else None
 
@@ -373,7 +384,7 @@ async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dic
     def clock() -> float:
         return (loop.time() - t0) * 1000.0
 
-    chain = list(CHAIN) * args.rounds
+    chain = list(CHAINS[args.devices]) * args.rounds
     trackers = [
         RequestTracker(RequestSpec(f"r{i}", 0.0, 16 + 37 * i % 200, args.max_tokens, "interactive", 1e9, 1e9, 1.0))
         for i in range(args.requests)
@@ -419,14 +430,22 @@ async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dic
                         for t in trackers]}
 
 
-def _restart_baseline(work: Path, mesh: LiveMesh, model_dir: Path, nats_url: str, env_extra: dict) -> dict:
+def _restart_baseline(work: Path, mesh: LiveMesh, model_dir: Path, nats_url: str, env_extra: dict,
+                      devices: int = 4) -> dict:
     stop_ms = mesh.stop()
     removed = remove_weight_store(model_dir)
-    fresh = start_live_mesh(work / "restart", model_dir=model_dir, nats_url=nats_url, env_extra=env_extra)
+    fresh = start_live_mesh(work / "restart", model_dir=model_dir, nats_url=nats_url, env_extra=env_extra,
+                            devices=devices)
+    boot = BOOT_SHAPES[devices]
+    # Each target shape of the chain from the boot shape, back to the boot shape in between.
+    targets: list[str] = []
+    for _kind, _src, dst in CHAINS[devices]:
+        if dst != boot and dst not in targets:
+            targets += [dst, boot]
     try:
         reloaded_bytes = weight_store_bytes(model_dir)
         to_target: dict[str, float] = {}
-        for target in (TP4, TP1X4, TP2X2):
+        for target in targets:
             t0 = time.monotonic()
             try:
                 answer = asyncio.run(admin_call(nats_url, "set-topology", {"topology": target, "node_id": "node0",
@@ -436,7 +455,7 @@ def _restart_baseline(work: Path, mesh: LiveMesh, model_dir: Path, nats_url: str
             if not answer.get("ok"):
                 print(f"warning: set-topology {target} on the restarted mesh: {answer}", file=sys.stderr)
                 continue
-            if target != TP1X4:
+            if target != boot:
                 to_target[target] = (time.monotonic() - t0) * 1000.0
     finally:
         fresh.stop()
@@ -481,7 +500,10 @@ def live_main(argv: list[str]) -> int:
                    help="tokens every stream decodes before the first change and after each one")
     p.add_argument("--max-tokens", type=int, default=1500,
                    help="output tokens asked per stream; streams are cancelled once the chain is done")
-    p.add_argument("--rounds", type=int, default=1, help="times the five-change chain is repeated")
+    p.add_argument("--rounds", type=int, default=1, help="times the chain of changes is repeated")
+    p.add_argument("--devices", type=int, choices=sorted(CHAINS), default=4,
+                   help="workers: 4 (4xTP1 -> TP4 -> 2xTP2 -> TP4 -> 2xTP2 -> 4xTP1, default) or 2 "
+                        "(2xTP1 -> TP2 -> 2xTP1, twice: one worker per core on a 2-core machine)")
     p.add_argument("--advance-timeout-s", type=float, default=60.0,
                    help="longest wait for the streams to move on after a change (a stalled hand-off)")
     p.add_argument("--stream-timeout-s", type=float, default=None,
@@ -492,7 +514,7 @@ def live_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.requests < 1 or args.steady_tokens < 2 or args.rounds < 1:
         p.error("need --requests >= 1, --steady-tokens >= 2 and --rounds >= 1")
-    needed = (len(CHAIN) * args.rounds + 2) * args.steady_tokens
+    needed = (len(CHAINS[args.devices]) * args.rounds + 2) * args.steady_tokens
     if args.max_tokens < needed:
         p.error(f"--max-tokens must be at least {needed} to stream across the whole chain")
     out = args.out or Path("runs") / time.strftime("reconfigure-%Y%m%d-%H%M%S")
@@ -513,11 +535,12 @@ def live_main(argv: list[str]) -> int:
         nats = NatsServer(port=free_port(), config_path=None).start(log_path=out / "logs" / "nats-server.log")
         mesh: LiveMesh | None = None
         try:
-            print(f"starting nitsum up --devices 4 --model {model_dir} ...", flush=True)
-            mesh = start_live_mesh(out / "logs" / "live", model_dir=model_dir, nats_url=nats.url, env_extra=env_extra)
+            print(f"starting nitsum up --devices {args.devices} --model {model_dir} ...", flush=True)
+            mesh = start_live_mesh(out / "logs" / "live", model_dir=model_dir, nats_url=nats.url, env_extra=env_extra,
+                                   devices=args.devices)
             store_bytes = weight_store_bytes(model_dir)
             print(f"ready in {mesh.workers_ready_ms / 1000:.1f} s; streaming {args.requests} x {args.max_tokens} "
-                  f"tokens through {len(CHAIN) * args.rounds} changes ...", flush=True)
+                  f"tokens through {len(CHAINS[args.devices]) * args.rounds} changes ...", flush=True)
             run = asyncio.run(_stream_through_chain(mesh, args))
             worker_logs = sorted(mesh.run_dir.glob("worker-*.log"))
             run["precopy"] = precopy_stats([line for path in worker_logs for line in path.read_text(errors="replace").splitlines()])
@@ -530,7 +553,7 @@ def live_main(argv: list[str]) -> int:
                 except (urllib.error.URLError, OSError):
                     histogram = None
             print("restart baseline: stop, delete the weight store, fresh nitsum up ...", flush=True)
-            restart = _restart_baseline(out / "logs", mesh, model_dir, nats.url, env_extra)
+            restart = _restart_baseline(out / "logs", mesh, model_dir, nats.url, env_extra, args.devices)
         except RuntimeError as exc:
             sys.stderr.write(f"nitsum bench reconfigure: {exc}\n(logs in {out / 'logs'})\n")
             return 1
@@ -542,7 +565,7 @@ def live_main(argv: list[str]) -> int:
     meta = {
         "mode": "live", "command": "nitsum bench reconfigure " + " ".join(argv),
         "machine": f"{platform.machine()} {os.cpu_count()} cores", "model": args.model,
-        "weight_store_bytes": store_bytes, "requests": args.requests, "max_tokens": args.max_tokens,
+        "weight_store_bytes": store_bytes, "devices": args.devices, "requests": args.requests, "max_tokens": args.max_tokens,
         "date": time.strftime("%Y-%m-%d"),
     }
     report = build_live_report(run, restart, histogram, meta)
@@ -552,7 +575,7 @@ def live_main(argv: list[str]) -> int:
         args.json.write_text(text)
     write_timeline_plot(report, out / "timeline.png")
     rs = report["restart"]
-    print(f"nitsum bench reconfigure (live): 4 CPU workers, model {args.model} ({store_bytes / 1e6:.1f} MB "
+    print(f"nitsum bench reconfigure (live): {args.devices} CPU workers, model {args.model} ({store_bytes / 1e6:.1f} MB "
           f"fp32), {args.requests} greedy streams, {meta['machine']}; steady token gap {_fmt(report['steady_gap_ms'])} ms")
     print(format_live_table(report))
     targets = ", ".join(f"{k} +{v:.0f} ms" for k, v in rs["to_target_ms"].items())

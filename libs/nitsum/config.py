@@ -274,6 +274,7 @@ class WorkerConfig(CommonConfig):
     fault_kv_corrupt: bool = setting("NITSUM_FAULT_KV_CORRUPT", False, "fault injection for tests: corrupt outgoing KV hand-offs")
     fault_kv_connect_epoch: int = setting("NITSUM_FAULT_KV_CONNECT_EPOCH", 0, "fault injection for tests: this worker's KV receiver drops every connection of this topology epoch unanswered, so sources on other hosts fail to connect in its prepare (0: off)", check=non_negative)
     fault_die_at: str = setting("NITSUM_FAULT_DIE_AT", "", "fault injection for tests: <prepare|commit>:<epoch>:<device> — that device's worker SIGKILLs itself in that epoch's prepare (before the span's exchange) or when the commit reaches it ('': off)", check=die_at)
+    tp_shm_collectives: bool = setting("NITSUM_TP_SHM_COLLECTIVES", True, "CPU: a TP group whose workers share a host runs its collectives through shared memory (off: gloo over loopback TCP)")
     world_timeout_s: float = setting("NITSUM_WORLD_TIMEOUT_S", 30.0, "timeout of one collective in the node world", check=positive)
     tp_migration_budget_ms: float = setting("NITSUM_TP_MIGRATION_BUDGET_MS", 2000.0, "cutover deadline of a TP change's KV migration flows, from prepare start (stage M, for the flow-scheduler)", check=positive)
 

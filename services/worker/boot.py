@@ -93,6 +93,7 @@ def node_runtime(config: WorkerConfig, world, cfg, weights, topology, engine=Non
         world, cfg, weights, topology, failure_hook, kv_path=config.kv_path,
         host_id=config.host_id, kv_advertise_addr=config.kv_advertise_addr, master_addr=config.node_master_addr,
         kv_fault_epoch=config.fault_kv_connect_epoch, engine=engine, epoch=epoch,
+        shm_collectives=config.tp_shm_collectives,
     )
 
 

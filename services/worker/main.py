@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
+import sys
 import time
 import uuid
 
@@ -61,6 +63,11 @@ def make_body(service_name: str):
         worker_id = config.resolved_worker_id()
         instance_id = uuid.uuid4().hex[:12]
         backend = await asyncio.to_thread(build_backend, config, engine_role)
+        # What boot made (torch, the model, ~200k objects) lives as long as the process: out of the cyclic
+        # collector's sight from now on. A full collection over it took 60-70 ms, a step's stall whenever the
+        # collector's long-lived threshold tripped -- often inside a TP change, which allocates a lot.
+        gc.collect()
+        gc.freeze()
         ctx.state["in_world"] = backend.in_world
         bus = ctx.bus
         session = WorkerSession(backend, bus, worker_id, ctx.metrics, ctx.tracer)
@@ -338,8 +345,16 @@ def make_body(service_name: str):
     return body
 
 
+# The step thread holds the GIL for most of a step; the event loop (NATS, permits, commands) asks for it each
+# time it wakes and gets it when the holder is made to drop it, after the switch interval (5 ms by default:
+# each hop of a TP change waited up to that, two or three times). The loop asks rarely, so a short interval
+# costs the step thread little.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def main(argv: list[str]) -> int:
     service_name = argv[0] if argv and argv[0] in ("prefill-worker", "decode-worker") else "decode-worker"
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     state: dict = {}
     code = run_service(service_name, WorkerConfig, argv[1:] if argv and argv[0] == service_name else argv, make_body(service_name), state=state)
     if state.get("in_world"):

@@ -45,3 +45,19 @@ def test_windows_take_their_own_stretches() -> None:
 def test_no_tokens_means_no_figure() -> None:
     _, [gap] = transition_gaps([[]], [(0.0, 1.0)])
     assert gap.max_gap_ms is None and gap.pause_ms is None and gap.pause_steps is None
+
+
+def test_every_chain_runs_from_the_boot_shape_back_to_it_through_matching_steps():
+    from nitsum_load.bench_reconfigure import BOOT_SHAPES, CHAINS, SHAPE_NAMES, restart_ms
+
+    for devices, chain in CHAINS.items():
+        boot = BOOT_SHAPES[devices]
+        assert chain[0][1] == boot and chain[-1][2] == boot
+        assert all(a[2] == b[1] for a, b in zip(chain, chain[1:]))  # each change starts where the last ended
+        assert {k for k, _, _ in chain} == {"merge", "split"}
+        assert all(SHAPE_NAMES[s].count("x") <= 1 for _, s, _ in chain)
+        # Back at the boot shape the restart is stop + boot; elsewhere it adds that shape's set-topology.
+        others = {dst for _, _, dst in chain if dst != boot}
+        to_target = {dst: 50.0 for dst in others}
+        assert restart_ms(1000.0, 3000.0, to_target, boot) == 4000.0
+        assert all(restart_ms(1000.0, 3000.0, to_target, dst) == 4050.0 for dst in others)

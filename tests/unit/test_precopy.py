@@ -113,8 +113,9 @@ def test_segment_of_another_size_is_refused_and_a_stale_one_is_replaced():
 
 
 def test_a_build_is_ready_with_its_runner_and_done_after_its_reservation():
-    """The prepare's new-runner thread: the final prepare ack needs only the runner (`ready`); a reservation
-    that fails afterwards is still an error of the build, which commit reads (and then refuses the epoch)."""
+    """The prepare's new-runner thread: the final prepare ack and the commit need only the runner (`ready`); a
+    reservation that fails afterwards is still an error of the build (commit refuses the epoch when it already
+    failed; one still running goes on after the switch and is logged if it fails)."""
     from nitsum.engine.transition import _Build
 
     release = threading.Event()

@@ -107,6 +107,7 @@ class NodeRuntime(NodeTransition):
         kv_fault_chunk_epochs: tuple[int, ...] = (),
         engine: Engine | None = None,
         epoch: int = 0,
+        shm_collectives: bool = True,
     ) -> None:
         """`engine` (with `epoch`): adopt a TP=1 engine this worker already serves with (a standalone worker,
         or one that fell back to TP=1, joining a re-formed node world): its runner, KV cache and requests
@@ -150,6 +151,8 @@ class NodeRuntime(NodeTransition):
             raise
         if self.kv_path == "p2p":
             self._close_receiver()
+        # Groups of one host: their collectives through shared memory (NITSUM_TP_SHM_COLLECTIVES).
+        self.shm_channels = world.attach_channels(self._shares_host) if shm_collectives else 0
         self.precopy_chunk_bytes = precopy_chunk_bytes
         self.node_tag = node_tag or f"p{world.master_port}"
         self.bytes_by_path = {"shm": 0, "tcp": 0, "p2p": 0}  # KV bytes this worker moved into other workers' caches
@@ -163,6 +166,7 @@ class NodeRuntime(NodeTransition):
         self.topology = topology
         self.epoch = epoch  # an adopting worker keeps its epoch: epochs it saw never come back
         self._prepared: _Prepared | None = None
+        self._reserving = None  # the build of the cache the last commit switched to, while it reserves pages
         self._prepare_done: TransitionAck | None = None
         self.engine: Engine | None = None
         # This worker's runners for the TP levels it is not at, built ahead (see `_new_runner`).
@@ -185,6 +189,10 @@ class NodeRuntime(NodeTransition):
         # cache), exchanged (the span's rendezvous: the wait for the slowest member), planned, mapped, agreed.
         self.last_prepare_timings_ms: dict[str, float] = {}
         self.last_commit_timings_ms: dict[str, float] = {}  # the same for the last commit (see `commit`)
+
+    def _shares_host(self, ranks) -> bool:
+        first = self.members[ranks[0]]
+        return all(kv_hosts.shares_memory(first, self.members[r]) for r in ranks)
 
     # -- what this worker is now --------------------------------------------------------------------
     @property
@@ -307,6 +315,7 @@ class NodeRuntime(NodeTransition):
         if prepared is not None:
             self._release_links(prepared)
         self._close_receiver()
+        self._finish_reserving()
         self._reaper.drain()
         self._prebuild.join(30.0)
         for name in kv_segment.leftovers(self.node_tag):
@@ -399,6 +408,7 @@ class NodeRuntime(NodeTransition):
             for key in [k for k in self._runner_pool if k in doomed]:
                 del self._runner_pool[key]
         for key in doomed:
+            self.world.drop_channel(*key)
             dist.destroy_process_group(groups.pop(key))
         gc.collect()  # runners and engines of a failed step may sit in reference cycles
         return len(doomed)

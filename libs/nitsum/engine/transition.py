@@ -10,6 +10,7 @@ transition) belongs to `NodeRuntime`; this module only keeps the long transition
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from nitsum.kv.reshard import (
 )
 from nitsum.model import loader
 from nitsum.transfer.framing import TransferError
+
+log = logging.getLogger("nitsum.engine.transition")
 
 COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
 KV_PATHS = ("auto", "shm", "tcp", "p2p")
@@ -278,8 +281,18 @@ class NodeTransition:
         self.last_ack = ack
         return ack
 
+    def _finish_reserving(self) -> None:
+        """Wait for the reservation of the cache the last commit switched to (normally long done)."""
+        build, self._reserving = self._reserving, None
+        if build is not None:
+            build.wait()
+            if build.error:
+                log.warning("worker %d: the new KV cache's reservation failed (%s); its pages come as they are "
+                            "touched", self.rank, build.error)
+
     def prepare(self, epoch: int, new: Topology) -> TransitionAck:
         t0 = time.perf_counter()
+        self._finish_reserving()
         if self._prepared is not None and epoch > self.epoch:
             # Its own abort never reached this worker. The span's other members are already waiting in the
             # exchange: join it as a refusal so that all of them refuse the epoch (a refusal that skipped it
@@ -395,8 +408,12 @@ class NodeTransition:
     def _wait_runner(self, prepared: _Prepared) -> ModelRunner:
         """The built new runner (raises RuntimeError when its build failed), with the new cache adopted."""
         assert prepared.build is not None, "a changed worker builds a new runner"
-        prepared.build.wait()
-        if prepared.build.error:
+        # The runner, not the new segment's reservation (a 64 MiB posix_fallocate: 10-30 ms of page zeroing per
+        # worker on a loaded 2-core host, most of a commit's wait): that goes on after the switch (`_reserving`).
+        # One that already failed refuses the epoch; one that fails later is logged, and the pages come as
+        # they are touched (/dev/shm's room was checked when the segment was created).
+        prepared.build.wait_ready()
+        if prepared.build.runner_error or (prepared.build.done and prepared.build.error):
             raise RuntimeError(prepared.build.error)
         runner = prepared.build.runner
         assert runner is not None
@@ -462,6 +479,7 @@ class NodeTransition:
                     build_error = f"worker {self.rank}: new runner: {exc}"
             if not build_error and prepared.precopy is not None and prepared.precopy.error:
                 build_error = prepared.precopy.error  # some pre-copied blocks never landed: nobody switches
+            timings["built"] = _ms(t0)
             states, invalid = [], []
             if self.is_leader and my_old in gone:
                 assert self.engine is not None
@@ -533,6 +551,9 @@ class NodeTransition:
         # them here (~10-20 ms of page freeing with the GIL held) was part of the pause (see engine.reaper).
         # The old runner itself waits in the pool for the next change to its level.
         old_runner, old_engine = retired if retired is not None else (None, None)
+        self._finish_reserving()  # the old cache may be the segment the last commit left reserving
+        if prepared.build is not None and not prepared.build.done:
+            self._reserving = prepared.build
         self._reaper.retire(
             own=[old_runner.kv_cache] if old_runner is not None else [],
             mapped=[cache for w, (cache, _) in prepared.dst_caches.items() if w != self.rank],

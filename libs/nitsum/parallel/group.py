@@ -7,7 +7,7 @@ NCCL on CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +21,9 @@ class TPGroup:
     size: int
     process_group: Any = None  # torch ProcessGroup, None when size == 1
     device: str = "cpu"
+    # Shared-memory collectives (`shm_collectives.ShmChannel`) when every member is on this host (CPU node
+    # worlds): they replace the process group's collectives; None: the process group's.
+    channel: Any = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def single(device: str = "cpu") -> TPGroup:
@@ -33,6 +36,8 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns `tensor`."""
         if self.size > 1:
+            if self.channel is not None:
+                return self.channel.all_reduce(tensor)
             dist.all_reduce(tensor, group=self.process_group)
         return tensor
 
@@ -40,6 +45,8 @@ class TPGroup:
         """Concatenate every rank's `tensor` along `dim` (rank order)."""
         if self.size == 1:
             return tensor
+        if self.channel is not None:
+            return self.channel.all_gather(tensor, dim=dim)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
@@ -49,6 +56,8 @@ class TPGroup:
         if self.size == 1:
             assert payload is not None, "TP=1 broadcast needs a payload"
             return payload
+        if self.channel is not None:
+            return self.channel.broadcast_bytes(payload)
         device = self.device
         length = torch.zeros(1, dtype=torch.int64, device=device)
         if self.rank == 0:
