@@ -33,14 +33,14 @@ from nitsum.wire.messages import RunRequest, SubmitRequest, TokenChunk
 log = logging.getLogger("nitsum.worker")
 
 # After a prepare came back pending, the old group's next step waits this long at most for its pre-copy flows to
-# be permitted (one flow-scheduler round trip, a few ms), so that their first round runs before that step rather
-# than after it -- a whole step (90-100 ms at TP4 on a small CPU host) sooner. Never more than this fraction of a
-# steady step: the streams lose at most that, once.
+# be permitted (one flow-scheduler round trip, 2-5 ms here), so that their first round runs before that step
+# rather than after it -- a whole step sooner (and the final prepare ack with it). Never more than this fraction
+# of a steady step: the streams lose at most that, once.
 PRECOPY_HOLD_MAX_S = 0.025
 PRECOPY_HOLD_STEP_FRACTION = 0.25
-# Below this steady step the hold is not worth it: the step it saves is short, while holding stacks the prepare
-# step, the hold, the first round and the next step into one gap that streams see (with 20 ms steps: 2-3 steps).
-PRECOPY_HOLD_MIN_STEP_MS = 40.0
+# Below this steady step the hold is not worth it: a quarter of it is shorter than the permits' round trip, and
+# holding stacks the prepare step, the hold, the first round and the next step into one gap that streams see.
+PRECOPY_HOLD_MIN_STEP_MS = 12.0
 
 
 @dataclass

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -139,3 +140,45 @@ def test_a_build_is_ready_with_its_runner_and_done_after_its_reservation():
     never = _Build(lambda: "runner", start=False, cancel=lambda: cancelled.append(True), after=reserve)
     never.finish()  # a prepare dropped before its build started: given up, not run
     assert cancelled == [True] and never.runner is None
+
+
+@pytest.mark.skipif(not kv_segment.available(), reason="needs /dev/shm")
+def test_a_reservation_is_paced_in_pieces_and_stops_at_the_next_one_when_closed(monkeypatch):
+    """A commit leaves its new cache's reservation running (kv_segment.Reserver): in pieces with rests between
+    them, so that its page zeroing does not land on a few decode steps; a worker that stops (or drops the
+    segment) closes it, and it ends at its next piece, closing its own descriptor."""
+    tag = f"t{uuid.uuid4().hex[:8]}"
+    name = kv_segment.segment_name(tag, 1, 0)
+    monkeypatch.setattr(kv_segment, "RESERVE_CHUNK_BYTES", 1 << 20)
+    pieces, second = [], threading.Event()
+    real = os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        pieces.append((offset, length))
+        real(fd, offset, length)
+        if len(pieces) == 2:
+            second.set()
+            time.sleep(0.2)  # the close below comes while this piece runs
+
+    monkeypatch.setattr(kv_segment.os, "posix_fallocate", fallocate)
+    try:
+        kv_segment.create(name, (8, 1 << 20), torch.uint8, reserve=False)  # 8 MiB: 8 pieces
+        reserve = kv_segment.reserver(name)
+        thread = threading.Thread(target=reserve)
+        thread.start()
+        assert second.wait(10)
+        reserve.close()  # in progress: it stops at its next piece and closes the descriptor itself
+        thread.join(10)
+        assert not thread.is_alive()
+        assert pieces == [(0, 1 << 20), (1 << 20, 1 << 20)]
+        with pytest.raises(OSError):
+            reserve()  # given up: never again
+        reserve.close()  # idempotent
+        # Unhindered, it backs every page, piece by piece.
+        pieces.clear()
+        monkeypatch.setattr(kv_segment.os, "posix_fallocate", real)
+        full = kv_segment.reserver(name)
+        full()
+        assert os.stat(os.path.join(kv_segment.SHM_DIR, name)).st_blocks * 512 >= 8 << 20
+    finally:
+        kv_segment.unlink(name)

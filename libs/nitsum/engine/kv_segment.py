@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 
 import torch
 
@@ -73,25 +75,53 @@ def create(name: str, shape: tuple[int, ...], dtype: torch.dtype, reserve: bool 
         raise
 
 
+# A reservation backs the pages in pieces, and rests between them three times as long as the last piece took:
+# nothing waits for it (the pages a worker writes first are backed by those writes), and its page zeroing (~16 ms
+# of CPU per 64 MiB) should not land on one or two decode steps of a busy host. (Not a lower thread priority: a
+# SCHED_IDLE or nice-19 Python thread waiting to take the GIL back stalls the step thread that must hand it over
+# -- 650 ms once, here.) Between two pieces it can also be given up (`close`).
+RESERVE_CHUNK_BYTES = 2 << 20
+RESERVE_REST_FACTOR = 3.0
+
+
 class Reserver:
-    """For a segment created sparse: calling it backs every page (OSError when /dev/shm ran out meanwhile);
-    `close` gives the descriptor back without reserving (the segment is being dropped). The descriptor is
-    opened at construction, so either still works after the name is unlinked; each closes it, once."""
+    """For a segment created sparse: calling it backs every page (OSError when /dev/shm ran out meanwhile), in
+    paced pieces (see RESERVE_CHUNK_BYTES); `close` gives the descriptor back without reserving, or stops a
+    reservation in progress at its next piece (the segment is being dropped, the worker stops). The descriptor is opened at construction, so either still
+    works after the name is unlinked; it is closed once, by whichever ends it."""
 
     def __init__(self, name: str) -> None:
         self._fd: int | None = os.open(_path(name), os.O_RDWR)
+        self._lock = threading.Lock()
+        self._running = False
+        self._stopped = False
 
     def __call__(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is None:
-            raise OSError("the segment's reservation was already made or given up")
+        with self._lock:
+            fd = self._fd
+            if fd is None or self._running or self._stopped:
+                raise OSError("the segment's reservation was already made or given up")
+            self._running = True
         try:
-            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+            size = os.fstat(fd).st_size
+            for offset in range(0, size, RESERVE_CHUNK_BYTES):
+                if self._stopped:
+                    return
+                t0 = time.perf_counter()
+                os.posix_fallocate(fd, offset, min(RESERVE_CHUNK_BYTES, size - offset))
+                if offset + RESERVE_CHUNK_BYTES < size:
+                    time.sleep(RESERVE_REST_FACTOR * (time.perf_counter() - t0))
         finally:
+            with self._lock:
+                self._fd, self._running, self._stopped = None, False, True
             os.close(fd)
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
+        with self._lock:
+            self._stopped = True
+            if self._running:
+                return  # the reserving thread closes it after its current piece
+            fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
 

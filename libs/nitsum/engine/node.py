@@ -166,7 +166,7 @@ class NodeRuntime(NodeTransition):
         self.topology = topology
         self.epoch = epoch  # an adopting worker keeps its epoch: epochs it saw never come back
         self._prepared: _Prepared | None = None
-        self._reserving = None  # the build of the cache the last commit switched to, while it reserves pages
+        self._reserving: list = []  # builds of caches commits switched to, while they reserve pages
         self._prepare_done: TransitionAck | None = None
         self.engine: Engine | None = None
         # This worker's runners for the TP levels it is not at, built ahead (see `_new_runner`).
@@ -315,7 +315,7 @@ class NodeRuntime(NodeTransition):
         if prepared is not None:
             self._release_links(prepared)
         self._close_receiver()
-        self._finish_reserving()
+        self._reap_reservations(stop=True)
         self._reaper.drain()
         self._prebuild.join(30.0)
         for name in kv_segment.leftovers(self.node_tag):

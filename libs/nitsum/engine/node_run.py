@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     def check(label: str) -> None:
         # A commit leaves the new cache's page reservation running (it is off the pause); its descriptor is
         # closed once that is done, which is what the fd count below checks.
-        runtime._finish_reserving()
+        runtime._reap_reservations(wait=True)
         params = list(runtime.runner.model.parameters())
         report["checks"].append({
             "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],

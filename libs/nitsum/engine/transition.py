@@ -106,7 +106,8 @@ class _Build:
     """The new runner made ready in a thread while the old group keeps decoding: taken from the worker's pool
     of runners built ahead (or built, when the pool has none: modules and rope tables, 100-400 ms on a loaded
     2-core host for the ~27M model), and, in shm mode, the new cache segment's pages reserved (a 64 MiB
-    posix_fallocate is ~10-25 ms of kernel page zeroing). Nothing needs it before commit: pre-copy writes into
+    posix_fallocate is ~10-25 ms of kernel page zeroing; paced, and it may go on after the commit: see
+    `_wait_runner`). Nothing needs the runner before commit: pre-copy writes into
     the new cache, which prepare allocates itself (so that a lack of memory refuses the epoch in prepare).
     Prepare starts it only once the span agreed (`start`), so that this work does not compete with the
     prepare step's exchanges -- the part of a change that stops the old group. (Pre-copy may then write into
@@ -116,8 +117,8 @@ class _Build:
     def __init__(self, fn: Callable[[], ModelRunner], start: bool = True,
                  cancel: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
         """`fn` makes the runner; `after` (the segment's reservation) runs next in the same thread. The final
-        prepare ack waits only for the runner (`ready`); commit waits for both (`wait`), and a failure of either
-        then refuses the epoch on the whole span."""
+        prepare ack and the commit wait only for the runner (`ready`); a failure of the runner, or of a
+        reservation that already ended, refuses the epoch on the whole span at commit."""
         self.runner: ModelRunner | None = None
         self.error = ""  # of fn or of after
         self.runner_error = ""  # of fn only
@@ -138,6 +139,12 @@ class _Build:
             self.started = True  # nothing may start it now
             cancel, self._cancel = self._cancel, None
             cancel()
+
+    def stop_after(self) -> None:
+        """Give up `after` (a reservation) at its next piece, or before it starts."""
+        stop = getattr(self._after, "close", None)
+        if stop is not None:
+            stop()
 
     def start(self) -> None:
         if not self.started:
@@ -256,8 +263,8 @@ class NodeTransition:
                                            bytes_by_path=by_path)
 
     def _build_error(self, prepared: _Prepared) -> str:
-        """Wait for this worker's new runner (normally ready long before; its cache's reservation may still run:
-        commit waits for that and refuses the epoch if it failed) and say whether it failed."""
+        """Wait for this worker's new runner (normally ready long before; its cache's reservation may still run,
+        see `_wait_runner`) and say whether it failed."""
         if prepared.build is None:
             return ""
         prepared.build.wait_ready()
@@ -281,18 +288,28 @@ class NodeTransition:
         self.last_ack = ack
         return ack
 
-    def _finish_reserving(self) -> None:
-        """Wait for the reservation of the cache the last commit switched to (normally long done)."""
-        build, self._reserving = self._reserving, None
-        if build is not None:
-            build.wait()
-            if build.error:
-                log.warning("worker %d: the new KV cache's reservation failed (%s); its pages come as they are "
+    def _reap_reservations(self, wait: bool = False, stop: bool = False) -> None:
+        """The page reservations of caches that commits switched to (`_reserving`; paced, they may take a while
+        and nothing needs to wait for them: the pages a worker writes are
+        backed by the writes, and a retired cache's pages go with its last mapping and the reservation's
+        descriptor). Forget the finished ones (a failed one is logged); `stop` gives the others up at their
+        next piece, `wait` waits for them (stop, tests)."""
+        keep = []
+        for build in self._reserving:
+            if stop:
+                build.stop_after()
+            if wait or stop:
+                build.wait()
+            if not build.done:
+                keep.append(build)
+            elif build.error:
+                log.warning("worker %d: the KV cache's page reservation failed (%s); its pages come as they are "
                             "touched", self.rank, build.error)
+        self._reserving = keep
 
     def prepare(self, epoch: int, new: Topology) -> TransitionAck:
         t0 = time.perf_counter()
-        self._finish_reserving()
+        self._reap_reservations()
         if self._prepared is not None and epoch > self.epoch:
             # Its own abort never reached this worker. The span's other members are already waiting in the
             # exchange: join it as a refusal so that all of them refuse the epoch (a refusal that skipped it
@@ -409,9 +426,9 @@ class NodeTransition:
         """The built new runner (raises RuntimeError when its build failed), with the new cache adopted."""
         assert prepared.build is not None, "a changed worker builds a new runner"
         # The runner, not the new segment's reservation (a 64 MiB posix_fallocate: 10-30 ms of page zeroing per
-        # worker on a loaded 2-core host, most of a commit's wait): that goes on after the switch (`_reserving`).
-        # One that already failed refuses the epoch; one that fails later is logged, and the pages come as
-        # they are touched (/dev/shm's room was checked when the segment was created).
+        # worker on a loaded 2-core host, most of a commit's wait): that goes on after the switch, paced
+        # (`_reap_reservations`, kv_segment.Reserver). One that already failed refuses the epoch; one that fails later is
+        # logged, and the pages come as they are touched (/dev/shm's room was checked when the segment was made).
         prepared.build.wait_ready()
         if prepared.build.runner_error or (prepared.build.done and prepared.build.error):
             raise RuntimeError(prepared.build.error)
@@ -551,9 +568,8 @@ class NodeTransition:
         # them here (~10-20 ms of page freeing with the GIL held) was part of the pause (see engine.reaper).
         # The old runner itself waits in the pool for the next change to its level.
         old_runner, old_engine = retired if retired is not None else (None, None)
-        self._finish_reserving()  # the old cache may be the segment the last commit left reserving
         if prepared.build is not None and not prepared.build.done:
-            self._reserving = prepared.build
+            self._reserving.append(prepared.build)
         self._reaper.retire(
             own=[old_runner.kv_cache] if old_runner is not None else [],
             mapped=[cache for w, (cache, _) in prepared.dst_caches.items() if w != self.rank],
