@@ -238,10 +238,12 @@ def test_kv_moved_through_shared_memory_and_no_segment_is_left(node_run):
         assert [up_to(c["epoch"], c["kv_segments"]) for c in in_span] == [[]] * len(in_span)
         assert len(in_span) >= 5
         assert [[e, up_to(e, names)] for e, names in rep["abort_kv_segments"]] == [[3, []], [5, []]]
-        # No descriptor of a segment stays open: a reservation made closes its own, and one given up (epoch 3
-        # failed at its exchange, before its reservation started) is closed without being made.
+        # No descriptor of a segment stays open but the worker's two KV arenas (the cache in use and the spare
+        # the next change fills): a reservation made closes its own, and one given up (epoch 3 failed at its
+        # exchange, before its reservation started) is closed without being made.
         assert [n for _, n in rep["abort_kv_segment_fds"]] == [0, 0]
-        assert {c["kv_segment_fds"] for c in rep["checks"]} == {0}
+        assert {c["kv_segment_fds"] for c in rep["checks"]} == {2}
+        assert {c["arenas_held"] for c in rep["checks"]} == {2}
         assert rep["end_kv_segments"] == []  # after the final barrier: nothing at all
 
 

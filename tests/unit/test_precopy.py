@@ -182,3 +182,19 @@ def test_a_reservation_is_paced_in_pieces_and_stops_at_the_next_one_when_closed(
         assert os.stat(os.path.join(kv_segment.SHM_DIR, name)).st_blocks * 512 >= 8 << 20
     finally:
         kv_segment.unlink(name)
+
+
+def test_a_build_from_the_pool_is_done_at_once_without_a_thread():
+    """A change whose new cache is the spare arena and whose runner waits in the pool has nothing to build or
+    reserve: its build is done when made, and waiting on it or finishing it returns at once."""
+    from nitsum.engine.transition import _Build
+
+    runner = object()
+    build = _Build.at_once(runner)
+    assert build.ready and build.done and build.runner is runner and build.error == ""
+    build.wait_ready()
+    build.wait()
+    build.stop_after()
+    build.finish()
+    assert build.done
+    assert not any(t.name == "nitsum-prepare-build" for t in threading.enumerate())

@@ -44,15 +44,33 @@ class Member:
     kv_path: str  # as configured: "auto" | "shm" | "tcp" | "p2p"
     addr: str  # its KV receiver, for sources on other hosts
     port: int
+    pid: int = 0  # its process (its KV arenas are mapped through /proc/<pid>/fd: kv_segment.Arena)
+    pidns: int = 0  # its pid namespace (inode of /proc/self/ns/pid; 0: unknown): such a path needs the same one
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.rank, self.host, self.shm, self.device, self.kv_path, self.addr, self.port],
-                             use_bin_type=True)
+        return msgpack.packb([self.rank, self.host, self.shm, self.device, self.kv_path, self.addr, self.port,
+                              self.pid, self.pidns], use_bin_type=True)
 
     @staticmethod
     def decode(payload: bytes) -> Member:
-        rank, host, shm, device, kv_path, addr, port = msgpack.unpackb(payload, raw=False)
-        return Member(int(rank), str(host), bool(shm), str(device), str(kv_path), str(addr), int(port))
+        rank, host, shm, device, kv_path, addr, port, pid, pidns = msgpack.unpackb(payload, raw=False)
+        return Member(int(rank), str(host), bool(shm), str(device), str(kv_path), str(addr), int(port), int(pid),
+                      int(pidns))
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 when /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def maps_arenas_of(members: tuple[Member, ...], rank: int) -> bool:
+    """Whether every worker that shares memory with `rank` can open its arenas' /proc paths (same pid
+    namespace, known), so that it can hand them its spare KV arena instead of a fresh named segment."""
+    me = members[rank]
+    return bool(me.pidns) and all(m.pidns == me.pidns for m in members if m.rank != rank and shares_memory(me, m))
 
 
 def local_host_id(override: str = "") -> str:

@@ -45,6 +45,9 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
+nbytes_of = _nbytes
+
+
 def create(name: str, shape: tuple[int, ...], dtype: torch.dtype, reserve: bool = True) -> torch.Tensor:
     """A zeroed tensor of `shape` backed by a new segment `name` (a stale one of that name is replaced:
     names carry the epoch, so it can only be a leftover of a crashed worker of this very node)."""
@@ -126,18 +129,90 @@ class Reserver:
             os.close(fd)
 
 
+class Arena:
+    """One of a worker's KV arenas, kept for the next TP change instead of freed: a segment of /dev/shm held by
+    its descriptor (its name, if it had one, is gone) and mapped whole (`flat`, uint8). A change's new cache is
+    a view of the worker's spare arena (`view`), so a change allocates, zeroes and reserves nothing; commit
+    makes the old cache's arena the spare. Other workers of the host map it through `handle`
+    (/proc/<pid>/fd/<fd>: the owner's descriptor, no name in /dev/shm), which needs them in the owner's pid
+    namespace (kv_hosts.Member.pidns). The memory goes with the descriptor and the last mapping (`close` the
+    one, drop the other)."""
+
+    def __init__(self, fd: int, nbytes: int, flat: torch.Tensor) -> None:
+        self.fd: int | None = fd
+        self.nbytes = nbytes
+        self.flat = flat
+        self.handle = f"/proc/{os.getpid()}/fd/{fd}"
+
+    @staticmethod
+    def create(name: str, nbytes: int, reserve: bool = True, keep_name: bool = False) -> Arena:
+        """A new arena of `nbytes` (zeroed; OSError when /dev/shm has no room), made through segment `name`,
+        which is unlinked here unless `keep_name` (a prepare's new cache: the others attach it by name first).
+        `reserve`: back every page now (boot), else sparse (the caller reserves it later, `reserver(name)`)."""
+        path = _path(name)
+        stat = os.statvfs(SHM_DIR)
+        if stat.f_bavail * stat.f_frsize < nbytes:
+            raise OSError(f"no room for a {nbytes}-byte KV arena in {SHM_DIR} ({stat.f_bavail * stat.f_frsize} free)")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # a leftover of a crashed worker of this node (names carry the epoch)
+            os.unlink(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if reserve:
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            else:
+                os.ftruncate(fd, max(nbytes, 1))
+            flat = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        except (OSError, RuntimeError):
+            os.close(fd)
+            os.unlink(path)
+            raise
+        if not keep_name:
+            os.unlink(path)
+        return Arena(fd, nbytes, flat)
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A cache of `shape` over the arena's first bytes (what an earlier cache left there stays: every block
+        a request uses is written before it is read)."""
+        nbytes = _nbytes(shape, dtype)
+        assert nbytes <= self.nbytes, f"a {nbytes}-byte cache does not fit a {self.nbytes}-byte arena"
+        return self.flat[:nbytes].view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Give the descriptor back (idempotent); the mapping, and so the memory, lives while referenced."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def attach_handle(handle: str, shape: tuple[int, ...], dtype: torch.dtype, pid: int) -> torch.Tensor:
+    """Map another worker's arena by its `handle` (Arena.handle of worker process `pid`): OSError when it is not
+    a KV segment of that process or is too small for the cache this worker expects."""
+    parts = handle.split("/")
+    if len(parts) != 5 or parts[:2] != ["", "proc"] or parts[2] != str(pid) or parts[3] != "fd" or not parts[4].isdigit():
+        raise OSError(f"{handle!r} is not a KV arena handle of process {pid}")
+    target = os.readlink(handle)
+    if not target.startswith(os.path.join(SHM_DIR, SEGMENT_PREFIX)):
+        raise OSError(f"{handle!r} is not a KV segment ({target})")
+    nbytes = _nbytes(shape, dtype)
+    if os.stat(handle).st_size < nbytes:
+        raise OSError(f"arena {handle} holds {os.stat(handle).st_size} bytes, less than the {nbytes} expected")
+    return torch.from_file(handle, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
 def reserver(name: str) -> Reserver:
     """The `Reserver` of segment `name` (opened now, before its name is unlinked)."""
     return Reserver(name)
 
 
-def attach(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def attach(name: str, shape: tuple[int, ...], dtype: torch.dtype, allow_larger: bool = False) -> torch.Tensor:
     """Map another worker's segment (writes go straight into its memory). OSError when it is missing or
     does not have the size this worker expects (the two sides disagree on the cache geometry)."""
     path = _path(name)
     nbytes = _nbytes(shape, dtype)
     size = os.stat(path).st_size
-    if size != max(nbytes, 1):
+    if size < max(nbytes, 1) or (size != max(nbytes, 1) and not allow_larger):
         raise OSError(f"segment {name} holds {size} bytes, expected {nbytes}")
     return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 

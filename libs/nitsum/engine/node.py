@@ -54,6 +54,7 @@ The transition code itself (prepare/commit/abort, pre-copy, the command and ack 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from typing import Callable
@@ -142,7 +143,8 @@ class NodeRuntime(NodeTransition):
             self._kv_receiver = KvReceiver("127.0.0.1" if kv_hosts.is_loopback(addr) else "", kv_fault_epoch,
                                            kv_fault_chunk_epochs)
         me = kv_hosts.Member(world.rank, kv_hosts.local_host_id(host_id), shm_possible, world.device, kv_path, addr,
-                             self._kv_receiver.port if self._kv_receiver is not None else 0)
+                             self._kv_receiver.port if self._kv_receiver is not None else 0, os.getpid(),
+                             kv_hosts.pid_namespace())
         try:
             self.members = kv_hosts.exchange(world, me)
             self.kv_path = kv_hosts.resolve_mode(self.members)
@@ -173,13 +175,33 @@ class NodeRuntime(NodeTransition):
         self._runner_pool: dict[tuple[int, int], ModelRunner] = {}
         self._pool_lock = threading.Lock()
         self.runner_builds = 0  # ModelRunners this worker constructed (one per level unless a change outran `_build_ahead`)
+        # KV arenas (shm mode): the cache in use and a spare one, both made and reserved here, each as large as
+        # the largest level's cache. A change's new cache is a view of the spare, and its commit makes the old
+        # cache's arena the spare: a change allocates, zeroes and reserves no memory (64 MiB of page zeroing per
+        # changed worker was the largest CPU cost of a change here, on top of the old groups' steps). The price
+        # is a second arena per worker for as long as it runs.
+        self._arena: kv_segment.Arena | None = None  # backs the cache in use (None: a private or adopted one)
+        self._spare: kv_segment.Arena | None = None
+        self._arena_bytes = max(kv_segment.nbytes_of(self._cache_shape(tp), self._dtype) for tp in world.levels)
+        self._recycle = self.kv_path == "shm" and shm_possible and kv_hosts.maps_arenas_of(self.members, self.rank)
+        if self._recycle:
+            try:
+                self._spare = self._new_arena()
+                if engine is None:
+                    self._arena = self._new_arena()
+            except (OSError, RuntimeError) as exc:
+                log.warning("worker %d: no KV arenas (%s): every TP change makes its new cache afresh", self.rank, exc)
+                self._release_arena(self._spare)
+                self._spare, self._arena, self._recycle = None, None, False
         if engine is not None:
             self.runner, self.engine = engine.runner, engine
             self._workspace = engine.runner.workspace
             self.runner.node_group = (self.group.start, self.group.tp)
         else:
             self._workspace = Workspace()
-            self.runner = self._new_runner(self.group)
+            self.runner = self._new_runner(self.group, with_cache=self._arena is None)
+            if self._arena is not None:
+                self.runner.kv_cache = self._arena.view(tuple(self.runner.kv_cache_shape), self._dtype)
             if self.is_leader:
                 self.engine = self._new_engine(self.group, self.runner)
         self._prebuild = threading.Thread(target=self._build_ahead, name="nitsum-runner-prebuild", daemon=True)
@@ -189,6 +211,21 @@ class NodeRuntime(NodeTransition):
         # cache), exchanged (the span's rendezvous: the wait for the slowest member), planned, mapped, agreed.
         self.last_prepare_timings_ms: dict[str, float] = {}
         self.last_commit_timings_ms: dict[str, float] = {}  # the same for the last commit (see `commit`)
+
+    def _new_arena(self) -> kv_segment.Arena:
+        name = kv_segment.segment_name(self.node_tag, 0, self.rank) + f"-arena-{os.urandom(4).hex()}"
+        return kv_segment.Arena.create(name, self._arena_bytes)
+
+    def _release_arena(self, arena: kv_segment.Arena | None) -> None:
+        """An arena nothing uses any more: its descriptor now, its pages in the reaper (MADV_REMOVE)."""
+        if arena is not None:
+            arena.close()
+            self._reaper.retire(own=[arena.flat])
+
+    @property
+    def arenas_held(self) -> int:
+        """KV arenas this worker keeps (their descriptors are open): the one in use and the spare."""
+        return sum(a is not None and a.fd is not None for a in (self._arena, self._spare))
 
     def _shares_host(self, ranks) -> bool:
         first = self.members[ranks[0]]
@@ -227,6 +264,14 @@ class NodeRuntime(NodeTransition):
         runner.workspace = self._workspace  # one per worker (one runner computes at a time): its pages are warm
         if with_cache and runner.kv_cache is None:
             runner.kv_cache = torch.zeros(runner.kv_cache_shape, dtype=runner.dtype, device=runner.device)
+        return runner
+
+    def _pooled_runner(self, group: Group) -> ModelRunner | None:
+        """This worker's pooled runner for `group` (without a KV cache), or None when the pool has none."""
+        with self._pool_lock:
+            runner = self._runner_pool.pop((group.start, group.tp), None)
+        if runner is not None:
+            runner.workspace = self._workspace
         return runner
 
     def _build_runner(self, group: Group) -> ModelRunner:
@@ -316,6 +361,11 @@ class NodeRuntime(NodeTransition):
             self._release_links(prepared)
         self._close_receiver()
         self._reap_reservations(stop=True)
+        for arena in (self._arena, self._spare):
+            if arena is not None:
+                arena.close()  # the memory goes with the last mapping (the cache in use keeps computing)
+        self._arena = self._spare = None
+        self._recycle = False
         self._reaper.drain()
         self._prebuild.join(30.0)
         for name in kv_segment.leftovers(self.node_tag):

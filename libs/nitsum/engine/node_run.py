@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             "runner_id": id(runtime.runner), "runner_builds": runtime.runner_builds,
             "views_of_store": all(holder.contains(p) for p in params), "num_params": len(params),
             "bytes_read": loader.bytes_read, "kv_segments": kv_segment.leftovers(runtime.node_tag),
-            "kv_segment_fds": _segment_fds(),
+            "kv_segment_fds": _segment_fds(), "arenas_held": runtime.arenas_held,
             "kv_data_plane": list(runtime.kv_data_plane_open()),
         })
 
@@ -218,7 +218,7 @@ def _after(report: dict, ack, check, runtime: NodeRuntime) -> None:
         check("commit")
     elif ack.phase == "abort":
         report.setdefault("abort_kv_segments", []).append([ack.epoch, kv_segment.leftovers(report["node_tag"])])
-        report.setdefault("abort_kv_segment_fds", []).append([ack.epoch, _segment_fds()])
+        report.setdefault("abort_kv_segment_fds", []).append([ack.epoch, _segment_fds() - runtime.arenas_held])
     if ack.phase == "abort" or not ack.ok:
         report.setdefault("failed_kv_data_plane", []).append([ack.phase, ack.epoch, list(runtime.kv_data_plane_open())])
 

@@ -96,7 +96,9 @@ class _Prepared:
     preemptions: dict[str, int] = field(default_factory=dict)  # old leader: request -> preemptions at prepare
     acked: bool = False  # the final prepare ack was produced
     build: _Build | None = None  # the new runner, built in a thread (one-sided mode) until commit needs it
-    segment: str | None = None  # this worker's new-cache segment name (shm path)
+    segment: str | None = None  # this worker's new-cache segment name (shm path, when made afresh)
+    arena: Any = None  # the kv_segment.Arena its new cache is a view of (shm path with arenas)
+    handles: dict = field(default_factory=dict)  # worker -> Arena.handle of its new cache (mapped through /proc)
     new_cache: torch.Tensor | None = None  # its new KV cache in that segment (the runner adopts it at commit)
     links: KvLinks | None = None  # source: its TCP links to destinations on other hosts
     receiving: bool = False  # destination: its KV receiver serves this epoch's sources on other hosts
@@ -123,6 +125,7 @@ class _Build:
         self.error = ""  # of fn or of after
         self.runner_error = ""  # of fn only
         self.started = False
+        self._threadless = False
         self._cancel = cancel
         self._after = after
         self._ready = threading.Event()
@@ -130,11 +133,21 @@ class _Build:
         if start:
             self.start()
 
+    @staticmethod
+    def at_once(runner: ModelRunner) -> _Build:
+        """A build that is already done: the runner came from the worker's pool and there is nothing to reserve
+        (the new cache is the spare arena). No thread, so nothing for the final prepare ack to wait for."""
+        build = _Build(lambda: runner, start=False)
+        build.runner, build.started, build._threadless = runner, True, True
+        build._ready.set()
+        return build
+
     def finish(self) -> None:
         """A prepare that failed or is dropped: wait for a started build; one never started is given up
         (`cancel`: e.g. the reserve's descriptor closed) rather than run for nothing."""
         if self.started:
-            self._thread.join()
+            if not self._threadless:
+                self._thread.join()
         elif self._cancel is not None:
             self.started = True  # nothing may start it now
             cancel, self._cancel = self._cancel, None
@@ -166,7 +179,7 @@ class _Build:
 
     @property
     def done(self) -> bool:
-        return self.started and not self._thread.is_alive()
+        return self.started and (self._threadless or not self._thread.is_alive())
 
     @property
     def ready(self) -> bool:
@@ -180,7 +193,8 @@ class _Build:
     def wait(self, timeout_s: float | None = None) -> None:
         """Until it is done (a build nobody started yet starts now)."""
         self.start()
-        self._thread.join(timeout_s)
+        if not self._threadless:
+            self._thread.join(timeout_s)
 
 
 class NodeTransition:
@@ -335,12 +349,24 @@ class NodeTransition:
             if self._failure_hook is not None:
                 self._failure_hook("prepare", epoch)
             if my_new in born:
-                if self.kv_path == "shm" and self.members[self.rank].shm:
+                if self.kv_path == "shm" and self.members[self.rank].shm and self._spare is not None:
+                    # The spare arena (reserved long ago): nothing to allocate, zero or reserve.
+                    prepared.arena, self._spare = self._spare, None
+                    prepared.new_cache = prepared.arena.view(self._cache_shape(my_new.tp), self._dtype)
+                    pooled = self._pooled_runner(my_new)  # normally there: built at boot, or left by a change
+                    prepared.build = (_Build.at_once(pooled) if pooled is not None else
+                                      _Build(lambda: self._new_runner(my_new, with_cache=False), start=False))
+                elif self.kv_path == "shm" and self.members[self.rank].shm:
                     # Sparse here (microseconds); the build thread reserves its pages before anything but
                     # pre-copy writes into it (/dev/shm's room was checked: a full one refuses the epoch now).
                     segment = prepared.segment = kv_segment.segment_name(self.node_tag, epoch, self.rank)
-                    prepared.new_cache = kv_segment.create(segment, self._cache_shape(my_new.tp), self._dtype,
-                                                           reserve=False)
+                    if self._recycle:  # an arena from now on (this worker's spare was gone)
+                        prepared.arena = kv_segment.Arena.create(segment, self._arena_bytes, reserve=False,
+                                                                 keep_name=True)
+                        prepared.new_cache = prepared.arena.view(self._cache_shape(my_new.tp), self._dtype)
+                    else:
+                        prepared.new_cache = kv_segment.create(segment, self._cache_shape(my_new.tp), self._dtype,
+                                                               reserve=False)
                     reserve = kv_segment.reserver(segment)
                     prepared.build = _Build(lambda: self._new_runner(my_new, with_cache=False), start=False,
                                             cancel=reserve.close, after=reserve)
@@ -358,19 +384,22 @@ class NodeTransition:
         timings = self.last_prepare_timings_ms = {"allocated": _ms(t0)}
         local = self._kv_snapshot(my_old, gone)
         try:
+            # A new cache that is a named segment is attached by its name; one in a recycled arena by its handle.
+            handle = prepared.arena.handle if prepared.arena is not None and prepared.segment is None else ""
             parts = self.world.all_gather_bytes(
-                msgpack.packb([not reason, reason, [_kv_wire(r) for r in local]], use_bin_type=True),
+                msgpack.packb([not reason, reason, [_kv_wire(r) for r in local], handle], use_bin_type=True),
                 span.start, span.tp,
             )
         except BaseException:
             self._drop(prepared)
             raise
         decoded = [msgpack.unpackb(p, raw=False) for p in parts]
-        failures = [r for good, r, _ in decoded if not good]
+        failures = [r for good, r, _, _ in decoded if not good]
         if failures:
             self._drop(prepared)
             return TransitionAck(epoch, False, "prepare", "; ".join(failures), _ms(t0))
-        requests = [_kv_unwire(w) for _, _, entries in decoded for w in entries]
+        prepared.handles = {span.start + i: h for i, (_, _, _, h) in enumerate(decoded) if h}
+        requests = [_kv_unwire(w) for _, _, entries, _ in decoded for w in entries]
         timings["exchanged"] = _ms(t0)
         plan = plan_prepare(old, part, requests, self.geometry, self._num_blocks_of)
         prepared.plan = plan
@@ -386,7 +415,7 @@ class NodeTransition:
         problem = ""
         try:
             if my_old in gone:
-                dst_caches = self._map_new_caches(epoch, born, prepared.new_cache)
+                dst_caches = self._map_new_caches(epoch, born, prepared.new_cache, prepared.handles)
         except (OSError, RuntimeError) as exc:
             problem = f"worker {self.rank}: cannot map the new KV caches: {type(exc).__name__}: {exc}"
         if not problem and my_old in gone:
@@ -443,6 +472,7 @@ class NodeTransition:
         """A failed prepare: nothing of it stays (runner, cache, mappings, segment name)."""
         prepared.acked = True
         if prepared.build is not None:
+            prepared.build.stop_after()  # a reservation running: given up at its next piece
             prepared.build.finish()  # no thread outlives its epoch; one never started is given up
             if prepared.build.runner is not None:
                 self._shelve_runner(prepared.build.runner)  # without the epoch's cache: it goes with `prepared`
@@ -450,6 +480,13 @@ class NodeTransition:
         self._release_links(prepared)
         if prepared.segment is not None:
             kv_segment.unlink(prepared.segment)
+        arena, prepared.arena = prepared.arena, None
+        if arena is not None:  # the spare it was, or one made for this epoch: either way the next spare
+            if self._spare is None and self._recycle:
+                self._spare = arena
+            else:
+                self._release_arena(arena)
+        prepared.new_cache = None
         if self._prepared is prepared:
             self._prepared = None
 
@@ -570,8 +607,18 @@ class NodeTransition:
         old_runner, old_engine = retired if retired is not None else (None, None)
         if prepared.build is not None and not prepared.build.done:
             self._reserving.append(prepared.build)
+        own = [old_runner.kv_cache] if old_runner is not None else []
+        if retired is not None and (prepared.arena is not None or self._arena is not None):
+            # The old cache's arena is the next change's spare (its pages stay: nothing to free or zero).
+            old_arena, self._arena, prepared.arena = self._arena, prepared.arena, None
+            if old_arena is not None:
+                own = []
+                if self._spare is None and self._recycle:
+                    self._spare = old_arena
+                else:
+                    self._release_arena(old_arena)
         self._reaper.retire(
-            own=[old_runner.kv_cache] if old_runner is not None else [],
+            own=own,
             mapped=[cache for w, (cache, _) in prepared.dst_caches.items() if w != self.rank],
             other=[old_engine, prepared.precopy],
         )
@@ -590,8 +637,8 @@ class NodeTransition:
         span = transition_span(self.topology, local_target(self.topology, new, self.rank))
         if span is not None and self.rank in span.workers:
             parts = self.world.all_gather_bytes(
-                msgpack.packb([False, f"worker {self.rank}: {reason}", []], use_bin_type=True), span.start, span.tp)
-            reason = "; ".join(r for good, r, _ in (msgpack.unpackb(p, raw=False) for p in parts) if not good)
+                msgpack.packb([False, f"worker {self.rank}: {reason}", [], ""], use_bin_type=True), span.start, span.tp)
+            reason = "; ".join(r for good, r, _, _ in (msgpack.unpackb(p, raw=False) for p in parts) if not good)
         return TransitionAck(epoch, False, "prepare", reason, _ms(t0))
 
     def abort(self, epoch: int) -> TransitionAck:
@@ -624,8 +671,11 @@ class NodeTransition:
         return (cfg.num_layers, 2, self._num_blocks_of[tp], self.cfg.block_size, loader.kv_heads_per_rank(cfg, tp),
                 cfg.head_dim)
 
-    def _map_new_caches(self, epoch: int, born: tuple[Group, ...], own: torch.Tensor | None):
-        """Every new cache of the span (this worker's own included), with the global heads it holds."""
+    def _map_new_caches(self, epoch: int, born: tuple[Group, ...], own: torch.Tensor | None,
+                        handles: Mapping[int, str] | None = None):
+        """Every new cache of the span (this worker's own included), with the global heads it holds: by the
+        worker's arena handle when it gave one, else by the epoch's segment name."""
+        handles = handles or {}
         heads = self.model_config.num_kv_heads
         caches = {}
         for g in born:
@@ -635,9 +685,12 @@ class NodeTransition:
                 if w == self.rank:
                     assert own is not None, "a changed worker allocated its new cache"
                     cache = own
+                elif w in handles:
+                    cache = kv_segment.attach_handle(handles[w], self._cache_shape(g.tp), self._dtype,
+                                                     self.members[w].pid)
                 else:
                     cache = kv_segment.attach(kv_segment.segment_name(self.node_tag, epoch, w), self._cache_shape(g.tp),
-                                              self._dtype)
+                                              self._dtype, allow_larger=True)
                 caches[w] = (cache, migration.heads_of(heads, g, w))
         return caches
 
