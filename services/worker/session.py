@@ -41,6 +41,8 @@ PRECOPY_HOLD_STEP_FRACTION = 0.25
 # Below this steady step the hold is not worth it: a quarter of it is shorter than the permits' round trip, and
 # holding stacks the prepare step, the hold, the first round and the next step into one gap that streams see.
 PRECOPY_HOLD_MIN_STEP_MS = 12.0
+# A peer's turn of the step thread follows the leader's plans for at most this long (see `_iteration`).
+FOLLOW_BATCH_S = 0.25
 
 
 @dataclass
@@ -202,10 +204,24 @@ class WorkerSession:
 
         backend = self.backend
         if not backend.is_leader:
-            kind = backend.follow()  # blocks until the leader's next plan
-            acks = [(None, backend.runtime.last_ack)] if kind == "control" else []
-            if acks and acks[0][1].phase == "commit" and acks[0][1].ok:
-                self._held_at_commit = backend.output_counts()  # a promoted peer adopts from here
+            # A peer follows the leader's plans here, in a row: going back to the event loop after each one (a
+            # thread hand-off both ways, and the loop's turn for the GIL) made every TP step of the group wait
+            # for its slowest peer's trip, and a pre-copy round right after a prepare for the peers to come
+            # back. Only a commit (a promoted peer starts publishing), a shutdown, or FOLLOW_BATCH_S of plans
+            # (the loop checks its stop and refreshes stats) end the turn.
+            deadline = time.monotonic() + FOLLOW_BATCH_S
+            acks = []
+            while True:
+                kind = backend.follow()  # blocks until the leader's next plan
+                if kind == "control":
+                    ack = backend.runtime.last_ack
+                    acks.append((None, ack))
+                    if ack.phase == "commit":
+                        if ack.ok:
+                            self._held_at_commit = backend.output_counts()  # a promoted peer adopts from here
+                        break
+                if kind == "shutdown" or backend.is_leader or time.monotonic() > deadline:
+                    break
             return [], [], backend.stats(), acks, kind, []
         rejected: list[tuple[str, str]] = []
         acks = []

@@ -26,9 +26,11 @@ def _member(rank, port, same_host, out):
     res = {"made": world.attach_channels(lambda ranks: same_host)}
     group = world.group(0, 2)
     res["channel"] = group.channel is not None
-    res["names"] = sorted(n for n in os.listdir(sc.SHM_DIR) if n.startswith(f"{sc.NAME_PREFIX}p{port}-"))
     x = torch.arange(6, dtype=torch.float32) * (rank + 1)
     res["sum"] = group.all_reduce(x).tolist()
+    # (After a collective: the creator unlinks the name right after the set-up's last exchange, which the
+    # other member may leave first; it cannot leave this one before the creator came to it.)
+    res["names"] = sorted(n for n in os.listdir(sc.SHM_DIR) if n.startswith(f"{sc.NAME_PREFIX}p{port}-"))
     res["gather"] = group.all_gather(torch.full((2, 1), float(rank)), dim=-1).tolist()
     res["plan"] = group.broadcast_bytes(b"step-plan" if rank == 0 else None)
     res["parts"] = world.all_gather_bytes(b"m" * (rank + 1), 0, 2)

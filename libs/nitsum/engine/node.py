@@ -9,19 +9,22 @@ member applies it (`NodeRuntime.command` on the leader, `follow` on peers).
 Transition (ALGORITHMS.md §1.4), with `span` = this worker's *component* of the change: the largest changed
 group (old or new) that holds it (`kv.reshard.component_of`). Components share no worker, KV or request, so each
 runs the steps below inside its own group (2xTP2 -> 4xTP1: two splits, neither waits for the other):
-- `prepare(epoch, new)`: each changed worker allocates a fresh KV cache for its new head slice; the span
-  all-gathers the old leaders' block tables; every worker computes the same `plan_prepare` (the full blocks
-  to move). Once the span agreed, a thread readies the new runner: each worker holds one runner per allowed
-  level (weight *views* of the boot store: no weight is read or allocated), built at boot (`_build_ahead`),
-  so a change takes it from the pool and, in shm mode, reserves the new segment's pages.
+- `prepare(epoch, new)`: each changed worker takes a KV cache for its new head slice -- in shm mode a view of
+  its spare arena (`kv_segment.Arena`: two per worker, reserved at boot; commit makes the old cache's arena
+  the spare), else a fresh one; the span all-gathers the old leaders' block tables; every worker computes the
+  same `plan_prepare` (the full blocks to move). The new runner comes from the worker's pool: one runner per
+  allowed level (weight *views* of the boot store: no weight is read or allocated), built at boot
+  (`_build_ahead`); a change that finds none builds it in a thread, and a fresh segment's pages are reserved
+  there, paced, and on past the commit.
   KV paths are agreed once, at construction (`kv_hosts`): every worker all-gathers its host id
   (NITSUM_HOST_ID, else hostname + boot id + its /dev/shm's device), whether it can use /dev/shm, and where
   its KV receiver listens; then each (source, destination) pair has a path.
   One-sided mode (CPU; "auto" picks it): the full blocks move in chunks *between the old groups' decode
   steps* (`precopy.py`; each old group's leader drives its members with `precopy` control plans), written
   into each destination's new cache with no receive posted by its step thread:
-  - pairs on one host ("shm"): the new cache lives in a shared-memory segment that every source of the host
-    maps (its name is unlinked before prepare returns) and writes into;
+  - pairs on one host ("shm"): the new cache lives in shared memory that every source of the host maps (a
+    spare arena through /proc/<pid>/fd, or a fresh segment whose name is unlinked before prepare returns)
+    and writes into;
   - pairs across hosts ("tcp"): the source connects to the destination's KV receiver in prepare (stage-M
     DSCP; a pair that cannot connect refuses the prepare on every member) and sends each chunk over the
     transfer framing; the receiver's thread writes it into the new cache and acks after the write
