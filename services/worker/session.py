@@ -33,12 +33,13 @@ from nitsum.wire.messages import RunRequest, SubmitRequest, TokenChunk
 log = logging.getLogger("nitsum.worker")
 
 # After a prepare came back pending, the old group's next step waits this long at most for its pre-copy flows to
-# be permitted (one flow-scheduler round trip, 2-5 ms here), so that their first round runs before that step
-# rather than after it -- a whole step sooner (and the final prepare ack with it). Never more than this fraction
-# of a steady step: the streams lose at most that, once.
+# be permitted (one flow-scheduler round trip: 2-5 ms here, up to ~10 when four old leaders ask at once), so that
+# their first round runs before that step rather than after it -- a whole step sooner (and the final prepare
+# ack with it). Never more than this fraction of a steady step: the streams lose at most that, once (a quarter
+# was too short for merges of four groups: mid model, 20 ms steps, 0.5 -> totals 44-66 ms vs 48-76).
 PRECOPY_HOLD_MAX_S = 0.025
-PRECOPY_HOLD_STEP_FRACTION = 0.25
-# Below this steady step the hold is not worth it: a quarter of it is shorter than the permits' round trip, and
+PRECOPY_HOLD_STEP_FRACTION = 0.5
+# Below this steady step the hold is not worth it: a fraction of it is shorter than the permits' round trip, and
 # holding stacks the prepare step, the hold, the first round and the next step into one gap that streams see.
 PRECOPY_HOLD_MIN_STEP_MS = 12.0
 # A peer's turn of the step thread follows the leader's plans for at most this long (see `_iteration`).
