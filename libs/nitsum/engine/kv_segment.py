@@ -48,14 +48,14 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 nbytes_of = _nbytes
 
 
-def create(name: str, shape: tuple[int, ...], dtype: torch.dtype, reserve: bool = True) -> torch.Tensor:
-    """A zeroed tensor of `shape` backed by a new segment `name` (a stale one of that name is replaced:
-    names carry the epoch, so it can only be a leftover of a crashed worker of this very node)."""
+def _new_file(name: str, nbytes: int, reserve: bool, what: str) -> tuple[str, int]:
+    """Create segment file `name` of `nbytes` (a stale one of that name is replaced: names carry the epoch, so
+    it can only be a leftover of a crashed worker of this very node); OSError when /dev/shm has no room.
+    `reserve`: back every page now, else sparse. Returns its path and an open descriptor."""
     path = _path(name)
-    nbytes = _nbytes(shape, dtype)
     stat = os.statvfs(SHM_DIR)
     if stat.f_bavail * stat.f_frsize < nbytes:
-        raise OSError(f"no room for a {nbytes}-byte KV segment in {SHM_DIR} ({stat.f_bavail * stat.f_frsize} free)")
+        raise OSError(f"no room for a {nbytes}-byte {what} in {SHM_DIR} ({stat.f_bavail * stat.f_frsize} free)")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -70,6 +70,12 @@ def create(name: str, shape: tuple[int, ...], dtype: torch.dtype, reserve: bool 
         os.close(fd)
         os.unlink(path)
         raise
+    return path, fd
+
+
+def create(name: str, shape: tuple[int, ...], dtype: torch.dtype, reserve: bool = True) -> torch.Tensor:
+    """A zeroed tensor of `shape` backed by a new segment `name` (see `_new_file`)."""
+    path, fd = _new_file(name, _nbytes(shape, dtype), reserve, "KV segment")
     os.close(fd)
     try:
         return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
@@ -149,22 +155,10 @@ class Arena:
         """A new arena of `nbytes` (zeroed; OSError when /dev/shm has no room), made through segment `name`,
         which is unlinked here unless `keep_name` (a prepare's new cache: the others attach it by name first).
         `reserve`: back every page now (boot), else sparse (the caller reserves it later, `reserver(name)`)."""
-        path = _path(name)
-        stat = os.statvfs(SHM_DIR)
-        if stat.f_bavail * stat.f_frsize < nbytes:
-            raise OSError(f"no room for a {nbytes}-byte KV arena in {SHM_DIR} ({stat.f_bavail * stat.f_frsize} free)")
+        path, fd = _new_file(name, nbytes, reserve, "KV arena")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # a leftover of a crashed worker of this node (names carry the epoch)
-            os.unlink(path)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            if reserve:
-                os.posix_fallocate(fd, 0, max(nbytes, 1))
-            else:
-                os.ftruncate(fd, max(nbytes, 1))
             flat = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-        except (OSError, RuntimeError):
+        except RuntimeError:
             os.close(fd)
             os.unlink(path)
             raise
