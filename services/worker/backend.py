@@ -67,8 +67,8 @@ class PlainBackend:
 
     precopy_active = False
 
-    def precopy_tick(self) -> None:
-        return None
+    def precopy_tick(self) -> bool:
+        return False
 
     def precopy_all_allowed(self) -> bool:
         return True
@@ -173,17 +173,18 @@ class NodeBackend:
         with self._allowed_lock:
             return all(f.index in self._allowed for f in flows)
 
-    def precopy_tick(self) -> None:
-        """Step thread, before a step: the next chunk of every allowed flow, all pairs in one round."""
+    def precopy_tick(self) -> bool:
+        """Step thread, before a step: the next chunk of every allowed flow, all pairs in one round. True when
+        this tick produced the prepare's final ack (the coordinator's commit is next)."""
         with self._allowed_lock:
             allowed = dict(self._allowed)
             classes = {i: d for i, d in self._classes.items() if i in allowed}
         if not allowed:
-            return
+            return False
         runtime = self.runtime
         if not runtime.is_leader or not runtime.precopy_pending:
             self._finish(allowed, (False, runtime.take_prepare_ack(), "the pre-copy ended (commit or abort)"))
-            return
+            return False
         precopy = runtime._prepared.precopy
         items = [(i, next(c for c in range(len(precopy.flow(i).chunks)) if (i, c) not in precopy.done))
                  for i in allowed if any((i, c) not in precopy.done for c in range(len(precopy.flow(i).chunks)))]
@@ -195,17 +196,18 @@ class NodeBackend:
                 why = f"pre-copy round failed: {type(exc).__name__}: {exc}"
                 self._finish(allowed, (False, None, why))
                 self._collective_failed(why)
-                return
+                return False
         else:  # every chunk is done; the final ack waits for the new runner (idle: wait a little here)
             runtime.poll_prepare(0.0 if runtime.has_unfinished() else 0.01)
         final = runtime.take_prepare_ack()
         if final is not None:
             self._finish(allowed, (final.ok, final, final.reason))
-            return
+            return final.ok
         done = {i: cb for i, cb in allowed.items()
                 if all((i, c) in precopy.done for c in range(len(precopy.flow(i).chunks)))}
         if done and not precopy.complete:  # the last flows stay until the final ack
             self._finish(done, (True, None, ""))
+        return False
 
     def _collective_failed(self, why: str) -> None:
         """A transition collective failed outside a command: the peer-loss guard (PeerLossGuard in

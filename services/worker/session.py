@@ -78,6 +78,7 @@ class WorkerSession:
         self.num_aborted = 0
         self._stats = backend.stats()
         self._held_at_commit: dict[str, int] = {}
+        self._hold_for_commit = False  # the last turn sent a prepare's final ack: wait a little for the commit
         self.on_topology_change = None  # async callback after a commit changed this worker's group
         self.on_handoff = None  # P/D: callback(Running) once a prefill finished; it owns the request then
         self.prefill_role = False  # the engine pins every finished request (release it after its hand-off)
@@ -267,8 +268,13 @@ class WorkerSession:
             # is the next turn. Otherwise the coordinator's pause would include a step at the new TP.
             # A pending prepare's ack too: its pre-copy flows get their permits meanwhile (`_await_permits`).
             return [], rejected, backend.stats(), acks, "step", calls
-        if backend.is_leader:
-            backend.precopy_tick()  # a transition's KV pre-copy: one chunk per allowed flow, then the step
+        if backend.is_leader and backend.precopy_tick() and self._hold_s() > 0:
+            # A transition's KV pre-copy (one chunk per allowed flow, then the step) just sent the prepare's
+            # final ack: the coordinator's commit is one round trip away. This turn ends before the step so that
+            # the loop can wait that long (`_await_command`) and the commit comes at this step boundary rather
+            # than after the next step -- a merge's commit otherwise waits for the slowest old leader's step.
+            self._hold_for_commit = True
+            return [], rejected, backend.stats(), acks, "step", calls
         outputs = backend.step() if backend.is_leader and backend.has_unfinished() else []
         if not outputs and backend.is_leader and not backend.has_unfinished():
             backend.idle_tick()
@@ -310,6 +316,9 @@ class WorkerSession:
                 await self._after_commit(leader_before)
             if acks and any(a.phase == "prepare" and a.pending for _, a in acks):
                 await self._await_permits()
+            if self._hold_for_commit:
+                self._hold_for_commit = False
+                await self._await_command()
             for request_id, reason in rejected:
                 await self._finish_error(request_id, "invalid_request", reason)
             for out in outputs:
@@ -317,14 +326,35 @@ class WorkerSession:
             if not self.backend.is_leader:
                 self._refuse_queued("not a group leader any more")
 
+    def _hold_s(self) -> float:
+        """How long the old group's next step may wait for a transition's next message (0: not at all)."""
+        if self.step_ms_ewma < PRECOPY_HOLD_MIN_STEP_MS:
+            return 0.0
+        return min(PRECOPY_HOLD_MAX_S, PRECOPY_HOLD_STEP_FRACTION * self.step_ms_ewma / 1000.0)
+
+    async def _await_command(self) -> None:
+        """The prepare's final ack went out: wait for the next inbox item (the commit, normally) at most
+        `_hold_s`; the next iteration applies it before any step."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._hold_s()
+        while not self._inbox:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
     async def _await_permits(self) -> None:
         """A prepare came back pending: the migration driver (the prepare's handler, which runs while this
         waits) is getting its pre-copy flows' permits. Wait until every flow is allowed, at most
         PRECOPY_HOLD_STEP_FRACTION of a steady step (capped at PRECOPY_HOLD_MAX_S; not at all below
         PRECOPY_HOLD_MIN_STEP_MS); the next iteration then runs their first round before its step."""
-        if self.step_ms_ewma < PRECOPY_HOLD_MIN_STEP_MS:
+        hold_s = self._hold_s()
+        if hold_s <= 0:
             return
-        hold_s = min(PRECOPY_HOLD_MAX_S, PRECOPY_HOLD_STEP_FRACTION * self.step_ms_ewma / 1000.0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold_s
         await asyncio.sleep(0)  # the prepare's handler takes its ack and starts the driver

@@ -215,6 +215,8 @@ class _SteppingLeader(_LeaderRuntime):
 
     def command(self, cmd):
         self.events.append(cmd.kind)
+        if cmd.kind == "commit":
+            return TransitionAck(EPOCH, True, "commit", "", 1.0)
         self.prepared = True
         return TransitionAck(EPOCH, True, "prepare", "", 3.0, 0, pending=True)
 
@@ -242,8 +244,9 @@ class _SteppingLeader(_LeaderRuntime):
 
 async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats_server, monkeypatch):
     """A prepare that comes back pending holds the old group's next step until its flows are permitted (a
-    flow-scheduler round trip), so their first round runs before that step instead of one whole step later.
-    The hold is bounded by a fraction of a steady step; here the bound is set long, so the order is certain."""
+    flow-scheduler round trip), so their first round runs before that step instead of one whole step later;
+    the round that sends the final prepare ack holds the next step for the commit the same way. Each hold is
+    bounded by a fraction of a steady step; here the bound is long, so the order is certain."""
     from nitsum.engine.node import NodeCommand
     from nitsum_services.worker import session as session_module
 
@@ -271,6 +274,12 @@ async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats
         first = runtime.events.index("prepare")
         assert runtime.events[first + 1] == "round", runtime.events[:first + 5]  # not "step"
         _check_copied(runtime)
+        # The last round sent the final prepare ack: the old group's next step waits (at most its hold) for the
+        # commit, which then comes at that same step boundary, not after another step.
+        commit = await asyncio.wait_for(session.control(NodeCommand("commit", EPOCH)), 30)
+        assert (commit.phase, commit.ok) == ("commit", True)
+        at = runtime.events.index("commit")
+        assert runtime.events[at - 1] == "round" and runtime.events.count("round") == len(runtime.rounds), runtime.events
     finally:
         stop.set()
         await asyncio.wait({loop_task}, timeout=5)
