@@ -196,3 +196,46 @@ def test_bad_arguments_and_segments_are_refused(tmp_path):
 def test_names_are_unique_and_carry_the_world_and_group():
     a, b = sc.create_name("p29400", 0, 4), sc.create_name("p29400", 0, 4)
     assert a != b and a.startswith(sc.NAME_PREFIX + "p29400-g0x4-")
+
+
+def _mismatched(path, rank, size, out):
+    ch = _open(path, rank, size)
+    try:
+        if rank == 0:
+            ch.all_reduce(torch.ones(8))
+        else:
+            ch.all_gather_bytes(b"a step plan")  # a bug on one side: another collective
+        out.put((rank, "no error"))
+    except sc.ChannelError as exc:
+        out.put((rank, str(exc)))
+
+
+def test_members_in_different_collectives_raise_instead_of_mixing_their_data():
+    res = _run(_mismatched, 2)
+    assert all("another collective" in res[r] for r in (0, 1)), res
+
+
+def _sizes(path, rank, size, out):
+    ch = _open(path, rank, size)
+    try:
+        ch.all_reduce(torch.ones(8 if rank == 0 else 4))  # the same collective, different sizes
+        out.put((rank, "no error"))
+    except sc.ChannelError as exc:
+        out.put((rank, str(exc)))
+
+
+def test_an_all_reduce_of_different_sizes_raises():
+    res = _run(_sizes, 2)
+    assert all("another collective" in res[r] for r in (0, 1)), res
+
+
+def test_a_creator_that_fails_leaves_no_name(monkeypatch):
+    path = _path()
+
+    def no_room(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sc.os, "posix_fallocate", no_room)
+    with pytest.raises(OSError, match="No space"):
+        sc.ShmChannel(path, 0, 2, create=True, slot_bytes=SLOT)
+    assert not os.path.exists(path)  # nobody else knew the name: it does not stay in /dev/shm

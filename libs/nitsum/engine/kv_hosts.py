@@ -46,16 +46,17 @@ class Member:
     port: int
     pid: int = 0  # its process (its KV arenas are mapped through /proc/<pid>/fd: kv_segment.Arena)
     pidns: int = 0  # its pid namespace (inode of /proc/self/ns/pid; 0: unknown): such a path needs the same one
+    tpc: bool = True  # NITSUM_TP_SHM_COLLECTIVES: a group gets a shared-memory channel only if all its members say so
 
     def encode(self) -> bytes:
         return msgpack.packb([self.rank, self.host, self.shm, self.device, self.kv_path, self.addr, self.port,
-                              self.pid, self.pidns], use_bin_type=True)
+                              self.pid, self.pidns, self.tpc], use_bin_type=True)
 
     @staticmethod
     def decode(payload: bytes) -> Member:
-        rank, host, shm, device, kv_path, addr, port, pid, pidns = msgpack.unpackb(payload, raw=False)
+        rank, host, shm, device, kv_path, addr, port, pid, pidns, tpc = msgpack.unpackb(payload, raw=False)
         return Member(int(rank), str(host), bool(shm), str(device), str(kv_path), str(addr), int(port), int(pid),
-                      int(pidns))
+                      int(pidns), bool(tpc))
 
 
 def pid_namespace() -> int:

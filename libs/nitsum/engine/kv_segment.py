@@ -167,8 +167,10 @@ class Arena:
         return Arena(fd, nbytes, flat)
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A cache of `shape` over the arena's first bytes (what an earlier cache left there stays: every block
-        a request uses is written before it is read)."""
+        """A cache of `shape` over the arena's first bytes. What an earlier cache left there stays (no zeroing):
+        every block a request uses is written before attention reads it, except the positions past the request's
+        length inside its last block, which attention masks out -- stale KV values there are finite numbers, so
+        the mask zeroes their weight (a NaN there would not be: nothing writes one into a cache)."""
         nbytes = _nbytes(shape, dtype)
         assert nbytes <= self.nbytes, f"a {nbytes}-byte cache does not fit a {self.nbytes}-byte arena"
         return self.flat[:nbytes].view(dtype).view(shape)

@@ -147,17 +147,18 @@ class NodeRuntime(NodeTransition):
                                            kv_fault_chunk_epochs)
         me = kv_hosts.Member(world.rank, kv_hosts.local_host_id(host_id), shm_possible, world.device, kv_path, addr,
                              self._kv_receiver.port if self._kv_receiver is not None else 0, os.getpid(),
-                             kv_hosts.pid_namespace())
+                             kv_hosts.pid_namespace(), shm_collectives)
         try:
             self.members = kv_hosts.exchange(world, me)
             self.kv_path = kv_hosts.resolve_mode(self.members)
+            # Groups of one host: their collectives through shared memory (NITSUM_TP_SHM_COLLECTIVES, which
+            # every member of a group must have on: decided from the exchange, so all members agree).
+            self.shm_channels = world.attach_channels(self._shares_host)
         except BaseException:
             self._close_receiver()
             raise
         if self.kv_path == "p2p":
             self._close_receiver()
-        # Groups of one host: their collectives through shared memory (NITSUM_TP_SHM_COLLECTIVES).
-        self.shm_channels = world.attach_channels(self._shares_host) if shm_collectives else 0
         self.precopy_chunk_bytes = precopy_chunk_bytes
         self.node_tag = node_tag or f"p{world.master_port}"
         self.bytes_by_path = {"shm": 0, "tcp": 0, "p2p": 0}  # KV bytes this worker moved into other workers' caches
@@ -231,8 +232,9 @@ class NodeRuntime(NodeTransition):
         return sum(a is not None and a.fd is not None for a in (self._arena, self._spare))
 
     def _shares_host(self, ranks) -> bool:
+        """Every member of these ranks shares the first one's /dev/shm and has shared-memory collectives on."""
         first = self.members[ranks[0]]
-        return all(kv_hosts.shares_memory(first, self.members[r]) for r in ranks)
+        return all(kv_hosts.shares_memory(first, self.members[r]) and self.members[r].tpc for r in ranks)
 
     # -- what this worker is now --------------------------------------------------------------------
     @property
@@ -357,11 +359,15 @@ class NodeRuntime(NodeTransition):
         thread go too) and close the KV receiver's listening socket."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None and prepared.build is not None:
+            prepared.build.stop_after()  # a reservation running: given up at its next piece, not joined to its end
             prepared.build.finish()
             if prepared.build.runner is not None:
                 self._shelve_runner(prepared.build.runner)
         if prepared is not None:
             self._release_links(prepared)
+            if prepared.arena is not None:  # the spare it took, or one made for the epoch
+                prepared.arena.close()
+                prepared.arena = None
         self._close_receiver()
         self._reap_reservations(stop=True)
         for arena in (self._arena, self._spare):

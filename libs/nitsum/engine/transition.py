@@ -481,11 +481,11 @@ class NodeTransition:
         if prepared.segment is not None:
             kv_segment.unlink(prepared.segment)
         arena, prepared.arena = prepared.arena, None
-        if arena is not None:  # the spare it was, or one made for this epoch: either way the next spare
-            if self._spare is None and self._recycle:
-                self._spare = arena
-            else:
-                self._release_arena(arena)
+        if arena is not None:
+            # Not back to spare: a source of this epoch whose abort is late may still write a pre-copy round into
+            # it (through its handle), and the next change would hand it out as a live cache. The next prepare
+            # makes a fresh one (a named segment, reserved paced), which its commit then leaves as the spare.
+            self._release_arena(arena)
         prepared.new_cache = None
         if self._prepared is prepared:
             self._prepared = None

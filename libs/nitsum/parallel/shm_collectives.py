@@ -45,7 +45,9 @@ HEADER_BYTES = 64  # per member
 DATA_OFFSET = 4096  # headers of up to 63 members, then the abort word
 ABORT_OFFSET = DATA_OFFSET - 64
 MAX_MEMBERS = ABORT_OFFSET // HEADER_BYTES
-_SEQ, _PID, _LEN, _TOTAL, _NS = 0, 4, 8, 24, 40  # header fields (LEN, TOTAL: one u64 per buffer)
+_SEQ, _PID, _LEN, _TOTAL, _NS, _OP = 0, 4, 8, 24, 40, 48  # header fields (LEN, TOTAL: a u64, OP: a u32, per buffer)
+# What a round is part of (OP): members whose rounds disagree called different collectives (a bug on one side).
+OP_ALL_REDUCE, OP_ALL_GATHER, OP_BYTES, OP_BARRIER = 1, 2, 3, 4
 _MASK = 0xFFFFFFFF
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = 202  # x86-64
@@ -61,19 +63,24 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_syscall = None
+_syscalls = None
 
 
 def _libc_syscall():
-    global _syscall
-    if _syscall is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.syscall
-        fn.restype = ctypes.c_long
-        fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_uint32]
-        _syscall = fn
-    return _syscall
+    """(wait, wake): syscall(2) through a handle that releases the GIL (a FUTEX_WAIT blocks) and one that keeps
+    it (a FUTEX_WAKE returns at once: releasing the GIL there made the step thread queue for it again after
+    every round whenever another thread of the worker wanted it)."""
+    global _syscalls
+    if _syscalls is None:
+        fns = []
+        for lib in (ctypes.CDLL(None, use_errno=True), ctypes.PyDLL(None, use_errno=True)):
+            fn = lib.syscall
+            fn.restype = ctypes.c_long
+            fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_uint32]
+            fns.append(fn)
+        _syscalls = tuple(fns)
+    return _syscalls
 
 
 def supported() -> bool:
@@ -129,6 +136,10 @@ class ShmChannel:
             elif os.fstat(fd).st_size != total:
                 raise ChannelError(f"{path}: {os.fstat(fd).st_size} bytes, expected {total} for {size} x {slot_bytes}")
             self._mm = mmap.mmap(fd, total)
+        except BaseException:
+            if create:  # nobody else knows the name yet: it must not stay in /dev/shm
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         mm = self._mm
@@ -140,6 +151,8 @@ class ShmChannel:
                      for j in range(size)]
         self._total = [[ctypes.c_uint64.from_buffer(mm, j * HEADER_BYTES + _TOTAL + 8 * b) for b in (0, 1)]
                        for j in range(size)]
+        self._op = [[ctypes.c_uint32.from_buffer(mm, j * HEADER_BYTES + _OP + 4 * b) for b in (0, 1)]
+                    for j in range(size)]
         self._abort = ctypes.c_uint32.from_buffer(mm, ABORT_OFFSET)
         self._abort_addr = ctypes.addressof(self._abort)
         data = torch.frombuffer(mm, dtype=torch.uint8)
@@ -149,7 +162,7 @@ class ShmChannel:
         self._pid[rank].value = os.getpid()
         self._ns[rank].value = self._ns_me
         self._g = 0  # rounds done: every member starts from a fresh (zeroed) segment
-        self._futex = _libc_syscall()
+        self._futex, self._futex_wake = _libc_syscall()
         self.closed = False
         self.rounds = 0
 
@@ -157,8 +170,10 @@ class ShmChannel:
         return DATA_OFFSET + (j * 2 + b) * self.slot_bytes
 
     # -- one round --------------------------------------------------------------------------------------
-    def _round(self, nbytes: int, total: int, fill) -> int:
-        """Post `nbytes` (written by `fill(slot)`) and wait for everyone's post; returns the buffer index."""
+    def _round(self, nbytes: int, total: int, fill, op: int, same_size: bool = False) -> int:
+        """Post `nbytes` (written by `fill(slot)`) as part of collective `op` and wait for everyone's post;
+        returns the buffer index. ChannelError when a member posted another collective (or, `same_size`,
+        another size): the members called different collectives, and reading on would mix their data."""
         if self.closed or self._abort.value:
             raise ChannelError(f"TP group channel {self.path} was torn down")
         g = (self._g + 1) & _MASK
@@ -168,14 +183,20 @@ class ShmChannel:
             fill(self._slots[me][b][:nbytes])
         self._len[me][b].value = nbytes
         self._total[me][b].value = total
+        self._op[me][b].value = op
         self._seq[me].value = g  # after the data: x86 keeps the order of stores
-        self._futex(_SYS_FUTEX, self._seq_addr[me], _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        self._futex_wake(_SYS_FUTEX, self._seq_addr[me], _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
         self._g = g
         self.rounds += 1
         before = (g - 1) & _MASK
         for j in range(self.size):
             if j != me and self._seq[j].value == before:
                 self._wait(j, before)
+        for j in range(self.size):
+            if self._op[j][b].value != op or (same_size and self._len[j][b].value != nbytes):
+                raise ChannelError(f"TP group channel {self.path}: rank {j} is in another collective (op "
+                                   f"{self._op[j][b].value}, {self._len[j][b].value} bytes) than rank {me} (op {op}, "
+                                   f"{nbytes} bytes)")
         return b
 
     def _wait(self, j: int, before: int) -> None:
@@ -212,7 +233,8 @@ class ShmChannel:
         for off in range(0, flat.numel(), per_round):
             part = flat[off: off + per_round]
             nbytes = part.numel() * esize
-            b = self._round(nbytes, nbytes, lambda slot, part=part: slot.copy_(part.view(torch.uint8)))
+            b = self._round(nbytes, nbytes, lambda slot, part=part: slot.copy_(part.view(torch.uint8)),
+                            OP_ALL_REDUCE, same_size=True)
             views = [self._slots[j][b][:nbytes].view(tensor.dtype) for j in range(self.size)]
             part.copy_(views[0])
             for v in views[1:]:
@@ -227,7 +249,8 @@ class ShmChannel:
         nbytes = src.numel()
         for off in range(0, nbytes, self.slot_bytes):
             n = min(self.slot_bytes, nbytes - off)
-            b = self._round(n, nbytes, lambda slot, off=off, n=n: slot.copy_(src[off: off + n]))
+            b = self._round(n, nbytes, lambda slot, off=off, n=n: slot.copy_(src[off: off + n]), OP_ALL_GATHER,
+                            same_size=True)
             for j in range(self.size):
                 dsts[j][off: off + n].copy_(self._slots[j][b][:n])
         return torch.cat(parts, dim=dim)
@@ -241,7 +264,8 @@ class ShmChannel:
         while True:
             chunk = view[off: off + self.slot_bytes]
             b = self._round(len(chunk), len(payload),
-                            lambda slot, chunk=chunk: slot.copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8)))
+                            lambda slot, chunk=chunk: slot.copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8)),
+                            OP_BYTES)
             if totals is None:
                 totals = [self._total[j][b].value for j in range(self.size)]
             for j in range(self.size):
@@ -261,7 +285,7 @@ class ShmChannel:
         return payload if self.rank == 0 else data
 
     def barrier(self) -> None:
-        self._round(0, 0, None)
+        self._round(0, 0, None, OP_BARRIER)
 
     # -- teardown -----------------------------------------------------------------------------------------
     def abort(self) -> None:
@@ -270,7 +294,7 @@ class ShmChannel:
             return
         self._abort.value = 1
         for addr in self._seq_addr:
-            self._futex(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+            self._futex_wake(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
         self.close()
 
     def close(self) -> None:
