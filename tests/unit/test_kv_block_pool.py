@@ -133,3 +133,23 @@ def test_kv_package_imports_no_torch():
 
     code = "import sys, nitsum.kv; assert 'torch' not in sys.modules, 'nitsum.kv imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_quick_table_check_finds_what_the_full_one_finds_in_the_held_blocks():
+    """`check_tables` (a TP change's freshly adopted engine) looks only at the blocks the tables hold."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.allocate("a", 10) == [0, 1, 2]
+    assert kv.allocate("b", 4) == [3]
+    kv.check_tables()
+    kv.check_integrity()
+    kv.pool._ref_count[1] = 2  # a table that does not hold block 1 twice
+    with pytest.raises(AssertionError, match="block 1"):
+        kv.check_tables()
+    with pytest.raises(AssertionError):
+        kv.check_integrity()
+    kv.pool._ref_count[1] = 1
+    kv.pool._free.pop(5)  # a block nobody holds that is not free either (lost)
+    with pytest.raises(AssertionError, match="free blocks"):
+        kv.check_tables()
+    with pytest.raises(AssertionError):
+        kv.check_integrity()

@@ -251,8 +251,8 @@ class Engine:
             cached_block_hashes=self.kv.pool.cached_hashes(MAX_REPORTED_HASHES),
         )
 
-    def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+    def check_integrity(self, quick: bool = False) -> None:
+        self.scheduler.check_integrity(quick)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | SequenceABC[SamplingParams]

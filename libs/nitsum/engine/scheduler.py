@@ -219,8 +219,13 @@ class Scheduler:
             seq.num_computed_tokens += chunk.num_tokens
             self.kv.commit(seq.request_id, seq.token_ids, seq.num_computed_tokens)
 
-    def check_integrity(self) -> None:
-        self.kv.check_integrity()
+    def check_integrity(self, quick: bool = False) -> None:
+        """Scheduler and KV bookkeeping agree; `quick`: the KV side only in the blocks the tables hold
+        (KVCacheManager.check_tables), O(blocks in use) instead of O(pool)."""
+        if quick:
+            self.kv.check_tables()
+        else:
+            self.kv.check_integrity()
         holders = {s.request_id for s in self.running} | set(self.pinned)
         for seq in self.running:
             assert seq.status is Status.RUNNING, f"{seq.request_id} in running with status {seq.status}"

@@ -599,7 +599,8 @@ class NodeTransition:
                     placements = {p.request_id: p for p in delta.placements if p.dst_group == my_new}
                     states = [s for st, *_ in decoded for s in st if s["id"] in placements]
                     migration.install_states(engine, states, placements)
-                    engine.check_integrity()
+                    # Quick: a fresh pool (the full check walks every block: 3-5 ms of a tiny model's TP4 commit).
+                    engine.check_integrity(quick=True)
                     self.engine = engine
         # The old cache, the mappings of other workers' new caches and the pre-copy go to the reaper: freeing
         # them here (~10-20 ms of page freeing with the GIL held) was part of the pause (see engine.reaper).

@@ -158,6 +158,20 @@ class KVCacheManager:
         self.pool.free(reversed(table.block_ids))
         return True
 
+    def check_tables(self) -> None:
+        """The cheap half of `check_integrity`, in the blocks the tables hold (not the whole pool): each held
+        block's reference count is the number of tables that hold it, none is in the free queue, and every other
+        block is (a freshly adopted engine: its pool was built right before, so it has nothing else to check)."""
+        held: dict[int, int] = {}
+        for table in self._tables.values():
+            for block_id in table.block_ids:
+                held[block_id] = held.get(block_id, 0) + 1
+        for block_id, count in held.items():
+            assert self.pool.ref_count(block_id) == count, (
+                f"block {block_id}: ref count {self.pool.ref_count(block_id)} but {count} tables hold it")
+        assert self.pool.num_free == self.pool.num_blocks - len(held), (
+            f"{self.pool.num_free} free blocks, expected {self.pool.num_blocks} - {len(held)} held")
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         expected = [0] * self.pool.num_blocks
