@@ -198,34 +198,26 @@ def test_names_are_unique_and_carry_the_world_and_group():
     assert a != b and a.startswith(sc.NAME_PREFIX + "p29400-g0x4-")
 
 
-def _mismatched(path, rank, size, out):
+MISMATCHES = {
+    # a bug on one side: another collective
+    "collective": lambda ch, rank: ch.all_reduce(torch.ones(8)) if rank == 0 else ch.all_gather_bytes(b"a step plan"),
+    # the same collective, different sizes
+    "size": lambda ch, rank: ch.all_reduce(torch.ones(8 if rank == 0 else 4)),
+}
+
+
+def _mismatched(path, rank, size, out, kind):
     ch = _open(path, rank, size)
     try:
-        if rank == 0:
-            ch.all_reduce(torch.ones(8))
-        else:
-            ch.all_gather_bytes(b"a step plan")  # a bug on one side: another collective
+        MISMATCHES[kind](ch, rank)
         out.put((rank, "no error"))
     except sc.ChannelError as exc:
         out.put((rank, str(exc)))
 
 
-def test_members_in_different_collectives_raise_instead_of_mixing_their_data():
-    res = _run(_mismatched, 2)
-    assert all("another collective" in res[r] for r in (0, 1)), res
-
-
-def _sizes(path, rank, size, out):
-    ch = _open(path, rank, size)
-    try:
-        ch.all_reduce(torch.ones(8 if rank == 0 else 4))  # the same collective, different sizes
-        out.put((rank, "no error"))
-    except sc.ChannelError as exc:
-        out.put((rank, str(exc)))
-
-
-def test_an_all_reduce_of_different_sizes_raises():
-    res = _run(_sizes, 2)
+@pytest.mark.parametrize("kind", sorted(MISMATCHES))
+def test_members_in_different_collectives_or_sizes_raise_instead_of_mixing_their_data(kind):
+    res = _run(_mismatched, 2, kind)
     assert all("another collective" in res[r] for r in (0, 1)), res
 
 

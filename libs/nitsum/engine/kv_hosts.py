@@ -59,14 +59,6 @@ class Member:
                       int(pidns), bool(tpc))
 
 
-def pid_namespace() -> int:
-    """Inode of this process's pid namespace (0 when /proc does not say)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 def maps_arenas_of(members: tuple[Member, ...], rank: int) -> bool:
     """Whether every worker that shares memory with `rank` can open its arenas' /proc paths (same pid
     namespace, known), so that it can hand them its spare KV arena instead of a fresh named segment."""

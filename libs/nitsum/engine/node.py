@@ -85,6 +85,7 @@ from nitsum.model import loader
 from nitsum.model.loader import read_raw_config
 from nitsum.model.model import Workspace
 from nitsum.model.tokenizer import Tokenizer
+from nitsum.parallel import shm_collectives as shm_collectives_lib
 from nitsum.parallel.world import NodeWorld
 
 FailureHook = Callable[[str, int], None]
@@ -147,7 +148,7 @@ class NodeRuntime(NodeTransition):
                                            kv_fault_chunk_epochs)
         me = kv_hosts.Member(world.rank, kv_hosts.local_host_id(host_id), shm_possible, world.device, kv_path, addr,
                              self._kv_receiver.port if self._kv_receiver is not None else 0, os.getpid(),
-                             kv_hosts.pid_namespace(), shm_collectives)
+                             shm_collectives_lib.pid_namespace(), shm_collectives)
         try:
             self.members = kv_hosts.exchange(world, me)
             self.kv_path = kv_hosts.resolve_mode(self.members)

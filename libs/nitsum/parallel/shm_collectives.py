@@ -94,7 +94,8 @@ def supported() -> bool:
     return True
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 when /proc does not say)."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -158,7 +159,7 @@ class ShmChannel:
         data = torch.frombuffer(mm, dtype=torch.uint8)
         self._slots = [[data[self._offset(j, b): self._offset(j, b) + slot_bytes] for b in (0, 1)] for j in range(size)]
         self._mv = memoryview(mm)
-        self._ns_me = _pid_namespace()
+        self._ns_me = pid_namespace()
         self._pid[rank].value = os.getpid()
         self._ns[rank].value = self._ns_me
         self._g = 0  # rounds done: every member starts from a fresh (zeroed) segment
