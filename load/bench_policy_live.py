@@ -111,9 +111,12 @@ async def _run_policy(mesh, specs: list, policy: str, devices: int) -> tuple[lis
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SHAPE_TIMEOUT_S
-    while not _shape_reached(await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0), policy, devices):
+    while not _shape_reached(status := await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0), policy, devices):
         if loop.time() > deadline:
-            raise RuntimeError(f"{policy}: the coordinator did not reach its shape within {SHAPE_TIMEOUT_S} s")
+            why = "; ".join(f"{d.get('node_id')}: {d.get('reason')}" for d in status.get("last_decisions", []))
+            raise RuntimeError(f"{policy}: the coordinator did not reach its shape within {SHAPE_TIMEOUT_S} s "
+                               f"(its last decisions: {why or 'none'}; last transitions: "
+                               f"{status.get('transitions', [])[-2:]})")
         await asyncio.sleep(0.2)
     before = len((await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0)).get("transitions", []))
     cfg = ClientConfig(base_url=mesh.url, model=await discover_model(mesh.url, None), endpoint="completions",

@@ -91,7 +91,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--max-tp must be a power of two no larger than --devices")
     if not 0 <= args.prefill_workers <= args.devices:
         p.error("--prefill-workers must be between 0 and --devices")
+    problem = _policy_problem(args.policy, args.devices, args.max_tp)
+    if problem:
+        p.error(f"--policy: {problem}")
     return args
+
+
+def _policy_problem(spec: str, devices: int, max_tp: int) -> str:
+    """Why `spec` cannot run on one node of `devices` workers with this --max-tp ('' if it can)."""
+    from nitsum.policy.registry import make_policy
+    from nitsum.policy.snapshot import NodeView
+
+    try:
+        make_policy(spec).initial_topology(NodeView("node0", devices, 1, max_tp, ()))
+    except (ValueError, AssertionError) as exc:
+        return str(exc)
+    return ""
 
 
 def _ready(url: str, api_key: str) -> tuple[bool, str]:

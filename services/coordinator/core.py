@@ -133,6 +133,7 @@ class Coordinator:
         self.policy = make_policy(self.policy_spec, policy_config(self.config))
         self.epoch = 0
         self.last_decisions: list[dict] = []
+        self.epoch_problem = ""  # the last epoch's failure, logged once until an epoch succeeds again
         self.last_reconfig_ms: dict[str, float] = {}
         self.transitions = TransitionAgent(self)
         self.reforms = ReformAgent(self)  # re-forms a node world that lost a member (services/coordinator/reform.py)
@@ -160,6 +161,11 @@ class Coordinator:
             policy = make_policy(spec, policy_config(self.config))
         except (ValueError, TypeError) as exc:
             return str(exc)
+        for node in self.snapshot().nodes:  # a layout the nodes cannot hold is refused now, not retried forever
+            try:
+                policy.initial_topology(node)
+            except (ValueError, AssertionError) as exc:
+                return f"{spec} does not fit node {node.node_id} ({node.num_devices} devices now): {exc}"
         self.policy, self.policy_spec = policy, spec
         self.pinned_nodes.clear()  # a policy chosen by hand takes the nodes back
         return ""
@@ -333,34 +339,47 @@ class Coordinator:
                 break
             if not self.members.workers:
                 continue
-            snap = self.snapshot()
-            t0 = time.perf_counter()
-            decisions = self.policy.decide_topology(snap)
-            decide_ms = (time.perf_counter() - t0) * 1000.0
-            self.ctx.metrics.reconfiguration_duration_ms().labels(phase="decide").observe(decide_ms)
-            self.last_decisions = [
-                {"node_id": d.node_id, "target": str(d.target) if d.target is not None else None, "reason": d.reason, "path": d.path, "score_gain": d.score_gain}
-                for d in decisions
-            ]
-            for d in decisions:
-                if d.target is None or self.transitions.lock.locked() or d.node_id in self.pinned_nodes:
-                    continue
-                try:
-                    self.transitions.check(d.node_id, d.target)
-                except TransitionError as exc:
-                    log.debug("policy %s wants %s on %s but: %s", self.policy_spec, d.target, d.node_id, exc)
-                    continue
-                task = asyncio.create_task(self.transitions.apply(d.node_id, d.target, f"policy {self.policy_spec}: {d.reason}", decide_ms))
-                task.add_done_callback(_log_failure)
-            # Only work still waiting at the coordinator is shed; a request a worker has started is never killed
-            # (its tokens are already being paid for, and the client is waiting for them).
-            waiting = {r.request_id for r in snap.requests if r.group_id is None}
-            for request_id in (r for r in self.policy.shed(snap) if r in waiting):
-                log.warning("shedding %s: it cannot meet its SLO", request_id)
-                try:
-                    await self.bus.publish(self.bus.subjects.abort, AbortRequest(request_id, "shed"))
-                except Exception as exc:
-                    log.warning("could not shed %s: %s", request_id, exc)
+            try:
+                await self.run_epoch()
+            except Exception as exc:  # noqa: BLE001 -- one bad epoch (a policy's bug) must not end every later one
+                problem = f"{type(exc).__name__}: {exc}"
+                if problem != self.epoch_problem:  # once per distinct problem, not every epoch
+                    log.exception("policy %s: epoch failed (the next epoch tries again): %s", self.policy_spec, problem)
+                self.epoch_problem = problem
+                self.last_decisions = [{"node_id": None, "target": None, "reason": f"epoch failed: {problem}", "path": "error", "score_gain": 0.0}]
+            else:
+                self.epoch_problem = ""
+
+    async def run_epoch(self) -> None:
+        """One policy epoch: topology decisions, then shedding."""
+        snap = self.snapshot()
+        t0 = time.perf_counter()
+        decisions = self.policy.decide_topology(snap)
+        decide_ms = (time.perf_counter() - t0) * 1000.0
+        self.ctx.metrics.reconfiguration_duration_ms().labels(phase="decide").observe(decide_ms)
+        self.last_decisions = [
+            {"node_id": d.node_id, "target": str(d.target) if d.target is not None else None, "reason": d.reason, "path": d.path, "score_gain": d.score_gain}
+            for d in decisions
+        ]
+        for d in decisions:
+            if d.target is None or self.transitions.lock.locked() or d.node_id in self.pinned_nodes:
+                continue
+            try:
+                self.transitions.check(d.node_id, d.target)
+            except TransitionError as exc:
+                log.debug("policy %s wants %s on %s but: %s", self.policy_spec, d.target, d.node_id, exc)
+                continue
+            task = asyncio.create_task(self.transitions.apply(d.node_id, d.target, f"policy {self.policy_spec}: {d.reason}", decide_ms))
+            task.add_done_callback(_log_failure)
+        # Only work still waiting at the coordinator is shed; a request a worker has started is never killed
+        # (its tokens are already being paid for, and the client is waiting for them).
+        waiting = {r.request_id for r in snap.requests if r.group_id is None}
+        for request_id in (r for r in self.policy.shed(snap) if r in waiting):
+            log.warning("shedding %s: it cannot meet its SLO", request_id)
+            try:
+                await self.bus.publish(self.bus.subjects.abort, AbortRequest(request_id, "shed"))
+            except Exception as exc:
+                log.warning("could not shed %s: %s", request_id, exc)
 
     def update_metrics(self) -> None:
         depth = self.members.outstanding_by_tier()

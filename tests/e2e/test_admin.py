@@ -36,6 +36,10 @@ def test_set_policy_is_validated_and_idempotent_by_id(mesh):
     bad = admin(mesh, "set-policy", {"id": "p0", "policy": "static-tp:three"})
     assert bad["ok"] is False and bad["error"]["code"] == "bad_policy"
     assert admin(mesh, "status", {})["policy"] == "adaptive"  # unchanged
+    too_wide = admin(mesh, "set-policy", {"id": "p0w", "policy": "static-tp:4"})  # two workers cannot make a TP4
+    assert too_wide["ok"] is False and too_wide["error"]["code"] == "bad_policy"
+    assert "does not fit node node0" in too_wide["error"]["message"]
+    assert admin(mesh, "status", {})["policy"] == "adaptive"
     first = admin(mesh, "set-policy", {"id": "p1", "policy": "static-tp:1"})
     assert first == {"ok": True, "policy": "static-tp:1", "previous": "adaptive"}
     # The same id again (a retry): the first answer, and nothing changes twice.

@@ -96,7 +96,13 @@ class BasePolicy:
         """Static layouts: restore the layout if the node runs anything else, otherwise keep."""
         out = []
         for node in snap.nodes:
-            want = self.initial_topology(node)
+            try:
+                want = self.initial_topology(node)
+            except ValueError as exc:
+                # The node as seen now cannot hold the layout: at boot, before all its workers registered (one
+                # known device allows TP1 only), or with a device lost. Nothing to do until it can.
+                out.append(TopologyDecision(node.node_id, None, f"{self.name}: cannot lay out now: {exc}", 0.0, "static"))
+                continue
             have = Topology.of_node(node)
             if have == want:
                 out.append(TopologyDecision(node.node_id, None, f"{self.name}: static layout", 0.0, "static"))

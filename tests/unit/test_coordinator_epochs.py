@@ -1,0 +1,83 @@
+"""The coordinator's epoch loop outlives a failing epoch, and a static layout waits for a node that can hold it.
+
+At boot the coordinator can run an epoch when only some workers of a node have registered: a static policy then
+sees a one-device node, on which TP2 is not an allowed level. That epoch used to raise out of the loop, which
+ended every later epoch (the layout was never restored; CI caught it as `nitsum bench policy --live` never
+reaching its shape)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from nitsum.policy.registry import make_policy
+from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView
+from nitsum_services.coordinator.core import Coordinator
+
+
+def _node(n: int, max_tp: int, tp: int = 1) -> NodeView:
+    groups = tuple(GroupView(f"node0-g{s}-tp{tp}", tuple(range(s, s + tp)), tp, "hybrid") for s in range(0, n, tp))
+    return NodeView("node0", n, 1, max_tp, groups, "cpu")
+
+
+@pytest.mark.parametrize("spec", ["static-tp:2", "static-tp:4"])
+def test_a_static_policy_on_a_node_too_small_for_it_waits_instead_of_raising(spec):
+    policy = make_policy(spec)
+    [d] = policy.decide_topology(ClusterSnapshot(0.0, (_node(1, 1),)))  # one of four workers known so far
+    assert d.target is None and "cannot lay out now" in d.reason
+    [d] = policy.decide_topology(ClusterSnapshot(0.0, (_node(4, 4),)))  # all four: the layout is restored
+    assert d.target is not None and str(d.target) == str(policy.initial_topology(_node(4, 4)))
+
+
+def test_the_epoch_loop_goes_on_after_an_epoch_raises(caplog):
+    async def scenario():
+        calls = []
+        fake = SimpleNamespace(
+            config=SimpleNamespace(reconfig_interval_ms=1), ctx=SimpleNamespace(stop=asyncio.Event()),
+            trigger=asyncio.Event(), members=SimpleNamespace(workers={"node0-0": object()}),
+            policy_spec="static-tp:2", epoch_problem="", last_decisions=[])
+
+        async def run_epoch():
+            calls.append(len(calls))
+            if len(calls) <= 3:
+                raise ValueError("static-tp:2: TP2 is not an allowed level on node node0 (allowed: 1)")
+            fake.last_decisions = [{"node_id": "node0", "target": "[0-1 TP2 hybrid][2-3 TP2 hybrid]"}]
+            fake.ctx.stop.set()
+
+        fake.run_epoch = run_epoch
+        await asyncio.wait_for(Coordinator.epochs(fake), 10.0)
+        return calls, fake
+
+    with caplog.at_level(logging.ERROR, logger="nitsum.coordinator"):
+        calls, fake = asyncio.run(scenario())
+    assert len(calls) == 4  # three failed epochs, then one that decides
+    assert fake.epoch_problem == "" and fake.last_decisions[0]["target"].startswith("[0-1 TP2")
+    failures = [r for r in caplog.records if "epoch failed" in r.getMessage()]
+    assert len(failures) == 1  # the same problem is logged once, not every epoch
+
+
+def test_set_policy_refuses_a_layout_the_nodes_cannot_hold():
+    fake = SimpleNamespace(config=SimpleNamespace(), pinned_nodes=set(), policy=None, policy_spec="adaptive",
+                           snapshot=lambda: ClusterSnapshot(0.0, (_node(2, 2),)))
+    import nitsum_services.coordinator.core as core
+
+    real = core.policy_config
+    core.policy_config = lambda config: None
+    try:
+        problem = Coordinator.set_policy(fake, "static-tp:4")
+        assert "does not fit node node0 (2 devices now)" in problem and fake.policy_spec == "adaptive"
+        assert Coordinator.set_policy(fake, "static-tp:2") == "" and fake.policy_spec == "static-tp:2"
+    finally:
+        core.policy_config = real
+
+
+def test_up_refuses_a_policy_that_does_not_fit_its_devices(capsys):
+    from nitsum.up import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--devices", "4", "--policy", "static-tp:8"])
+    assert "--policy: static-tp:8" in capsys.readouterr().err
+    assert parse_args(["--devices", "4", "--policy", "static-tp:4"]).policy == "static-tp:4"
