@@ -43,6 +43,25 @@ class ServiceContext:
     def tracer(self):
         return tracer(f"nitsum.{self.name}")
 
+    def spawn(self, coro: Awaitable[None], what: str) -> asyncio.Task:
+        """Run one of the service's standing loops. A loop that ends with an exception before the stop is a
+        bug that would leave the service up but crippled (heartbeats going out, nothing decided or served):
+        the service logs it and stops with exit code 1, so its supervisor (`nitsum up`, Docker's restart
+        policy) starts it again."""
+        task = asyncio.ensure_future(coro)
+
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled() or t.exception() is None or self.stop.is_set():
+                return
+            exc = t.exception()
+            log.critical("%s: its %s loop died (%s: %s); stopping so that it is restarted", self.name, what,
+                         type(exc).__name__, exc, exc_info=exc)
+            self.state["loop_failed"] = what
+            self.stop.set()
+
+        task.add_done_callback(done)
+        return task
+
 
 def configure_logging(level: str, name: str) -> None:
     logging.basicConfig(
@@ -136,5 +155,8 @@ async def _main(name, config, body, needs_bus, metrics_port, state) -> int:
                 await hook()
             except Exception:  # one failed hook must not keep the others from running
                 log.exception("%s: drain hook failed", name)
+    if state.get("loop_failed"):
+        log.error("%s stopped: its %s loop had died", name, state["loop_failed"])
+        return 1
     log.info("%s stopped", name)
     return 0

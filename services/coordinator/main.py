@@ -34,8 +34,8 @@ async def body(ctx: ServiceContext) -> None:
     await admin.subscribe()
     # Ask every worker for its state now, so that a restarted coordinator rebuilds its tables at once.
     await bus.publish_raw(bus.subjects.coordinator_up, b"")
-    tasks = {asyncio.create_task(coordinator.watch()), asyncio.create_task(coordinator.epochs()),
-             asyncio.create_task(coordinator.reforms.run(ctx.stop))}
+    tasks = {ctx.spawn(coordinator.watch(), "membership"), ctx.spawn(coordinator.epochs(), "policy epoch"),
+             ctx.spawn(coordinator.reforms.run(ctx.stop), "node re-formation")}
 
     async def stop_loops() -> None:
         _done, pending = await asyncio.wait(tasks, timeout=STOP_LOOPS_TIMEOUT_S)

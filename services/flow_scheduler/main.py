@@ -117,7 +117,7 @@ async def body(ctx: ServiceContext) -> None:
     bus = ctx.bus
     await bus.subscribe(bus.subjects.flow_submit, service.on_submit, queue="flow-scheduler", expected=(FlowSubmit, FlowSubmitBatch))
     await bus.subscribe(bus.subjects.flow_done, service.on_done, expected=FlowCompletion)
-    task = asyncio.create_task(service.tick())
+    task = ctx.spawn(service.tick(), "priority tick")
 
     async def stop() -> None:
         await asyncio.wait({task}, timeout=2.0)

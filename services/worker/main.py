@@ -319,8 +319,8 @@ def make_body(service_name: str):
         await agent.start()
         await mover.start()
         engine_stop = asyncio.Event()
-        loop_task = asyncio.create_task(session.run(engine_stop))
-        beat_task = asyncio.create_task(heartbeat())
+        loop_task = ctx.spawn(session.run(engine_stop), "engine")
+        beat_task = ctx.spawn(heartbeat(), "heartbeat")
         await publish_stats()
 
         async def drain() -> None:
