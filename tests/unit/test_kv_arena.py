@@ -72,3 +72,46 @@ def test_arenas_are_handed_only_to_workers_of_the_same_pid_namespace():
     assert not kv_hosts.maps_arenas_of(mixed, 0) and not kv_hosts.maps_arenas_of(mixed, 1)
     assert not kv_hosts.maps_arenas_of((member(0, "a", 0),), 0)  # unknown namespace: never
     assert kv_hosts.Member.decode(same[1].encode()) == same[1]
+
+
+def test_arenas_are_handed_only_to_workers_that_can_open_their_proc_fds():
+    def member(rank):
+        return kv_hosts.Member(rank, "a", True, "cpu", "auto", "127.0.0.1", 5000 + rank, 100 + rank, 7)
+
+    members = (member(0), member(1), member(2))
+    # Rank 1 can read everyone's /proc/<pid>/fd; ranks 0 and 2 cannot read rank 1's (hidepid, another user).
+    readers = (frozenset({2}), frozenset({0, 2}), frozenset({0}))
+    assert kv_hosts.maps_arenas_of(members, 0, readers) and kv_hosts.maps_arenas_of(members, 2, readers)
+    assert not kv_hosts.maps_arenas_of(members, 1, readers)  # it makes fresh named segments instead
+    assert kv_hosts.maps_arenas_of(members, 1)  # (the namespaces alone would have allowed it)
+
+
+def test_the_proc_fd_probe_says_whose_descriptors_this_process_may_open():
+    assert kv_hosts.can_read_fds(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert kv_hosts.can_read_fds(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not kv_hosts.can_read_fds(child.pid)  # gone
+    if os.geteuid() != 0:
+        return
+    # Another user id may not open root's descriptors: the probe, run as `nobody` in a forked child, says so.
+    parent = os.getpid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only os calls, then out
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            answer = f"{kv_hosts.can_read_fds(parent)} {kv_hosts.can_read_fds(os.getpid())}"
+        except BaseException as exc:  # noqa: BLE001 -- whatever happens is reported to the parent
+            answer = f"error {exc}"
+        os.write(w, answer.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as pipe:
+        answer = pipe.read()
+    os.waitpid(pid, 0)
+    assert answer == "False True"

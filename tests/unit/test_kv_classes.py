@@ -67,7 +67,7 @@ def test_precopy_chunks_go_in_their_permits_class_the_unpermitted_at_the_lowest_
     opened: list[int] = []
     links = KvLinks(on_open=opened.append)
     try:
-        links.connect(EPOCH, 0, {dst: ("127.0.0.1", r.port) for dst, (r, _) in receivers.items()})  # as in prepare
+        links.connect(EPOCH, 0, {dst: ("127.0.0.1", r.port, r.token) for dst, (r, _) in receivers.items()})  # as in prepare
         assert opened == [TOS_M] * 3 and links.tos == [TOS_M] * 3
         pre = PreCopy(0, [0], transfers, flows, old, (0, HEADS), {}, links)
         chunk = 2 * per_block()
@@ -119,7 +119,7 @@ def test_a_class_that_cannot_connect_breaks_its_pair_and_only_its_pair():
     receivers = _receivers(2)
     links = KvLinks()
     try:
-        links.connect(EPOCH, 0, {dst: ("127.0.0.1", r.port) for dst, (r, _) in receivers.items()})
+        links.connect(EPOCH, 0, {dst: ("127.0.0.1", r.port, r.token) for dst, (r, _) in receivers.items()})
         receivers[1][0].close()  # its listening socket goes: a new class cannot connect to worker 1 any more
         pre = PreCopy(0, [0], transfers, flows, old, (0, HEADS), {}, links)
         pre.run([(0, 0), (1, 0)], {0: DSCP_TABLE[4], 1: DSCP_TABLE[4]})

@@ -2,6 +2,7 @@
 plane's two ends on real sockets: a chunk lands in the destination's cache before its ack, the connection
 carries the stage-M DSCP, and a hello the receiver refuses (wrong epoch, injected fault) fails the link."""
 
+import socket
 import threading
 
 import pytest
@@ -9,10 +10,10 @@ import torch
 
 from nitsum.engine import kv_hosts
 from nitsum.engine.kv_hosts import Member, hosts_of, pair_path, resolve_mode
-from nitsum.engine.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver
+from nitsum.engine.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver, read_frame, write_frame
 from nitsum.kv.reshard import Transfer
 from nitsum.policy.flows import tos_for_dscp
-from nitsum.transfer.framing import TransferError
+from nitsum.transfer.framing import FrameHeader, FrameKind, TransferError
 
 
 def members(hosts, kv_path="auto", shm=True, device="cpu"):
@@ -84,7 +85,7 @@ def test_chunk_is_written_before_its_ack_over_a_stage_m_connection():
     receiver.open(7, 1, new, (2, 4), sources={0})
     links = KvLinks()
     try:
-        links.connect(7, 0, {1: ("127.0.0.1", receiver.port)})
+        links.connect(7, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
         assert links.tos == [tos_for_dscp(STAGE_M_DSCP)]
         t = Transfer(0, 1, 0, LAYERS, 2, 4, (5, 1, 6), (0, 3, 7))
         link = links.link(1)
@@ -107,9 +108,9 @@ def test_receiver_refuses_a_wrong_epoch_a_chunk_outside_its_heads_and_an_injecte
     try:
         receiver.open(8, 1, new, (2, 4), sources={0})
         with pytest.raises(TransferError, match="serves epoch 8"):
-            KvLinks().connect(5, 0, {1: ("127.0.0.1", receiver.port)})
+            KvLinks().connect(5, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
         links = KvLinks()
-        links.connect(8, 0, {1: ("127.0.0.1", receiver.port)})
+        links.connect(8, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
         old = torch.randn(LAYERS, 2, BLOCKS, BLOCK, HEADS, DIM)
         links.link(1).send(Transfer(0, 1, 0, LAYERS, 0, 2, (1,), (1,)), 0, 1, old, (0, 4))  # heads [0, 2)
         with pytest.raises(TransferError, match="outside this cache"):
@@ -118,13 +119,43 @@ def test_receiver_refuses_a_wrong_epoch_a_chunk_outside_its_heads_and_an_injecte
         assert new.abs().sum() == 0
         receiver.open(9, 1, new, (2, 4), sources={0})
         with pytest.raises(TransferError, match="closed"):
-            KvLinks().connect(9, 0, {1: ("127.0.0.1", receiver.port)})
+            KvLinks().connect(9, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
         assert any("injected" in e for e in receiver.errors)
     finally:
         receiver.close()
     assert kv_threads() == []
     with pytest.raises(TransferError, match="connect to w1"):  # nobody listens any more
-        KvLinks().connect(9, 0, {1: ("127.0.0.1", receiver.port)})
+        KvLinks().connect(9, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
+
+
+def test_receiver_refuses_a_hello_without_its_token_and_writes_nothing():
+    new = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, 2, DIM)
+    receiver, other = KvReceiver("127.0.0.1"), KvReceiver("127.0.0.1")
+    assert receiver.token != other.token and receiver.token.bit_length() <= 63
+    assert "token" not in repr(Member(0, "h", True, "cpu", "auto", "127.0.0.1", receiver.port, token=receiver.token))
+    try:
+        receiver.open(8, 1, new, (2, 4), sources={0})
+        # Right epoch, pair and class, but not this receiver's token: someone who only reached the port.
+        for token in (other.token, 0, receiver.token ^ 1):
+            with pytest.raises(TransferError, match="token is not this receiver's"):
+                KvLinks().connect(8, 0, {1: ("127.0.0.1", receiver.port, token)})
+        # A bare socket speaking the old four-field hello gets the same refusal.
+        with socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0) as sock:
+            write_frame(sock, FrameHeader(FrameKind.END, "kvmig-e8-w0-w1", block_ids=(8, 0, 1, STAGE_M_DSCP)))
+            answer, _ = read_frame(sock)
+            assert answer.kind is FrameKind.ERROR and "hello" in answer.message
+        assert new.abs().sum() == 0 and len(receiver.errors) == 4
+        links = KvLinks()  # the member that was told the token at boot gets through
+        links.connect(8, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
+        old = torch.randn(LAYERS, 2, BLOCKS, BLOCK, HEADS, DIM)
+        links.link(1).send(Transfer(0, 1, 0, LAYERS, 2, 4, (1,), (1,)), 0, 1, old, (0, 4))
+        links.link(1).wait()
+        links.close()
+        assert torch.equal(new[:, :, 1], old[:, :, 1, :, 2:4])
+    finally:
+        receiver.close()
+        other.close()
+    assert kv_threads() == []
 
 
 def test_open_kv_sockets_sees_both_ends_of_a_link_until_closed():
@@ -135,7 +166,7 @@ def test_open_kv_sockets_sees_both_ends_of_a_link_until_closed():
     links = KvLinks()
     try:
         assert open_kv_sockets(receiver.port, [receiver.port]) == 0  # the listening socket is not counted
-        links.connect(1, 0, {1: ("127.0.0.1", receiver.port)})
+        links.connect(1, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
         # this process holds both ends: the link (to the receiver's port) and the accepted connection
         assert open_kv_sockets(receiver.port, []) == 1
         assert open_kv_sockets(0, [receiver.port]) == 1
@@ -156,7 +187,7 @@ def test_a_refused_round_reports_the_receivers_reason_not_a_broken_pipe():
         for epoch in range(1, 21):
             receiver.open(epoch, 1, new, (2, 4), sources={0})
             links = KvLinks()
-            links.connect(epoch, 0, {1: ("127.0.0.1", receiver.port)})
+            links.connect(epoch, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
             link = links.link(1)
             t = Transfer(0, 1, 0, LAYERS, 2, 4, tuple(range(BLOCKS)), tuple(range(BLOCKS)))
             with pytest.raises(TransferError, match="injected chunk failure"):
@@ -177,7 +208,7 @@ def test_bfloat16_blocks_cross_the_wire_bit_exact():
     receiver.open(3, 1, new, (2, 4), sources={0})
     links = KvLinks()
     try:
-        links.connect(3, 0, {1: ("127.0.0.1", receiver.port)})
+        links.connect(3, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
         link = links.link(1)
         sent = link.send(Transfer(0, 1, 0, LAYERS, 2, 4, (2, 4), (6, 0)), 0, 2, old, (0, 4))
         assert link.wait() == sent == 2 * LAYERS * 2 * BLOCK * 2 * DIM * 2
@@ -203,8 +234,8 @@ def test_a_source_stalled_mid_frame_fails_alone(monkeypatch):
     receiver.open(4, 2, new, (2, 4), sources={0, 1})
     stalled, healthy = KvLinks(), KvLinks()
     try:
-        stalled.connect(4, 0, {2: ("127.0.0.1", receiver.port)})
-        healthy.connect(4, 1, {2: ("127.0.0.1", receiver.port)})
+        stalled.connect(4, 0, {2: ("127.0.0.1", receiver.port, receiver.token)})
+        healthy.connect(4, 1, {2: ("127.0.0.1", receiver.port, receiver.token)})
         prefix_and_header, payload = encode_frame(FrameHeader(FrameKind.DATA, "kvmig-e4-w0-w2-c0"), b"x" * 4096)
         stalled.link(2).sock.sendall(bytes(prefix_and_header) + bytes(payload)[:100])  # then nothing
         t0 = time.monotonic()
@@ -243,7 +274,7 @@ def test_the_ack_follows_the_write_even_when_the_write_is_slow(monkeypatch):
     receiver.open(5, 1, new, (2, 4), sources={0})
     links = KvLinks()
     try:
-        links.connect(5, 0, {1: ("127.0.0.1", receiver.port)})
+        links.connect(5, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
         link = links.link(1)
         link.send(Transfer(0, 1, 0, LAYERS, 2, 4, (1,), (2,)), 0, 1, old, (0, 4))
         link.wait()

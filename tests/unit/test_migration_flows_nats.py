@@ -55,7 +55,7 @@ class _LeaderRuntime:
             self.receiver = KvReceiver("127.0.0.1")
             self.receiver.open(EPOCH, 1, mapped.pop(1), (0, HEADS), sources={0})
             self.links = KvLinks()
-            self.links.connect(EPOCH, 0, {1: ("127.0.0.1", self.receiver.port)})
+            self.links.connect(EPOCH, 0, {1: ("127.0.0.1", self.receiver.port, self.receiver.token)})
         self.pc = PreCopy(0, [0], transfers, flows, self.old, (0, HEADS),
                           {w: (cache, (0, HEADS)) for w, cache in mapped.items()}, self.links)
         self.classes: list[dict[int, int]] = []  # the classes of each round, as the backend passed them

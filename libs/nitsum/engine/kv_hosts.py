@@ -21,7 +21,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 
@@ -47,23 +47,55 @@ class Member:
     pid: int = 0  # its process (its KV arenas are mapped through /proc/<pid>/fd: kv_segment.Arena)
     pidns: int = 0  # its pid namespace (inode of /proc/self/ns/pid; 0: unknown): such a path needs the same one
     tpc: bool = True  # NITSUM_TP_SHM_COLLECTIVES: a group gets a shared-memory channel only if all its members say so
+    token: int = field(default=0, repr=False)  # its KV receiver's secret (kv_tcp: a hello must carry it)
 
     def encode(self) -> bytes:
         return msgpack.packb([self.rank, self.host, self.shm, self.device, self.kv_path, self.addr, self.port,
-                              self.pid, self.pidns, self.tpc], use_bin_type=True)
+                              self.pid, self.pidns, self.tpc, self.token], use_bin_type=True)
 
     @staticmethod
     def decode(payload: bytes) -> Member:
-        rank, host, shm, device, kv_path, addr, port, pid, pidns, tpc = msgpack.unpackb(payload, raw=False)
+        rank, host, shm, device, kv_path, addr, port, pid, pidns, tpc, token = msgpack.unpackb(payload, raw=False)
         return Member(int(rank), str(host), bool(shm), str(device), str(kv_path), str(addr), int(port), int(pid),
-                      int(pidns), bool(tpc))
+                      int(pidns), bool(tpc), int(token))
 
 
-def maps_arenas_of(members: tuple[Member, ...], rank: int) -> bool:
+def maps_arenas_of(members: tuple[Member, ...], rank: int, readers: tuple[frozenset[int], ...] | None = None) -> bool:
     """Whether every worker that shares memory with `rank` can open its arenas' /proc paths (same pid
-    namespace, known), so that it can hand them its spare KV arena instead of a fresh named segment."""
+    namespace, known; and, given `readers` (from `fd_readers`), each of them found that it may), so that it can
+    hand them its spare KV arena instead of a fresh named segment."""
     me = members[rank]
-    return bool(me.pidns) and all(m.pidns == me.pidns for m in members if m.rank != rank and shares_memory(me, m))
+    peers = [m for m in members if m.rank != rank and shares_memory(me, m)]
+    if not me.pidns or any(m.pidns != me.pidns for m in peers):
+        return False
+    return readers is None or all(rank in readers[m.rank] for m in peers)
+
+
+def can_read_fds(pid: int) -> bool:
+    """Whether this process may open process `pid`'s /proc/<pid>/fd entries, as `kv_segment.attach_handle` does:
+    /proc mounted with hidepid, another user id or a security module can refuse it where /dev/shm is shared."""
+    try:
+        entries = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for entry in entries:
+        try:
+            os.readlink(f"/proc/{pid}/fd/{entry}")  # the access check that opening one makes
+            return True
+        except FileNotFoundError:  # closed meanwhile: try the next one
+            continue
+        except OSError:
+            return False
+    return False
+
+
+def fd_readers(world, members: tuple[Member, ...], rank: int) -> tuple[frozenset[int], ...]:
+    """Per rank, the ranks whose /proc/<pid>/fd it can read (probed among the workers that share its memory):
+    one all-gather over the whole node world, so every member decides `maps_arenas_of` from the same facts."""
+    me = members[rank]
+    mine = [m.rank for m in members if m.rank != rank and shares_memory(me, m) and m.pid and can_read_fds(m.pid)]
+    parts = world.all_gather_bytes(msgpack.packb(mine), 0, world.size)
+    return tuple(frozenset(int(r) for r in msgpack.unpackb(p)) for p in parts)
 
 
 def local_host_id(override: str = "") -> str:

@@ -9,8 +9,10 @@ is safe.
 Protocol (frames of `nitsum.transfer.framing`: magic, msgpack header, payload, CRC32), one connection per
 (epoch, source, destination) pair *and class*, each with IP_TOS = `tos_for_dscp(dscp)` set before connect
 (the handshake carries the class too):
-- hello: an END frame, flow id `kvmig-e<epoch>-w<src>-w<dst>`, `block_ids` = (epoch, src, dst, dscp), no
-  bytes. The receiver checks it against the epoch it serves, marks its end of the connection with the same
+- hello: an END frame, flow id `kvmig-e<epoch>-w<src>-w<dst>`, `block_ids` = (epoch, src, dst, dscp, token),
+  no bytes. `token` is the receiver's secret (63 random bits drawn at its start, told to the node world's
+  members only, in their exchange at boot): whoever merely reaches the port cannot write into a cache. The
+  receiver checks the token and the epoch it serves, marks its end of the connection with the same
   class (its acks and errors travel in the class of the bytes they answer) and answers ACK, or ERROR and
   closes. The pair's first connection is opened by the source in prepare, in the delta's class
   `STAGE_M_DSCP`, and the source waits for that ACK inside prepare: a pair that cannot connect refuses the
@@ -49,6 +51,7 @@ class's bytes on its own queue; it costs one connection per class a pair actuall
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import os
@@ -250,6 +253,7 @@ class KvReceiver:
         self._listen.listen(64)
         self._listen.setblocking(False)
         self.port = self._listen.getsockname()[1]
+        self.token = int.from_bytes(os.urandom(8), "big") >> 1  # the hello's secret (a msgpack int); never logged
         self.fault_epoch = fault_epoch  # tests: close every connection of this epoch unanswered
         self.fault_chunk_epochs = frozenset(fault_chunk_epochs)  # tests: refuse their chunks (after the hello)
         self.errors: list[str] = []  # what this end refused or lost (logs, tests)
@@ -461,9 +465,12 @@ class KvReceiver:
 
     def _hello(self, session: _Session, conn: _Conn, header: FrameHeader) -> bool:
         ids = header.block_ids
-        if header.kind is not FrameKind.END or len(ids) != 4 or not 0 <= ids[3] < 64:
+        if header.kind is not FrameKind.END or len(ids) != 5 or not 0 <= ids[3] < 64:
             raise TransferError(ErrorCode.PROTOCOL, "the first frame must be the pair's hello", header.flow_id)
-        epoch, src, dst, dscp = ids
+        epoch, src, dst, dscp, token = ids
+        if not 0 <= token < 2 ** 63 or not hmac.compare_digest(token.to_bytes(8, "big"), self.token.to_bytes(8, "big")):
+            raise TransferError(ErrorCode.PROTOCOL, "the hello's token is not this receiver's (only members of "
+                                "its node world know it)", header.flow_id)
         if epoch != session.epoch or dst != session.me or src not in session.sources:
             raise TransferError(ErrorCode.PROTOCOL, f"hello for epoch {epoch}, w{src} -> w{dst}: this receiver "
                                 f"serves epoch {session.epoch} of w{session.me} from {sorted(session.sources)}",
@@ -493,10 +500,11 @@ class KvLink:
     """One source -> destination pair of an epoch (the source's end): a connection per class, the first
     (`dscp`, normally the delta's STAGE_M_DSCP) opened here, every other one at its first chunk (`send`)."""
 
-    def __init__(self, epoch: int, src: int, dst: int, addr: str, port: int, dscp: int = STAGE_M_DSCP,
+    def __init__(self, epoch: int, src: int, dst: int, addr: str, port: int, token: int, dscp: int = STAGE_M_DSCP,
                  timeout_s: float = CONNECT_TIMEOUT_S, on_open: Callable[[int], None] | None = None) -> None:
         self.epoch, self.src, self.dst = epoch, src, dst
         self.addr, self.port = addr, port
+        self._token = token  # the destination receiver's (KvReceiver.token)
         self.flow_id = flow_id(epoch, src, dst)
         self.dscp = dscp  # the class of the connection opened with the link
         self.conns: dict[int, _ClassConn] = {}  # DSCP -> connection
@@ -513,7 +521,7 @@ class KvLink:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(timeout_s, 0.001))  # until the hello's ack (KvLinks.connect), then IO_TIMEOUT_S
             sock.connect((self.addr, self.port))
-            write_frame(sock, FrameHeader(FrameKind.END, self.flow_id, block_ids=(self.epoch, self.src, self.dst, dscp)))
+            write_frame(sock, FrameHeader(FrameKind.END, self.flow_id, block_ids=(self.epoch, self.src, self.dst, dscp, self._token)))
             conn = _ClassConn(sock, dscp, tos_of(sock), [(self.flow_id, 0)])
         except (OSError, TransferError) as exc:
             sock.close()
@@ -633,12 +641,12 @@ class KvLinks:
         self.links: dict[int, KvLink] = {}
         self.on_open = on_open
 
-    def connect(self, epoch: int, src: int, targets: dict[int, tuple[str, int]], dscp: int = STAGE_M_DSCP) -> None:
-        """Connect to every destination in class `dscp` and wait for each hello's ack; TransferError on the
-        first that fails (the links made so far stay, for `close`)."""
+    def connect(self, epoch: int, src: int, targets: dict[int, tuple[str, int, int]], dscp: int = STAGE_M_DSCP) -> None:
+        """Connect to every destination (address, port, its receiver's token) in class `dscp` and wait for each
+        hello's ack; TransferError on the first that fails (the links made so far stay, for `close`)."""
         deadline = time.monotonic() + CONNECT_TIMEOUT_S  # one budget for all: unreachable peers do not add up
-        for dst, (addr, port) in sorted(targets.items()):
-            self.links[dst] = KvLink(epoch, src, dst, addr, port, dscp, deadline - time.monotonic(), self.on_open)
+        for dst, (addr, port, token) in sorted(targets.items()):
+            self.links[dst] = KvLink(epoch, src, dst, addr, port, token, dscp, deadline - time.monotonic(), self.on_open)
         for link in self.links.values():
             link.wait(deadline)
             link.sock.settimeout(IO_TIMEOUT_S)

@@ -148,13 +148,16 @@ class NodeRuntime(NodeTransition):
                                            kv_fault_chunk_epochs)
         me = kv_hosts.Member(world.rank, kv_hosts.local_host_id(host_id), shm_possible, world.device, kv_path, addr,
                              self._kv_receiver.port if self._kv_receiver is not None else 0, os.getpid(),
-                             shm_collectives_lib.pid_namespace(), shm_collectives)
+                             shm_collectives_lib.pid_namespace(), shm_collectives,
+                             self._kv_receiver.token if self._kv_receiver is not None else 0)
         try:
             self.members = kv_hosts.exchange(world, me)
             self.kv_path = kv_hosts.resolve_mode(self.members)
             # Groups of one host: their collectives through shared memory (NITSUM_TP_SHM_COLLECTIVES, which
             # every member of a group must have on: decided from the exchange, so all members agree).
             self.shm_channels = world.attach_channels(self._shares_host)
+            # Whose /proc/<pid>/fd each worker may open (a spare arena is handed over by that path).
+            readers = kv_hosts.fd_readers(world, self.members, self.rank) if self.kv_path == "shm" else None
         except BaseException:
             self._close_receiver()
             raise
@@ -188,7 +191,11 @@ class NodeRuntime(NodeTransition):
         self._arena: kv_segment.Arena | None = None  # backs the cache in use (None: a private or adopted one)
         self._spare: kv_segment.Arena | None = None
         self._arena_bytes = max(kv_segment.nbytes_of(self._cache_shape(tp), self._dtype) for tp in world.levels)
-        self._recycle = self.kv_path == "shm" and shm_possible and kv_hosts.maps_arenas_of(self.members, self.rank)
+        self._recycle = self.kv_path == "shm" and shm_possible and kv_hosts.maps_arenas_of(self.members, self.rank, readers)
+        if self.kv_path == "shm" and shm_possible and not self._recycle and kv_hosts.maps_arenas_of(self.members, self.rank):
+            log.warning("worker %d: a worker that shares this host's memory cannot open this one's /proc/%d/fd "
+                        "(hidepid, another user id or a security module): its TP changes make fresh KV segments",
+                        self.rank, os.getpid())
         if self._recycle:
             try:
                 self._spare = self._new_arena()

@@ -710,7 +710,7 @@ class NodeTransition:
         """Source: a TCP link to every new cache of the span on another host; a problem, or "". Its first
         connection is in the delta's class (STAGE_M_DSCP); pre-copy opens its permit's class at its first
         chunk. `kv_tos` gets the IP_TOS of every connection opened, now or then."""
-        targets = {w: (self.members[w].addr, self.members[w].port) for g in born for w in g.workers
+        targets = {w: (self.members[w].addr, self.members[w].port, self.members[w].token) for g in born for w in g.workers
                    if self.kv_path_of(self.rank, w) == "tcp"}
         if not targets:
             return ""
