@@ -154,6 +154,8 @@ def test_a_runner_per_level_is_built_once_and_every_change_reuses_it(node_run):
     _, reports = node_run
     for rep in reports:
         assert {c["runner_builds"] for c in rep["checks"]} == {3}, rep["checks"]
+        # ... nor any Engine inside a commit: a new group's leader made its Engine while pre-copy ran.
+        assert {c["engines_at_commit"] for c in rep["checks"]} == {0}, rep["checks"]
         by_group: dict[tuple[int, int], set[int]] = {}
         for c in rep["checks"]:
             by_group.setdefault(tuple(c["group"]), set()).add(c["runner_id"])

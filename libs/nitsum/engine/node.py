@@ -183,6 +183,7 @@ class NodeRuntime(NodeTransition):
         self._runner_pool: dict[tuple[int, int], ModelRunner] = {}
         self._pool_lock = threading.Lock()
         self.runner_builds = 0  # ModelRunners this worker constructed (one per level unless a change outran `_build_ahead`)
+        self.engines_at_commit = 0  # new groups' Engines a commit made itself (normally prepare made them ahead)
         # KV arenas (shm mode): the cache in use and a spare one, both made and reserved here, each as large as
         # the largest level's cache. A change's new cache is a view of the spare, and its commit makes the old
         # cache's arena the spare: a change allocates, zeroes and reserves no memory (64 MiB of page zeroing per

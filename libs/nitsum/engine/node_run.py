@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         report["checks"].append({
             "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],
             "runner_id": id(runtime.runner), "runner_builds": runtime.runner_builds,
+            "engines_at_commit": runtime.engines_at_commit,
             "views_of_store": all(holder.contains(p) for p in params), "num_params": len(params),
             "bytes_read": loader.bytes_read, "kv_segments": kv_segment.leftovers(runtime.node_tag),
             "kv_segment_fds": _segment_fds(), "arenas_held": runtime.arenas_held,
