@@ -148,8 +148,58 @@ def test_the_quick_table_check_finds_what_the_full_one_finds_in_the_held_blocks(
     with pytest.raises(AssertionError):
         kv.check_integrity()
     kv.pool._ref_count[1] = 1
-    kv.pool._free.pop(5)  # a block nobody holds that is not free either (lost)
+    kv.pool._remove_free(5)  # a block nobody holds that is not free either (lost)
     with pytest.raises(AssertionError, match="free blocks"):
         kv.check_tables()
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+def test_a_pool_behaves_as_one_ordered_free_queue_whatever_the_sequence():
+    """The pool keeps its free queue in two parts (the never-used range, then freed blocks); checked against a
+    plain ordered queue of every block under random allocate / free / touch / cache sequences."""
+    import random
+    from collections import OrderedDict
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        n = rng.randint(1, 24)
+        pool = BlockPool(n)
+        queue = OrderedDict((i, None) for i in range(n))  # the reference: every free block, head first
+        refs = [0] * n
+        for _ in range(200):
+            op = rng.random()
+            if op < 0.35:
+                k = rng.randint(0, 4)
+                got = pool.allocate(k)
+                if k > len(queue):
+                    assert got is None
+                    continue
+                want = [queue.popitem(last=False)[0] for _ in range(k)]
+                assert got == want
+                for b in want:
+                    refs[b] = 1
+            elif op < 0.65:
+                held = [b for b in range(n) if refs[b] > 0]
+                if held:
+                    b = rng.choice(held)
+                    pool.free([b])
+                    refs[b] -= 1
+                    if refs[b] == 0:
+                        queue[b] = None
+            elif op < 0.85:
+                b = rng.randrange(n)  # a prefix hit: on a held block, or one still free (anywhere in the queue)
+                pool.touch([b])
+                if refs[b] == 0:
+                    del queue[b]
+                refs[b] += 1
+            else:
+                held = [b for b in range(n) if refs[b] > 0 and pool.block_hash(b) is None]
+                if held:
+                    b = rng.choice(held)
+                    pool.cache(b, 1000 * seed + b)
+            assert pool.free_block_ids() == list(queue)
+            assert pool.num_free == len(queue)
+            assert all(pool.is_free(b) == (b in queue) for b in range(n))
+            assert [pool.ref_count(b) for b in range(n)] == refs
+            pool.check_integrity()
