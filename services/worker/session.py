@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 import time
 from collections import OrderedDict, deque
@@ -42,6 +43,7 @@ PRECOPY_HOLD_STEP_FRACTION = 0.5
 # Below this steady step the hold is not worth it: a fraction of it is shorter than the permits' round trip, and
 # holding stacks the prepare step, the hold, the first round and the next step into one gap that streams see.
 PRECOPY_HOLD_MIN_STEP_MS = 12.0
+STEADY_STEPS = 16  # steps a steady step time is the median of (`steady_step_ms`)
 # A peer's turn of the step thread follows the leader's plans for at most this long (see `_iteration`).
 FOLLOW_BATCH_S = 0.25
 
@@ -75,6 +77,7 @@ class WorkerSession:
         self._inbox_lock = threading.Lock()
         self._wake = asyncio.Event()
         self.step_ms_ewma = 0.0
+        self.recent_step_ms: deque[float] = deque(maxlen=STEADY_STEPS)  # the last steps that produced tokens
         self.num_aborted = 0
         self._stats = backend.stats()
         self._held_at_commit: dict[str, int] = {}
@@ -303,6 +306,7 @@ class WorkerSession:
             step_ms = (time.perf_counter() - t0) * 1000.0
             if outputs:
                 self.step_ms_ewma = step_ms if self.step_ms_ewma == 0 else 0.9 * self.step_ms_ewma + 0.1 * step_ms
+                self.recent_step_ms.append(step_ms)
             for future, ack in acks:
                 if future is not None and not future.done():
                     future.set_result(ack)
@@ -326,11 +330,19 @@ class WorkerSession:
             if not self.backend.is_leader:
                 self._refuse_queued("not a group leader any more")
 
+    def steady_step_ms(self) -> float:
+        """A steady step of this group: the median of its last STEADY_STEPS steps that produced tokens. A few
+        long steps (prefills, a stream's first steps) do not move it; the EWMA did, for ~25 steps after one,
+        and a change in that time held the old group's steps for nothing (a 4-7 ms tiny-model group kept no
+        token out for a whole merge, 50-60 ms)."""
+        return statistics.median(self.recent_step_ms) if self.recent_step_ms else 0.0
+
     def _hold_s(self) -> float:
         """How long the old group's next step may wait for a transition's next message (0: not at all)."""
-        if self.step_ms_ewma < PRECOPY_HOLD_MIN_STEP_MS:
+        step_ms = self.steady_step_ms()
+        if step_ms < PRECOPY_HOLD_MIN_STEP_MS:
             return 0.0
-        return min(PRECOPY_HOLD_MAX_S, PRECOPY_HOLD_STEP_FRACTION * self.step_ms_ewma / 1000.0)
+        return min(PRECOPY_HOLD_MAX_S, PRECOPY_HOLD_STEP_FRACTION * step_ms / 1000.0)
 
     async def _await_command(self) -> None:
         """The prepare's final ack went out: wait for the next inbox item (the commit, normally) at most

@@ -259,7 +259,7 @@ async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats
     runtime = _SteppingLeader()
     metrics = Metrics("w0")
     session = WorkerSession(NodeBackend(runtime, "m", 64), bus, "w0", metrics, trace.get_tracer("test"))
-    session.step_ms_ewma = 1000.0  # a slow old group: the hold's bound is its cap (30 s here)
+    session.recent_step_ms.extend([1000.0] * 16)  # a slow old group: the hold's bound is its cap (30 s here)
     stop = asyncio.Event()
     loop_task = asyncio.create_task(session.run(stop))
     try:

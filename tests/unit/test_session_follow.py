@@ -74,3 +74,19 @@ def test_no_event_loop_is_needed_for_a_peer_turn():
     session = _session(peer)
     result = asyncio.run(asyncio.to_thread(session._iteration))
     assert result[4] == "shutdown"
+
+
+def test_the_hold_follows_the_steady_step_not_a_few_long_ones():
+    """The old group's hold before a commit is a fraction of its steady step: the median of its recent steps.
+    A stream's first steps (prefill, first calls) are long; an average kept them for ~25 steps and held a
+    4 ms group's steps through a whole merge (no token for 50-60 ms)."""
+    session = _session(_Peer([]))
+    assert session.steady_step_ms() == 0.0 and session._hold_s() == 0.0
+    session.recent_step_ms.extend([150.0, 90.0, 40.0, 25.0, 4.1, 3.9, 4.3, 4.0, 4.2, 3.8, 4.4])
+    assert 3.8 <= session.steady_step_ms() <= 4.4
+    assert session._hold_s() == 0.0  # a fast group is never held
+    session.recent_step_ms.extend([20.0] * session_module.STEADY_STEPS)
+    assert session.steady_step_ms() == 20.0
+    assert session._hold_s() == session_module.PRECOPY_HOLD_STEP_FRACTION * 20.0 / 1000.0
+    session.recent_step_ms.extend([400.0] * session_module.STEADY_STEPS)
+    assert session._hold_s() == session_module.PRECOPY_HOLD_MAX_S
