@@ -51,11 +51,16 @@ class ServiceContext:
         task = asyncio.ensure_future(coro)
 
         def done(t: asyncio.Task) -> None:
-            if t.cancelled() or t.exception() is None or self.stop.is_set():
+            if t.cancelled():
                 return
-            exc = t.exception()
-            log.critical("%s: its %s loop died (%s: %s); stopping so that it is restarted", self.name, what,
-                         type(exc).__name__, exc, exc_info=exc)
+            exc = t.exception()  # (fetched in every case: no "exception was never retrieved" at exit)
+            if self.stop.is_set():
+                return
+            if exc is None:  # a standing loop ends only at the stop
+                log.critical("%s: its %s loop ended before the stop; stopping so that it is restarted", self.name, what)
+            else:
+                log.critical("%s: its %s loop died (%s: %s); stopping so that it is restarted", self.name, what,
+                             type(exc).__name__, exc, exc_info=exc)
             self.state["loop_failed"] = what
             self.stop.set()
 

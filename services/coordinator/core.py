@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import time
+import traceback
 
 from nitsum.bus import BusError, RemoteError
 from nitsum.config import CoordinatorConfig
@@ -25,7 +26,7 @@ from nitsum.modelpath import resolve_model_dir
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import ModelSpec
 from nitsum.policy.registry import make_policy
-from nitsum.policy.snapshot import ClusterSnapshot, RequestView
+from nitsum.policy.snapshot import ClusterSnapshot, NodeView, RequestView
 from nitsum.service import ServiceContext
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, StreamOffset, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
@@ -134,6 +135,7 @@ class Coordinator:
         self.epoch = 0
         self.last_decisions: list[dict] = []
         self.epoch_problem = ""  # the last epoch's failure, logged once until an epoch succeeds again
+        self.unfit_warned: set[tuple[str, str]] = set()  # (node, policy) whose layout the node cannot hold
         self.last_reconfig_ms: dict[str, float] = {}
         self.transitions = TransitionAgent(self)
         self.reforms = ReformAgent(self)  # re-forms a node world that lost a member (services/coordinator/reform.py)
@@ -155,17 +157,32 @@ class Coordinator:
         now_ms = self.now_ms()
         return build_snapshot(self.members, now_ms, self.epoch, self.config.max_tp, self.config.min_tp, self.config.device_kind, self.last_reconfig_ms, self.arrivals.stats(now_ms))
 
+    def full_nodes(self) -> list[NodeView]:
+        """Every known node at its full size (the `node_size` its workers report; a standalone worker: 1), not
+        as many devices as happen to be registered now (a worker restarting, or not up yet at boot)."""
+        sizes: dict[str, int] = {}
+        for record in self.members.workers.values():
+            s = record.stats
+            sizes[s.node_id] = max(sizes.get(s.node_id, 1), s.node_size, s.device_index + 1)
+        views = []
+        for node_id, size in sorted(sizes.items()):
+            max_tp = self.config.max_tp
+            while max_tp > 1 and size % max_tp:
+                max_tp //= 2
+            views.append(NodeView(node_id, size, min(self.config.min_tp, max_tp), max_tp, (), self.config.device_kind))
+        return views
+
     def set_policy(self, spec: str) -> str:
         """Switch policy; '' on success, else why not (nothing changes)."""
         try:
             policy = make_policy(spec, policy_config(self.config))
         except (ValueError, TypeError) as exc:
             return str(exc)
-        for node in self.snapshot().nodes:  # a layout the nodes cannot hold is refused now, not retried forever
+        for node in self.full_nodes():  # a layout a node cannot hold is refused now, not retried forever
             try:
                 policy.initial_topology(node)
             except (ValueError, AssertionError) as exc:
-                return f"{spec} does not fit node {node.node_id} ({node.num_devices} devices now): {exc}"
+                return f"{spec} does not fit node {node.node_id} ({node.num_devices} devices): {exc}"
         self.policy, self.policy_spec = policy, spec
         self.pinned_nodes.clear()  # a policy chosen by hand takes the nodes back
         return ""
@@ -343,9 +360,11 @@ class Coordinator:
                 await self.run_epoch()
             except Exception as exc:  # noqa: BLE001 -- one bad epoch (a policy's bug) must not end every later one
                 problem = f"{type(exc).__name__}: {exc}"
-                if problem != self.epoch_problem:  # once per distinct problem, not every epoch
+                frame = traceback.extract_tb(exc.__traceback__)[-1]
+                where = f"{type(exc).__name__} at {frame.filename}:{frame.lineno}"  # not the text: it may vary
+                if where != self.epoch_problem:  # once per distinct problem, not every epoch
                     log.exception("policy %s: epoch failed (the next epoch tries again): %s", self.policy_spec, problem)
-                self.epoch_problem = problem
+                self.epoch_problem = where
                 self.last_decisions = [{"node_id": None, "target": None, "reason": f"epoch failed: {problem}", "path": "error", "score_gain": 0.0}]
             else:
                 self.epoch_problem = ""
@@ -361,6 +380,7 @@ class Coordinator:
             {"node_id": d.node_id, "target": str(d.target) if d.target is not None else None, "reason": d.reason, "path": d.path, "score_gain": d.score_gain}
             for d in decisions
         ]
+        self.warn_unfit_layouts()
         for d in decisions:
             if d.target is None or self.transitions.lock.locked() or d.node_id in self.pinned_nodes:
                 continue
@@ -380,6 +400,20 @@ class Coordinator:
                 await self.bus.publish(self.bus.subjects.abort, AbortRequest(request_id, "shed"))
             except Exception as exc:
                 log.warning("could not shed %s: %s", request_id, exc)
+
+    def warn_unfit_layouts(self) -> None:
+        """Once per node and policy: the policy's layout cannot be built on a node even at its full size (a
+        NITSUM_POLICY the coordinator started with, which set-policy would have refused)."""
+        for node in self.full_nodes():
+            key = (node.node_id, self.policy_spec)
+            if key in self.unfit_warned:
+                continue
+            try:
+                self.policy.initial_topology(node)
+            except (ValueError, AssertionError) as exc:
+                self.unfit_warned.add(key)
+                log.warning("policy %s cannot lay out node %s (%d devices): %s; its topology stays as it is",
+                            self.policy_spec, node.node_id, node.num_devices, exc)
 
     def update_metrics(self) -> None:
         depth = self.members.outstanding_by_tier()

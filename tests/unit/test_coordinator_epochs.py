@@ -59,16 +59,54 @@ def test_the_epoch_loop_goes_on_after_an_epoch_raises(caplog):
     assert len(failures) == 1  # the same problem is logged once, not every epoch
 
 
+def _members(*devices: int, node_size: int = 4):
+    from nitsum.wire.messages import WorkerStats
+    from nitsum_services.coordinator.membership import Membership
+
+    members = Membership(60.0)
+    for d in devices:
+        members.on_stats(WorkerStats(f"node0-{d}", "node0", d, "cpu", "hybrid", "ready", f"node0-g{d}-tp1", 1, "tiny",
+                                     2048, 0, 0, 10, 10, instance_id="a", in_world=True, leader=True,
+                                     node_size=node_size), 0.0)
+    return members
+
+
+def test_nodes_are_judged_at_their_full_size_not_by_who_registered_yet():
+    config = SimpleNamespace(max_tp=4, min_tp=1, device_kind="cpu")
+    fake = SimpleNamespace(members=_members(0, 2), config=config)  # workers 1 and 3 restarting / not up yet
+    [node] = Coordinator.full_nodes(fake)
+    assert (node.node_id, node.num_devices, node.max_tp) == ("node0", 4, 4)
+    fake = SimpleNamespace(members=_members(0, 1, 2, node_size=6), config=config)
+    [node] = Coordinator.full_nodes(fake)
+    assert (node.num_devices, node.max_tp) == (6, 2)  # TP4 groups cannot tile six devices
+    standalone = SimpleNamespace(members=_members(0, node_size=0), config=config)
+    assert [n.num_devices for n in Coordinator.full_nodes(standalone)] == [1]
+
+
+def test_a_layout_a_full_node_cannot_hold_is_warned_about_once(caplog):
+    fake = SimpleNamespace(members=_members(0, 1, 2, 3), config=SimpleNamespace(max_tp=4, min_tp=1, device_kind="cpu"),
+                           policy=make_policy("static-tp:8"), policy_spec="static-tp:8", unfit_warned=set())
+    fake.full_nodes = lambda: Coordinator.full_nodes(fake)
+    with caplog.at_level(logging.WARNING, logger="nitsum.coordinator"):
+        for _ in range(3):
+            Coordinator.warn_unfit_layouts(fake)
+    warned = [r.getMessage() for r in caplog.records if "cannot lay out node node0" in r.getMessage()]
+    assert len(warned) == 1 and "static-tp:8" in warned[0]
+    fake.policy, fake.policy_spec = make_policy("static-tp:2"), "static-tp:2"
+    Coordinator.warn_unfit_layouts(fake)
+    assert fake.unfit_warned == {("node0", "static-tp:8")}
+
+
 def test_set_policy_refuses_a_layout_the_nodes_cannot_hold():
     fake = SimpleNamespace(config=SimpleNamespace(), pinned_nodes=set(), policy=None, policy_spec="adaptive",
-                           snapshot=lambda: ClusterSnapshot(0.0, (_node(2, 2),)))
+                           full_nodes=lambda: [_node(2, 2)])
     import nitsum_services.coordinator.core as core
 
     real = core.policy_config
     core.policy_config = lambda config: None
     try:
         problem = Coordinator.set_policy(fake, "static-tp:4")
-        assert "does not fit node node0 (2 devices now)" in problem and fake.policy_spec == "adaptive"
+        assert "does not fit node node0 (2 devices)" in problem and fake.policy_spec == "adaptive"
         assert Coordinator.set_policy(fake, "static-tp:2") == "" and fake.policy_spec == "static-tp:2"
     finally:
         core.policy_config = real

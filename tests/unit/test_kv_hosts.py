@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from nitsum.engine import kv_hosts
+from nitsum.engine import kv_hosts, kv_tcp
 from nitsum.engine.kv_hosts import Member, hosts_of, pair_path, resolve_mode
 from nitsum.engine.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver, read_frame, write_frame
 from nitsum.kv.reshard import Transfer
 from nitsum.policy.flows import tos_for_dscp
-from nitsum.transfer.framing import FrameHeader, FrameKind, TransferError
+from nitsum.transfer.framing import MAGIC, PREFIX, FrameHeader, FrameKind, TransferError
 
 
 def members(hosts, kv_path="auto", shm=True, device="cpu"):
@@ -155,6 +155,37 @@ def test_receiver_refuses_a_hello_without_its_token_and_writes_nothing():
     finally:
         receiver.close()
         other.close()
+    assert kv_threads() == []
+
+
+def test_before_its_hello_a_connection_gets_no_memory_no_time_and_no_extra_sockets(monkeypatch):
+    """What someone who only reaches the port can make the receiver do: a frame with a payload before the
+    hello is refused at its prefix (nothing buffered); a connection that sends nothing is refused after
+    IO_TIMEOUT_S and, like every refused one, closed IO_TIMEOUT_S later even if it never closes; connections
+    beyond MAX_CONNECTIONS are closed unanswered."""
+    monkeypatch.setattr(kv_tcp, "IO_TIMEOUT_S", 0.4)
+    monkeypatch.setattr(kv_tcp, "MAX_CONNECTIONS", 3)
+    new = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, 2, DIM)
+    receiver = KvReceiver("127.0.0.1")
+    try:
+        receiver.open(8, 1, new, (2, 4), sources={0})
+        big = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
+        big.sendall(PREFIX.pack(MAGIC, 40, 200 * 2**20, 0))  # "a 200 MiB frame follows"
+        answer, _ = read_frame(big)
+        assert answer.kind is FrameKind.ERROR and "payload of" in answer.message
+        silent = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
+        answer, _ = read_frame(silent)  # nothing sent: refused once its hello is overdue
+        assert answer.kind is FrameKind.ERROR and "no whole frame" in answer.message
+        assert silent.recv(1) == b""  # ... and closed, though this end never closed
+        assert big.recv(1) == b""
+        held = [socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0) for _ in range(3)]
+        extra = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
+        assert extra.recv(1) == b""  # the fourth: closed unanswered
+        for sock in held + [extra, big, silent]:
+            sock.close()
+        assert new.abs().sum() == 0
+    finally:
+        receiver.close()
     assert kv_threads() == []
 
 

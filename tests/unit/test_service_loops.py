@@ -45,4 +45,15 @@ def test_loops_that_end_at_the_stop_exit_0(monkeypatch, tmp_path):
         ctx.spawn(loop(), "tick")
         asyncio.get_running_loop().call_later(0.05, ctx.stop.set)
 
-    assert _run(monkeypatch, tmp_path, body) == 0
+    assert _run(monkeypatch, tmp_path, body) == 0  # (beside the tests above: the same loop, raising before the stop, exits 1)
+
+
+def test_a_loop_that_returns_before_the_stop_stops_the_service_too(monkeypatch, tmp_path, caplog):
+    async def body(ctx: ServiceContext) -> None:
+        async def quits() -> None:
+            await asyncio.sleep(0.05)
+
+        ctx.spawn(quits(), "heartbeat")
+
+    assert _run(monkeypatch, tmp_path, body) == 1
+    assert any("heartbeat loop ended before the stop" in r.getMessage() for r in caplog.records)

@@ -93,6 +93,9 @@ CONNECT_TIMEOUT_S = 10.0
 # long; the flow then fails and the prepare is refused (the old topology keeps serving).
 LAZY_CONNECT_TIMEOUT_S = 2.0
 IO_TIMEOUT_S = 10.0
+# A receiver's limits for connections that have not said their hello yet (anyone who reaches the port).
+HELLO_MAX_HEADER_BYTES = 1024
+MAX_CONNECTIONS = 256
 ERROR_PEEK_S = 0.5  # after a failed write: how long to look for the receiver's ERROR that explains it
 MAX_ERRORS = 256  # what a receiver keeps of its refusals (each is logged too)
 THREAD_PREFIX = "nitsum-kv-recv"
@@ -227,6 +230,8 @@ class _Conn:
     buf: bytearray = field(default_factory=bytearray)  # bytes received, not yet a whole frame
     since: float | None = None  # monotonic time the oldest partial frame began (its deadline: + IO_TIMEOUT_S)
     refused: bool = False  # an ERROR went out: what still comes is read and dropped until the source closes
+    # (or IO_TIMEOUT_S after the ERROR: a peer that reads nothing and never closes does not keep its socket)
+    refused_at: float | None = None
 
 
 @dataclass
@@ -325,9 +330,15 @@ class KvReceiver:
                         key.data.sock.close()
                 now = time.monotonic()
                 for conn in [c for c in session.conns if c.since is not None and now - c.since > IO_TIMEOUT_S]:
-                    # A source that stalls mid-frame fails alone; the others' frames are served meanwhile.
+                    # A source that stalls mid-frame fails alone; the others' frames are served meanwhile. (So
+                    # does a connection that sends no hello at all: its deadline runs from its accept.)
                     self._refuse(session, conn, TransferError(ErrorCode.TIMEOUT, f"no whole frame within {IO_TIMEOUT_S} s",
                                                               self._fid(session, conn)))
+                for conn in [c for c in session.conns if c.refused_at is not None and now - c.refused_at > IO_TIMEOUT_S]:
+                    if conn.sock.fileno() >= 0:
+                        sel.unregister(conn.sock)
+                        conn.sock.close()
+                    session.conns.remove(conn)
         finally:
             sel.close()
             for conn in session.conns:
@@ -338,9 +349,14 @@ class KvReceiver:
             sock, _ = self._listen.accept()
         except (BlockingIOError, InterruptedError):
             return
+        if len(session.conns) >= MAX_CONNECTIONS:  # (a session's sources need a few per class)
+            self._record(f"epoch {session.epoch}: more than {MAX_CONNECTIONS} connections; one closed unanswered")
+            sock.close()
+            return
         sock.setblocking(False)  # read what is there; frames are cut from the connection's own buffer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(sock, wire_tos=handshake_tos(sock))  # its own class: set at the hello (`_hello`)
+        # Its hello is due within IO_TIMEOUT_S, as any frame once begun (`since`).
+        conn = _Conn(sock, wire_tos=handshake_tos(sock), since=time.monotonic())  # class: set at the hello
         session.conns.append(conn)
         sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -374,7 +390,8 @@ class KvReceiver:
                     break
                 if not self._serve_frame(session, conn, *frame):
                     return False
-            conn.since = (conn.since or time.monotonic()) if conn.buf and not conn.refused else None
+            if conn.src is not None or conn.refused:  # (before its hello, the deadline set at accept stands)
+                conn.since = (conn.since or time.monotonic()) if conn.buf and not conn.refused else None
             return True
         except TransferError as exc:  # a torn or corrupt frame (bad magic, CRC, size) or a lost connection
             if exc.code is ErrorCode.CLOSED:
@@ -387,11 +404,16 @@ class KvReceiver:
 
     @staticmethod
     def _cut_frame(conn: _Conn) -> tuple[FrameHeader, bytearray] | None:
-        """The next whole frame of the connection's buffer, or None until more bytes arrive."""
+        """The next whole frame of the connection's buffer, or None until more bytes arrive. Before the hello
+        (which has no payload and a small header) nothing larger is buffered: whoever merely reaches the port
+        cannot make this receiver hold a chunk's worth of memory."""
         buf = conn.buf
         if len(buf) < PREFIX.size:
             return None
-        hdr_len, payload_len, crc = decode_prefix(bytes(buf[: PREFIX.size]), DEFAULT_MAX_PAYLOAD_BYTES)
+        hello = conn.src is None
+        hdr_len, payload_len, crc = decode_prefix(bytes(buf[: PREFIX.size]), 0 if hello else DEFAULT_MAX_PAYLOAD_BYTES)
+        if hello and hdr_len > HELLO_MAX_HEADER_BYTES:
+            raise TransferError(ErrorCode.PROTOCOL, f"a hello of {hdr_len} header bytes (at most {HELLO_MAX_HEADER_BYTES})")
         end = PREFIX.size + hdr_len + payload_len
         if len(buf) < end:
             return None
@@ -439,7 +461,7 @@ class KvReceiver:
         closing at once would reset the connection under its pending writes, and a reset discards the ERROR
         before the source reads it (it would see only "broken pipe")."""
         self._record(f"{exc.flow_id or self._fid(session, conn)}: {exc}")
-        conn.refused, conn.data, conn.since = True, None, None
+        conn.refused, conn.data, conn.since, conn.refused_at = True, None, None, time.monotonic()
         conn.buf.clear()
         try:
             self._send(conn, FrameHeader(FrameKind.ERROR, exc.flow_id or self._fid(session, conn),
