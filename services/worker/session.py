@@ -42,7 +42,12 @@ PRECOPY_HOLD_MAX_S = 0.025
 PRECOPY_HOLD_STEP_FRACTION = 0.5
 # Below this steady step the hold is not worth it: a fraction of it is shorter than the permits' round trip, and
 # holding stacks the prepare step, the hold, the first round and the next step into one gap that streams see.
-PRECOPY_HOLD_MIN_STEP_MS = 12.0
+PRECOPY_HOLD_MIN_STEP_MS = 8.0
+# ... and for the commit after the final prepare ack only from this step time on: that wait lies inside the
+# streams' cutover gap (hold + commit + the new group's first step), where a 9-10 ms group's half-step hold
+# made the pause 2.0-2.3 steps; with longer steps the hold is worth it (the commit comes at this boundary,
+# not after the slowest old leader's next step).
+COMMIT_HOLD_MIN_STEP_MS = 12.0
 STEADY_STEPS = 16  # steps a steady step time is the median of (`steady_step_ms`)
 # A peer's turn of the step thread follows the leader's plans for at most this long (see `_iteration`).
 FOLLOW_BATCH_S = 0.25
@@ -271,7 +276,7 @@ class WorkerSession:
             # is the next turn. Otherwise the coordinator's pause would include a step at the new TP.
             # A pending prepare's ack too: its pre-copy flows get their permits meanwhile (`_await_permits`).
             return [], rejected, backend.stats(), acks, "step", calls
-        if backend.is_leader and backend.precopy_tick() and self._hold_s() > 0:
+        if backend.is_leader and backend.precopy_tick() and self._hold_s(COMMIT_HOLD_MIN_STEP_MS) > 0:
             # A transition's KV pre-copy (one chunk per allowed flow, then the step) just sent the prepare's
             # final ack: the coordinator's commit is one round trip away. This turn ends before the step so that
             # the loop can wait that long (`_await_command`) and the commit comes at this step boundary rather
@@ -337,10 +342,11 @@ class WorkerSession:
         token out for a whole merge, 50-60 ms)."""
         return statistics.median(self.recent_step_ms) if self.recent_step_ms else 0.0
 
-    def _hold_s(self) -> float:
-        """How long the old group's next step may wait for a transition's next message (0: not at all)."""
+    def _hold_s(self, min_step_ms: float = 0.0) -> float:
+        """How long the old group's next step may wait for a transition's next message (0: not at all): for
+        the pre-copy's permits from PRECOPY_HOLD_MIN_STEP_MS steps on, for the commit from `min_step_ms`."""
         step_ms = self.steady_step_ms()
-        if step_ms < PRECOPY_HOLD_MIN_STEP_MS:
+        if step_ms < max(PRECOPY_HOLD_MIN_STEP_MS, min_step_ms):
             return 0.0
         return min(PRECOPY_HOLD_MAX_S, PRECOPY_HOLD_STEP_FRACTION * step_ms / 1000.0)
 
@@ -348,7 +354,7 @@ class WorkerSession:
         """The prepare's final ack went out: wait for the next inbox item (the commit, normally) at most
         `_hold_s`; the next iteration applies it before any step."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._hold_s()
+        deadline = loop.time() + self._hold_s(COMMIT_HOLD_MIN_STEP_MS)
         while not self._inbox:
             remaining = deadline - loop.time()
             if remaining <= 0:

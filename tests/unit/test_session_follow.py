@@ -85,7 +85,11 @@ def test_the_hold_follows_the_steady_step_not_a_few_long_ones():
     session.recent_step_ms.extend([150.0, 90.0, 40.0, 25.0, 4.1, 3.9, 4.3, 4.0, 4.2, 3.8, 4.4])
     assert 3.8 <= session.steady_step_ms() <= 4.4
     assert session._hold_s() == 0.0  # a fast group is never held
+    session.recent_step_ms.extend([10.0] * session_module.STEADY_STEPS)  # holds for permits, not for the commit
+    assert session._hold_s() == session_module.PRECOPY_HOLD_STEP_FRACTION * 10.0 / 1000.0
+    assert session._hold_s(session_module.COMMIT_HOLD_MIN_STEP_MS) == 0.0
     session.recent_step_ms.extend([20.0] * session_module.STEADY_STEPS)
+    assert session._hold_s(session_module.COMMIT_HOLD_MIN_STEP_MS) == session._hold_s()
     assert session.steady_step_ms() == 20.0
     assert session._hold_s() == session_module.PRECOPY_HOLD_STEP_FRACTION * 20.0 / 1000.0
     session.recent_step_ms.extend([400.0] * session_module.STEADY_STEPS)
