@@ -410,7 +410,7 @@ class Coordinator:
                 continue
             try:
                 self.policy.initial_topology(node)
-            except (ValueError, AssertionError) as exc:
+            except Exception as exc:  # noqa: BLE001 -- a warning, never the epoch's failure
                 self.unfit_warned.add(key)
                 log.warning("policy %s cannot lay out node %s (%d devices): %s; its topology stays as it is",
                             self.policy_spec, node.node_id, node.num_devices, exc)

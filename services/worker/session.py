@@ -388,6 +388,7 @@ class WorkerSession:
 
     async def _after_commit(self, was_leader: bool) -> None:
         """Reconcile the streams this worker publishes with the requests its engine now holds."""
+        self.recent_step_ms.clear()  # the new group's steps are another length: its holds learn them afresh
         held, self._held_at_commit = self._held_at_commit, {}
         for request_id in [r for r in self.running if r not in held]:
             state = self.running.pop(request_id)

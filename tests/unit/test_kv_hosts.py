@@ -4,6 +4,7 @@ carries the stage-M DSCP, and a hello the receiver refuses (wrong epoch, injecte
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -178,6 +179,13 @@ def test_before_its_hello_a_connection_gets_no_memory_no_time_and_no_extra_socke
         assert answer.kind is FrameKind.ERROR and "no whole frame" in answer.message
         assert silent.recv(1) == b""  # ... and closed, though this end never closed
         assert big.recv(1) == b""
+        for _ in range(5):  # port scans: connect, close -- no place kept in the cap, no deadline left to fire
+            socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0).close()
+        time.sleep(3 * kv_tcp.IO_TIMEOUT_S)
+        assert receiver._session is not None and receiver._session.thread.is_alive()
+        links = KvLinks()  # a member still gets through
+        links.connect(8, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
+        links.close()
         held = [socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0) for _ in range(3)]
         extra = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
         assert extra.recv(1) == b""  # the fourth: closed unanswered

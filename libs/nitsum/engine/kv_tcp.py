@@ -328,8 +328,10 @@ class KvReceiver:
                     elif not self._serve_readable(session, key.data):
                         sel.unregister(key.fileobj)
                         key.data.sock.close()
+                        session.conns.remove(key.data)  # done: no deadline of its own, no place in the cap
                 now = time.monotonic()
-                for conn in [c for c in session.conns if c.since is not None and now - c.since > IO_TIMEOUT_S]:
+                for conn in [c for c in session.conns if c.since is not None and now - c.since > IO_TIMEOUT_S
+                             and c.sock.fileno() >= 0]:
                     # A source that stalls mid-frame fails alone; the others' frames are served meanwhile. (So
                     # does a connection that sends no hello at all: its deadline runs from its accept.)
                     self._refuse(session, conn, TransferError(ErrorCode.TIMEOUT, f"no whole frame within {IO_TIMEOUT_S} s",
@@ -369,8 +371,11 @@ class KvReceiver:
         failed). Never waits for more bytes: one slow source cannot hold the others' frames."""
         try:
             while True:
+                # Before its hello a connection gets no more than a hello's worth read at a time (the rest waits
+                # in the socket, and select says so again once the hello is served).
+                size = PREFIX.size + HELLO_MAX_HEADER_BYTES if conn.src is None and not conn.refused else 1 << 20
                 try:
-                    got = conn.sock.recv(1 << 20)
+                    got = conn.sock.recv(size)
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError as exc:
@@ -382,7 +387,7 @@ class KvReceiver:
                 if conn.refused:
                     continue  # drained, so the source's writes complete and it reads the ERROR sent before
                 conn.buf += got
-                if len(got) < 1 << 20:
+                if len(got) < size or size < 1 << 20:
                     break
             while not conn.refused:
                 frame = self._cut_frame(conn)
@@ -474,11 +479,14 @@ class KvReceiver:
     def _send(conn: _Conn, header: FrameHeader) -> None:
         """A small frame (ack, error) on the non-blocking connection: it fits the socket buffer, except when
         the source reads nothing -- then, bounded, it fails as a stall."""
-        conn.sock.settimeout(IO_TIMEOUT_S)
         try:
-            write_frame(conn.sock, header)
-        finally:
-            conn.sock.setblocking(False)
+            conn.sock.settimeout(IO_TIMEOUT_S)
+            try:
+                write_frame(conn.sock, header)
+            finally:
+                conn.sock.setblocking(False)
+        except OSError as exc:  # closed under it (the peer went): the caller's refusal path, never the thread's end
+            raise TransferError(ErrorCode.CLOSED, repr(exc), header.flow_id) from exc
 
     def _record(self, what: str) -> None:
         if len(self.errors) < MAX_ERRORS:

@@ -370,6 +370,7 @@ class NodeRuntime(NodeTransition):
         if prepared is not None and prepared.build is not None:
             prepared.build.stop_after()  # a reservation running: given up at its next piece, not joined to its end
             prepared.build.finish()
+            self._join_engine_ahead(prepared)
             if prepared.build.runner is not None:
                 self._shelve_runner(prepared.build.runner)
         if prepared is not None:

@@ -505,13 +505,11 @@ class NodeTransition:
         if prepared.build is not None:
             prepared.build.stop_after()  # a reservation running: given up at its next piece
             prepared.build.finish()  # no thread outlives its epoch; one never started is given up
+            self._join_engine_ahead(prepared)  # (before its runner goes back to the pool)
             if prepared.build.runner is not None:
                 self._shelve_runner(prepared.build.runner)  # without the epoch's cache: it goes with `prepared`
                 prepared.build.runner = prepared.runner = None
         self._release_links(prepared)
-        ahead, prepared.engine = prepared.engine, None
-        if ahead is not None:
-            ahead.take(None)  # no thread outlives its epoch (the build it waits for is finished above)
         if prepared.segment is not None:
             kv_segment.unlink(prepared.segment)
         arena, prepared.arena = prepared.arena, None
@@ -523,6 +521,14 @@ class NodeTransition:
         prepared.new_cache = None
         if self._prepared is prepared:
             self._prepared = None
+
+    @staticmethod
+    def _join_engine_ahead(prepared: _Prepared) -> None:
+        """The Engine made ahead for a change that will not commit: its thread ends (it waits only for the
+        runner's build, finished by then), and the Engine goes."""
+        ahead, prepared.engine = prepared.engine, None
+        if ahead is not None:
+            ahead.take(None)
 
     def _release_links(self, prepared: _Prepared) -> None:
         """The epoch's TCP KV links (as a source) and its receiver session (as a destination) go."""
