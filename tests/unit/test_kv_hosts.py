@@ -186,6 +186,10 @@ def test_before_its_hello_a_connection_gets_no_memory_no_time_and_no_extra_socke
         links = KvLinks()  # a member still gets through
         links.connect(8, 0, {1: ("127.0.0.1", receiver.port, receiver.token)})
         links.close()
+        deadline = time.monotonic() + 10.0
+        while receiver.open_connections and time.monotonic() < deadline:  # its end of the link has gone too
+            time.sleep(0.01)
+        assert receiver.open_connections == 0
         held = [socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0) for _ in range(3)]
         extra = socket.create_connection(("127.0.0.1", receiver.port), timeout=5.0)
         assert extra.recv(1) == b""  # the fourth: closed unanswered
