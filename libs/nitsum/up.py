@@ -99,14 +99,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _policy_problem(spec: str, devices: int, max_tp: int) -> str:
     """Why `spec` cannot run on one node of `devices` workers with this --max-tp ('' if it can)."""
-    from nitsum.policy.registry import make_policy
+    from nitsum.policy.registry import layout_problem, make_policy
     from nitsum.policy.snapshot import NodeView
 
-    try:
-        make_policy(spec).initial_topology(NodeView("node0", devices, 1, max_tp, ()))
-    except (ValueError, AssertionError) as exc:
-        return str(exc)
-    return ""
+    return layout_problem(make_policy(spec), NodeView("node0", devices, 1, max_tp, ()))
 
 
 def _ready(url: str, api_key: str) -> tuple[bool, str]:

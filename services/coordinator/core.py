@@ -25,13 +25,13 @@ from nitsum.kv import block_hashes
 from nitsum.modelpath import resolve_model_dir
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import ModelSpec
-from nitsum.policy.registry import make_policy
+from nitsum.policy.registry import layout_problem, make_policy
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView, RequestView
 from nitsum.service import ServiceContext
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, StreamOffset, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
 from nitsum_services.coordinator.membership import Membership, WorkerRecord
-from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot
+from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp
 from nitsum_services.coordinator.reform import ReformAgent
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
@@ -166,9 +166,7 @@ class Coordinator:
             sizes[s.node_id] = max(sizes.get(s.node_id, 1), s.node_size, s.device_index + 1)
         views = []
         for node_id, size in sorted(sizes.items()):
-            max_tp = self.config.max_tp
-            while max_tp > 1 and size % max_tp:
-                max_tp //= 2
+            max_tp = fitting_max_tp(size, self.config.max_tp)
             views.append(NodeView(node_id, size, min(self.config.min_tp, max_tp), max_tp, (), self.config.device_kind))
         return views
 
@@ -179,10 +177,9 @@ class Coordinator:
         except (ValueError, TypeError) as exc:
             return str(exc)
         for node in self.full_nodes():  # a layout a node cannot hold is refused now, not retried forever
-            try:
-                policy.initial_topology(node)
-            except (ValueError, AssertionError) as exc:
-                return f"{spec} does not fit node {node.node_id} ({node.num_devices} devices): {exc}"
+            problem = layout_problem(policy, node)
+            if problem:
+                return f"{spec} does not fit node {node.node_id} ({node.num_devices} devices): {problem}"
         self.policy, self.policy_spec = policy, spec
         self.pinned_nodes.clear()  # a policy chosen by hand takes the nodes back
         return ""

@@ -38,6 +38,13 @@ class ArrivalWindow:
         )
 
 
+def fitting_max_tp(num_devices: int, max_tp: int) -> int:
+    """The largest TP level up to `max_tp` whose aligned groups tile `num_devices` (halving until it divides)."""
+    while max_tp > 1 and num_devices % max_tp:
+        max_tp //= 2
+    return max_tp
+
+
 def build_snapshot(members: Membership, now_ms: float, epoch: int, max_tp: int, min_tp: int, device_kind: str, last_reconfig_ms: dict[str, float] | None = None, arrivals: tuple[ArrivalStats, ...] = ()) -> ClusterSnapshot:
     nodes: dict[str, list] = {}
     seen_groups: set[str] = set()
@@ -66,9 +73,7 @@ def build_snapshot(members: Membership, now_ms: float, epoch: int, max_tp: int, 
         groups.sort(key=lambda g: g.start)
         num_devices = max(g.start + g.tp for g in groups)
         # A node with missing devices (a dead worker) still gets a contiguous, aligned view of what is left.
-        node_max_tp = max_tp
-        while node_max_tp > 1 and num_devices % node_max_tp:
-            node_max_tp //= 2
+        node_max_tp = fitting_max_tp(num_devices, max_tp)
         node_views.append(
             NodeView(
                 node_id=node_id,

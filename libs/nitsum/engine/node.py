@@ -192,8 +192,9 @@ class NodeRuntime(NodeTransition):
         self._arena: kv_segment.Arena | None = None  # backs the cache in use (None: a private or adopted one)
         self._spare: kv_segment.Arena | None = None
         self._arena_bytes = max(kv_segment.nbytes_of(self._cache_shape(tp), self._dtype) for tp in world.levels)
-        self._recycle = self.kv_path == "shm" and shm_possible and kv_hosts.maps_arenas_of(self.members, self.rank, readers)
-        if self.kv_path == "shm" and shm_possible and not self._recycle and kv_hosts.maps_arenas_of(self.members, self.rank):
+        same_namespace = self.kv_path == "shm" and shm_possible and kv_hosts.maps_arenas_of(self.members, self.rank)
+        self._recycle = same_namespace and kv_hosts.maps_arenas_of(self.members, self.rank, readers)
+        if same_namespace and not self._recycle:
             log.warning("worker %d: a worker that shares this host's memory cannot open this one's /proc/%d/fd "
                         "(hidepid, another user id or a security module): its TP changes make fresh KV segments",
                         self.rank, os.getpid())

@@ -7,6 +7,7 @@ Specs: `adaptive` (default) | `static-tp:K` | `disagg` | `disagg:P/D` | `static-
 from __future__ import annotations
 
 from nitsum.policy.base import BasePolicy, PolicyConfig
+from nitsum.policy.snapshot import NodeView
 
 DEFAULT_POLICY = "adaptive"
 POLICY_SPECS: tuple[str, ...] = ("adaptive", "static-tp:K", "disagg[:P/D]", "static-hybrid[:H/L]")
@@ -27,6 +28,15 @@ def _pair(spec: str, text: str) -> tuple[int, int]:
     if len(parts) != 2:
         raise ValueError(f"bad policy spec {spec!r}: expected two TP levels as A/B, got {text!r}")
     return _int(spec, parts[0]), _int(spec, parts[1])
+
+
+def layout_problem(policy: BasePolicy, node: NodeView) -> str:
+    """Why `policy` cannot lay out `node` ('' if it can)."""
+    try:
+        policy.initial_topology(node)
+    except (ValueError, AssertionError) as exc:
+        return str(exc)
+    return ""
 
 
 def make_policy(spec: str = DEFAULT_POLICY, config: PolicyConfig | None = None) -> BasePolicy:
