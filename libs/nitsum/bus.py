@@ -1,6 +1,12 @@
 """The NATS connection every service uses.
 
-- reconnects forever (a restarted nats-server is picked up without restarting the service);
+- reconnects forever (a restarted nats-server is picked up without restarting the service); given the
+  members of a NATS cluster (NITSUM_NATS_URL comma-separated; members the servers announce are added),
+  it uses the first reachable URL of the list (list a host's own server first), moves to the next member
+  when its server goes, re-subscribes there, and sends what was published
+  meanwhile (kept in a PENDING_BYTES buffer). Core NATS is at most once: a frame the lost server had
+  taken but not forwarded is gone; the protocols above cover it (indexed stream chunks re-routed from
+  the last token on a gap, heartbeats, request timeouts);
 - `request` always has a timeout and turns an `ErrorReply` into a typed `RemoteError`;
 - `subscribe` decodes frames strictly: an undecodable frame is dropped and counted (and answered with
   an ErrorReply when the sender waits for one), never a crash; queue groups spread worker pools;
@@ -24,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
 
-from nitsum.config import CommonConfig
+from nitsum.config import CommonConfig, nats_urls
 from nitsum.telemetry.metrics import Metrics
 from nitsum.telemetry.tracing import extract_context, inject_headers
 from nitsum.wire import DecodeError, decode, encode
@@ -32,6 +38,10 @@ from nitsum.wire.messages import ErrorReply
 from nitsum.wire.subjects import Subjects
 
 log = logging.getLogger("nitsum.bus")
+
+# Publishes made while reconnecting are buffered up to this size (nats-py's default is 2 MiB, below one
+# max_payload frame of 8 MB), then sent to the server the connection moved to.
+PENDING_BYTES = 64 * 1024 * 1024
 
 
 class BusError(Exception):
@@ -79,6 +89,7 @@ class Bus:
         self._echo_waiters: dict[bytes, asyncio.Future] = {}
         self._echo_seq = 0
         self.reconnects = 0
+        self.disconnects = 0
 
     @classmethod
     async def connect(
@@ -95,12 +106,16 @@ class Bus:
             log.warning("%s: NATS error: %s", name, exc)
 
         async def on_disconnected() -> None:
+            if "bus" in holder:
+                holder["bus"].disconnects += 1
             log.warning("%s: disconnected from NATS; reconnecting", name)
 
         async def on_reconnected() -> None:
             if "bus" in holder:
                 holder["bus"].reconnects += 1
-            log.info("%s: reconnected to NATS", name)
+                log.info("%s: reconnected to NATS at %s", name, holder["bus"].server)
+            else:
+                log.info("%s: reconnected to NATS", name)
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + connect_deadline_s
@@ -109,13 +124,15 @@ class Bus:
             nc = NATS()
             try:
                 await nc.connect(
-                    servers=[s.strip() for s in config.nats_url.split(",") if s.strip()],
+                    servers=nats_urls(config.nats_url),
                     name=name,
                     user=config.nats_user or None,
                     password=config.nats_password or None,
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25,
+                    pending_size=PENDING_BYTES,
+                    dont_randomize=True,  # the list's order is the preference
                     connect_timeout=2,
                     ping_interval=5,
                     max_outstanding_pings=3,
@@ -138,6 +155,12 @@ class Bus:
     @property
     def connected(self) -> bool:
         return self.nc.is_connected
+
+    @property
+    def server(self) -> str:
+        """host:port of the NATS server this connection uses now ('' while disconnected); never credentials."""
+        url = self.nc.connected_url if self.nc.is_connected else None
+        return f"{url.hostname}:{url.port}" if url is not None and url.hostname else ""
 
     async def publish(self, subject: str, message: Any, headers: dict[str, str] | None = None) -> None:
         await self.nc.publish(subject, encode(message), headers=inject_headers(headers))

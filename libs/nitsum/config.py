@@ -61,6 +61,32 @@ def node_port(value: int) -> str | None:
     return port(value) or (None if value <= top else f"must be at most {top}: re-formed node worlds meet at up to {NODE_PORT_SPAN - 1} ports above it")
 
 
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def nats_urls(value: str) -> list[str]:
+    """NITSUM_NATS_URL's servers in order: one URL, or the comma-separated members of a NATS cluster."""
+    return [s.strip() for s in value.split(",") if s.strip()]
+
+
+def nats_url_list(value: str) -> str | None:
+    """Every entry of a NITSUM_NATS_URL list is [scheme://]host[:port] with a NATS scheme."""
+    from urllib.parse import urlsplit
+
+    servers = nats_urls(value)
+    if not servers:
+        return "must name at least one NATS server (nats://host:port, comma-separated for a cluster)"
+    for entry in servers:
+        url = urlsplit(entry if "://" in entry else "nats://" + entry)
+        try:
+            url.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            return f"entry {servers.index(entry) + 1} has a bad port (expected nats://host:port)"
+        if url.scheme not in NATS_SCHEMES or not url.hostname:
+            return f"entry {servers.index(entry) + 1} is not a NATS URL (expected {'|'.join(NATS_SCHEMES)}://host:port)"
+    return None
+
+
 def one_of(*choices: str) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         return None if value in choices else f"must be one of {', '.join(choices)}"
@@ -188,7 +214,7 @@ def default_home() -> Path:
 
 @dataclass(frozen=True)
 class CommonConfig:
-    nats_url: str = setting("NITSUM_NATS_URL", "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated")
+    nats_url: str = setting("NITSUM_NATS_URL", "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated: the members of a NATS cluster (a service reconnects to another when its server goes)", check=nats_url_list)
     nats_user: str = setting("NITSUM_NATS_USER", "", "NATS user name of this service's identity")
     nats_password: str = setting("NITSUM_NATS_PASSWORD", "", "NATS password of this service's identity", secret=True)
     namespace: str = setting("NITSUM_NAMESPACE", "nitsum", "subject namespace shared by one mesh")
