@@ -60,9 +60,13 @@ def render_member_config(
     namespace: str = "nitsum",
     env_refs: bool = False,
 ) -> str:
-    """The config of `member`, routed to `peers`. With `env_refs` passwords and routes are references."""
+    """The config of `member`, routed to `peers`. With `env_refs` passwords and routes are references; with
+    neither passwords nor `env_refs` clients connect anonymously (tests' plain servers; routes still authenticate)."""
     listen = member.listen_host or member.host
-    base = render_config(member.client_port, passwords, namespace=namespace, host=listen, env_refs=env_refs)
+    if passwords is None and not env_refs:
+        base = f"listen: {listen}:{member.client_port}\nmax_payload: 8MB\n"
+    else:
+        base = render_config(member.client_port, passwords, namespace=namespace, host=listen, env_refs=env_refs)
     if env_refs:
         password, routes = f"${ROUTE_PASSWORD_ENV}", f"${ROUTES_ENV}"
     else:
@@ -190,6 +194,17 @@ def deploy_config(member: Member, members: Sequence[Member]) -> str:
         f"# {ROUTES_ENV}='{json.dumps([p.route_url('<password>') for p in members if p.name != member.name])}'\n"
     )
     return header + render_member_config(member, members, None, None, env_refs=True)
+
+
+K8S_SERVER_NAME_ENV = "POD_NAME"
+
+
+def k8s_config() -> str:
+    """The config every pod of a NATS StatefulSet runs (deploy/k8s/nats.yaml): its name is the pod's, its routes are
+    every member's (a route to itself is dropped by nats-server) and come, with the passwords, from the environment."""
+    member = Member("k8s", "0.0.0.0", 4222, 6222)
+    text = render_member_config(member, [], None, None, env_refs=True)
+    return text.replace('server_name: "k8s"', f"server_name: ${K8S_SERVER_NAME_ENV}", 1)
 
 
 def main(argv: list[str] | None = None) -> int:
