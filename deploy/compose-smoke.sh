@@ -6,7 +6,8 @@
 # `docker compose` (v2) or `docker-compose` (v1.28+), debootstrap, and this repository's venv (.venv, with `openai`).
 # No image registry is used: the base image is built with debootstrap from Debian's mirror
 # (deploy/docker/build-base-image.sh), the wheels come from this machine's pip (deploy/docker/wheels/).
-# Ports on this host: NATS 4222, gateway NITSUM_GATEWAY_PORT (8000), metrics 9090, 9091, 9100, 9101, node world 29400.
+# Ports on this host: NATS and the gateway on free ports (NATS_PORT, NITSUM_GATEWAY_PORT), metrics 9090, 9091, 9100,
+# 9101, node world 29400.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -21,7 +22,11 @@ echo "== wheels for an offline build"
 "$PY" -m pip wheel -q -w deploy/docker/wheels . "setuptools>=68" wheel
 
 export NITSUM_BASE_IMAGE="$BASE" NITSUM_PIP_INSTALL_ARGS="--no-index --find-links /opt/wheels"
-export NITSUM_DTYPE=float32 NITSUM_DEVICE_KIND=cpu NITSUM_MAX_TP=2 NITSUM_GATEWAY_PORT="${NITSUM_GATEWAY_PORT:-8000}"
+export NITSUM_DTYPE=float32 NITSUM_DEVICE_KIND=cpu NITSUM_MAX_TP=2
+# NATS and the gateway on free ports of this host (a `nitsum up` may hold 4222 and 8000).
+free_port() { "$PY" -c 'from nitsum.natsserver import free_port; print(free_port())'; }
+export NATS_PORT="${NATS_PORT:-$(free_port)}" NITSUM_GATEWAY_PORT="${NITSUM_GATEWAY_PORT:-$(free_port)}"
+export NITSUM_NATS_URL="nats://127.0.0.1:$NATS_PORT"
 for id in GATEWAY COORDINATOR WORKER FLOW_SCHEDULER ADMIN; do  # throwaway passwords for this run only
   export "NITSUM_NATS_PASSWORD_$id=$("$PY" -c 'import secrets; print(secrets.token_urlsafe(18))')"
 done
