@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -196,7 +195,7 @@ def test_two_hosts_in_namespaces_host_a_nats_killed_mid_stream(tmp_path):
             procs["nats-a"].wait()
             out, err = pub.communicate(timeout=60)
             result = json.loads(out.strip().splitlines()[-1])
-            sub_out, sub_err = sub.communicate(timeout=60)
+            sub_out, _ = sub.communicate(timeout=60)
             collected = json.loads(sub_out.strip().splitlines()[-1])
         finally:
             for p in procs.values():

@@ -118,7 +118,7 @@ def test_healthchecks_and_healthy_dependencies():
 def test_gpu_workers_reserve_gpus_as_compose_documents():
     gpu = {n: s for n, s in WORKERS.items() if "gpu" in s.get("profiles", [])}
     assert gpu
-    for name, svc in gpu.items():
+    for svc in gpu.values():
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         assert devices[0]["count"] == "all" or int(devices[0]["count"]) >= 1

@@ -84,7 +84,7 @@ def test_one_node_world_per_host():
     assert {e["NITSUM_HOST_ID"] for e in envs} == {"$(POD_NAME)"} and {e["NITSUM_NODE_ID"] for e in envs} == {"$(POD_NAME)"}
     assert len({e["NITSUM_WORKER_ID"] for e in envs}) == len(workers)
     assert len({e["NITSUM_METRICS_PORT"] for e in envs}) == len(workers), "a pod's containers share its ports"
-    shm = [v for v in spec["volumes"] if v["name"] == "dshm"][0]
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
     for c in workers:
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
