@@ -38,6 +38,7 @@ async def publish(bus: Bus, count: int, interval_s: float, mark: int, on_mark=No
     first_after_notice = -1
     for i in range(count):
         if i == mark:
+            await bus.flush(5.0)  # frames before the mark have reached the server (a loaded machine may lag)
             say(event="mark", index=i, server=bus.server)
             if on_mark is not None:
                 on_mark()
