@@ -58,7 +58,7 @@ def test_chunked_prefill_over_cached_prefix_matches_transformers(tiny_dir, hf_mo
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
 def test_logits_and_greedy_tokens_match_transformers_on_cuda(tiny_dir, hf_model):
-    engine = Engine(EngineConfig(model_dir=str(tiny_dir), device="cuda"))
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), device="cuda", dtype="float32"))
     [prompt] = prompts_of_lengths([37])
     hf_cuda = hf_model.to("cuda")
     try:
