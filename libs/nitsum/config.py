@@ -262,6 +262,7 @@ class WorkerConfig(CommonConfig):
     device_index: int = setting("NITSUM_DEVICE_INDEX", 0, "device index inside the node", check=non_negative)
     device: str = setting("NITSUM_DEVICE", "cpu", "cpu | cuda", check=one_of("cpu", "cuda"))
     dtype: str = setting("NITSUM_DTYPE", "auto", "auto | float32 | bfloat16 | float16 (auto: float32 on cpu, bfloat16 on cuda)", check=one_of(*DTYPE_CHOICES))
+    decode_attention: str = setting("NITSUM_DECODE_ATTENTION", "auto", "decode attention over the paged KV: auto (flex on cuda, gather on cpu) | flex (in place, torch flex attention with a block mask) | gather (copy the blocks, then SDPA)", check=one_of("auto", "flex", "gather"))
     kv_cache_mb: int = setting("NITSUM_KV_CACHE_MB", 64, "KV cache size per worker", check=positive)
     block_size: int = setting("NITSUM_BLOCK_SIZE", 16, "tokens per KV block", check=positive)
     max_num_seqs: int = setting("NITSUM_MAX_NUM_SEQS", 64, "most running requests per step", check=positive)

@@ -31,6 +31,7 @@ def _engine_config(config: WorkerConfig, role: str):
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         role=role,
+        decode_attention=config.decode_attention,
     )
 
 
@@ -109,7 +110,7 @@ def build_standby(config: WorkerConfig, cfg) -> StandbyBackend:
     weights = node_weights(config, cfg, cfg.device)
     runner = ModelRunner(cfg.model_dir, TPGroup.single(cfg.device), device=cfg.device, dtype=cfg.dtype,
                          block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_cache_mb=cfg.kv_cache_mb,
-                         weights=weights, config=loader.load_config(cfg.model_dir))
+                         weights=weights, config=loader.load_config(cfg.model_dir), decode_attention=cfg.decode_attention)
     log.info("standby: serving standalone at TP=1 until the coordinator re-forms node %s", config.node_id)
     return StandbyBackend(Engine(cfg, runner=runner), config.device_index, weights, cfg)
 

@@ -26,6 +26,7 @@ class EngineConfig:
     role: str = "hybrid"  # "prefill" | "decode" | "hybrid"
     enable_prefix_caching: bool = True
     seed: int = 0
+    decode_attention: str = "auto"  # auto (flex on cuda, gather on cpu) | flex | gather: model/paged_attention.py
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -46,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.decode_attention not in ("auto", "flex", "gather"):
+            raise ValueError(f"decode_attention must be auto, flex or gather, got {self.decode_attention!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
