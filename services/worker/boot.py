@@ -39,7 +39,10 @@ def build_engine(config: WorkerConfig, role: str):
     from nitsum.engine import Engine
 
     torch.set_num_threads(config.torch_threads)
-    return Engine(_engine_config(config, role))
+    engine = Engine(_engine_config(config, role))
+    log.info("engine on %s: %s, decode attention %s", engine.runner.device, engine.cfg.dtype,
+             engine.runner.decode_attention)
+    return engine
 
 
 def build_backend(config: WorkerConfig, role: str):
