@@ -24,7 +24,8 @@ def _engine_config(config: WorkerConfig, role: str):
     model_dir = resolve_model_dir(config.model)
     return EngineConfig(
         model_dir=str(model_dir),
-        device=config.device if config.device == "cpu" else f"cuda:{config.device_index}",
+        # Workers of one node beyond the GPUs visible share them (tests on one GPU; their TP groups use gloo).
+        device=config.device if config.device == "cpu" else f"cuda:{config.device_index % max(1, torch.cuda.device_count())}",
         dtype=config.dtype,
         block_size=config.block_size,
         kv_cache_mb=config.kv_cache_mb,

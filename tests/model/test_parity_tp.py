@@ -1,10 +1,14 @@
-"""TP = 2 and 4 (gloo, one process per rank): logits equal transformers' (<= 1e-4), 64 greedy tokens identical."""
+"""TP = 2 and 4 (gloo, one process per rank): logits equal transformers' (<= 1e-4), 64 greedy tokens identical.
+
+Also on CUDA (gpu-marked): two and four ranks on one GPU (NCCL refuses two ranks on one device, so the group
+runs gloo with host staging, `parallel.group.tp_backend`), in fp32, against transformers on the CPU."""
 
 import json
 import sys
 
 import pytest
 import torch
+from devices import DEVICES
 from engine_test_helpers import free_port, prompts_of_lengths, run_workers
 
 NUM_TOKENS = 64
@@ -21,10 +25,14 @@ def run_group(model_dir, world_size, prompt, out_path, device="cpu"):
     return json.loads(out_path.read_text())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_tp_logits_and_greedy_tokens_match_transformers(tiny_dir, hf_model, tmp_path, world_size):
+def test_tp_logits_and_greedy_tokens_match_transformers(tiny_dir, hf_model, tmp_path, world_size, device):
     [prompt] = prompts_of_lengths([29], seed=7)
-    result = run_group(tiny_dir, world_size, prompt, tmp_path / "out.json")
+    result = run_group(tiny_dir, world_size, prompt, tmp_path / "out.json", device=device)
+    assert result["device"].split(":")[0] == device.split(":")[0]
+    if device.startswith("cuda"):
+        assert result["host_staging"] == (torch.cuda.device_count() < world_size)
     with torch.no_grad():
         hf_tokens = hf_model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

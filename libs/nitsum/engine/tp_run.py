@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             logits = torch.cat(recorded).tolist()
             with open(args.out, "w") as handle:
-                json.dump({"tokens": tokens, "logits": logits}, handle)
+                json.dump({"tokens": tokens, "logits": logits, "device": str(engine.runner.device),
+                           "host_staging": group.host_staging}, handle)
         return 0
     finally:
         group.destroy()
