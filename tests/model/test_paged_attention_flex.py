@@ -25,6 +25,9 @@ def test_auto_is_flex_on_cuda_and_gather_on_cpu():
     assert resolve_decode_attention("auto", "cuda:0") == "flex"
     assert resolve_decode_attention("auto", "cpu") == "gather"
     assert resolve_decode_attention("flex", "cpu") == "flex"
+    assert resolve_decode_attention("auto", "cuda", block_size=8) == "gather"  # below the kernel's KV tile
+    with pytest.raises(ValueError, match="multiple of 16"):
+        resolve_decode_attention("flex", "cuda", block_size=8)
     with pytest.raises(ValueError, match="decode attention must be one of"):
         resolve_decode_attention("paged", "cpu")
     with pytest.raises(ValueError, match="decode_attention must be"):

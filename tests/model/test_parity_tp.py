@@ -1,7 +1,9 @@
 """TP = 2 and 4 (gloo, one process per rank): logits equal transformers' (<= 1e-4), 64 greedy tokens identical.
 
 Also on CUDA (gpu-marked): two and four ranks on one GPU (NCCL refuses two ranks on one device, so the group
-runs gloo with host staging, `parallel.group.tp_backend`), in fp32, against transformers on the CPU."""
+runs gloo with host staging, `parallel.group.tp_backend`), in fp32, against transformers on the CPU. Decode
+attention is the gather path here (what these tests check is TP; test_paged_attention_flex checks flex, and each
+TP rank would compile it afresh: minutes of the device check's 8)."""
 
 import json
 import sys
@@ -19,7 +21,8 @@ def run_group(model_dir, world_size, prompt, out_path, device="cpu"):
     run_workers([
         [sys.executable, "-m", "nitsum.engine.tp_run", "--model-dir", str(model_dir), "--rank", str(rank),
          "--world-size", str(world_size), "--master-port", str(port), "--device", device,
-         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(NUM_TOKENS), "--out", str(out_path)]
+         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(NUM_TOKENS), "--out", str(out_path),
+         "--decode-attention", "gather"]
         for rank in range(world_size)
     ])
     return json.loads(out_path.read_text())

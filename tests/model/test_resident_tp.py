@@ -17,7 +17,7 @@ resident copy and no checkpoint byte has been read.
 
 Both run on the CPU and (gpu-marked) on CUDA: there the two and four workers share one GPU (gloo with host
 staging, since NCCL refuses two ranks on one device), the resident copies are CUDA allocations and the node's KV
-moves go the GPU path (paired point-to-point sends).
+moves go the GPU path (paired point-to-point sends). Decode attention is the gather path (see test_parity_tp).
 
 Run as a script, this file is one rank (`main`); the first test spawns it."""
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mode, weights, holder in (("store", store_weights, store), ("resident", resident, resident)):
             runner = ModelRunner(args.model_dir, group, device=device, dtype="float32", num_kv_blocks=16,
-                                 weights=weights, config=cfg)
+                                 weights=weights, config=cfg, decode_attention="gather")
             report["views"][mode] = all(holder.contains(p) for p in runner.model.parameters())
             report["fused"][mode] = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
                                         for layer in runner.model.model.layers)
@@ -169,7 +169,8 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
             [sys.executable, "-m", "nitsum.engine.node_run", "--resident-weights", "--model-dir", str(tiny_dir),
              "--rank", str(rank), "--world-size", str(NODE), "--min-tp", str(MIN_TP), "--max-tp", str(MAX_TP),
              "--master-port", str(port), "--script", str(script), "--out", str(tmp_path / f"out{rank}.json"),
-             "--shm-dir", str(shm), "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--device", device]
+             "--shm-dir", str(shm), "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--device", device,
+             "--decode-attention", "gather"]
             for rank in range(NODE)
         ])
     finally:

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-kv-connect-epoch", type=int, default=0)
     parser.add_argument("--fail-kv-chunk-epoch", type=int, action="append", default=[])
     parser.add_argument("--device", default="cpu", help="cpu | cuda (workers beyond the visible GPUs share them, over gloo)")
+    parser.add_argument("--decode-attention", default="auto", choices=("auto", "flex", "gather"))
     parser.add_argument("--resident-weights", action="store_true",
                         help="compute on this device's resident boot copy (what CUDA does) instead of the store's views")
     args = parser.parse_args(argv)
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                            resident=True if args.resident_weights else None)
     holder = weights if isinstance(weights, ResidentWeights) else store
     cfg = EngineConfig(model_dir=args.model_dir, device=world.device, dtype="float32",  # the store's dtype
-                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, enable_prefix_caching=True)
+                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, enable_prefix_caching=True,
+                       decode_attention=args.decode_attention)
 
     def failure_hook(phase: str, epoch: int) -> None:
         if phase == "prepare" and epoch == args.fail_prepare_epoch:

@@ -80,7 +80,7 @@ class ModelRunner:
         )
         self.workspace = Workspace()  # reused gather buffers of the decode attention
         # Decode attention in place over the paged cache (flex attention) or through the gather; see paged_attention.
-        self.decode_attention = resolve_decode_attention(decode_attention, self.device)
+        self.decode_attention = resolve_decode_attention(decode_attention, self.device, block_size)
         self.flex = FlexDecode(block_size, self.num_kv_blocks, self.device) if self.decode_attention == "flex" else None
 
     def _decode_group(self, chunks: list, positions: list[int], start: int, end: int) -> DecodeGroup:

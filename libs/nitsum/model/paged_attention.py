@@ -24,23 +24,52 @@ DECODE_ATTENTION_CHOICES = ("auto", "flex", "gather")
 _compiled = None
 
 
-def resolve_decode_attention(name: str, device: torch.device | str) -> str:
-    """"flex" or "gather" for a setting's value on `device`."""
+def resolve_decode_attention(name: str, device: torch.device | str, block_size: int = 16) -> str:
+    """"flex" or "gather" for a setting's value on `device`. On CUDA flex needs cache blocks of a multiple of 16
+    tokens (the compiled kernel's smallest KV tile): "auto" falls back to gather below that, "flex" refuses."""
     if name not in DECODE_ATTENTION_CHOICES:
         raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, got {name!r}")
+    cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "gather"
+        return "flex" if cuda and block_size % 16 == 0 else "gather"
+    if name == "flex" and cuda and block_size % 16:
+        raise ValueError(f"flex decode attention on CUDA needs a block size that is a multiple of 16, got {block_size}")
     return name
+
+
+# Recompiles allowed before torch._dynamo gives up on a compiled function. Each dtype, head layout (a TP level)
+# and the first batch sizes cost one; past the limit dynamo would run flex attention eagerly, which is wrong
+# here (see the module docstring), so hitting the limit is made an error instead.
+RECOMPILE_LIMIT = 64
+# Q rows per sparse block of the mask: one block covers the single query token of a decode row (any
+# BLOCK_M the kernels pick up to 128 divides it).
+Q_BLOCK = 128
 
 
 def compiled_flex_attention():
     """`flex_attention` compiled once per process, with dynamic shapes (batch and cache sizes vary)."""
     global _compiled
     if _compiled is None:
+        from torch._dynamo import config as dynamo_config
         from torch.nn.attention.flex_attention import flex_attention
 
+        for name in ("recompile_limit", "cache_size_limit"):  # torch >= 2.7 / older
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
+        if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+            dynamo_config.fail_on_recompile_limit_hit = True
         _compiled = torch.compile(flex_attention, dynamic=True)
     return _compiled
+
+
+def kernel_options(block_size: int) -> dict:
+    """Tile sizes for the compiled kernel: its KV tile (BLOCK_N) must divide the mask's KV block, which is the
+    cache block (16 by default, smaller than the kernels' default tiles of 64-128), and one query token needs no
+    tall Q tile (BLOCK_M)."""
+    block_n = 16
+    while block_n * 2 <= min(block_size, 64) and block_size % (block_n * 2) == 0:
+        block_n *= 2
+    return {"BLOCK_M": 16, "BLOCK_N": block_n}
 
 
 class FlexDecode:
@@ -92,7 +121,7 @@ class FlexDecode:
         part_n = (part_len > 0).to(torch.int32)
         return BlockMask.from_kv_blocks(
             part_n[:, None, None], part_idx[:, None, None, :], full_n[:, None, None], full_idx[:, None, None, :],
-            BLOCK_SIZE=(bs, bs), mask_mod=self._mask_mod, seq_lengths=(1, self.num_blocks * bs),
+            BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=self._mask_mod, seq_lengths=(1, self.num_blocks * bs),
             compute_q_blocks=False,
         )
 
@@ -103,6 +132,7 @@ class FlexDecode:
         k = k_cache.view(1, num_blocks * bs, h_kv, d).transpose(1, 2)  # [1, H_kv, S, D], a view
         v = v_cache.view(1, num_blocks * bs, h_kv, d).transpose(1, 2)
         self.calls += 1
+        options = kernel_options(bs) if q.is_cuda else None  # (the CPU kernel picks its own tiles)
         out = compiled_flex_attention()(q.unsqueeze(2), k, v, block_mask=block_mask, scale=scale,
-                                        enable_gqa=q.shape[1] != h_kv)
+                                        enable_gqa=q.shape[1] != h_kv, kernel_options=options)
         return out.squeeze(2)
