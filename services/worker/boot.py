@@ -43,7 +43,22 @@ def build_engine(config: WorkerConfig, role: str):
     engine = Engine(_engine_config(config, role))
     log.info("engine on %s: %s, decode attention %s", engine.runner.device, engine.cfg.dtype,
              engine.runner.decode_attention)
+    if engine.runner.flex is not None:
+        warm_flex(engine)
     return engine
+
+
+def warm_flex(engine) -> None:
+    """Compile the flex decode attention before serving (batch 1, 2, then the dynamic-shape recompile at 3), so
+    that no request's second token waits tens of seconds for it (longer than NITSUM_STREAM_TIMEOUT_S)."""
+    import time
+
+    from nitsum.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    for n in (1, 2, 3):
+        engine.generate([[1, 2 + i] for i in range(n)], SamplingParams(max_tokens=2, ignore_eos=True))
+    log.info("flex decode attention compiled in %.1f s", time.perf_counter() - t0)
 
 
 def build_backend(config: WorkerConfig, role: str):

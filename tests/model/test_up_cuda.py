@@ -30,6 +30,7 @@ def test_up_on_one_device_serves_the_openai_client(tiny_dir, tmp_path, device):
         dtype = default_dtype(up_device)
         attention = "flex" if ON_CUDA else "gather"
         assert f"engine on {'cuda:0' if ON_CUDA else 'cpu'}: {dtype}, decode attention {attention}" in log, log[-2000:]
+        assert ("flex decode attention compiled in" in log) == ON_CUDA  # before serving, not in a request
         client = openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         messages = [{"role": "user", "content": "Say something."}]
