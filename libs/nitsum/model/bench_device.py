@@ -98,7 +98,8 @@ def machine(device: str) -> dict:
 
 
 def run(device: str, size: str, concurrencies: list[int], prompt_len: int, max_tokens: int, repeat: int,
-        workdir: Path, log=print, decode_attention: str = "auto") -> tuple[dict, list[dict]]:
+        workdir: Path, log=print, decode_attention: str = "auto", save=None) -> tuple[dict, list[dict]]:
+    """The measurements; `save(info, rows)` is called after each concurrency (a run cut short keeps its rows)."""
     from transformers import LlamaForCausalLM
 
     from nitsum.config import default_dtype
@@ -144,6 +145,8 @@ def run(device: str, size: str, concurrencies: list[int], prompt_len: int, max_t
                "same_streams": same, "num_streams": c * repeat}
         row["ratio"] = row["nitsum_tok_s"] / row["hf_batched_tok_s"]
         rows.append(row)
+        if save is not None:
+            save(info, rows)
         log(f"c={c}: nitsum {row['nitsum_tok_s']:.0f} tok/s, transformers {row['hf_batched_tok_s']:.0f} tok/s, "
             f"{row['ratio']:.2f}x, greedy streams equal {same}/{c * repeat}")
     return info, rows
@@ -193,17 +196,20 @@ def main(argv: list[str]) -> int:
     if min(concurrencies) < 1 or args.prompt_len < 1 or args.max_tokens < 1 or args.repeat < 1:
         parser.error("--concurrency, --prompt-len, --max-tokens and --repeat must be >= 1")
     size = args.size or ("tiny" if args.device == "cpu" else "1b")
-    with tempfile.TemporaryDirectory(prefix="nitsum-bench-device-") as tmp:
-        info, rows = run(args.device, size, concurrencies, args.prompt_len, args.max_tokens, args.repeat, Path(tmp),
-                         log=lambda msg: print(f"bench engine --device {args.device}: {msg}", flush=True),
-                         decode_attention=args.decode_attention)
-    table = format_table(info, rows)
-    print("\n" + table)
-    if args.out:
+
+    def save(info: dict, rows: list[dict]) -> None:
+        if not args.out:
+            return
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         tag = args.device.split(":")[0]
         (out / f"bench_engine_{tag}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
         command = "nitsum bench engine " + " ".join(argv)
-        (out / f"bench_engine_{tag}.md").write_text(f"`{command}`\n\n{table}\n")
+        (out / f"bench_engine_{tag}.md").write_text(f"`{command}`\n\n{format_table(info, rows)}\n")
+
+    with tempfile.TemporaryDirectory(prefix="nitsum-bench-device-") as tmp:
+        info, rows = run(args.device, size, concurrencies, args.prompt_len, args.max_tokens, args.repeat, Path(tmp),
+                         log=lambda msg: print(f"bench engine --device {args.device}: {msg}", flush=True),
+                         decode_attention=args.decode_attention, save=save)
+    print("\n" + format_table(info, rows))
     return 0
