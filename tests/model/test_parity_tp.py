@@ -48,3 +48,13 @@ def test_tp_logits_and_greedy_tokens_match_transformers(tiny_dir, hf_model, tmp_
     assert ours.shape == expected.shape
     max_diff = (ours - expected).abs().max().item()
     assert max_diff <= 1e-4, f"TP={world_size}: max abs logit diff {max_diff}"
+
+
+def test_ranks_sharing_a_gpu_use_gloo():
+    """NCCL refuses two ranks on one device: with more ranks than visible GPUs a CUDA group runs gloo."""
+    from nitsum.parallel.group import tp_backend
+
+    assert tp_backend("cpu", 4) == "gloo"
+    assert tp_backend("cuda", torch.cuda.device_count() + 1) == "gloo"
+    if torch.cuda.device_count() >= 2:
+        assert tp_backend("cuda:0", 2) == "nccl"
