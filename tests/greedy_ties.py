@@ -19,6 +19,11 @@ from functools import lru_cache
 # A position is a near-tie when the reference's top-2 logit margin is below this fraction of its largest
 # |logit| (measured rounding noise across compositions: about 2e-5 of it; the flip seen: 9e-7 of it).
 NEAR_TIE = 1e-4
+# The same in bf16 (the CUDA default): one bf16 forward's logits are off the fp32 ones by 4-7% of their scale
+# (transformers' and nitsum's alike), so two bf16 runs part where the fp32 top-2 margin is a few percent.
+# Measured on the tiny checkpoint (CPU, bf16, 24 prompts x 64 tokens, nitsum vs transformers): 21 streams
+# parted, at fp32 margins of 0.2% to 2.9% of the scale; 34% of all positions have a margin under 5%.
+NEAR_TIE_BF16 = 5e-2
 
 
 def first_difference(got: list[int], ref: list[int]) -> int | None:
@@ -53,7 +58,8 @@ def reference_margins(model_dir, prompt: list[int], tokens: list[int]) -> list[f
     return relative_margins(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
 
 
-def check_greedy(model_dir, prompt: list[int], got: list[int], ref: list[int], what: str = "") -> int | None:
+def check_greedy(model_dir, prompt: list[int], got: list[int], ref: list[int], what: str = "",
+                 near_tie: float = NEAR_TIE) -> int | None:
     """Assert that greedy stream `got` equals `ref` (same prompt, same model), except that it may take
     another token at a near-tie of the reference, after which the rest is not compared. Lengths are the
     caller's to check. Returns the near-tie position where they parted, or None when equal. Free when
@@ -63,7 +69,7 @@ def check_greedy(model_dir, prompt: list[int], got: list[int], ref: list[int], w
     if first is None:
         return None
     margin = reference_margins(model_dir, prompt, ref[: first + 1])[first]
-    assert margin < NEAR_TIE, (
+    assert margin < near_tie, (
         f"{what}: first difference at output token {first} ({got[first]} instead of {ref[first]}), where the "
-        f"reference's top-2 logit margin is {margin:.1e} of its scale: not a near-tie (< {NEAR_TIE}), a bug")
+        f"reference's top-2 logit margin is {margin:.1e} of its scale: not a near-tie (< {near_tie}), a bug")
     return first

@@ -108,6 +108,16 @@ def die_at(value: str) -> str | None:
     return None
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_dtype(device: str) -> str:
+    """What NITSUM_DTYPE=auto means: fp32 on CPU (exact parity, and CPUs have no fast bf16 matmul), bf16 on
+    CUDA (half the bytes per weight and KV entry; the tensor cores' type). `device` is cpu, cuda[:N], or a
+    cost-model device kind (h100, h200, a100)."""
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 def parse_die_at(value: str) -> tuple[str, int, int] | None:
     """(phase, epoch, device index) of NITSUM_FAULT_DIE_AT, or None when off (the value was checked)."""
     if not value:
@@ -266,7 +276,7 @@ class CoordinatorConfig(CommonConfig):
     queue_limit_interactive: int = setting("NITSUM_QUEUE_LIMIT_INTERACTIVE", 256, "queued interactive requests before 429", check=positive)
     queue_limit_background: int = setting("NITSUM_QUEUE_LIMIT_BACKGROUND", 1024, "queued background requests before 429", check=positive)
     model: str = setting("NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny': the cost model's shapes")
-    dtype: str = setting("NITSUM_DTYPE", "float32", "weights' dtype on the workers (cost model bytes per parameter)", check=one_of("float32", "bfloat16", "float16"))
+    dtype: str = setting("NITSUM_DTYPE", "auto", "weights' dtype on the workers (cost model bytes per parameter); auto: float32 for device kind cpu, bfloat16 otherwise", check=one_of(*DTYPE_CHOICES))
     device_kind: str = setting("NITSUM_DEVICE_KIND", "cpu", "cost-model table: cpu | h100 | h200 | a100", check=one_of("cpu", "h100", "h200", "a100"))
 
 
@@ -277,7 +287,8 @@ class WorkerConfig(CommonConfig):
     node_id: str = setting("NITSUM_NODE_ID", "node0", "NVLink domain (host) this worker belongs to")
     device_index: int = setting("NITSUM_DEVICE_INDEX", 0, "device index inside the node", check=non_negative)
     device: str = setting("NITSUM_DEVICE", "cpu", "cpu | cuda", check=one_of("cpu", "cuda"))
-    dtype: str = setting("NITSUM_DTYPE", "float32", "float32 | bfloat16 | float16", check=one_of("float32", "bfloat16", "float16"))
+    dtype: str = setting("NITSUM_DTYPE", "auto", "auto | float32 | bfloat16 | float16 (auto: float32 on cpu, bfloat16 on cuda)", check=one_of(*DTYPE_CHOICES))
+    decode_attention: str = setting("NITSUM_DECODE_ATTENTION", "auto", "decode attention over the paged KV: auto (flex on cuda, gather on cpu) | flex (in place, torch flex attention with a block mask) | gather (copy the blocks, then SDPA)", check=one_of("auto", "flex", "gather"))
     kv_cache_mb: int = setting("NITSUM_KV_CACHE_MB", 64, "KV cache size per worker", check=positive)
     block_size: int = setting("NITSUM_BLOCK_SIZE", 16, "tokens per KV block", check=positive)
     max_num_seqs: int = setting("NITSUM_MAX_NUM_SEQS", 64, "most running requests per step", check=positive)

@@ -210,7 +210,10 @@ def main(argv: list[str]) -> int:
         if nats is not None:
             nats.stop()
         if world:
-            _remove_weight_store(model_dir, os.environ.get("NITSUM_DTYPE", "float32"))
+            from nitsum.config import default_dtype
+
+            dtype = os.environ.get("NITSUM_DTYPE") or "auto"
+            _remove_weight_store(model_dir, default_dtype(args.device) if dtype == "auto" else dtype)
         print("nitsum up: stopped", flush=True)
     return code
 

@@ -20,7 +20,7 @@ import time
 import traceback
 
 from nitsum.bus import BusError, RemoteError
-from nitsum.config import CoordinatorConfig
+from nitsum.config import CoordinatorConfig, default_dtype
 from nitsum.kv import block_hashes
 from nitsum.modelpath import resolve_model_dir
 from nitsum.policy.base import PolicyConfig
@@ -102,7 +102,8 @@ def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[Worker
 def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
     """The cost model's view of the served model, from its Hugging Face config.json."""
     hf = json.loads((resolve_model_dir(config.model) / "config.json").read_text())
-    bytes_per = 4.0 if config.dtype == "float32" else 2.0
+    dtype = default_dtype(config.device_kind) if config.dtype == "auto" else config.dtype
+    bytes_per = 4.0 if dtype == "float32" else 2.0
     return ModelSpec(
         name=hf.get("_name_or_path") or hf.get("model_type", "model"),
         num_layers=int(hf["num_hidden_layers"]),

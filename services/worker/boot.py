@@ -24,13 +24,15 @@ def _engine_config(config: WorkerConfig, role: str):
     model_dir = resolve_model_dir(config.model)
     return EngineConfig(
         model_dir=str(model_dir),
-        device=config.device if config.device == "cpu" else f"cuda:{config.device_index}",
+        # Workers of one node beyond the GPUs visible share them (tests on one GPU; their TP groups use gloo).
+        device=config.device if config.device == "cpu" else f"cuda:{config.device_index % max(1, torch.cuda.device_count())}",
         dtype=config.dtype,
         block_size=config.block_size,
         kv_cache_mb=config.kv_cache_mb,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         role=role,
+        decode_attention=config.decode_attention,
     )
 
 
@@ -38,7 +40,25 @@ def build_engine(config: WorkerConfig, role: str):
     from nitsum.engine import Engine
 
     torch.set_num_threads(config.torch_threads)
-    return Engine(_engine_config(config, role))
+    engine = Engine(_engine_config(config, role))
+    log.info("engine on %s: %s, decode attention %s", engine.runner.device, engine.cfg.dtype,
+             engine.runner.decode_attention)
+    if engine.runner.flex is not None:
+        warm_flex(engine)
+    return engine
+
+
+def warm_flex(engine) -> None:
+    """Compile the flex decode attention before serving (batch 1, 2, then the dynamic-shape recompile at 3), so
+    that no request's second token waits tens of seconds for it (longer than NITSUM_STREAM_TIMEOUT_S)."""
+    import time
+
+    from nitsum.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    for n in (1, 2, 3):
+        engine.generate([[1, 2 + i] for i in range(n)], SamplingParams(max_tokens=2, ignore_eos=True))
+    log.info("flex decode attention compiled in %.1f s", time.perf_counter() - t0)
 
 
 def build_backend(config: WorkerConfig, role: str):
@@ -109,7 +129,7 @@ def build_standby(config: WorkerConfig, cfg) -> StandbyBackend:
     weights = node_weights(config, cfg, cfg.device)
     runner = ModelRunner(cfg.model_dir, TPGroup.single(cfg.device), device=cfg.device, dtype=cfg.dtype,
                          block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_cache_mb=cfg.kv_cache_mb,
-                         weights=weights, config=loader.load_config(cfg.model_dir))
+                         weights=weights, config=loader.load_config(cfg.model_dir), decode_attention=cfg.decode_attention)
     log.info("standby: serving standalone at TP=1 until the coordinator re-forms node %s", config.node_id)
     return StandbyBackend(Engine(cfg, runner=runner), config.device_index, weights, cfg)
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from devices import accel_param
 from engine_test_helpers import prompts_of_lengths, record_logits
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
@@ -55,17 +56,18 @@ def test_chunked_prefill_over_cached_prefix_matches_transformers(tiny_dir, hf_mo
     assert tokens == hf_logits[36:44].argmax(-1).tolist()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
-def test_logits_and_greedy_tokens_match_transformers_on_cuda(tiny_dir, hf_model):
-    engine = Engine(EngineConfig(model_dir=str(tiny_dir), device="cuda"))
+@pytest.mark.parametrize("device", [accel_param()])
+def test_logits_and_greedy_tokens_match_transformers_on_cuda(tiny_dir, hf_model, device):
+    """fp32 on the accelerator (asked for: bf16 is CUDA's default, see test_parity_bf16), its default decode
+    attention (flex on CUDA)."""
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), device=device, dtype="float32"))
     [prompt] = prompts_of_lengths([37])
-    hf_cuda = hf_model.to("cuda")
+    hf_cuda = hf_model.to(device)
     try:
         recorded = record_logits(engine)
         [tokens] = engine.generate([prompt], SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
         with torch.no_grad():
-            hf_logits = hf_cuda(torch.tensor([prompt + tokens], device="cuda")).logits[0].cpu()
+            hf_logits = hf_cuda(torch.tensor([prompt + tokens], device=device)).logits[0].cpu()
     finally:
         hf_model.to("cpu")
     ours = torch.cat([r.cpu() for r in recorded])

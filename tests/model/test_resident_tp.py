@@ -15,6 +15,10 @@ copy, wired as the worker service wires it on CUDA (`boot_weights` -> `NodeRunti
 a run without changes, and after boot and after every commit the parameters in use are views of the worker's
 resident copy and no checkpoint byte has been read.
 
+Both run on the CPU and (gpu-marked) on CUDA: there the two and four workers share one GPU (gloo with host
+staging, since NCCL refuses two ranks on one device), the resident copies are CUDA allocations and the node's KV
+moves go the GPU path (paired point-to-point sends). Decode attention is the gather path (see test_parity_tp).
+
 Run as a script, this file is one rank (`main`); the first test spawns it."""
 
 import argparse
@@ -22,6 +26,7 @@ import json
 import sys
 
 import pytest
+from devices import DEVICES
 from engine_test_helpers import free_port, prompts_of_lengths, run_workers
 
 NUM_TOKENS = 32
@@ -29,7 +34,8 @@ FIRST_DEVICE, NODE, MIN_TP, MAX_TP = 2, 4, 2, 4
 
 
 @pytest.mark.slow
-def test_tp2_group_on_resident_copies_generates_the_store_groups_tokens(tiny_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tp2_group_on_resident_copies_generates_the_store_groups_tokens(tiny_dir, tmp_path, device):
     from nitsum.parallel.weights import SharedWeightStore
 
     shm = tmp_path / "shm"
@@ -39,7 +45,7 @@ def test_tp2_group_on_resident_copies_generates_the_store_groups_tokens(tiny_dir
     try:
         run_workers([
             [sys.executable, __file__, "--model-dir", str(tiny_dir), "--shm-dir", str(shm), "--rank", str(rank),
-             "--master-port", str(port), "--prompt-ids", ",".join(map(str, prompt)),
+             "--master-port", str(port), "--prompt-ids", ",".join(map(str, prompt)), "--device", device,
              "--out", str(tmp_path / f"rank{rank}.json")]
             for rank in range(2)
         ])
@@ -48,13 +54,15 @@ def test_tp2_group_on_resident_copies_generates_the_store_groups_tokens(tiny_dir
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
     leader = reports[0]
+    assert all(r["device"].split(":")[0] == device.split(":")[0] for r in reports)
     assert len(leader["tokens"]["store"]) == NUM_TOKENS
     assert leader["tokens"]["resident"] == leader["tokens"]["store"]
     whole = sum(t.numel() * t.element_size() for n, t in store.tensors.items() if n.endswith("norm.weight"))
     sharded = sum(t.numel() * t.element_size() for t in store.tensors.values()) - whole
     for report, blocks, fused in zip(reports, (3, 2), (False, True)):
         assert report["bytes_read"] == 0  # the ranks mapped the store and copied from it: no checkpoint read
-        assert report["views"] == {"store": True, "resident": True}
+        assert report["views"] == {"store": device == "cpu", "resident": True}  # (on a GPU: copies of the store)
+        assert report["resident_device"].split(":")[0] == device
         assert report["fused"] == {"store": False, "resident": fused}
         assert report["resident_bytes"] == whole + sharded * blocks // 4  # norms whole, `blocks` of 4 blocks
     import torch
@@ -81,21 +89,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--prompt-ids", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
-    group = init_tp_group("127.0.0.1", args.master_port, args.rank, 2)
+    group = init_tp_group("127.0.0.1", args.master_port, args.rank, 2, device=args.device)
     store = SharedWeightStore.open(args.model_dir, "float32", args.shm_dir)
     cfg = loader.load_config(args.model_dir)
-    resident = boot_weights(store, "cpu", FIRST_DEVICE + args.rank, MIN_TP, MAX_TP, config=cfg, node_size=NODE,
+    device = group.device
+    resident = boot_weights(store, device, FIRST_DEVICE + args.rank, MIN_TP, MAX_TP, config=cfg, node_size=NODE,
                             resident=True)
-    engine_cfg = EngineConfig(model_dir=args.model_dir, num_kv_blocks=16)
+    engine_cfg = EngineConfig(model_dir=args.model_dir, device=device, dtype="float32", num_kv_blocks=16)
+    # The store lives in host memory: on a GPU its reference group computes on device copies of it.
+    store_weights = store.tensors if device == "cpu" else {n: t.to(device) for n, t in store.tensors.items()}
     prompt = [int(t) for t in args.prompt_ids.split(",")]
     report: dict = {"tokens": {}, "logits": {}, "views": {}, "fused": {}, "resident_bytes": resident.tensor_bytes,
-                    "full_bytes": sum(t.numel() * t.element_size() for t in store.tensors.values())}
+                    "full_bytes": sum(t.numel() * t.element_size() for t in store.tensors.values()),
+                    "device": str(device), "resident_device": str(resident.device)}
     try:
-        for mode, weights, holder in (("store", store.tensors, store), ("resident", resident, resident)):
-            runner = ModelRunner(args.model_dir, group, num_kv_blocks=16, weights=weights, config=cfg)
+        for mode, weights, holder in (("store", store_weights, store), ("resident", resident, resident)):
+            runner = ModelRunner(args.model_dir, group, device=device, dtype="float32", num_kv_blocks=16,
+                                 weights=weights, config=cfg, decode_attention="gather")
             report["views"][mode] = all(holder.contains(p) for p in runner.model.parameters())
             report["fused"][mode] = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
                                         for layer in runner.model.model.layers)
@@ -135,7 +149,8 @@ BLOCK_SIZE = 8
 
 
 @pytest.mark.slow
-def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_dir, tmp_path, device):
     from nitsum.engine import Engine, EngineConfig, SamplingParams
     from nitsum.parallel.weights import SharedWeightStore
 
@@ -154,7 +169,8 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
             [sys.executable, "-m", "nitsum.engine.node_run", "--resident-weights", "--model-dir", str(tiny_dir),
              "--rank", str(rank), "--world-size", str(NODE), "--min-tp", str(MIN_TP), "--max-tp", str(MAX_TP),
              "--master-port", str(port), "--script", str(script), "--out", str(tmp_path / f"out{rank}.json"),
-             "--shm-dir", str(shm), "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64"]
+             "--shm-dir", str(shm), "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--device", device,
+             "--decode-attention", "gather"]
             for rank in range(NODE)
         ])
     finally:
@@ -165,7 +181,18 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
     expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in NODE_REQUESTS])
     records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
     got = {rid: [r[3] for r in records if r[1] == rid] for rid, *_ in NODE_REQUESTS}
-    assert got == {rid: tokens for (rid, *_), tokens in zip(NODE_REQUESTS, expected)}
+    if device == "cpu":
+        assert got == {rid: tokens for (rid, *_), tokens in zip(NODE_REQUESTS, expected)}
+    else:  # fp32 on the GPU against the CPU engine: equal up to a near-tie
+        from tests.greedy_ties import check_greedy
+
+        for (rid, *_), prompt, tokens in zip(NODE_REQUESTS, prompts, expected):
+            assert len(got[rid]) == len(tokens), rid
+            check_greedy(tiny_dir, prompt, got[rid], tokens, f"{device} node, request {rid}")
+    assert {rep["device"].split(":")[0] for rep in reports} == {device.split(":")[0]}
+    assert sum(sum(rep["bytes_by_path"].values()) for rep in reports) > 0  # the merge and the split moved KV
+    if device.startswith("cuda"):
+        assert {rep["kv_path"] for rep in reports} == {"p2p"}
     commits = [t for t, kind, *_ in NODE_EVENTS if kind == "commit"]
     for tick in commits:  # the changes happened with requests decoding
         assert {r[1] for r in records if r[0] < tick} & {r[1] for r in records if r[0] >= tick}, tick

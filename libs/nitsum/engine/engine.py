@@ -287,7 +287,7 @@ class Engine:
 def _make_runner(cfg: EngineConfig, group: TPGroup) -> ModelRunner:
     return ModelRunner(
         cfg.model_dir, group, device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size,
-        num_kv_blocks=cfg.num_kv_blocks, kv_cache_mb=cfg.kv_cache_mb,
+        num_kv_blocks=cfg.num_kv_blocks, kv_cache_mb=cfg.kv_cache_mb, decode_attention=cfg.decode_attention,
     )
 
 

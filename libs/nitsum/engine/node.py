@@ -296,7 +296,7 @@ class NodeRuntime(NodeTransition):
         runner = ModelRunner(
             cfg.model_dir, self._tp_group(group), device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size,
             num_kv_blocks=self._num_blocks_of[group.tp], weights=self.weights, config=self.model_config,
-            allocate_kv_cache=False,
+            allocate_kv_cache=False, decode_attention=cfg.decode_attention,
         )
         runner.node_group = (group.start, group.tp)
         return runner

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-id", default="")
     parser.add_argument("--fail-kv-connect-epoch", type=int, default=0)
     parser.add_argument("--fail-kv-chunk-epoch", type=int, action="append", default=[])
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (workers beyond the visible GPUs share them, over gloo)")
+    parser.add_argument("--decode-attention", default="auto", choices=("auto", "flex", "gather"))
     parser.add_argument("--resident-weights", action="store_true",
                         help="compute on this device's resident boot copy (what CUDA does) instead of the store's views")
     args = parser.parse_args(argv)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.num_threads)
     script = json.loads(open(args.script).read())
     t_boot = time.perf_counter()
-    world = NodeWorld(args.rank, args.world_size, args.master_addr, args.master_port,
+    world = NodeWorld(args.rank, args.world_size, args.master_addr, args.master_port, device=args.device,
                       min_tp=args.min_tp, max_tp=args.max_tp)
     store = SharedWeightStore.open(args.model_dir, "float32", args.shm_dir)
     # The store's views on CPU; on CUDA (or forced here) this device's resident copy of what it may use.
@@ -84,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                            config=loader.load_config(args.model_dir), node_size=world.size,
                            resident=True if args.resident_weights else None)
     holder = weights if isinstance(weights, ResidentWeights) else store
-    cfg = EngineConfig(model_dir=args.model_dir, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                       enable_prefix_caching=True)
+    cfg = EngineConfig(model_dir=args.model_dir, device=world.device, dtype="float32",  # the store's dtype
+                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, enable_prefix_caching=True,
+                       decode_attention=args.decode_attention)
 
     def failure_hook(phase: str, epoch: int) -> None:
         if phase == "prepare" and epoch == args.fail_prepare_epoch:
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     boot_ms = (time.perf_counter() - t_boot) * 1000.0
     ready_unix = time.time()  # ready to serve (the restart baseline's end): the runners built ahead are not waited for
     report: dict = {
-        "rank": args.rank, "num_groups": world.num_groups, "store_created": store.created,
+        "rank": args.rank, "device": world.device, "num_groups": world.num_groups, "store_created": store.created,
         "boot_bytes_read": loader.bytes_read, "boot_ms": boot_ms, "ready_unix": ready_unix,
         "records": [], "acks": [], "checks": [], "kv_path": runtime.kv_path, "node_tag": runtime.node_tag, "precopy_rounds": [],
         "hosts": [m.host for m in runtime.members],

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from nitsum.config import default_dtype
+
 ROLES = ("prefill", "decode", "hybrid")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # "auto" is accepted too: resolved from the device
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -15,7 +17,7 @@ FinishReason = Literal["stop", "length", "abort"]
 class EngineConfig:
     model_dir: str
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # float32 on cpu, bfloat16 on cuda (`config.default_dtype`); resolved at construction
     block_size: int = 16
     num_kv_blocks: int | None = None  # None -> derived from kv_cache_mb
     kv_cache_mb: int = 64
@@ -24,12 +26,15 @@ class EngineConfig:
     role: str = "hybrid"  # "prefill" | "decode" | "hybrid"
     enable_prefix_caching: bool = True
     seed: int = 0
+    decode_attention: str = "auto"  # auto (flex on cuda, gather on cpu) | flex | gather: model/paged_attention.py
 
     def __post_init__(self) -> None:
         if not self.model_dir:
             raise ValueError("model_dir must name a model directory")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", default_dtype(self.device))
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if self.block_size <= 0:
@@ -42,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.decode_attention not in ("auto", "flex", "gather"):
+            raise ValueError(f"decode_attention must be auto, flex or gather, got {self.decode_attention!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 

@@ -19,6 +19,7 @@ from nitsum.model.model import (
     rope_step_tables,
     rope_tables,
 )
+from nitsum.model.paged_attention import FlexDecode, resolve_decode_attention
 from nitsum.parallel import TPGroup
 from nitsum.parallel.weights import ResidentWeights
 
@@ -36,6 +37,7 @@ class ModelRunner:
         weights: dict[str, torch.Tensor] | ResidentWeights | None = None,
         config: loader.ModelConfig | None = None,
         allocate_kv_cache: bool = True,
+        decode_attention: str = "auto",
     ) -> None:
         """`weights` (full-size tensors, e.g. a shared store's, or a device's `ResidentWeights` boot copy)
         are used as they are: this rank's parameters become views of them and nothing is read from disk or
@@ -77,6 +79,9 @@ class ModelRunner:
             torch.zeros(self.kv_cache_shape, dtype=self.dtype, device=self.device) if allocate_kv_cache else None
         )
         self.workspace = Workspace()  # reused gather buffers of the decode attention
+        # Decode attention in place over the paged cache (flex attention) or through the gather; see paged_attention.
+        self.decode_attention = resolve_decode_attention(decode_attention, self.device, block_size)
+        self.flex = FlexDecode(block_size, self.num_kv_blocks, self.device) if self.decode_attention == "flex" else None
 
     def _decode_group(self, chunks: list, positions: list[int], start: int, end: int) -> DecodeGroup:
         """Decode rows [start, end) (contexts ascending): block tables padded to the group's longest."""
@@ -117,6 +122,7 @@ class ModelRunner:
         slots: list[int] = []
         last_row: dict[int, int] = {}
         groups: list[DecodeGroup] = []
+        flex = None
         if singles:
             # Rows in context order, so that rows of similar context can share an attention call.
             singles.sort(key=lambda i: chunks[i].start_pos)
@@ -125,8 +131,11 @@ class ModelRunner:
             token_ids = [c.token_ids[0] for c in single_chunks]
             slots = [c.block_table[pos // bs] * bs + pos % bs for c, pos in zip(single_chunks, positions)]
             last_row = {i: row for row, i in enumerate(singles)}
-            for start, end in decode_groups([-(-(pos + 1) // bs) for pos in positions]):
-                groups.append(self._decode_group(single_chunks, positions, start, end))
+            if self.flex is not None:
+                flex = (self.flex, self.flex.block_mask([c.block_table for c in single_chunks], [p + 1 for p in positions]))
+            else:
+                for start, end in decode_groups([-(-(pos + 1) // bs) for pos in positions]):
+                    groups.append(self._decode_group(single_chunks, positions, start, end))
         multi: list[MultiTokenSpan] = []
         for i in multis:
             chunk = chunks[i]
@@ -163,6 +172,7 @@ class ModelRunner:
             decode_groups=groups,
             multi=multi,
             workspace=self.workspace,
+            flex=flex,
         )
         cos = self._cos.index_select(0, pos_tensor).unsqueeze(1)
         sin = self._signed_sin.index_select(0, pos_tensor).unsqueeze(1)

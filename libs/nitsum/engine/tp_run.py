@@ -31,12 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-ids", default="1,2,3")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--decode-attention", default="auto", choices=("auto", "flex", "gather"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.num_threads)
     group = init_tp_group(args.master_addr, args.master_port, args.rank, args.world_size, device=args.device)
-    cfg = EngineConfig(model_dir=args.model_dir, device=args.device, dtype=args.dtype)
+    cfg = EngineConfig(model_dir=args.model_dir, device=args.device, dtype=args.dtype,
+                       decode_attention=args.decode_attention)
     try:
         if not group.is_leader:
             run_peer(cfg, group)
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             logits = torch.cat(recorded).tolist()
             with open(args.out, "w") as handle:
-                json.dump({"tokens": tokens, "logits": logits}, handle)
+                json.dump({"tokens": tokens, "logits": logits, "device": str(engine.runner.device),
+                           "host_staging": group.host_staging}, handle)
         return 0
     finally:
         group.destroy()

@@ -82,6 +82,9 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]  # those rows, cut into consecutive groups each attended in one call
     multi: list[MultiTokenSpan]
     workspace: Workspace
+    # Decode rows attended in place by flex attention (`paged_attention.FlexDecode`, the step's BlockMask);
+    # None: the gather path over `decode_groups`.
+    flex: tuple | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -213,8 +216,16 @@ class Attention(nn.Module):
 
         n_single = meta.num_single
         groups = meta.decode_groups
-        # A decode-only step in one group writes the attention output straight into `out` (no extra copy).
-        out = None if n_single == num_tokens and len(groups) == 1 else q.new_empty(num_tokens, h, d)
+        # A decode-only step in one call writes the attention output straight into `out` (no extra copy).
+        one_call = len(groups) == 1 or (meta.flex is not None and n_single > 0)
+        out = None if n_single == num_tokens and one_call else q.new_empty(num_tokens, h, d)
+        if meta.flex is not None and n_single:
+            paged, block_mask = meta.flex
+            o = paged.attend(q[:n_single], k_cache, v_cache, block_mask, self.scale)
+            if out is None:
+                out = o.contiguous()
+            else:
+                out[:n_single] = o
         block_shape = k_cache.shape[1:]
         for group in groups:
             n, ids, context = group.num_rows, group.block_ids, group.context_len

@@ -109,14 +109,19 @@ def build_weights(config: dict, seed: int = TINY_SEED) -> dict:
     return {name: t.contiguous() for name, t in weights.items()}
 
 
-def make_tiny(directory: str | Path, config_overrides: dict | None = None, seed: int = TINY_SEED) -> Path:
-    """Write the tiny checkpoint into `directory` (created if needed); same bytes every time."""
+def make_tiny(directory: str | Path, config_overrides: dict | None = None, seed: int = TINY_SEED,
+              dtype: str = "float32") -> Path:
+    """Write the tiny checkpoint into `directory` (created if needed); same bytes every time. `dtype`: the
+    files' dtype (the weights are drawn in fp32, then rounded; bf16 halves a large random model's files)."""
+    import torch
     from safetensors.torch import save_file
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    config = {**TINY_CONFIG, **(config_overrides or {})}
+    config = {**TINY_CONFIG, **(config_overrides or {}), "torch_dtype": dtype}
     weights = build_weights(config, seed)
+    if dtype != "float32":
+        weights = {name: t.to(getattr(torch, dtype)) for name, t in weights.items()}
 
     # Two shards + an index, like real checkpoints: layers in the first half go to shard 1.
     half = config["num_hidden_layers"] // 2

@@ -18,7 +18,8 @@ Shared-memory collectives (`attach_channels`, after the members said which host 
 pre-built group whose members share a host's /dev/shm gets a `shm_collectives.ShmChannel`, and its
 collectives (the model's all-reduces, the step plan's broadcast, a transition's exchanges) go through it
 instead of gloo's loopback sockets (~100x less latency; gloo keeps the point-to-point KV moves and the
-world's barrier). GPUs keep NCCL.
+world's barrier). GPUs keep NCCL, or, when ranks share a GPU (more workers than GPUs: NCCL refuses two ranks
+on one device), gloo with host staging (`group.tp_backend`; collectives and KV sends copy through the host).
 
 The world also carries the few node-level collectives a transition needs (an all-gather of msgpack
 bytes, point-to-point KV moves); gloo on CPU, NCCL on CUDA. Ranks are device indices.
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from nitsum.config import NODE_PORT_SPAN
 from nitsum.parallel import shm_collectives
-from nitsum.parallel.group import TPGroup
+from nitsum.parallel.group import TPGroup, tp_backend
 
 log = logging.getLogger("nitsum.parallel.world")
 
@@ -102,11 +103,12 @@ class NodeWorld:
         self.master_port = rendezvous_port(master_port, generation)
         self.levels = allowed_levels(min_tp, max_tp or size)
         assert self.levels[-1] <= size, f"max_tp {self.levels[-1]} exceeds the node's {size} workers"
-        self.backend = "nccl" if device.startswith("cuda") else "gloo"
-        if self.backend == "nccl":
+        self.backend = tp_backend(device, size)
+        if device.startswith("cuda"):
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = f"cuda:{torch.cuda.current_device()}"
         self.device = device
+        self.host_staging = self.backend == "gloo" and device.startswith("cuda")
         if generation > 0:
             leave_process_world()  # the previous generation (broken by a lost member) goes first
         # (start, tp) -> process group (only for groups this rank belongs to; None at TP=1).
@@ -149,7 +151,7 @@ class NodeWorld:
         if tp == 1:
             return TPGroup.single(self.device)
         return TPGroup(rank=self.rank - start, size=tp, process_group=self._groups[key], device=self.device,
-                       channel=self._channels.get(key))
+                       channel=self._channels.get(key), host_staging=self.host_staging)
 
     # -- shared-memory collectives ------------------------------------------------------------------
     def attach_channels(self, same_host: Callable[[Sequence[int]], bool],
@@ -161,7 +163,7 @@ class NodeWorld:
         the name, the others map it, a second all-gather says whether all could, and the name is unlinked (no
         /dev/shm name outlives this call). A group where any member failed keeps gloo. Returns the channels
         made (0 on GPUs and where `shm_collectives.supported()` is false)."""
-        if self.backend != "gloo" or not shm_collectives.supported():
+        if self.backend != "gloo" or self.host_staging or not shm_collectives.supported():
             return 0
         tag = f"p{self.master_port}"
         for start, tp in sorted(self._groups, key=lambda k: (k[1], k[0])):
@@ -221,7 +223,7 @@ class NodeWorld:
             pg = None  # a world whose size is no power of two: its default group
         else:
             pg = self._groups[(start, tp)]
-        dev = self.device
+        dev = "cpu" if self.host_staging else self.device
         length = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
         lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(tp)]
         dist.all_gather(lengths, length, group=pg)
@@ -235,9 +237,15 @@ class NodeWorld:
         return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        if self.host_staging and tensor.is_cuda:
+            host = tensor.cpu()
+            return _Staged(dist.isend(host, dst=dst, tag=tag), host)
         return dist.isend(tensor, dst=dst, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        if self.host_staging and tensor.is_cuda:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            return _Staged(dist.irecv(host, src=src, tag=tag), host, into=tensor)
         return dist.irecv(tensor, src=src, tag=tag)
 
     def barrier(self) -> None:
@@ -251,3 +259,18 @@ class NodeWorld:
         self._groups.clear()
         leave_process_world()
         self._store = None
+
+
+class _Staged:
+    """A gloo send or receive of a CUDA tensor through a host copy (ranks sharing a GPU): `wait` finishes the
+    transfer and, for a receive, copies the host buffer into the CUDA tensor."""
+
+    def __init__(self, work: Any, host: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        self._work, self._host, self._into = work, host, into
+
+    def wait(self) -> bool:
+        done = self._work.wait()
+        if self._into is not None:
+            self._into.copy_(self._host)
+            self._into = None
+        return done
