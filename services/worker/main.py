@@ -269,7 +269,7 @@ def make_body(service_name: str):
                 await asyncio.sleep(0.01)
             if not backend.is_leader:
                 return TopologyAck(worker_id, msg.epoch, False, phase, "commands enter a group through its leader")
-            from nitsum.engine.node import NodeCommand
+            from nitsum.node.runtime import NodeCommand
 
             with ctx.tracer.start_as_current_span(f"worker.topology.{phase}", attributes={"nitsum.epoch": msg.epoch, "nitsum.worker": worker_id}) as span:
                 try:

@@ -74,7 +74,7 @@ class PeerLossGuard(NodeBackend):
         return local_change(self.runtime.topology, self.runtime.group, groups)
 
     def command(self, cmd):
-        from nitsum.engine.node import NodeCommand, TransitionAck
+        from nitsum.node.runtime import NodeCommand, TransitionAck
 
         why = self.refusal(cmd.kind, cmd.epoch, cmd.groups)
         if why:

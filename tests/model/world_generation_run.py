@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
-from nitsum.engine.node import NodeCommand, NodeRuntime
+from nitsum.node.runtime import NodeCommand, NodeRuntime
 from nitsum.engine.runner import ModelRunner
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader

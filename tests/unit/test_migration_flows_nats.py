@@ -19,9 +19,9 @@ from opentelemetry import trace
 
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig, FlowSchedulerConfig
-from nitsum.engine.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
-from nitsum.engine.node import TransitionAck
-from nitsum.engine.precopy import PreCopy, plan_flows, transfer_block_bytes
+from nitsum.node.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
+from nitsum.node.runtime import TransitionAck
+from nitsum.node.precopy import PreCopy, plan_flows, transfer_block_bytes
 from nitsum.kv.reshard import Transfer
 from nitsum.policy.flows import DSCP_TABLE, tos_for_dscp
 from nitsum.service import ServiceContext
@@ -247,7 +247,7 @@ async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats
     flow-scheduler round trip), so their first round runs before that step instead of one whole step later;
     the round that sends the final prepare ack holds the next step for the commit the same way. Each hold is
     bounded by a fraction of a steady step; here the bound is long, so the order is certain."""
-    from nitsum.engine.node import NodeCommand
+    from nitsum.node.runtime import NodeCommand
     from nitsum_services.worker import session as session_module
 
     monkeypatch.setattr(session_module, "PRECOPY_HOLD_MAX_S", 30.0)

@@ -102,7 +102,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # -- moving a request between engines (P/D; TP changes use the same code, see engine/node.py) -----
+    # -- moving a request between engines (P/D; TP changes use the same code, see nitsum.node.runtime) -----
     def export_kv(self, request_id: str):
         """The request's state and its computed KV (`migration.KVExport`); the request stays here until
         `release`/`abort`. TP=1 engines."""

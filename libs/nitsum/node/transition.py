@@ -1,5 +1,5 @@
 """The transition half of a node-world worker (`NodeRuntime` mixes it in): Prepare / Commit / Abort with
-epochs, the pre-copy between steps, and the messages and acks they use. See node.py's docstring for the
+epochs, the pre-copy between steps, and the messages and acks they use. See runtime.py's docstring for the
 protocol; everything here runs in the step thread, at a step boundary, on every member of a group at the
 same point of its command stream (the leader applies a command and broadcasts it; peers `follow`).
 
@@ -19,9 +19,10 @@ from typing import Any, Callable, Mapping
 import msgpack
 import torch
 
-from nitsum.engine import kv_segment, migration
-from nitsum.engine.kv_tcp import STAGE_M_DSCP, KvLinks
-from nitsum.engine.precopy import MigrationFlow, PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
+from nitsum.engine import migration
+from nitsum.node import kv_segment
+from nitsum.node.kv_tcp import STAGE_M_DSCP, KvLinks
+from nitsum.node.precopy import MigrationFlow, PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
 from nitsum.engine.runner import ModelRunner
 from nitsum.kv.reshard import (
     Group,
@@ -37,7 +38,7 @@ from nitsum.kv.reshard import (
 from nitsum.model import loader
 from nitsum.transfer.framing import TransferError
 
-log = logging.getLogger("nitsum.engine.transition")
+log = logging.getLogger("nitsum.node.transition")
 
 COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
 KV_PATHS = ("auto", "shm", "tcp", "p2p")
@@ -647,7 +648,7 @@ class NodeTransition:
                     engine.check_integrity(quick=True)
                     self.engine = engine
         # The old cache, the mappings of other workers' new caches and the pre-copy go to the reaper: freeing
-        # them here (~10-20 ms of page freeing with the GIL held) was part of the pause (see engine.reaper).
+        # them here (~10-20 ms of page freeing with the GIL held) was part of the pause (see node.reaper).
         # The old runner itself waits in the pool for the next change to its level.
         old_runner, old_engine = retired if retired is not None else (None, None)
         if prepared.build is not None and not prepared.build.done:

@@ -64,15 +64,15 @@ from typing import Callable
 
 import torch
 
-from nitsum.engine import kv_hosts, kv_segment
+from nitsum.node import kv_hosts, kv_segment
 from nitsum.engine.engine import Engine
-from nitsum.engine.kv_tcp import KvReceiver
+from nitsum.node.kv_tcp import KvReceiver
 from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
-from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES
-from nitsum.engine.reaper import Reaper
+from nitsum.node.precopy import DEFAULT_CHUNK_BYTES
+from nitsum.node.reaper import Reaper
 from nitsum.engine.runner import ModelRunner, num_kv_blocks_for
-from nitsum.engine.transition import (  # noqa: F401  (re-exported: the worker shell and tests import them here)
+from nitsum.node.transition import (  # noqa: F401  (re-exported: the worker shell and tests import them here)
     COMMAND_KINDS,
     KV_PATHS,
     NodeCommand,
@@ -92,7 +92,7 @@ FailureHook = Callable[[str, int], None]
 KV_HISTORY = 4096  # entries of kv_pairs / kv_tos kept
 
 
-log = logging.getLogger("nitsum.engine.node")
+log = logging.getLogger("nitsum.node.runtime")
 
 class NodeRuntime(NodeTransition):
     def __init__(
@@ -403,7 +403,7 @@ class NodeRuntime(NodeTransition):
 
     def kv_data_plane_open(self) -> tuple[int, int]:
         """(TCP KV sockets this process holds open, KV receiver threads alive): (0, 0) between transitions."""
-        from nitsum.engine.kv_tcp import THREAD_PREFIX, open_kv_sockets
+        from nitsum.node.kv_tcp import THREAD_PREFIX, open_kv_sockets
 
         mine = self.members[self.rank].port
         sockets = open_kv_sockets(mine, (m.port for m in self.members if m.rank != self.rank)) if mine else 0

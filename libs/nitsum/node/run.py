@@ -1,6 +1,6 @@
 """Run one worker of a node from argv and a scripted coordinator (tests and `nitsum bench reconfigure`).
 
-    python -m nitsum.engine.node_run --model-dir D --rank R --world-size N --master-port P \
+    python -m nitsum.node.run --model-dir D --rank R --world-size N --master-port P \
         --script script.json --out out.json [--shm-dir DIR] [--num-kv-blocks 64] [--fail-prepare-epoch E]
         [--kv-path auto|shm|tcp|p2p] [--precopy-chunk-bytes N] [--host-id H] [--fail-kv-connect-epoch E]
         [--fail-kv-chunk-epoch E ...]
@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from nitsum.engine import kv_segment
-from nitsum.engine.node import NodeCommand, NodeRuntime
-from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES
+from nitsum.node import kv_segment
+from nitsum.node.runtime import NodeCommand, NodeRuntime
+from nitsum.node.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.engine.params import EngineConfig, SamplingParams
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader
@@ -49,7 +49,7 @@ IDLE_SLEEP_S = 0.002
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nitsum.engine.node_run")
+    parser = argparse.ArgumentParser(prog="python -m nitsum.node.run")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
