@@ -38,7 +38,7 @@ log = logging.getLogger("nitsum.worker.migration")
 
 
 def _counter(metrics: Metrics, key: str, name: str, doc: str, labels: list[str]) -> Counter:
-    return metrics._get(key, lambda: Counter(name, doc, labels, registry=metrics.registry))
+    return metrics.get(key, lambda: Counter(name, doc, labels, registry=metrics.registry))
 
 
 class MigrationDriver:

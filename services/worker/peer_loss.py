@@ -64,8 +64,7 @@ class PeerLossGuard(NodeBackend):
             return ""
         if kind == "prepare" and self.local_change(groups) is not None:
             return ""
-        prepared = self.runtime._prepared
-        if kind == "commit" and prepared is not None and prepared.epoch == epoch:
+        if kind == "commit" and self.runtime.prepared_epoch == epoch:
             return ""  # only a local change is ever prepared here once the world lost a member
         return f"this worker's node world lost a member ({lost}): TP cannot change here until the node is re-formed"
 

@@ -59,7 +59,6 @@ class _LeaderRuntime:
         self.pc = PreCopy(0, [0], transfers, flows, self.old, (0, HEADS),
                           {w: (cache, (0, HEADS)) for w, cache in mapped.items()}, self.links)
         self.classes: list[dict[int, int]] = []  # the classes of each round, as the backend passed them
-        self._prepared = SimpleNamespace(precopy=self.pc)
         self.final: TransitionAck | None = None
         self.is_leader, self.engine, self.epoch = True, None, 0
         self.rounds: list[list[tuple[int, int]]] = []
@@ -70,6 +69,9 @@ class _LeaderRuntime:
 
     def precopy_flows(self):
         return self.pc.flows
+
+    def precopy_next_items(self, flows):
+        return self.pc.next_items_of(flows)
 
     def precopy(self, items, classes=None):
         self.rounds.append(list(items))

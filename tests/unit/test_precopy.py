@@ -117,7 +117,7 @@ def test_a_build_is_ready_with_its_runner_and_done_after_its_reservation():
     """The prepare's new-runner thread: the final prepare ack and the commit need only the runner (`ready`); a
     reservation that fails afterwards is still an error of the build (commit refuses the epoch when it already
     failed; one still running goes on after the switch and is logged if it fails)."""
-    from nitsum.node.transition import _Build
+    from nitsum.node.build import RunnerBuild as _Build
 
     release = threading.Event()
     reserved = []
@@ -187,7 +187,7 @@ def test_a_reservation_is_paced_in_pieces_and_stops_at_the_next_one_when_closed(
 def test_a_build_from_the_pool_is_done_at_once_without_a_thread():
     """A change whose new cache is the spare arena and whose runner waits in the pool has nothing to build or
     reserve: its build is done when made, and waiting on it or finishing it returns at once."""
-    from nitsum.node.transition import _Build
+    from nitsum.node.build import RunnerBuild as _Build
 
     runner = object()
     build = _Build.at_once(runner)

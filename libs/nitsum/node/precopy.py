@@ -155,6 +155,15 @@ class PreCopy:
                 items.append((f.index, left[0]))
         return items
 
+    def next_items_of(self, indices: Iterable[int]) -> list[tuple[int, int]]:
+        """The next undone chunk of each of these flows that has one left (the flows a permit allows)."""
+        items = []
+        for i in indices:
+            left = [c for c in range(len(self.flow(i).chunks)) if (i, c) not in self.done]
+            if left:
+                items.append((i, left[0]))
+        return items
+
     def run(self, items: Iterable[tuple[int, int]], classes: Mapping[int, int] | None = None,
             default_dscp: int = LOWEST_DSCP) -> int:
         """Run the items this worker is the source of, mark all done; returns bytes sent to others (over

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     def check(label: str) -> None:
         # A commit leaves the new cache's page reservation running (it is off the pause); its descriptor is
         # closed once that is done, which is what the fd count below checks.
-        runtime._reap_reservations(wait=True)
+        runtime.reap_reservations(wait=True)
         params = list(runtime.runner.model.parameters())
         report["checks"].append({
             "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],
@@ -147,14 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             if not runtime.is_leader:
                 continue  # it became a peer at this tick's commit
             if runtime.precopy_pending:  # one round of this group's pre-copy, then this tick's step
-                epoch = runtime._prepared.epoch
+                epoch = runtime.prepared_epoch
                 sent = runtime.precopy(wait_build=True)
                 report["precopy_rounds"].append([tick, epoch, sent])
                 done = runtime.take_prepare_ack()
                 if done is not None:
                     _record_ack(report, tick, done)
             # A token's index in its stream, from the engine's own count (moved along with the request).
-            emitted = {rid: seq.num_output_tokens for rid, seq in runtime.engine._seqs.items()}
+            emitted = runtime.engine.num_output_tokens()
             outputs = runtime.step()
             now = time.time()
             for out in outputs:
@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
             report["final"] = {"free": stats.num_kv_blocks_free, "total": stats.num_kv_blocks_total}
         report["final_group"] = [runtime.group.start, runtime.group.tp]
         report["end_bytes_read"] = loader.bytes_read
-        report["bytes_by_path"] = dict(runtime.bytes_by_path)
-        report["planned_by_path"] = dict(runtime.planned_by_path)
-        report["kv_pairs"] = [list(p) for p in runtime.kv_pairs]
-        report["kv_tos"] = list(runtime.kv_tos)
+        report["bytes_by_path"] = dict(runtime.counters.bytes_by_path)
+        report["planned_by_path"] = dict(runtime.counters.planned_by_path)
+        report["kv_pairs"] = [list(p) for p in runtime.counters.kv_pairs]
+        report["kv_tos"] = list(runtime.counters.kv_tos)
         report["epoch"] = runtime.epoch
         world.barrier()
         report["end_kv_segments"] = kv_segment.leftovers(runtime.node_tag)
