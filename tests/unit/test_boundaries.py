@@ -117,3 +117,18 @@ def test_engine_imports_nothing_from_node():
             elif isinstance(node, ast.Import) and any(a.name.startswith("nitsum.node") for a in node.names):
                 bad.append(f"{path.name}:{node.lineno}")
     assert bad == [], f"engine/ imports nitsum.node: {bad}"
+
+
+def test_benchmarks_are_imported_by_no_service_or_library_package():
+    """`nitsum.bench` sits on top: only the CLI's bench table (by name) and the benchmarks themselves use it."""
+    bad = []
+    for base in (ROOT / "libs" / "nitsum", ROOT / "services"):
+        for path in sorted(base.rglob("*.py")):
+            if "bench" in path.relative_to(ROOT).parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                if any(n == "nitsum.bench" or n.startswith("nitsum.bench.") for n in names):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert bad == [], f"imports of nitsum.bench: {bad}"

@@ -1,6 +1,6 @@
 """Run one worker of a node from argv and a scripted coordinator (tests and `nitsum bench reconfigure`).
 
-    python -m nitsum.node.run --model-dir D --rank R --world-size N --master-port P \
+    python -m nitsum.bench.node_run --model-dir D --rank R --world-size N --master-port P \
         --script script.json --out out.json [--shm-dir DIR] [--num-kv-blocks 64] [--fail-prepare-epoch E]
         [--kv-path auto|shm|tcp|p2p] [--precopy-chunk-bytes N] [--host-id H] [--fail-kv-connect-epoch E]
         [--fail-kv-chunk-epoch E ...]
@@ -49,7 +49,7 @@ IDLE_SLEEP_S = 0.002
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nitsum.node.run")
+    parser = argparse.ArgumentParser(prog="python -m nitsum.bench.node_run")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)

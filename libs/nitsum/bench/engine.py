@@ -208,7 +208,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from nitsum.engine import bench_trace
+    from nitsum.bench import engine_trace as bench_trace
 
     parser = argparse.ArgumentParser(prog="nitsum bench engine", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens, tiny model only")
