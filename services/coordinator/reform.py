@@ -32,7 +32,8 @@ from nitsum.bus import BusError
 from nitsum.policy.decisions import GroupSpec, Topology
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import GroupAssignment, NodeReform, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare
-from nitsum_services.coordinator.transition import Watch, group_id_of
+from nitsum.wire.node import group_id_of
+from nitsum_services.coordinator.transition import Watch
 
 log = logging.getLogger("nitsum.coordinator.reform")
 

@@ -26,6 +26,7 @@ from nitsum.bus import BusError
 from nitsum.policy.decisions import Topology
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import GroupAssignment, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare
+from nitsum.wire.node import group_id_of
 
 log = logging.getLogger("nitsum.coordinator.transition")
 
@@ -34,9 +35,6 @@ COMMIT_TIMEOUT_S = 90.0
 # Abort acks are awaited in the background: a survivor answers only once its failed collective returned.
 ABORT_TIMEOUT_S = 90.0
 
-
-def group_id_of(node_id: str, start: int, tp: int) -> str:
-    return f"{node_id}-g{start}-tp{tp}"
 
 
 class TransitionError(Exception):

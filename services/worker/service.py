@@ -29,6 +29,7 @@ from nitsum.wire.messages import (
     TopologyPrepare,
     WorkerStats,
 )
+from nitsum.wire.node import group_id_of
 from nitsum_services.worker.backend import NodeBackend
 from nitsum_services.worker.boot import die_if_told, join_generation
 from nitsum_services.worker.migration_flows import MigrationDriver
@@ -43,10 +44,6 @@ MAX_STREAM_OFFSETS = 8192  # re-submitted requests whose stream offset this work
 PHASES = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "abort"}
 ROLES = ("prefill", "decode", "hybrid")
 
-
-
-def group_id_for(node_id: str, start: int, tp: int) -> str:
-    return f"{node_id}-g{start}-tp{tp}"
 
 
 class WorkerService:
@@ -75,7 +72,7 @@ class WorkerService:
         start, tp = backend.group
         return WorkerStats(
             worker_id=self.worker_id, node_id=config.node_id, device_index=config.device_index, device=config.device,
-            role=self.role, state=self.state, group_id=group_id_for(config.node_id, start, tp), tp=tp,
+            role=self.role, state=self.state, group_id=group_id_of(config.node_id, start, tp), tp=tp,
             model_name=backend.model_name, max_model_len=backend.max_model_len, num_running=len(session.running),
             num_waiting=s.num_waiting, kv_blocks_free=s.num_kv_blocks_free, kv_blocks_total=s.num_kv_blocks_total,
             running_request_ids=tuple(session.running),

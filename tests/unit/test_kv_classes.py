@@ -6,7 +6,7 @@ which counts the bytes it wrote by the TOS each connection's handshake arrived w
 
 import torch
 
-from nitsum.node.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP, KvLinks, KvReceiver, handshake_tos, tos_of
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP, KvLinks, KvReceiver, handshake_tos, tos_of
 from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
 from nitsum.node.messages import NodeCommand
 from nitsum.kv.reshard import Transfer

@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig, FlowSchedulerConfig
-from nitsum.node.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
 from nitsum.node.runtime import TransitionAck
 from nitsum.node.precopy import PreCopy, plan_flows, transfer_block_bytes
 from nitsum.kv.reshard import Transfer

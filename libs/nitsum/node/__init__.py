@@ -33,7 +33,7 @@ runs the steps below inside its own group (2xTP2 -> 4xTP1: two splits, neither w
   - pairs across hosts ("tcp"): the source connects to the destination's KV receiver in prepare (stage-M
     DSCP; a pair that cannot connect refuses the prepare on every member) and sends each chunk over the
     transfer framing; the receiver's thread writes it into the new cache and acks after the write
-    (`kv_tcp.py`). Forced for every pair by kv_path "tcp".
+    (`nitsum.transfer.kv_tcp`). Forced for every pair by kv_path "tcp".
   The prepare ack is then `pending`; the final one comes when the group's chunks are done and this
   worker's runner is built (`take_prepare_ack`); a chunk whose link failed fails that ack and the commit.
   KV path "p2p" (GPU caches, or configured): the runner is awaited and paired gloo send/recv moves every

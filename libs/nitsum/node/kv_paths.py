@@ -24,7 +24,7 @@ from nitsum.engine import migration
 from nitsum.kv.reshard import ReshardPlan
 from nitsum.node import kv_segment
 from nitsum.node.build import RunnerBuild
-from nitsum.node.kv_tcp import STAGE_M_DSCP, KvLinks
+from nitsum.transfer.kv_tcp import STAGE_M_DSCP, KvLinks
 from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows
 from nitsum.transfer.framing import TransferError
 

@@ -13,7 +13,7 @@ import os
 import threading
 
 from nitsum.node import kv_hosts, kv_segment
-from nitsum.node.kv_tcp import THREAD_PREFIX, KvReceiver, open_kv_sockets
+from nitsum.transfer.kv_tcp import THREAD_PREFIX, KvReceiver, open_kv_sockets
 from nitsum.parallel import shm_collectives as shm_collectives_lib
 from nitsum.parallel.world import NodeWorld
 

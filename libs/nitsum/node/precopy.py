@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nitsum.node.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
+from nitsum.transfer.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
 from nitsum.kv.reshard import Transfer
 from nitsum.transfer.framing import TransferError
 

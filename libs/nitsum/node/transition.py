@@ -37,7 +37,7 @@ from nitsum.node import kv_segment
 from nitsum.node.build import EngineAhead, RunnerBuild
 from nitsum.node.gate import PreCopyGate
 from nitsum.node.kv_paths import KvPath, path_for, serve_remote_sources
-from nitsum.node.kv_tcp import KvLinks
+from nitsum.transfer.kv_tcp import KvLinks
 from nitsum.node.messages import TransitionAck, kv_entry, request_kv
 from nitsum.node.precopy import PreCopy
 from nitsum.wire import codec

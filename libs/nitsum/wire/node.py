@@ -14,6 +14,12 @@ from typing import ClassVar
 COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
 
 
+def group_id_of(node_id: str, start: int, tp: int) -> str:
+    """The id of a node's TP group [start, start + tp): what a worker reports in WorkerStats.group_id and the
+    coordinator assigns in GroupAssignment.group_id (both sides call this one function)."""
+    return f"{node_id}-g{start}-tp{tp}"
+
+
 def _pairs(name: str, value: tuple[tuple[int, ...], ...]) -> None:
     for pair in value:
         if len(pair) != 2:
