@@ -653,7 +653,7 @@ def _run_node(model_dir: str, workers: int, script: dict, work: Path, shm_dir: P
     script_path.write_text(json.dumps(script))
     port = free_port()
     codes, logs = run_all([
-        [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", model_dir, "--rank", str(rank),
+        [sys.executable, "-m", "nitsum.bench.node_run", "--model-dir", model_dir, "--rank", str(rank),
          "--world-size", str(workers), "--master-port", str(port), "--script", str(script_path),
          "--out", str(work / f"out{rank}.json"), "--shm-dir", str(shm_dir), "--num-kv-blocks", "256"]
         for rank in range(workers)

@@ -35,7 +35,7 @@ VERBS = {
 
 # `nitsum bench <name>`: module whose main(argv) runs that benchmark.
 BENCHES = {
-    "engine": "nitsum.engine.bench",
+    "engine": "nitsum.bench.engine",
     "reconfigure": "nitsum_load.bench_reconfigure",
     "policy": "nitsum.policy.bench",
     "flows": "nitsum.policy.flows_bench",

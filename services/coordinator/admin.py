@@ -75,7 +75,7 @@ class AdminPlane:
         return {
             "ok": True,
             "policy": c.policy_spec,
-            "epoch": c.epoch,
+            "epoch": c.transitions.epoch,  # the latest topology epoch this coordinator started
             "workers": workers,
             "groups": list(groups.values()),
             "queue_depth": {tier: depth.get(tier, 0) for tier in ("interactive", "background")},

@@ -133,7 +133,6 @@ class Coordinator:
         self.members = Membership(self.config.heartbeat_timeout_ms / 1000.0)
         self.policy_spec = self.config.policy
         self.policy = make_policy(self.policy_spec, policy_config(self.config))
-        self.epoch = 0
         self.last_decisions: list[dict] = []
         self.epoch_problem = ""  # the last epoch's failure, logged once until an epoch succeeds again
         self.unfit_warned: set[tuple[str, str]] = set()  # (node, policy) whose layout the node cannot hold
@@ -156,7 +155,7 @@ class Coordinator:
 
     def snapshot(self) -> ClusterSnapshot:
         now_ms = self.now_ms()
-        return build_snapshot(self.members, now_ms, self.epoch, self.config.max_tp, self.config.min_tp, self.config.device_kind, self.last_reconfig_ms, self.arrivals.stats(now_ms))
+        return build_snapshot(self.members, now_ms, self.config.max_tp, self.config.min_tp, self.config.device_kind, self.last_reconfig_ms, self.arrivals.stats(now_ms))
 
     def full_nodes(self) -> list[NodeView]:
         """Every known node at its full size (the `node_size` its workers report; a standalone worker: 1), not
@@ -242,7 +241,7 @@ class Coordinator:
                     span.set_attribute("nitsum.reuse_from", reuse_from)
                     span.set_attribute("nitsum.reuse_blocks", len(reuse_hashes))
                 self.members.assign(req.request_id, req.tier, worker_id, time.monotonic(), view)
-                run = RunRequest(req, self.epoch, decode_worker=decode_worker, reuse_from=reuse_from, reuse_hashes=reuse_hashes)
+                run = RunRequest(req, decode_worker=decode_worker, reuse_from=reuse_from, reuse_hashes=reuse_hashes)
                 try:
                     ack = await self.bus.request(self.bus.subjects.worker_run(worker_id), run, self.config.run_timeout_s, expected=RunAck)
                 except (BusError, RemoteError) as exc:

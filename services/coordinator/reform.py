@@ -32,7 +32,8 @@ from nitsum.bus import BusError
 from nitsum.policy.decisions import GroupSpec, Topology
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import GroupAssignment, NodeReform, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare
-from nitsum_services.coordinator.transition import _Watch, group_id_of
+from nitsum.wire.node import group_id_of
+from nitsum_services.coordinator.transition import Watch
 
 log = logging.getLogger("nitsum.coordinator.reform")
 
@@ -208,19 +209,19 @@ class ReformAgent:
                                            tuple(by_device[d] for d in range(g.start, g.start + g.tp))) for g in target.groups)
             t0 = time.perf_counter()
             log.info("node %s: splitting %s to TP=1 (epoch %d) before re-forming its world", node_id, group_id, epoch)
-            watch = _Watch(r.worker_id for r in members)
-            transitions._watch = watch  # the loss of a member ends the wait (TransitionAgent.worker_lost)
+            watch = Watch(r.worker_id for r in members)
+            transitions.active_watch = watch  # the loss of a member ends the wait (TransitionAgent.worker_lost)
             try:
                 phase = "prepare"
-                _acks, why = await transitions._gather(leader, TopologyPrepare(node_id, epoch, groups, "re-formation: split to TP=1"),
+                _acks, why = await transitions.gather(leader, TopologyPrepare(node_id, epoch, groups, "re-formation: split to TP=1"),
                                                        SPLIT_TIMEOUT_S, phase, epoch, watch)
                 if not why:
                     phase = "commit"
-                    _acks, why = await transitions._gather(leader, TopologyCommit(node_id, epoch), SPLIT_TIMEOUT_S, phase, epoch, watch)
+                    _acks, why = await transitions.gather(leader, TopologyCommit(node_id, epoch), SPLIT_TIMEOUT_S, phase, epoch, watch)
                 if why and not watch.lost:  # whatever the leader prepared goes (a committed leader refuses: stale)
-                    await transitions._gather(leader, TopologyAbort(node_id, epoch, why), SPLIT_TIMEOUT_S, "abort", epoch, _Watch(()))
+                    await transitions.gather(leader, TopologyAbort(node_id, epoch, why), SPLIT_TIMEOUT_S, "abort", epoch, Watch(()))
             finally:
-                transitions._watch = None
+                transitions.active_watch = None
             transitions.epoch = max(transitions.epoch, epoch)
             splits.append({"group": group_id, "epoch": epoch, "ok": not why, "phase": phase, "error": why,
                            "ms": round((time.perf_counter() - t0) * 1000.0, 3)})

@@ -45,7 +45,7 @@ def fitting_max_tp(num_devices: int, max_tp: int) -> int:
     return max_tp
 
 
-def build_snapshot(members: Membership, now_ms: float, epoch: int, max_tp: int, min_tp: int, device_kind: str, last_reconfig_ms: dict[str, float] | None = None, arrivals: tuple[ArrivalStats, ...] = ()) -> ClusterSnapshot:
+def build_snapshot(members: Membership, now_ms: float, max_tp: int, min_tp: int, device_kind: str, last_reconfig_ms: dict[str, float] | None = None, arrivals: tuple[ArrivalStats, ...] = ()) -> ClusterSnapshot:
     nodes: dict[str, list] = {}
     seen_groups: set[str] = set()
     # One view per group, from its leader (it holds the group's queue and KV numbers).
@@ -91,4 +91,4 @@ def build_snapshot(members: Membership, now_ms: float, epoch: int, max_tp: int, 
             continue
         group_id = members.workers[req.worker_id].stats.group_id if req.worker_id in members.workers else None
         requests.append(RequestView(**{**req.view.__dict__, "group_id": group_id}))
-    return ClusterSnapshot(now_ms=now_ms, nodes=tuple(node_views), requests=tuple(requests), epoch=epoch, arrivals=arrivals)
+    return ClusterSnapshot(now_ms=now_ms, nodes=tuple(node_views), requests=tuple(requests), arrivals=arrivals)

@@ -26,6 +26,7 @@ from nitsum.bus import BusError
 from nitsum.policy.decisions import Topology
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import GroupAssignment, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare
+from nitsum.wire.node import group_id_of
 
 log = logging.getLogger("nitsum.coordinator.transition")
 
@@ -35,15 +36,12 @@ COMMIT_TIMEOUT_S = 90.0
 ABORT_TIMEOUT_S = 90.0
 
 
-def group_id_of(node_id: str, start: int, tp: int) -> str:
-    return f"{node_id}-g{start}-tp{tp}"
-
 
 class TransitionError(Exception):
     """The change was refused before anything started (bad target, node not able to change)."""
 
 
-class _Watch:
+class Watch:
     """The workers of the node under transition; set when one of them is lost."""
 
     def __init__(self, worker_ids) -> None:
@@ -58,12 +56,12 @@ class TransitionAgent:
         self.lock = asyncio.Lock()
         self.epoch = 0
         self.history: list[dict] = []
-        self._watch: _Watch | None = None
+        self.active_watch: Watch | None = None
         self._abort_tasks: set[asyncio.Task] = set()
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
         """Membership lost a worker: a transition of its node stops waiting for acks."""
-        watch = self._watch
+        watch = self.active_watch
         if watch is not None and worker_id in watch.worker_ids and worker_id not in [w for w, _ in watch.lost]:
             watch.lost.append((worker_id, reason))
             watch.event.set()
@@ -118,19 +116,19 @@ class TransitionAgent:
             )
             metrics = self.c.ctx.metrics.reconfiguration_duration_ms()
             t0 = time.perf_counter()
-            self._watch = watch = _Watch(r.worker_id for r in records)
+            self.active_watch = watch = Watch(r.worker_id for r in records)
             try:
                 with self.c.ctx.tracer.start_as_current_span(
                     "coordinator.transition", attributes={"nitsum.node": node_id, "nitsum.epoch": epoch, "nitsum.from": str(current), "nitsum.to": str(target), "nitsum.reason": reason}
                 ) as span:
-                    acks, stopped = await self._gather(leaders, TopologyPrepare(node_id, epoch, groups, reason), PREPARE_TIMEOUT_S, "prepare", epoch, watch)
+                    acks, stopped = await self.gather(leaders, TopologyPrepare(node_id, epoch, groups, reason), PREPARE_TIMEOUT_S, "prepare", epoch, watch)
                     prepare_ms = (time.perf_counter() - t0) * 1000.0
                     metrics.labels(phase="prepare").observe(prepare_ms)
                     if stopped:
                         self.epoch = epoch
                         return self._abort(node_id, epoch, "prepare", stopped, leaders, watch, span, t0, current)
                     t1 = time.perf_counter()
-                    acks, stopped = await self._gather(leaders, TopologyCommit(node_id, epoch), COMMIT_TIMEOUT_S, "commit", epoch, watch)
+                    acks, stopped = await self.gather(leaders, TopologyCommit(node_id, epoch), COMMIT_TIMEOUT_S, "commit", epoch, watch)
                     pause_ms = (time.perf_counter() - t1) * 1000.0
                     total_ms = (time.perf_counter() - t0) * 1000.0 + decide_ms
                     metrics.labels(phase="pause").observe(pause_ms)
@@ -143,7 +141,7 @@ class TransitionAgent:
                         log.error("commit of epoch %d on %s failed: %s", epoch, node_id, stopped)
                         return self._abort(node_id, epoch, "commit", stopped, leaders, watch, span, t0, current)
             finally:
-                self._watch = None
+                self.active_watch = None
             self.c.last_reconfig_ms[node_id] = self.c.now_ms()
             # Until fresh heartbeats arrive, route only to the new leaders.
             for r in records:
@@ -161,7 +159,7 @@ class TransitionAgent:
         self.history.append(report)
         del self.history[:-20]
 
-    async def _gather(self, leaders, message, timeout_s: float, phase: str, epoch: int, watch: _Watch) -> tuple[list[TopologyAck], str]:
+    async def gather(self, leaders, message, timeout_s: float, phase: str, epoch: int, watch: Watch) -> tuple[list[TopologyAck], str]:
         """Every leader's ack, or fewer when a worker of the node is lost meanwhile: its peers may sit in a
         collective that cannot complete, so waiting on would only wait out their timeouts. A failed ack does
         not end the phase early: the other span members are still in (or about to enter) the exchange, which
@@ -192,7 +190,7 @@ class TransitionAgent:
                 task.cancel()
         return acks, "; ".join(f"{a.worker_id}: {a.reason}" for a in acks if not a.ok)
 
-    def _abort(self, node_id: str, epoch: int, phase: str, why: str, leaders, watch: _Watch, span, t0: float, current: Topology) -> dict:
+    def _abort(self, node_id: str, epoch: int, phase: str, why: str, leaders, watch: Watch, span, t0: float, current: Topology) -> dict:
         """Record the failed transition and send Abort to the leaders still alive. The report goes back now;
         the abort acks join its history entry when the survivors answer."""
         lost = [w for w, _ in watch.lost]
@@ -208,7 +206,7 @@ class TransitionAgent:
         self._record(report)
 
         async def send() -> None:
-            acks, _ = await self._gather(survivors, TopologyAbort(node_id, epoch, why), ABORT_TIMEOUT_S, "abort", epoch, _Watch(()))
+            acks, _ = await self.gather(survivors, TopologyAbort(node_id, epoch, why), ABORT_TIMEOUT_S, "abort", epoch, Watch(()))
             report["abort_acks"] = [{"worker_id": a.worker_id, "ok": a.ok, "reason": a.reason} for a in acks]
             log.info("node %s: abort of epoch %d answered: %s", node_id, epoch, report["abort_acks"])
 

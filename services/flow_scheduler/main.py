@@ -49,7 +49,7 @@ class FlowService:
 
     def _count(self, key: str, name: str, doc: str, stage: str) -> None:
         metrics = self.ctx.metrics
-        metrics._get(key, lambda: Counter(name, doc, ["stage"], registry=metrics.registry)).labels(stage=stage).inc()
+        metrics.get(key, lambda: Counter(name, doc, ["stage"], registry=metrics.registry)).labels(stage=stage).inc()
 
     async def on_submit(self, msg: FlowSubmit | FlowSubmitBatch, _delivery) -> FlowPermit | FlowPermitBatch:
         if isinstance(msg, FlowSubmitBatch):

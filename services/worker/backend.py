@@ -135,7 +135,7 @@ class NodeBackend:
     def output_counts(self) -> dict[str, int]:
         """Requests this leader's engine holds -> output tokens so far (adopted ones included)."""
         engine = self.runtime.engine
-        return {rid: seq.num_output_tokens for rid, seq in engine._seqs.items()} if engine is not None else {}
+        return engine.num_output_tokens() if engine is not None else {}
 
     def command(self, cmd):
         self._last_broadcast_s = time.monotonic()
@@ -185,9 +185,7 @@ class NodeBackend:
         if not runtime.is_leader or not runtime.precopy_pending:
             self._finish(allowed, (False, runtime.take_prepare_ack(), "the pre-copy ended (commit or abort)"))
             return False
-        precopy = runtime._prepared.precopy
-        items = [(i, next(c for c in range(len(precopy.flow(i).chunks)) if (i, c) not in precopy.done))
-                 for i in allowed if any((i, c) not in precopy.done for c in range(len(precopy.flow(i).chunks)))]
+        items = runtime.precopy_next_items(allowed)
         if items:
             try:
                 self._last_broadcast_s = time.monotonic()

@@ -102,7 +102,7 @@ def node_weights(config: WorkerConfig, cfg, device: str):
 
 
 def node_runtime(config: WorkerConfig, world, cfg, weights, topology, engine=None, epoch: int = 0):
-    from nitsum.engine.node import NodeRuntime
+    from nitsum.node.runtime import NodeRuntime
 
     def failure_hook(phase: str, epoch: int) -> None:
         if phase == "prepare" and epoch == config.fault_prepare_epoch:

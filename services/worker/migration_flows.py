@@ -15,7 +15,7 @@ never waits on it.
 
 On the wire (ALGORITHMS.md §2.4): the agent calls a flow's `send(level)` with the level its permit (or a
 later promotion) grants; the flow's chunks to another host then go over the pair's TCP connection of that
-level's class, `agent.dscp[level]` (IP_TOS = tos_for_dscp of it; nitsum.engine.kv_tcp opens one connection
+level's class, `agent.dscp[level]` (IP_TOS = tos_for_dscp of it; nitsum.transfer.kv_tcp opens one connection
 per class), handed to the step thread with `backend.allow`. A flow without a permit runs at the lowest level,
 so in its DSCP. The commit's delta is not a flow here: it runs inside the commit, in STAGE_M_DSCP. The final prepare ack (the one the coordinator gets) comes when every chunk is done.
 """
@@ -38,7 +38,7 @@ log = logging.getLogger("nitsum.worker.migration")
 
 
 def _counter(metrics: Metrics, key: str, name: str, doc: str, labels: list[str]) -> Counter:
-    return metrics._get(key, lambda: Counter(name, doc, labels, registry=metrics.registry))
+    return metrics.get(key, lambda: Counter(name, doc, labels, registry=metrics.registry))
 
 
 class MigrationDriver:

@@ -64,8 +64,7 @@ class PeerLossGuard(NodeBackend):
             return ""
         if kind == "prepare" and self.local_change(groups) is not None:
             return ""
-        prepared = self.runtime._prepared
-        if kind == "commit" and prepared is not None and prepared.epoch == epoch:
+        if kind == "commit" and self.runtime.prepared_epoch == epoch:
             return ""  # only a local change is ever prepared here once the world lost a member
         return f"this worker's node world lost a member ({lost}): TP cannot change here until the node is re-formed"
 
@@ -74,7 +73,7 @@ class PeerLossGuard(NodeBackend):
         return local_change(self.runtime.topology, self.runtime.group, groups)
 
     def command(self, cmd):
-        from nitsum.engine.node import NodeCommand, TransitionAck
+        from nitsum.node.runtime import NodeCommand, TransitionAck
 
         why = self.refusal(cmd.kind, cmd.epoch, cmd.groups)
         if why:

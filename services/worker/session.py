@@ -89,7 +89,6 @@ class WorkerSession:
         self._hold_for_commit = False  # the last turn sent a prepare's final ack: wait a little for the commit
         self.on_topology_change = None  # async callback after a commit changed this worker's group
         self.on_handoff = None  # P/D: callback(Running) once a prefill finished; it owns the request then
-        self.prefill_role = False  # the engine pins every finished request (release it after its hand-off)
         self._held: dict[str, SubmitRequest] = {}  # accepted, waiting for a stage-1 prefix fetch
         # Request id -> tokens it had streamed when it was re-submitted (its engine counts from there): an
         # adopted one continues its stream at engine count + offset (StreamOffset from the coordinator).
@@ -97,6 +96,12 @@ class WorkerSession:
         self._handoffs: set[asyncio.Task] = set()
 
     # ---- called from the event loop -------------------------------------------------------------
+    @property
+    def prefill_role(self) -> bool:
+        """The engine pins every finished request (release it after its hand-off)."""
+        engine = self.backend.engine
+        return engine is not None and engine.role == "prefill"
+
     def validate(self, run: RunRequest) -> str:
         """Why this request cannot run here ("" when it can)."""
         req = run.request
@@ -306,7 +311,7 @@ class WorkerSession:
                 outputs, rejected, self._stats, acks, _kind, calls = await loop.run_in_executor(None, self._iteration)
             except Exception as exc:  # an engine failure fails the requests in flight, loudly
                 log.exception("engine step failed")
-                await self._fail_all("engine_error", f"{type(exc).__name__}: {exc}")
+                await self.fail_all("engine_error", f"{type(exc).__name__}: {exc}")
                 continue
             step_ms = (time.perf_counter() - t0) * 1000.0
             if outputs:
@@ -478,7 +483,7 @@ class WorkerSession:
         except Exception as exc:
             log.warning("could not report the failure of %s: %s", request_id, exc)
 
-    async def _fail_all(self, code: str, message: str) -> None:
+    async def fail_all(self, code: str, message: str) -> None:
         for request_id in list(self.running):
             self._put(("abort", request_id))
             await self._finish_error(request_id, code, message)

@@ -63,7 +63,7 @@ NUM_LEVELS = 8
 
 
 def _counter(metrics: Metrics, key: str, name: str, doc: str, labels: list[str]) -> Counter:
-    return metrics._get(key, lambda: Counter(name, doc, labels, registry=metrics.registry))
+    return metrics.get(key, lambda: Counter(name, doc, labels, registry=metrics.registry))
 
 
 def _now_unix_ms() -> float:

@@ -78,7 +78,7 @@ def metric(mesh, service: str, name: str, **labels: str) -> float:
 
 
 def kv_segments_of(mesh) -> list[str]:
-    from nitsum.engine import kv_segment
+    from nitsum.node import kv_segment
 
     return kv_segment.leftovers("p" + service_env(mesh, "worker-0")["NITSUM_NODE_MASTER_PORT"])
 

@@ -100,7 +100,7 @@ def running_mesh(tmp, model, **env_extra: str):
         yield mesh, port
     finally:
         stop_mesh(mesh.process)
-        from nitsum.engine import kv_segment
+        from nitsum.node import kv_segment
 
         for name in [n for g in range(3) for n in kv_segment.leftovers(f"p{port + g}")]:
             kv_segment.unlink(name)  # only a failure of the test itself can leave one (checked below)
@@ -212,7 +212,7 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     st = wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"])
                   and sorted((w["device_index"], w["tp"]) for w in s["workers"] if w["leader"]) == [(0, 1), (1, 1), (2, 1), (3, 1)],
                   "KV not free after the split")
-    from nitsum.engine import kv_segment
+    from nitsum.node import kv_segment
 
     assert kv_segment.leftovers(f"p{port + 1}") == [] and kv_segment.leftovers(f"p{port}") == []
 
@@ -242,7 +242,7 @@ def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed
     assert formed["generation"] == 2 and "node0-3" in formed["outside"], formed
     assert [(s["group"], s["ok"]) for s in formed["splits"]] == [("node0-g0-tp2", True)], formed["splits"]
     merge_and_stream(mesh, expected_after)
-    from nitsum.engine import kv_segment
+    from nitsum.node import kv_segment
 
     st = wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
     assert [kv_segment.leftovers(f"p{port + g}") for g in range(3)] == [[], [], []]
@@ -276,7 +276,7 @@ def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp
         # member is outside it).
         assert sorted(formed["outside"]) == ["node0-0", "node0-1", "node0-2", "node0-3"], formed
         merge_and_stream(mesh, expected_after)
-        from nitsum.engine import kv_segment
+        from nitsum.node import kv_segment
 
         wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
         assert [kv_segment.leftovers(f"p{port + g}") for g in range(2)] == [[], []]

@@ -36,7 +36,7 @@ def run_workers(argvs, timeout_s: float = 180.0) -> list[str]:
 
 def run_node_script(model_dir, script: dict, tmp_path, world: int, extra_args=None, timeout_s: float = 150.0,
                     **options) -> list[dict]:
-    """Run a scripted node (`nitsum.engine.node_run`, one process per worker) and return every worker's report.
+    """Run a scripted node (`nitsum.bench.node_run`, one process per worker) and return every worker's report.
     `options` become flags (block_size=8 -> --block-size 8; a shm_dir option defaults to tmp_path/shm);
     `extra_args` maps a rank to more argv of its own, or is a function of the rank."""
     import json
@@ -49,7 +49,7 @@ def run_node_script(model_dir, script: dict, tmp_path, world: int, extra_args=No
     own = extra_args if callable(extra_args) else (lambda rank: (extra_args or {}).get(rank, []))
     port = free_port()
     run_workers([
-        [sys.executable, "-m", "nitsum.engine.node_run", "--model-dir", str(model_dir), "--rank", str(rank),
+        [sys.executable, "-m", "nitsum.bench.node_run", "--model-dir", str(model_dir), "--rank", str(rank),
          "--world-size", str(world), "--master-port", str(port), "--script", str(script_path),
          "--out", str(tmp_path / f"out{rank}.json"), *common, *own(rank)]
         for rank in range(world)

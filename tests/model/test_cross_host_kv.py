@@ -20,7 +20,7 @@ import pytest
 from engine_test_helpers import prompts_of_lengths, run_node_script
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
-from nitsum.engine.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP
 from nitsum.policy.flows import tos_for_dscp
 
 WORLD = 4

@@ -19,7 +19,7 @@ NUM_TOKENS = 64
 def run_group(model_dir, world_size, prompt, out_path, device="cpu"):
     port = free_port()
     run_workers([
-        [sys.executable, "-m", "nitsum.engine.tp_run", "--model-dir", str(model_dir), "--rank", str(rank),
+        [sys.executable, "-m", "nitsum.bench.tp_run", "--model-dir", str(model_dir), "--rank", str(rank),
          "--world-size", str(world_size), "--master-port", str(port), "--device", device,
          "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(NUM_TOKENS), "--out", str(out_path),
          "--decode-attention", "gather"]

@@ -200,7 +200,7 @@ def test_workspace_reuses_its_buffers_until_a_larger_one_is_needed():
 
 
 def test_engine_bench_quick_runs_and_outputs_agree(capsys):
-    from nitsum.engine import bench
+    from nitsum.bench import engine as bench
 
     assert bench.main(["--quick", "--workload", "equal", "--max-tokens", "3", "--concurrency", "1,2", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
@@ -211,7 +211,7 @@ def test_engine_bench_quick_runs_and_outputs_agree(capsys):
 
 
 def test_trace_lengths_are_seeded_scaled_draws_of_the_trace():
-    from nitsum.engine import bench_trace
+    from nitsum.bench import engine_trace as bench_trace
     from nitsum.workloads import default_trace_path, read_azure
 
     rows = {(r.prompt_tokens, r.output_tokens) for r in read_azure(default_trace_path("azure-conv", prefer_excerpt=True))}
@@ -229,7 +229,7 @@ def test_trace_lengths_are_seeded_scaled_draws_of_the_trace():
 def test_trace_closed_loop_keeps_concurrency_and_matches_transformers(tiny_dir, hf_model):
     """nitsum never has more than c requests in flight and refills a slot as soon as one finishes; its
     greedy outputs have each request's own length and equal transformers' (alone and left-padded)."""
-    from nitsum.engine import bench_trace
+    from nitsum.bench import engine_trace as bench_trace
     from nitsum.engine.engine import Engine
     from nitsum.engine.params import EngineConfig
 
@@ -257,7 +257,7 @@ def test_trace_closed_loop_keeps_concurrency_and_matches_transformers(tiny_dir, 
 
 
 def test_engine_bench_trace_mode_runs_and_outputs_agree(capsys):
-    from nitsum.engine import bench
+    from nitsum.bench import engine as bench
 
     assert bench.main(["--quick", "--workload", "trace", "--concurrency", "1,4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
@@ -268,7 +268,7 @@ def test_engine_bench_trace_mode_runs_and_outputs_agree(capsys):
 
 
 def test_engine_bench_decode_step_mode(capsys):
-    from nitsum.engine import bench
+    from nitsum.bench import engine as bench
 
     assert bench.main(["--models", "tiny", "--decode-contexts", "20,40", "--decode-batch", "2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode step")]

@@ -9,7 +9,7 @@ hulls, so q|k|v and gate|up run fused on the copy (separate on the store). Each 
 first, then the resident one, over the same process group; nothing is read from the checkpoint (the store
 is written by the test process beforehand).
 
-A second test runs a whole node (4 `nitsum.engine.node_run --resident-weights` workers, levels 2..4) through
+A second test runs a whole node (4 `nitsum.bench.node_run --resident-weights` workers, levels 2..4) through
 real transitions (2xTP2 -> TP4 -> 2xTP2, requests in flight) with each worker's `NodeRuntime` on its resident
 copy, wired as the worker service wires it on CUDA (`boot_weights` -> `NodeRuntime(weights=...)`): tokens equal
 a run without changes, and after boot and after every commit the parameters in use are views of the worker's
@@ -166,7 +166,7 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
     port = free_port()
     try:
         run_workers([
-            [sys.executable, "-m", "nitsum.engine.node_run", "--resident-weights", "--model-dir", str(tiny_dir),
+            [sys.executable, "-m", "nitsum.bench.node_run", "--resident-weights", "--model-dir", str(tiny_dir),
              "--rank", str(rank), "--world-size", str(NODE), "--min-tp", str(MIN_TP), "--max-tp", str(MAX_TP),
              "--master-port", str(port), "--script", str(script), "--out", str(tmp_path / f"out{rank}.json"),
              "--shm-dir", str(shm), "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--device", device,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
-from nitsum.engine.node import NodeCommand, NodeRuntime
+from nitsum.node.runtime import NodeCommand, NodeRuntime
 from nitsum.engine.runner import ModelRunner
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader
@@ -72,7 +72,7 @@ def main() -> int:
     report: dict = {"rank": args.rank, "fresh": args.fresh, "records": [], "acks": []}
 
     def step(engine) -> None:
-        emitted = {rid: seq.num_output_tokens for rid, seq in engine._seqs.items()}
+        emitted = engine.num_output_tokens()
         for out in engine.step():
             for i, token in enumerate(out.new_token_ids):
                 report["records"].append([out.request_id, emitted[out.request_id] + i, token])

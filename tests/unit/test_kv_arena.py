@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from nitsum.engine import kv_hosts, kv_segment
+from nitsum.node import kv_hosts, kv_segment
 
 pytestmark = pytest.mark.skipif(not kv_segment.available(), reason="needs /dev/shm")
 
@@ -28,7 +28,7 @@ def test_an_arena_leaves_no_name_and_another_process_maps_it_by_its_handle():
         assert name not in kv_segment.leftovers()  # unlinked at once: only the descriptor holds it
         cache = arena.view((4, 8, 16), torch.float32)
         cache[1, 2, 3] = 5.0
-        code = (f"import torch; from nitsum.engine import kv_segment; "
+        code = (f"import torch; from nitsum.node import kv_segment; "
                 f"t = kv_segment.attach_handle({arena.handle!r}, (4, 8, 16), torch.float32, {os.getpid()}); "
                 f"assert t[1, 2, 3].item() == 5.0; t[3, 7, 15] = 9.0")
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -6,9 +6,9 @@ which counts the bytes it wrote by the TOS each connection's handshake arrived w
 
 import torch
 
-from nitsum.engine.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP, KvLinks, KvReceiver, handshake_tos, tos_of
-from nitsum.engine.precopy import PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
-from nitsum.engine.transition import NodeCommand
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP, KvLinks, KvReceiver, handshake_tos, tos_of
+from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
+from nitsum.node.messages import NodeCommand
 from nitsum.kv.reshard import Transfer
 from nitsum.policy.flows import DSCP_TABLE, dscp_table, tos_for_dscp
 

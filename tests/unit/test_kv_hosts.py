@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from nitsum.engine import kv_hosts, kv_tcp
-from nitsum.engine.kv_hosts import Member, hosts_of, pair_path, resolve_mode
-from nitsum.engine.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver, read_frame, write_frame
+from nitsum.node import kv_hosts
+from nitsum.transfer import kv_tcp
+from nitsum.node.kv_hosts import Member, hosts_of, pair_path, resolve_mode
+from nitsum.transfer.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver, read_frame, write_frame
 from nitsum.kv.reshard import Transfer
 from nitsum.policy.flows import tos_for_dscp
 from nitsum.transfer.framing import MAGIC, PREFIX, FrameHeader, FrameKind, TransferError
@@ -202,7 +203,7 @@ def test_before_its_hello_a_connection_gets_no_memory_no_time_and_no_extra_socke
 
 
 def test_open_kv_sockets_sees_both_ends_of_a_link_until_closed():
-    from nitsum.engine.kv_tcp import open_kv_sockets
+    from nitsum.transfer.kv_tcp import open_kv_sockets
 
     receiver = KvReceiver("127.0.0.1")
     receiver.open(1, 1, torch.zeros(LAYERS, 2, BLOCKS, BLOCK, 2, DIM), (2, 4), sources={0})
@@ -267,7 +268,7 @@ def test_a_source_stalled_mid_frame_fails_alone(monkeypatch):
     import socket
     import time
 
-    from nitsum.engine import kv_tcp
+    from nitsum.transfer import kv_tcp
     from nitsum.transfer.framing import FrameHeader, FrameKind, encode_frame
 
     monkeypatch.setattr(kv_tcp, "IO_TIMEOUT_S", 1.0)
@@ -300,7 +301,7 @@ def test_a_source_stalled_mid_frame_fails_alone(monkeypatch):
 
 
 def test_the_ack_follows_the_write_even_when_the_write_is_slow(monkeypatch):
-    from nitsum.engine import kv_tcp
+    from nitsum.transfer import kv_tcp
 
     real = kv_tcp.write_blocks
 

@@ -19,9 +19,9 @@ from opentelemetry import trace
 
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig, FlowSchedulerConfig
-from nitsum.engine.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
-from nitsum.engine.node import TransitionAck
-from nitsum.engine.precopy import PreCopy, plan_flows, transfer_block_bytes
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
+from nitsum.node.runtime import TransitionAck
+from nitsum.node.precopy import PreCopy, plan_flows, transfer_block_bytes
 from nitsum.kv.reshard import Transfer
 from nitsum.policy.flows import DSCP_TABLE, tos_for_dscp
 from nitsum.service import ServiceContext
@@ -59,7 +59,6 @@ class _LeaderRuntime:
         self.pc = PreCopy(0, [0], transfers, flows, self.old, (0, HEADS),
                           {w: (cache, (0, HEADS)) for w, cache in mapped.items()}, self.links)
         self.classes: list[dict[int, int]] = []  # the classes of each round, as the backend passed them
-        self._prepared = SimpleNamespace(precopy=self.pc)
         self.final: TransitionAck | None = None
         self.is_leader, self.engine, self.epoch = True, None, 0
         self.rounds: list[list[tuple[int, int]]] = []
@@ -70,6 +69,9 @@ class _LeaderRuntime:
 
     def precopy_flows(self):
         return self.pc.flows
+
+    def precopy_next_items(self, flows):
+        return self.pc.next_items_of(flows)
 
     def precopy(self, items, classes=None):
         self.rounds.append(list(items))
@@ -247,7 +249,7 @@ async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats
     flow-scheduler round trip), so their first round runs before that step instead of one whole step later;
     the round that sends the final prepare ack holds the next step for the commit the same way. Each hold is
     bounded by a fraction of a steady step; here the bound is long, so the order is certain."""
-    from nitsum.engine.node import NodeCommand
+    from nitsum.node.runtime import NodeCommand
     from nitsum_services.worker import session as session_module
 
     monkeypatch.setattr(session_module, "PRECOPY_HOLD_MAX_S", 30.0)

@@ -11,8 +11,8 @@ import uuid
 import pytest
 import torch
 
-from nitsum.engine import kv_segment
-from nitsum.engine.precopy import PreCopy, plan_flows, transfer_block_bytes
+from nitsum.node import kv_segment
+from nitsum.node.precopy import PreCopy, plan_flows, transfer_block_bytes
 from nitsum.kv.reshard import Transfer
 
 # [layers, K/V, blocks, block_size, heads, head_dim]
@@ -65,7 +65,7 @@ def test_segment_is_shared_across_processes_and_unlinked_without_losing_memory()
     try:
         mine = kv_segment.create(name, shape, torch.float32)
         assert kv_segment.leftovers(tag) == [name] and not mine.any()
-        code = ("import torch; from nitsum.engine import kv_segment; "
+        code = ("import torch; from nitsum.node import kv_segment; "
                 f"t = kv_segment.attach({name!r}, {shape!r}, torch.float32); t[1, 0, 2] = 7.0")
         subprocess.run([sys.executable, "-c", code], check=True)
         kv_segment.unlink(name)
@@ -117,7 +117,7 @@ def test_a_build_is_ready_with_its_runner_and_done_after_its_reservation():
     """The prepare's new-runner thread: the final prepare ack and the commit need only the runner (`ready`); a
     reservation that fails afterwards is still an error of the build (commit refuses the epoch when it already
     failed; one still running goes on after the switch and is logged if it fails)."""
-    from nitsum.engine.transition import _Build
+    from nitsum.node.build import RunnerBuild as _Build
 
     release = threading.Event()
     reserved = []
@@ -187,7 +187,7 @@ def test_a_reservation_is_paced_in_pieces_and_stops_at_the_next_one_when_closed(
 def test_a_build_from_the_pool_is_done_at_once_without_a_thread():
     """A change whose new cache is the spare arena and whose runner waits in the pool has nothing to build or
     reserve: its build is done when made, and waiting on it or finishing it returns at once."""
-    from nitsum.engine.transition import _Build
+    from nitsum.node.build import RunnerBuild as _Build
 
     runner = object()
     build = _Build.at_once(runner)

@@ -12,8 +12,8 @@ import weakref
 import pytest
 import torch
 
-from nitsum.engine import kv_segment
-from nitsum.engine.reaper import Reaper, release_pages
+from nitsum.node import kv_segment
+from nitsum.node.reaper import Reaper, release_pages
 
 linux_shm = pytest.mark.skipif(not (sys.platform.startswith("linux") and kv_segment.available()),
                                reason="needs Linux /dev/shm")

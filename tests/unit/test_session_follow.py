@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from nitsum.engine.node import TransitionAck
+from nitsum.node.runtime import TransitionAck
 from nitsum_services.worker import session as session_module
 from nitsum_services.worker.session import WorkerSession
 

@@ -104,7 +104,7 @@ def test_bool_is_not_an_int_and_nested_types_are_checked():
 
 def test_nested_message_round_trip_and_validation():
     req = SubmitRequest("r1", (1, 2, 3), SamplingSpec(max_tokens=3, stop=("x",), seed=4), "interactive", 200.0, 25.0, 10.0, 1.0, "nitsum.stream.r1")
-    run = RunRequest(req, epoch=3)
+    run = RunRequest(req, decode_worker="w3")
     assert decode(encode(run)) == run
     kind, version, fields = msgpack.unpackb(encode(run))
     fields["request"]["sampling"]["max_tokens"] = "3"

@@ -10,6 +10,7 @@ which executes the plans the leader broadcasts until `Engine.shutdown()`.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
@@ -102,7 +103,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # -- moving a request between engines (P/D; TP changes use the same code, see engine/node.py) -----
+    # -- moving a request between engines (P/D; TP changes use the same code, see nitsum.node.runtime) -----
     def export_kv(self, request_id: str):
         """The request's state and its computed KV (`migration.KVExport`); the request stays here until
         `release`/`abort`. TP=1 engines."""
@@ -116,6 +117,63 @@ class Engine:
         from nitsum.engine import migration
 
         return migration.import_request(self, export)
+
+    # -- request state: what a TP change reads and installs (nothing outside engine/ reads its fields) --------
+    @property
+    def role(self) -> str:
+        """"prefill" (pin each request after its first token), "decode" or "hybrid"."""
+        return self.cfg.role
+
+    def set_role(self, role: str) -> None:
+        """At a step boundary: requests already admitted finish under the rules they started with."""
+        self.cfg = dataclasses.replace(self.cfg, role=role)
+        self.scheduler.role = role
+
+    @property
+    def step_id(self) -> int:
+        """The id of the last step plan this engine broadcast (its peers run plans in this order)."""
+        return self._step_id
+
+    def resume_at_step(self, step_id: int) -> None:
+        """A new group's engine carries on the step ids of the groups it replaces."""
+        self._step_id = step_id
+
+    def request_ids(self) -> list[str]:
+        """Every request this engine holds (running, waiting or pinned)."""
+        return list(self._seqs)
+
+    def num_output_tokens(self) -> dict[str, int]:
+        """request id -> tokens it has generated so far."""
+        return {rid: seq.num_output_tokens for rid, seq in self._seqs.items()}
+
+    def num_preemptions(self, request_id: str) -> int | None:
+        """How often the request was preempted; None when this engine does not hold it."""
+        seq = self._seqs.get(request_id)
+        return seq.num_preemptions if seq is not None else None
+
+    def preemption_counts(self) -> dict[str, int]:
+        """request id -> preemptions, for every request in scheduling order."""
+        from nitsum.engine import migration
+
+        return {s.request_id: s.num_preemptions for s in migration.sequences_in_order(self)}
+
+    def export_states(self) -> list[dict]:
+        """Every request's full state (msgpack-ready dicts), in scheduling order."""
+        from nitsum.engine import migration
+
+        return migration.export_states(self)
+
+    def snapshot_kv(self, group):
+        """Every request's block table and computed tokens (`kv.reshard.RequestKV`), as `group` holds them."""
+        from nitsum.engine import migration
+
+        return migration.snapshot_kv(self, group)
+
+    def install_states(self, states, placements) -> None:
+        """Adopt moved requests (`export_states` of the old engines) with the tables the plan chose."""
+        from nitsum.engine import migration
+
+        migration.install_states(self, states, placements)
 
     # -- stage-1 KV reuse: cached prefix blocks between engines ------------------------------------------
     def export_cached_blocks(self, block_hashes: list[int]):

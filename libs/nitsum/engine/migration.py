@@ -54,7 +54,7 @@ def export_state(engine: Any, seq: Sequence) -> dict[str, Any]:
         "status": seq.status.value,
         "preemptions": seq.num_preemptions,
         "generator": bytes(seq.generator.get_state().numpy().tobytes()) if seq.generator is not None else None,
-        "detok": [list(detok.token_ids), detok._prefix_offset, detok._read_offset] if detok is not None else None,
+        "detok": detok.export() if detok is not None else None,
         "text": seq.text,
         "emitted": seq.num_text_emitted,
         "prefill_target": engine.scheduler.prefill_target(seq.request_id),
@@ -93,7 +93,7 @@ def install_state(
         seq.generator = generator
     detok = IncrementalDetokenizer(engine.tokenizer)
     if state["detok"] is not None:
-        detok.token_ids, detok._prefix_offset, detok._read_offset = list(state["detok"][0]), *state["detok"][1:]
+        detok.restore(state["detok"])
     seq.detokenizer = detok
     status = Status(state["status"])
     has_kv = placement is not None and not placement.recompute and bool(placement.dst_block_ids)

@@ -13,7 +13,7 @@ import msgpack
 
 PLAN_KIND_STEP = "step"
 PLAN_KIND_SHUTDOWN = "shutdown"
-# A topology command (msgpack in `control`) every member runs at this step boundary, see engine/node.py.
+# A topology command (msgpack in `control`) every member runs at this step boundary, see nitsum.node.runtime.
 PLAN_KIND_CONTROL = "control"
 # Nothing to run: an idle leader sends it now and then so that peers waiting in a broadcast never hit
 # the process group's timeout.

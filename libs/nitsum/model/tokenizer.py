@@ -131,3 +131,10 @@ class IncrementalDetokenizer:
         full_text = self._tokenizer.decode(self.token_ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.token_ids)
         return full_text[len(prefix_text) :]
+
+    def export(self) -> list:
+        """[token ids, prefix offset, read offset]: what `restore` takes (a request moving to another engine)."""
+        return [list(self.token_ids), self._prefix_offset, self._read_offset]
+
+    def restore(self, state: list) -> None:
+        self.token_ids, self._prefix_offset, self._read_offset = list(state[0]), int(state[1]), int(state[2])

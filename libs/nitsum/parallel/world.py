@@ -210,6 +210,15 @@ class NodeWorld:
         if channel is not None:
             channel.abort()
 
+    def communicator_keys(self, keep: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+        """The (start, tp) of the pre-built process groups this rank holds, all but `keep` (TP=1 holds none)."""
+        return [key for key, pg in self._groups.items() if pg is not None and key != keep]
+
+    def drop_group(self, start: int, tp: int) -> None:
+        """Tear one pre-built group down on this rank: its channel, then its process group (after a peer loss)."""
+        self.drop_channel(start, tp)
+        dist.destroy_process_group(self._groups.pop((start, tp)))
+
     # -- node-level collectives ---------------------------------------------------------------------
     def all_gather_bytes(self, payload: bytes, start: int, tp: int) -> list[bytes]:
         """Every member's payload, in rank order, over the pre-built group [start, start + tp) (a TP level's

@@ -28,6 +28,10 @@ class Metrics:
             self._made[name] = metric
         return metric
 
+    def get(self, name: str, factory):
+        """The metric made under `name` (by `factory`, the first time): a service's own metrics."""
+        return self._get(name, factory)
+
     # request path (gateway and coordinator)
     def requests_total(self) -> Counter:
         return self._get("requests", lambda: Counter("nitsum_requests_total", "requests by tier and outcome", ["tier", "outcome"], registry=self.registry))

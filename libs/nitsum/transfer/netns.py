@@ -99,7 +99,7 @@ def run_plan(bed: Testbed, plan: list[dict[str, object]] | dict[str, object], po
     import sys
 
     py = python or sys.executable
-    mod = ["-m", "nitsum.transfer.testbed"]
+    mod = ["-m", "nitsum.bench.testbed"]
     rx = subprocess.Popen(
         [*bed.exec_prefix(bed.ns_b), py, *mod, "receive", "--host", bed.addr_b, "--port", str(port)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from nitsum.wire.messages import MESSAGE_TYPES
+from nitsum.wire.node import NODE_MESSAGE_TYPES
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024
 
@@ -44,7 +45,7 @@ class DecodeError(WireError):
 
 
 _BY_KIND: dict[str, type] = {}
-for _cls in MESSAGE_TYPES:
+for _cls in (*MESSAGE_TYPES, *NODE_MESSAGE_TYPES):
     assert _cls.KIND not in _BY_KIND, f"duplicate message kind {_cls.KIND!r}"
     _BY_KIND[_cls.KIND] = _cls
 

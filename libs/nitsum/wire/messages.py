@@ -85,7 +85,6 @@ class RunRequest:
     KIND: ClassVar[str] = "run"
     VERSION: ClassVar[int] = 1
     request: SubmitRequest
-    epoch: int = 0
     # P/D: run the prefill here, then hand the request (KV + state) to this decode worker.
     decode_worker: str = ""
     # KV reuse (stage 1): before prefilling, fetch these chained prefix-block hashes from `reuse_from`.

@@ -1,4 +1,4 @@
-"""Processes for the namespace testbed: `python -m nitsum.transfer.testbed receive|send ...`.
+"""Processes for the namespace testbed: `python -m nitsum.bench.testbed receive|send ...`.
 
 receive: a TcpTransferReceiver on --host/--port; prints "ready" once listening and serves until its
          stdin closes (so it never outlives the test that started it).
@@ -156,7 +156,7 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nitsum.transfer.testbed")
+    p = argparse.ArgumentParser(prog="python -m nitsum.bench.testbed")
     p.add_argument("mode", choices=("receive", "send", "replay"))
     p.add_argument("--host", required=True, help="receiver address (inside the namespaces)")
     p.add_argument("--port", type=int, required=True)

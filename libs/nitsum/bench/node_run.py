@@ -1,6 +1,6 @@
 """Run one worker of a node from argv and a scripted coordinator (tests and `nitsum bench reconfigure`).
 
-    python -m nitsum.engine.node_run --model-dir D --rank R --world-size N --master-port P \
+    python -m nitsum.bench.node_run --model-dir D --rank R --world-size N --master-port P \
         --script script.json --out out.json [--shm-dir DIR] [--num-kv-blocks 64] [--fail-prepare-epoch E]
         [--kv-path auto|shm|tcp|p2p] [--precopy-chunk-bytes N] [--host-id H] [--fail-kv-connect-epoch E]
         [--fail-kv-chunk-epoch E ...]
@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from nitsum.engine import kv_segment
-from nitsum.engine.node import NodeCommand, NodeRuntime
-from nitsum.engine.precopy import DEFAULT_CHUNK_BYTES
+from nitsum.node import kv_segment
+from nitsum.node.runtime import NodeCommand, NodeRuntime
+from nitsum.node.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.engine.params import EngineConfig, SamplingParams
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader
@@ -49,7 +49,7 @@ IDLE_SLEEP_S = 0.002
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nitsum.engine.node_run")
+    parser = argparse.ArgumentParser(prog="python -m nitsum.bench.node_run")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     def check(label: str) -> None:
         # A commit leaves the new cache's page reservation running (it is off the pause); its descriptor is
         # closed once that is done, which is what the fd count below checks.
-        runtime._reap_reservations(wait=True)
+        runtime.reap_reservations(wait=True)
         params = list(runtime.runner.model.parameters())
         report["checks"].append({
             "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],
@@ -150,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
             if not runtime.is_leader:
                 continue  # it became a peer at this tick's commit
             if runtime.precopy_pending:  # one round of this group's pre-copy, then this tick's step
-                epoch = runtime._prepared.epoch
+                epoch = runtime.prepared_epoch
                 sent = runtime.precopy(wait_build=True)
                 report["precopy_rounds"].append([tick, epoch, sent])
                 done = runtime.take_prepare_ack()
                 if done is not None:
                     _record_ack(report, tick, done)
             # A token's index in its stream, from the engine's own count (moved along with the request).
-            emitted = {rid: seq.num_output_tokens for rid, seq in runtime.engine._seqs.items()}
+            emitted = runtime.engine.num_output_tokens()
             outputs = runtime.step()
             now = time.time()
             for out in outputs:
@@ -177,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             report["final"] = {"free": stats.num_kv_blocks_free, "total": stats.num_kv_blocks_total}
         report["final_group"] = [runtime.group.start, runtime.group.tp]
         report["end_bytes_read"] = loader.bytes_read
-        report["bytes_by_path"] = dict(runtime.bytes_by_path)
-        report["planned_by_path"] = dict(runtime.planned_by_path)
-        report["kv_pairs"] = [list(p) for p in runtime.kv_pairs]
-        report["kv_tos"] = list(runtime.kv_tos)
+        report["bytes_by_path"] = dict(runtime.counters.bytes_by_path)
+        report["planned_by_path"] = dict(runtime.counters.planned_by_path)
+        report["kv_pairs"] = [list(p) for p in runtime.counters.kv_pairs]
+        report["kv_tos"] = list(runtime.counters.kv_tos)
         report["epoch"] = runtime.epoch
         world.barrier()
         report["end_kv_segments"] = kv_segment.leftovers(runtime.node_tag)

@@ -209,10 +209,10 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     if any(a == "--device" or a.startswith("--device=") for a in argv):
-        from nitsum.model import bench_device  # one accelerator: the ~1B bf16 benchmark (docs/BENCHMARKS.md "GPU")
+        from nitsum.bench import engine_device  # one accelerator: the ~1B bf16 benchmark (docs/BENCHMARKS.md "GPU")
 
-        return bench_device.main(argv)
-    from nitsum.engine import bench_trace
+        return engine_device.main(argv)
+    from nitsum.bench import engine_trace as bench_trace
 
     parser = argparse.ArgumentParser(prog="nitsum bench engine", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens, tiny model only")

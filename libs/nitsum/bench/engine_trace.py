@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nitsum.engine.bench import Stopwatch, keep_best, rates, ratio_cells
+from nitsum.bench.engine import Stopwatch, keep_best, rates, ratio_cells
 from nitsum.engine.engine import Engine
 from nitsum.engine.params import SamplingParams
 from nitsum.workloads import default_trace_path, read_azure

@@ -1,6 +1,6 @@
 """Run one rank of a tensor-parallel engine group from argv (ranks are separate processes).
 
-    python -m nitsum.engine.tp_run --model-dir D --rank R --world-size N --master-port P \
+    python -m nitsum.bench.tp_run --model-dir D --rank R --world-size N --master-port P \
         [--master-addr 127.0.0.1] [--prompt-ids 1,2,3] [--max-tokens 64] [--out result.json]
 
 Rank 0 leads: it generates greedily for the prompt and writes {"tokens": [...], "logits": [[...], ...]}
@@ -20,7 +20,7 @@ from nitsum.parallel import init_tp_group
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nitsum.engine.tp_run")
+    parser = argparse.ArgumentParser(prog="python -m nitsum.bench.tp_run")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)

@@ -538,7 +538,7 @@ class KvLink:
         self.flow_id = flow_id(epoch, src, dst)
         self.dscp = dscp  # the class of the connection opened with the link
         self.conns: dict[int, _ClassConn] = {}  # DSCP -> connection
-        self.on_open = on_open  # told the TOS of every connection opened (NodeRuntime.kv_tos)
+        self.on_open = on_open  # told the TOS of every connection opened (KvCounters.kv_tos)
         self.chunks = 0
         self.broken = ""  # why this link failed (then nothing more is sent on it)
         self._open(dscp, timeout_s)
@@ -665,7 +665,7 @@ class KvLink:
 
 class KvLinks:
     """A source's links of one epoch, one per destination on another host (each a connection per class).
-    `on_open` is told the IP_TOS of every connection opened, in prepare or later (NodeRuntime.kv_tos)."""
+    `on_open` is told the IP_TOS of every connection opened, in prepare or later (KvCounters.kv_tos)."""
 
     def __init__(self, on_open: Callable[[int], None] | None = None) -> None:
         self.links: dict[int, KvLink] = {}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from nitsum.engine import kv_segment
+from nitsum.node import kv_segment
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 # Resolved modes: "shm" (one-sided: shared memory between workers of a host, TCP across hosts), "tcp"

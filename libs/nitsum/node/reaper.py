@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("nitsum.engine.reaper")
+log = logging.getLogger("nitsum.node.reaper")
 
 MADV_DONTNEED = 4
 MADV_REMOVE = 9  # Linux: free the backing store of a shared mapping (tmpfs / shmem) -- a hole punch

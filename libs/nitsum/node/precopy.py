@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nitsum.engine.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
+from nitsum.transfer.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
 from nitsum.kv.reshard import Transfer
 from nitsum.transfer.framing import TransferError
 
@@ -153,6 +153,15 @@ class PreCopy:
             left = [c for c in range(len(f.chunks)) if (f.index, c) not in self.done]
             if left:
                 items.append((f.index, left[0]))
+        return items
+
+    def next_items_of(self, indices: Iterable[int]) -> list[tuple[int, int]]:
+        """The next undone chunk of each of these flows that has one left (the flows a permit allows)."""
+        items = []
+        for i in indices:
+            left = [c for c in range(len(self.flow(i).chunks)) if (i, c) not in self.done]
+            if left:
+                items.append((i, left[0]))
         return items
 
     def run(self, items: Iterable[tuple[int, int]], classes: Mapping[int, int] | None = None,

@@ -1,0 +1,115 @@
+"""Node-world messages: what the workers of one node world send each other over its collectives.
+
+They never cross NATS: a topology command travels inside a control step plan (leader -> peers), the rest
+are the payloads of a transition span's all-gathers. Each is a frozen dataclass with a kind tag and a schema
+version, encoded by `nitsum.wire.codec` like every bus message. Pairs such as (start, tp) travel as
+`tuple[int, ...]` of length 2 (the codec carries `tuple[T, ...]` only); `__post_init__` checks the length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
+
+
+def group_id_of(node_id: str, start: int, tp: int) -> str:
+    """The id of a node's TP group [start, start + tp): what a worker reports in WorkerStats.group_id and the
+    coordinator assigns in GroupAssignment.group_id (both sides call this one function)."""
+    return f"{node_id}-g{start}-tp{tp}"
+
+
+def _pairs(name: str, value: tuple[tuple[int, ...], ...]) -> None:
+    for pair in value:
+        if len(pair) != 2:
+            raise ValueError(f"{name}: every entry is a pair, got {pair!r}")
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """A topology command as it travels inside a control step plan."""
+
+    KIND: ClassVar[str] = "node_command"
+    VERSION: ClassVar[int] = 1
+
+    kind: str
+    epoch: int
+    groups: tuple[tuple[int, ...], ...] = ()  # prepare: the new topology as (start, tp) pairs
+    chunks: tuple[tuple[int, ...], ...] = ()  # precopy: (flow index, chunk index) items to run now
+    # precopy: (flow index, DSCP of its permit's level); a flow not here goes across hosts at the lowest level's
+    classes: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMMAND_KINDS:
+            raise ValueError(f"unknown node command {self.kind!r}")
+        for name in ("groups", "chunks", "classes"):
+            _pairs(name, getattr(self, name))
+            object.__setattr__(self, name, tuple((int(a), int(b)) for a, b in getattr(self, name)))
+
+    def encode(self) -> bytes:
+        from nitsum.wire import codec
+
+        return codec.encode(self)
+
+    @staticmethod
+    def decode(payload: bytes) -> NodeCommand:
+        from nitsum.wire import codec
+
+        return codec.decode(payload, NodeCommand)
+
+
+@dataclass(frozen=True)
+class KvEntry:
+    """One request's KV as an old group's leader holds it (`kv.reshard.RequestKV` on the wire)."""
+
+    KIND: ClassVar[str] = "node_kv_entry"
+    VERSION: ClassVar[int] = 1
+
+    request_id: str
+    start: int
+    tp: int
+    num_computed_tokens: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrepareShare:
+    """Prepare's exchange: whether this worker can take the epoch, its old group's block tables (its leader
+    only) and the handle of its new cache when that is a recycled arena ("" otherwise)."""
+
+    KIND: ClassVar[str] = "node_prepare_share"
+    VERSION: ClassVar[int] = 1
+
+    ok: bool
+    reason: str
+    requests: tuple[KvEntry, ...] = ()
+    handle: str = ""
+
+
+@dataclass(frozen=True)
+class CommitShare:
+    """Commit's exchange: an old leader's request states (`Engine.export_states`, msgpack), the span's block
+    tables, its step id, the requests preempted since prepare, and a build or pre-copy error ("" if none)."""
+
+    KIND: ClassVar[str] = "node_commit_share"
+    VERSION: ClassVar[int] = 1
+
+    states: bytes
+    requests: tuple[KvEntry, ...]
+    step_id: int
+    invalid: tuple[str, ...]
+    error: str
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """A span's agreement round after mapping / moving: this worker's problem ("" when none)."""
+
+    KIND: ClassVar[str] = "node_agreement"
+    VERSION: ClassVar[int] = 1
+
+    problem: str = ""
+
+
+NODE_MESSAGE_TYPES: tuple[type, ...] = (NodeCommand, KvEntry, PrepareShare, CommitShare, Agreement)
