@@ -164,6 +164,7 @@ class FlowClusterSim:
         self.bytes_by_stage: dict[str, float] = {s.value: 0.0 for s in Stage}
         self.link_bytes: dict[str, float] = {}
         self.pruned: list[str] = []
+        self.last_ms = 0.0  # the last flow completion or batch end
 
     # -- costs ---------------------------------------------------------------------------------------------
     def compute_block_ms(self, tokens: int, context: int, batch: int) -> float:
@@ -306,6 +307,7 @@ class FlowClusterSim:
 
     def _flow_done(self, sim: Simulator, flow: Any, now: float) -> list[Event]:
         fid = flow.fid
+        self.last_ms = max(self.last_ms, now)
         self.sched.on_complete(fid, now)
         u, block, stage, r = self.flow_meta.pop(fid)
         self._account(flow, stage)
@@ -426,6 +428,7 @@ class FlowClusterSim:
 
     def _finish_unit(self, u: _Unit) -> list[Event]:
         now = self.sim.now_ms
+        self.last_ms = max(self.last_ms, now)
         self.sched.on_unit_done(u.uid, now)
         for r in u.reqs:
             if r.error is not None:
@@ -449,7 +452,7 @@ class FlowClusterSim:
                                  output_tokens=1, prompt_tokens=r.prompt, error=r.error) for r in self.reqs]
         span_s = max((self.workload[-1].arrival_ms if self.workload else 0.0) / 1000.0, 1e-3)
         report = summarize(records, duration_s=span_s)
-        busy_ms = max([span_s * 1000.0] + [r.done_ms for r in self.reqs if r.done_ms is not None])
+        busy_ms = max(span_s * 1000.0, self.last_ms)
         nonneg = [e for e in self.earliness_ms if e >= 0]
         return {"scheduler": self.name, "report": report, "records": records,
                 "cct_ms": Distribution.of(self.cct_ms), "earliness_ms": Distribution.of(nonneg),
@@ -459,7 +462,7 @@ class FlowClusterSim:
                 "pruned": len(self.pruned), "bottleneck": self.bottleneck(busy_ms)}
 
     def bottleneck(self, span_ms: float) -> dict[str, float]:
-        """Where the time and the bytes went, from 0 to the last first token: instance time computing / stalled on
+        """Where the time and the bytes went, from 0 to the last batch end or transfer: instance time computing / stalled on
         stage-1 fetches / stalled in stage-2 all-to-alls, and link utilisation (mean over the prefill
         servers' uplinks by stage, and the busiest link)."""
         c = self.config

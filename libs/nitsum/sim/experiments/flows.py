@@ -73,7 +73,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
         md.append(f"- {s}: RMLQ / best baseline TTFT SLO attainment at the highest rate {_f(h['ratio_at_max_rate'])}x, "
                   f"best over the sweep {_f(h['best_ratio'])}x at {h['at_rate']} req/s/GPU; RMLQ / best baseline "
                   f"mean CCT at the highest rate {_f(h['cct_ratio_at_max_rate'])}")
-    md += ["", "Where the time and bytes go (fractions of instance time / of uplink capacity, 0 to the last first token):",
+    md += ["", "Where the time and bytes go (fractions of instance time / of uplink capacity, 0 to the last batch end or transfer):",
            "", md_table(rows, ["setup", "scheduler", "per_gpu_rate_rps", *BOTTLENECK_COLS]), "",
            md_table(rows, ["setup", "scheduler", "per_gpu_rate_rps", "requests", "ttft_slo_attainment", "pruned",
                            "ttft_p50_ms", "ttft_p99_ms", "cct_mean_ms", "cct_p99_ms", "earliness_mean_ms"]),
