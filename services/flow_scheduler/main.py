@@ -16,9 +16,11 @@ Live inputs (ALGORITHMS.md §2.4):
   Promotions it causes are pushed at once.
 - Overload pruning on every batch arrival and departure (a submit that opens a unit, the last completion of
   one): RMLQ's worst-case feasibility check over σ, each request's delay = its flows' remaining bytes over
-  their bottleneck's residual bandwidth. A pruned request's flows get a FlowPermit with pruned=True and code
-  "overload_pruned" (the agent stops them), later flows of it are answered the same way, and a FlowPruned
-  goes to the gateways (subject flow_pruned) so that the request is retried; nothing is dropped silently.
+  their bottleneck's residual bandwidth (TP migrations are never pruned). A pruned request's flows get a
+  FlowPermit with pruned=True, code "overload_pruned", at the lowest level (an agent should stop them; one
+  that does not yet sends them where they disturb nothing), later flows of it are answered the same way, and
+  a FlowPruned goes to the gateways (subject flow_pruned) so that the request is retried; nothing is dropped
+  silently.
 Counters: `nitsum_flow_permits_total{stage,level}`, `nitsum_flow_bytes_total{stage}`,
 `nitsum_flow_promotions_total{stage}`, `nitsum_flow_pruned_total{stage}` (flows refused a permit).
 """
@@ -88,7 +90,12 @@ class FlowService:
         return FlowPermit(flow_id=flow_id, level=level, dscp=self.dscp.get(level, 0))
 
     def _refusal(self, flow_id: str, stage: str, reason: str, code: str) -> FlowPermit:
+        """Invalid: level 0. Pruned: the lowest level and its DSCP, so that an agent that does not stop a
+        pruned flow yet still sends it where it disturbs nothing (and never mistakes it for a promotion)."""
         self._count("flow_pruned", "nitsum_flow_pruned_total", "flows refused a permit (invalid or pruned)", stage)
+        if code == PRUNED_CODE:
+            lowest = self.scheduler.num_levels
+            return FlowPermit(flow_id, lowest, self.dscp.get(lowest, 0), pruned=True, reason=reason, code=code)
         return FlowPermit(flow_id=flow_id, level=0, dscp=0, pruned=True, reason=reason, code=code)
 
     def _count(self, key: str, name: str, doc: str, stage: str) -> None:
@@ -137,7 +144,9 @@ class FlowService:
         """A permit as it stands after pruning (a flow pruned meanwhile is refused, not permitted)."""
         rid = self.request_of.get(permit.flow_id)
         if not permit.pruned and rid is not None and rid in self.pruned_requests:
-            return FlowPermit(permit.flow_id, 0, 0, pruned=True, reason=self.pruned_requests[rid], code=PRUNED_CODE)
+            lowest = self.scheduler.num_levels
+            return FlowPermit(permit.flow_id, lowest, self.dscp.get(lowest, 0), pruned=True,
+                              reason=self.pruned_requests[rid], code=PRUNED_CODE)
         return permit
 
     def submit_one(self, msg: FlowSubmit) -> tuple[FlowPermit, bool]:

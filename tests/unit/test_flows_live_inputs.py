@@ -155,14 +155,18 @@ async def test_overload_pruning_answers_a_coded_retryable_message_and_refuses_la
         assert note.code == PRUNED_CODE and note.retryable and note.reason
         victim = {"r1": "k1", "r2": "k2"}[note.request_id]
         assert note.flow_ids == (victim,)
+        lowest = (8, DSCP_TABLE[8])  # a pruned flow's permit: the lowest class, never mistaken for a promotion
         answered = p2 if victim == "k2" else None
         if answered is not None:
             assert answered.pruned and answered.code == PRUNED_CODE  # the submit that caused it is answered so
+            assert (answered.level, answered.dscp) == lowest
         else:
             await live.wait_for(lambda: any(q.flow_id == victim and q.pruned for q in live.permits))
+            (q,) = [q for q in live.permits if q.flow_id == victim]
+            assert (q.level, q.dscp, q.code) == (*lowest, PRUNED_CODE)
         (later,) = await live.submit(FlowSubmit("k9", note.request_id, "u9", "3", 1, "w0", "w1", deadline_unix_ms=dl,
                                                 src_host="a", dst_host="d1"))
-        assert later.pruned and later.code == PRUNED_CODE
+        assert later.pruned and later.code == PRUNED_CODE and (later.level, later.dscp) == lowest
         survivor = "k1" if victim == "k2" else "k2"
         await live.bus.publish("nitsum.flow.done", FlowCompletion(survivor, True, GB))
         await live.bus.flush()
