@@ -137,13 +137,12 @@ class FlowService:
             new_unit = new_unit or opened
         if new_unit:  # a batch arrived: the feasibility check
             await self._prune(_now_ms())
-            permits = [self._current(p) for p in permits]
+            permits = [self._current(p, f.request_id) for p, f in zip(permits, flows)]
         return FlowPermitBatch(tuple(permits)) if isinstance(msg, FlowSubmitBatch) else permits[0]
 
-    def _current(self, permit: FlowPermit) -> FlowPermit:
+    def _current(self, permit: FlowPermit, rid: str) -> FlowPermit:
         """A permit as it stands after pruning (a flow pruned meanwhile is refused, not permitted)."""
-        rid = self.request_of.get(permit.flow_id)
-        if not permit.pruned and rid is not None and rid in self.pruned_requests:
+        if not permit.pruned and rid in self.pruned_requests:
             lowest = self.scheduler.num_levels
             return FlowPermit(permit.flow_id, lowest, self.dscp.get(lowest, 0), pruned=True,
                               reason=self.pruned_requests[rid], code=PRUNED_CODE)

@@ -178,3 +178,21 @@ async def test_overload_pruning_answers_a_coded_retryable_message_and_refuses_la
             await asyncio.sleep(0.02)
         assert 'nitsum_flow_bytes_total{stage="3"} 1e+09' in text
         assert 'nitsum_flow_pruned_total{stage="3"} 2.0' in text  # the victim's flow and the refused later one
+
+
+async def test_a_batch_that_cannot_make_its_deadline_is_answered_pruned_in_its_own_reply(nats_server):
+    """A prefix fetch submitted after its request's TTFT deadline: the check on its arrival prunes it, and the
+    submit's own reply says so (lowest class, code overload_pruned); the gateways get the FlowPruned."""
+    async with _Live(nats_server.url) as live:
+        late = _now() - 100.0
+        permits = await live.submit(*(FlowSubmit(f"late.reuse.{layer}", "late", "late", "1", 4096, "w0", "w1",
+                                                 target_layer=layer, deadline_unix_ms=late,
+                                                 request_deadlines_unix_ms=(late,)) for layer in range(4)))
+        assert [(p.flow_id, p.pruned, p.code, p.level) for p in permits] == [
+            (f"late.reuse.{layer}", True, PRUNED_CODE, 8) for layer in range(4)]
+        await live.wait_for(lambda: live.pruned)
+        assert [(n.request_id, n.code, len(n.flow_ids)) for n in live.pruned] == [("late", PRUNED_CODE, 4)]
+        # an on-time request next to it is permitted as usual
+        (ok,) = await live.submit(FlowSubmit("ok.reuse.0", "ok", "ok", "1", 4096, "w0", "w1", target_layer=0,
+                                             request_deadlines_unix_ms=(_now() + 5000.0,)))
+        assert not ok.pruned and ok.level == 2
