@@ -202,3 +202,35 @@ def test_overloaded_cluster_prunes_with_a_clear_error_and_loses_nothing():
     # baselines never prune
     base = FlowClusterSim("fs", c, reqs).run(drain_ms=60_000.0)
     assert base["pruned"] == 0 and base["report"].overall.errors == {}
+
+
+def test_a_trace_window_with_a_warm_cache_keeps_the_traces_reuse():
+    """The experiment's workload: trace rows from the middle on, in order, the rows before it already cached.
+    The reuse the simulator finds equals the leading-block reuse counted straight from the trace."""
+    from nitsum.sim.experiments.flows import windowed
+    from nitsum.workloads import default_trace_path, read_mooncake
+
+    trace = read_mooncake(default_trace_path("mooncake-conv", prefer_excerpt=True))
+    start = len(trace) // 2
+    reqs = windowed(trace, start, 20.0, 3.0, seed=1)
+    assert [r.prefix_hash_ids for r in reqs] == [t.prefix_hash_ids for t in trace[start:start + len(reqs)]]
+    assert all(b.arrival_ms > a.arrival_ms for a, b in zip(reqs, reqs[1:]))
+    c = FlowClusterConfig(num_servers=16, prune=False)
+    sim = FlowClusterSim("fs", c, reqs, warm=trace[:start])
+    res = sim.run()
+    seen: set[int] = set()
+    cached = prompt = 0
+    for i, t in enumerate(trace[:start + len(reqs)]):
+        p = min(t.prompt_tokens, c.max_prompt_tokens)
+        hashes = t.prefix_hash_ids[: -(-p // 512)]
+        lead = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            lead += 1
+        seen.update(hashes)
+        if i >= start:
+            cached += min(lead * 512, p - 1)
+            prompt += p
+    assert res["reuse_ratio"] == pytest.approx(cached / prompt, abs=1e-9)
+    assert res["reuse_ratio"] > 0.05  # the 300-row excerpt: 12 % of its second half is a cached prefix

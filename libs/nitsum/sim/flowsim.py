@@ -23,6 +23,8 @@ Model (coarse on purpose, so 256 servers run on one core):
   at TP; A100 table by default).
 - KV reuse: Mooncake hash_ids (512-token blocks); a block lives on the server that first computed it
   (unlimited cache); a request's leading cached blocks are fetched from there unless its instance has them.
+  `warm`: earlier trace requests whose KV is already placed (see `_warm_cache`), so a window of a trace keeps
+  the trace's reuse ratio.
 - TTFT SLO of a request = `slo_factor` x its TTFT on an idle cluster (compute + transfers at full rate).
 - Overload pruning (`prune=True`): on every batch start and departure the scheduler's `prune` runs once per
   source server of the instance, over the requests with flows leaving it (delay = their remaining bytes at
@@ -123,7 +125,8 @@ class _FReq:
 
 
 class FlowClusterSim:
-    def __init__(self, scheduler: str, config: FlowClusterConfig, workload: list[TraceRequest]) -> None:
+    def __init__(self, scheduler: str, config: FlowClusterConfig, workload: list[TraceRequest],
+                 warm: list[TraceRequest] | tuple = ()) -> None:
         c = self.config = config
         self.name = scheduler
         self.model: ModelSpec = moe_spec(c.model)
@@ -165,6 +168,29 @@ class FlowClusterSim:
         self.link_bytes: dict[str, float] = {}
         self.pruned: list[str] = []
         self.last_ms = 0.0  # the last flow completion or batch end
+        self._warm_cache(warm)
+
+    def _warm_cache(self, warm: list[TraceRequest] | tuple) -> None:
+        """Place the KV of earlier trace requests as a KV-aware router would have: a request whose leading
+        block is cached continues on that block's server, any other starts on the next prefill server."""
+        servers = [s for inst in self.instances for s in inst.servers]
+        nxt = 0
+        for t in warm:
+            hashes = t.prefix_hash_ids[: math.ceil(min(t.prompt_tokens, self.config.max_prompt_tokens) / MOONCAKE_BLOCK_TOKENS)]
+            if not hashes:
+                continue
+            owner = self.block_owner.get(hashes[0])
+            if owner is None:
+                owner = servers[nxt % len(servers)]
+                nxt += 1
+            for h in hashes:
+                self.block_owner.setdefault(h, owner)
+
+    def reuse(self) -> dict[str, float]:
+        """Cached prefix tokens / prompt tokens of the workload, and the part of them fetched from elsewhere."""
+        prompt = sum(r.prompt for r in self.reqs) or 1
+        return {"reuse_ratio": sum(r.cached for r in self.reqs) / prompt,
+                "fetched_ratio": sum(r.cached for r in self.reqs if r.holder is not None) / prompt}
 
     # -- costs ---------------------------------------------------------------------------------------------
     def compute_block_ms(self, tokens: int, context: int, batch: int) -> float:
@@ -459,7 +485,7 @@ class FlowClusterSim:
                 "cct_samples": self.cct_ms, "earliness_samples": nonneg,
                 "events": self.sim.events_run, "sim_ms": self.sim.now_ms, "wall_s": self.sim.wall_s,
                 "flows": self.net.flows_done, "reallocations": self.net.reallocations,
-                "pruned": len(self.pruned), "bottleneck": self.bottleneck(busy_ms)}
+                "pruned": len(self.pruned), "bottleneck": self.bottleneck(busy_ms), **self.reuse()}
 
     def bottleneck(self, span_ms: float) -> dict[str, float]:
         """Where the time and the bytes went, from 0 to the last batch end or transfer: instance time computing / stalled on
