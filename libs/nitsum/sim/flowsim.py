@@ -28,9 +28,9 @@ Model (coarse on purpose, so 256 servers run on one core):
 - TTFT SLO of a request = `slo_factor` x its TTFT on an idle cluster (compute + transfers at full rate).
 - Overload pruning (`prune=True`): on every batch start and departure the scheduler's `prune` runs once per
   source server of the instance, over the requests with flows leaving it (delay = their remaining bytes at
-  the link rate + the remaining compute of their unit when it is still computing). A pruned request's flows
-  are withdrawn, it leaves its batch and ends with error "pruned" (a miss; the live service answers it with
-  a retryable code). Only RMLQ prunes; the baselines' `prune` returns nothing.
+  the link rate; a unit still computing adds its remaining compute once, shared by its requests). A pruned
+  request's flows are withdrawn, it leaves its batch and ends with error "pruned" (a miss; the live service
+  answers it with a retryable code). Only RMLQ prunes; the baselines' `prune` returns nothing.
 Not modelled: decode, link load rho (0), packet effects, expert-load imbalance, same-server expert dedup.
 """
 
@@ -374,10 +374,16 @@ class FlowClusterSim:
                 if r is None:
                     continue
                 est[r.rid] = est.get(r.rid, 0.0) + self.net.remaining_bytes(fid, now) / bw
-            for rid in list(est):
+            # a unit still computing adds its remaining compute once: shared by its requests in this check
+            by_unit: dict[str, list[str]] = {}
+            for rid in est:
                 r = self.reqs[int(rid[1:])]
                 if r.unit is not None and r.unit.uid in self.units:
-                    est[rid] += self._unit_remaining_ms(r.unit, now)
+                    by_unit.setdefault(r.unit.uid, []).append(rid)
+            for uid, rids in by_unit.items():
+                share = self._unit_remaining_ms(self.units[uid], now) / len(rids)
+                for rid in rids:
+                    est[rid] += share
             if est:
                 victims.extend(self.sched.prune(now, est))
         events: list[Event] = []
