@@ -15,8 +15,8 @@ Live inputs (ALGORITHMS.md §2.4):
   requests' TTFT deadlines (RED, σ), its flows' remaining bytes, and `done` (stage-3 flows go on the timer).
   Promotions it causes are pushed at once.
 - Overload pruning on every batch arrival and departure (a submit that opens a unit, the last completion of
-  one): RMLQ's worst-case feasibility check over σ, each request's delay = its flows' remaining bytes over
-  their bottleneck's residual bandwidth (TP migrations are never pruned). A pruned request's flows get a
+  one): RMLQ's worst-case feasibility check over σ, once per source link, each request's delay = its flows'
+  remaining bytes there over their bottleneck's residual bandwidth (TP migrations are never pruned). A pruned request's flows get a
   FlowPermit with pruned=True, code "overload_pruned", at the lowest level (an agent should stop them; one
   that does not yet sends them where they disturb nothing), later flows of it are answered the same way, and
   a FlowPruned goes to the gateways (subject flow_pruned) so that the request is retried; nothing is dropped
@@ -236,17 +236,22 @@ class FlowService:
 
     # ---- pruning ----------------------------------------------------------------------------------
     async def _prune(self, now: float) -> None:
+        """The worst-case check once per source link: the requests whose flows leave through it, each delayed
+        by its remaining bytes there over the link's residual bandwidth, walked in σ (flows on different
+        uplinks do not queue behind each other, so one global walk would prune far too much)."""
         sched = self.scheduler
-        est: dict[str, float] = {}
+        per_link: dict[str, dict[str, float]] = {}
         for fid, rid in self.request_of.items():
             st = sched.state(fid)
             if st is None or st.pruned or st.stage is Stage.MIGRATION:
                 continue  # a TP migration is never pruned: its cutover waits for it
-            bps = min(self.link_bps[l] * (1.0 - self.rho.get(l, 0.0)) for l in self.paths[fid])
+            path = self.paths[fid]
+            bps = min(self.link_bps[l] * (1.0 - self.rho.get(l, 0.0)) for l in path)
+            est = per_link.setdefault(path[0], {})
             est[rid] = est.get(rid, 0.0) + st.remaining_bytes * 8.0 / bps * 1000.0
-        if not est:
-            return
-        victims = sched.prune(now, est)
+        victims: list[str] = []
+        for link in sorted(per_link):
+            victims.extend(r for r in sched.prune(now, per_link[link]) if r not in victims)
         bus = self.ctx.bus
         for rid in victims:
             reason = "pruned: its transfers cannot meet its TTFT deadline under the current load"

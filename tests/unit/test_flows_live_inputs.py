@@ -196,3 +196,15 @@ async def test_a_batch_that_cannot_make_its_deadline_is_answered_pruned_in_its_o
         (ok,) = await live.submit(FlowSubmit("ok.reuse.0", "ok", "ok", "1", 4096, "w0", "w1", target_layer=0,
                                              request_deadlines_unix_ms=(_now() + 5000.0,)))
         assert not ok.pruned and ok.level == 2
+
+
+async def test_flows_on_different_uplinks_do_not_queue_behind_each_other_in_the_check(nats_server):
+    """The overload case above, but the two transfers leave through two hosts' NICs: both fit, none is pruned."""
+    async with _Live(nats_server.url, flow_link_gbps=("a=10", "b=10")) as live:
+        dl = _now() + 1000.0
+        for i, host in ((1, "a"), (2, "b")):
+            (p,) = await live.submit(FlowSubmit(f"k{i}", f"r{i}", f"u{i}", "3", GB, "w0", "w1", deadline_unix_ms=dl,
+                                                request_deadlines_unix_ms=(dl,), src_host=host, dst_host=f"d{i}"))
+            assert not p.pruned
+        await asyncio.sleep(0.2)
+        assert live.pruned == [] and not any(q.pruned for q in live.permits)
