@@ -234,3 +234,22 @@ def test_a_trace_window_with_a_warm_cache_keeps_the_traces_reuse():
             prompt += p
     assert res["reuse_ratio"] == pytest.approx(cached / prompt, abs=1e-9)
     assert res["reuse_ratio"] > 0.05  # the 300-row excerpt: 12 % of its second half is a cached prefix
+
+
+def test_the_scheduler_learns_each_flows_remaining_bytes():
+    """MLU, SJF sizes and Karuna's rates are computed on what a flow has left: the sim reports progress."""
+    import math as _math
+
+    sim = FlowClusterSim("rmlq", FlowClusterConfig(num_servers=8, prune=False), _burst(2, 16_384))
+    seen: list[tuple[int, float, int]] = []
+
+    def probe(s, _):
+        for fid, f in sim.net.flows.items():
+            st = sim.sched.state(fid)
+            seen.append((st.remaining_bytes, f.size, _math.ceil(sim.net.remaining_bytes(fid, s.now_ms))))
+        return [(s.now_ms + 1.0, probe, None)] if s.now_ms < 5_000 else []
+
+    sim.sim.schedule(0.5, probe, None)
+    sim.run()
+    assert any(rem < size for rem, size, _ in seen)
+    assert all(rem >= on_wire for rem, _, on_wire in seen)  # never ahead of the network

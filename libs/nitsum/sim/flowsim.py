@@ -323,7 +323,14 @@ class FlowClusterSim:
         return events
 
     def _refresh(self, sim: Simulator, _: Any) -> list[Event]:
+        """Every `refresh_ms`: the scheduler learns each flow's remaining bytes (the transfer agents' progress
+        reports: MLU, SJF sizes and Karuna's rates are computed on what is left, not on the submitted size),
+        then its timers run and the network takes the new keys."""
         self._refresh_scheduled = False
+        now = sim.now_ms
+        net, sched = self.net, self.sched
+        for fid in net.flows:
+            sched.on_progress(fid, math.ceil(net.remaining_bytes(fid, now)), now)
         return self._commit()
 
     def _account(self, flow: Any, stage: Stage) -> None:
