@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, RmlqConfig, RmlqScheduler, Stage
 from nitsum.sim.engine import Simulator

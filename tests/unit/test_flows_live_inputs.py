@@ -10,7 +10,6 @@ import time
 from contextlib import AsyncExitStack
 
 import pytest
-
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig, ConfigError, FlowSchedulerConfig, load
 from nitsum.policy.flows import DSCP_TABLE
@@ -114,7 +113,7 @@ async def test_layer_progress_promotes_a_reuse_fetch_and_pushes_the_permit(nats_
         for layer, level in ((1, 5), (3, 3), (4, 2)):
             await live.bus.publish("nitsum.flow.progress", LayerProgress("u1", layer, (dl,),
                                                                          (FlowProgress("fetch", 1 << 19),)))
-            await live.wait_for(lambda: any(q.level == level for q in live.permits))
+            await live.wait_for(lambda level=level: any(q.level == level for q in live.permits))
         assert [(q.flow_id, q.level, q.dscp) for q in live.permits] == [
             ("fetch", 5, DSCP_TABLE[5]), ("fetch", 3, DSCP_TABLE[3]), ("fetch", 2, DSCP_TABLE[2])]
         # a report of more bytes than the flow has left is ignored (never a demotion, never an error)

@@ -44,11 +44,16 @@ def windowed(trace: list[TraceRequest], start: int, rate_per_s: float, duration_
     return out
 
 
-def run(out: Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
+def run(out: Path, quick: bool = False, seed: int = 0, nics_per_server: int = 8,
+        only_setups: tuple[str, ...] = (), only_workloads: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The sweep; `nics_per_server` (8 in the paper) and the `only_*` filters are for sensitivity runs
+    (`python -m nitsum.sim.experiments.flows --help`)."""
     if quick:
         servers, rates, duration_s, setups, loads = 16, (0.02, 0.1), 2.0, ("mixtral-tp4-ep8",), ("conversation",)
     else:
         servers, rates, duration_s, setups, loads = 64, (0.02, 0.05, 0.1, 0.2), 6.0, tuple(PAPER_SETUPS), tuple(WORKLOADS)
+    setups = only_setups or setups
+    loads = only_workloads or loads
     traces = {}
     for load in loads:
         path = default_trace_path(WORKLOADS[load][0])
@@ -58,7 +63,8 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for load, setup_name in ((w, s) for w in loads for s in setups):
         setup = PAPER_SETUPS[setup_name]
-        config = FlowClusterConfig(num_servers=servers, model=setup.model, tp=setup.tp, ep=setup.ep)
+        config = FlowClusterConfig(num_servers=servers, model=setup.model, tp=setup.tp, ep=setup.ep,
+                                   nics_per_server=nics_per_server)
         trace = traces[load][1]
         start = int(len(trace) * WORKLOADS[load][1])
         for rate in rates:
@@ -90,12 +96,12 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
     for load, setup in ((w, s) for w in loads for s in setups):
         panels.append({"xlabel": f"{load} {setup}: req/s per GPU", "ylabel": "TTFT SLO attainment",
                        "series": series(load, setup, "ttft_slo_attainment")})
-    plot_lines(out / "flows.png", panels, f"P/D prefill cluster, {servers} servers x 8 A100, 8x200 Gb/s NICs")
+    plot_lines(out / "flows.png", panels, f"P/D prefill cluster, {servers} servers x 8 A100, {nics_per_server}x200 Gb/s NICs")
     heads = {f"{w} {s}": headline([r for r in rows if r["setup"] == s and r["workload"] == w]) for w in loads for s in setups}
     used = "; ".join(f"{w}: `{traces[w][0].name}`{' (committed excerpt)' if is_excerpt(traces[w][0]) else ''} from row "
                      f"{int(len(traces[w][1]) * WORKLOADS[w][1])}" for w in loads)
     md = ["# sim flows", "",
-          f"{servers} servers x 8 A100, 8 x 200 Gb/s NICs per server, 1:1 fat-tree; 32-GPU instances "
+          f"{servers} servers x 8 A100, {nics_per_server} x 200 Gb/s NICs per server, 1:1 fat-tree; 32-GPU instances "
           f"({', '.join(setups)}); Mooncake lengths and prefix ids in trace order, earlier rows warm the cache ({used}); "
           f"Poisson arrivals, {duration_s:g} s per point; "
           "TTFT SLO = 3x idle TTFT; pruning on (RMLQ); seed {seed}.".replace("{seed}", str(seed)), ""]
@@ -133,3 +139,27 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _f(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m nitsum.sim.experiments.flows",
+                                description="`nitsum sim flows` with a different NIC count or a subset (sensitivity)")
+    p.add_argument("--out", type=Path, default=Path("runs/sim/flows-sensitivity"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nics-per-server", type=int, default=8, help="200 Gb/s NICs per 8-GPU server (paper: 8)")
+    p.add_argument("--setup", action="append", choices=sorted(PAPER_SETUPS), default=[])
+    p.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=[])
+    a = p.parse_args(argv)
+    if a.nics_per_server < 1:
+        p.error("--nics-per-server must be >= 1")
+    res = run(a.out, seed=a.seed, nics_per_server=a.nics_per_server, only_setups=tuple(a.setup),
+              only_workloads=tuple(a.workload))
+    print(res["speed"])
+    print(f"wrote {a.out}/flows.csv, .png, .md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
