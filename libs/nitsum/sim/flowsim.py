@@ -9,7 +9,8 @@ Model (coarse on purpose, so 256 servers run on one core):
 - Network: every server has one uplink and one downlink of `nics x nic_bps` (1:1 fat-tree = non-blocking
   core, so only server links contend). Flow rates: strict priority by the scheduler's service key, max-min
   fair among equal keys (`network.Network`); Karuna's pacing rates become rate caps. RMLQ's MLU uses the
-  same link capacities (set on the scheduler).
+  same link capacities (set on the scheduler); every `refresh_ms` the scheduler learns each flow's remaining
+  bytes (what the transfer agents report live).
 - Routing (KV-aware, as Dynamo's router): a request goes to the instance with the least queued and running
   new tokens plus the tokens it would compute there (its prompt minus the prefix that instance already holds). Inside
   the instance it has a home server (its attention group's server, round robin): its KV lives there.
@@ -340,9 +341,12 @@ class FlowClusterSim:
 
     def _flow_done(self, sim: Simulator, flow: Any, now: float) -> list[Event]:
         fid = flow.fid
+        meta = self.flow_meta.pop(fid, None)
+        if meta is None:
+            return []  # withdrawn (its request was pruned) by a completion handled in the same wake-up
         self.last_ms = max(self.last_ms, now)
         self.sched.on_complete(fid, now)
-        u, block, stage, r = self.flow_meta.pop(fid)
+        u, block, stage, r = meta
         self._account(flow, stage)
         if r is not None:
             r.flows.discard(fid)
