@@ -332,6 +332,28 @@ class FlowSchedulerConfig(CommonConfig):
     flow_levels: int = setting("NITSUM_FLOW_LEVELS", 8, "RMLQ priority levels K", check=positive)
     flow_e: float = setting("NITSUM_FLOW_E", 4.0, "MLU threshold ratio E", check=positive)
     flow_u: float = setting("NITSUM_FLOW_U", 0.5, "MLU top threshold U", check=positive)
+    flow_link_gbps: tuple[str, ...] = setting("NITSUM_FLOW_LINK_GBPS", (), "NIC capacity per host, comma-separated host=Gb/s (e.g. host-a=200,host-b=100): each host's uplink and downlink for RMLQ's MLU and the pruning check", check=lambda v: _link_gbps_error(v))
+    flow_default_gbps: float = setting("NITSUM_FLOW_DEFAULT_GBPS", 100.0, "NIC capacity (Gb/s) of hosts not in NITSUM_FLOW_LINK_GBPS", check=positive)
+
+    def link_bandwidth_bps(self) -> dict[str, float]:
+        """Host id → NIC capacity in bits/s, from NITSUM_FLOW_LINK_GBPS."""
+        out: dict[str, float] = {}
+        for entry in self.flow_link_gbps:
+            host, _, gbps = entry.partition("=")
+            out[host.strip()] = float(gbps) * 1e9
+        return out
+
+
+def _link_gbps_error(entries: tuple[str, ...]) -> str | None:
+    for entry in entries:
+        host, sep, gbps = entry.partition("=")
+        try:
+            ok = bool(sep) and bool(host.strip()) and float(gbps) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"entry {entry!r} is not host=Gb/s with Gb/s > 0"
+    return None
 
 
 SERVICE_CONFIGS: dict[str, type] = {

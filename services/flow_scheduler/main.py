@@ -3,6 +3,24 @@
 Transfer agents submit flows (FlowSubmit → FlowPermit with the flow's current level and DSCP, or a
 FlowSubmitBatch → FlowPermitBatch for every flow of one request) and report completions; every tick the
 scheduler re-evaluates MLU/RLI, and each promotion is pushed to the source agent as a new FlowPermit.
+
+Live inputs (ALGORITHMS.md §2.4):
+- Links: a flow with host ids (`src_host`, `dst_host`) runs on `<src_host>/up` and `<dst_host>/dn`, whose
+  capacities come from NITSUM_FLOW_LINK_GBPS (host=Gb/s; NITSUM_FLOW_DEFAULT_GBPS for the rest) and feed
+  RMLQ's MLU. A flow without host ids runs on its worker ids' links at the default capacity.
+- Link load ρ, tracked from the flows it permits: each active flow on a link is taken to get an equal share,
+  and implicit flows (stages 1, 2) are served before explicit ones, so ρ = implicit flows / all flows on the
+  link, capped at 0.9 (an explicit flow is never assumed to get nothing). Updated on submit and completion.
+- LayerProgress (prefill workers, at layer boundaries): the unit's current layer (RLI promotion), its
+  requests' TTFT deadlines (RED, σ), its flows' remaining bytes, and `done` (stage-3 flows go on the timer).
+  Promotions it causes are pushed at once.
+- Overload pruning on every batch arrival and departure (a submit that opens a unit, the last completion of
+  one): RMLQ's worst-case feasibility check over σ, once per source link, each request's delay = its flows'
+  remaining bytes there over their bottleneck's residual bandwidth (TP migrations are never pruned). A pruned request's flows get a
+  FlowPermit with pruned=True, code "overload_pruned", at the lowest level (an agent should stop them; one
+  that does not yet sends them where they disturb nothing), later flows of it are answered the same way, and
+  a FlowPruned goes to the gateways (subject flow_pruned) so that the request is retried; nothing is dropped
+  silently.
 Counters: `nitsum_flow_permits_total{stage,level}`, `nitsum_flow_bytes_total{stage}`,
 `nitsum_flow_promotions_total{stage}`, `nitsum_flow_pruned_total{stage}` (flows refused a permit).
 """
@@ -17,12 +35,24 @@ from nitsum.config import FlowSchedulerConfig
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, RmlqConfig, RmlqScheduler, Stage, dscp_table
 from nitsum.service import ServiceContext, run_service
-from nitsum.wire.messages import FlowCompletion, FlowPermit, FlowPermitBatch, FlowSubmit, FlowSubmitBatch
+from nitsum.wire.messages import (
+    FlowCompletion,
+    FlowPermit,
+    FlowPermitBatch,
+    FlowPruned,
+    FlowSubmit,
+    FlowSubmitBatch,
+    LayerProgress,
+)
 from prometheus_client import Counter
 
 log = logging.getLogger("nitsum.flow_scheduler")
 
 TICK_S = 0.01
+MAX_LINK_LOAD = 0.9
+PRUNED_CODE = "overload_pruned"
+INVALID_CODE = "flow_invalid"
+PRUNED_MEMORY = 10_000  # pruned request ids remembered (later flows of them are refused)
 
 
 def _now_ms() -> float:
@@ -33,32 +63,97 @@ class FlowService:
     def __init__(self, ctx: ServiceContext) -> None:
         config: FlowSchedulerConfig = ctx.config
         self.ctx = ctx
+        self.host_bps = config.link_bandwidth_bps()
+        self.default_bps = config.flow_default_gbps * 1e9
         if config.flow_policy == "rmlq":
-            self.scheduler = RmlqScheduler(RmlqConfig(num_levels=config.flow_levels, e=config.flow_e, u=config.flow_u))
+            self.scheduler = RmlqScheduler(RmlqConfig(num_levels=config.flow_levels, e=config.flow_e, u=config.flow_u,
+                                                      default_bandwidth_bps=self.default_bps))
         else:
             self.scheduler = make_flow_scheduler(config.flow_policy, config.flow_levels)
         self.dscp = dscp_table(config.flow_levels)
         self.levels: dict[str, int] = {}
         self.sources: dict[str, str] = {}
         self.stages: dict[str, Stage] = {}
+        self.paths: dict[str, tuple[str, ...]] = {}
+        self.request_of: dict[str, str] = {}
+        self.unit_of: dict[str, str] = {}
+        self.unit_flows: dict[str, set[str]] = {}
+        self.link_flows: dict[str, set[str]] = {}
+        self.link_bps: dict[str, float] = {}
+        self.rho: dict[str, float] = {}
+        self.pruned_requests: dict[str, str] = {}  # request id -> reason (insertion order: oldest first)
 
+    # ---- permits ----------------------------------------------------------------------------------
     def _permit(self, flow_id: str, level: int) -> FlowPermit:
         stage = self.stages[flow_id]
         self.ctx.metrics.flow_permits_total().labels(stage=stage.value, level=str(level)).inc()
         return FlowPermit(flow_id=flow_id, level=level, dscp=self.dscp.get(level, 0))
 
+    def _refusal(self, flow_id: str, stage: str, reason: str, code: str) -> FlowPermit:
+        """Invalid: level 0. Pruned: the lowest level and its DSCP, so that an agent that does not stop a
+        pruned flow yet still sends it where it disturbs nothing (and never mistakes it for a promotion)."""
+        self._count("flow_pruned", "nitsum_flow_pruned_total", "flows refused a permit (invalid or pruned)", stage)
+        if code == PRUNED_CODE:
+            lowest = self.scheduler.num_levels
+            return FlowPermit(flow_id, lowest, self.dscp.get(lowest, 0), pruned=True, reason=reason, code=code)
+        return FlowPermit(flow_id=flow_id, level=0, dscp=0, pruned=True, reason=reason, code=code)
+
     def _count(self, key: str, name: str, doc: str, stage: str) -> None:
         metrics = self.ctx.metrics
         metrics.get(key, lambda: Counter(name, doc, ["stage"], registry=metrics.registry)).labels(stage=stage).inc()
 
-    async def on_submit(self, msg: FlowSubmit | FlowSubmitBatch, _delivery) -> FlowPermit | FlowPermitBatch:
-        if isinstance(msg, FlowSubmitBatch):
-            return FlowPermitBatch(tuple(self.submit_one(f) for f in msg.flows))
-        return self.submit_one(msg)
+    # ---- links ------------------------------------------------------------------------------------
+    def _path(self, msg: FlowSubmit) -> tuple[str, ...]:
+        src = msg.src_host or msg.src
+        dst = msg.dst_host or msg.dst
+        path = (f"{src}/up", f"{dst}/dn")
+        for link, host in zip(path, (src, dst)):
+            if link not in self.link_bps:
+                bps = self.host_bps.get(host, self.default_bps)
+                self.link_bps[link] = bps
+                if isinstance(self.scheduler, RmlqScheduler):
+                    self.scheduler.set_link_bandwidth(link, bps)
+        return path
 
-    def submit_one(self, msg: FlowSubmit) -> FlowPermit:
+    def _update_load(self, links: tuple[str, ...], now: float) -> None:
+        if not isinstance(self.scheduler, RmlqScheduler):
+            return
+        for link in links:
+            flows = self.link_flows.get(link, ())
+            implicit = sum(1 for f in flows if not self.stages[f].explicit)
+            rho = min(implicit / len(flows), MAX_LINK_LOAD) if flows else 0.0
+            if abs(rho - self.rho.get(link, 0.0)) > 1e-9:
+                self.rho[link] = rho
+                self.scheduler.set_link_load(link, rho, now)
+
+    # ---- submit / done ----------------------------------------------------------------------------
+    async def on_submit(self, msg: FlowSubmit | FlowSubmitBatch, _delivery) -> FlowPermit | FlowPermitBatch:
+        flows = msg.flows if isinstance(msg, FlowSubmitBatch) else (msg,)
+        new_unit = False
+        permits = []
+        for f in flows:
+            permit, opened = self.submit_one(f)
+            permits.append(permit)
+            new_unit = new_unit or opened
+        if new_unit:  # a batch arrived: the feasibility check
+            await self._prune(_now_ms())
+            permits = [self._current(p, f.request_id) for p, f in zip(permits, flows)]
+        return FlowPermitBatch(tuple(permits)) if isinstance(msg, FlowSubmitBatch) else permits[0]
+
+    def _current(self, permit: FlowPermit, rid: str) -> FlowPermit:
+        """A permit as it stands after pruning (a flow pruned meanwhile is refused, not permitted)."""
+        if not permit.pruned and rid in self.pruned_requests:
+            lowest = self.scheduler.num_levels
+            return FlowPermit(permit.flow_id, lowest, self.dscp.get(lowest, 0), pruned=True,
+                              reason=self.pruned_requests[rid], code=PRUNED_CODE)
+        return permit
+
+    def submit_one(self, msg: FlowSubmit) -> tuple[FlowPermit, bool]:
+        if msg.request_id in self.pruned_requests:
+            return self._refusal(msg.flow_id, msg.stage, self.pruned_requests[msg.request_id], PRUNED_CODE), False
         try:
             stage = Stage(msg.stage)
+            path = self._path(msg)
             spec = FlowSpec(
                 flow_id=msg.flow_id,
                 request_id=msg.request_id,
@@ -67,45 +162,136 @@ class FlowService:
                 size_bytes=msg.size_bytes,
                 src=msg.src,
                 dst=msg.dst,
+                path=path,
                 target_layer=msg.target_layer,
                 deadline_ms=msg.deadline_unix_ms,
                 request_deadlines_ms=msg.request_deadlines_unix_ms,
+                request_deadline_ms=min(msg.request_deadlines_unix_ms) if msg.request_deadlines_unix_ms
+                else msg.deadline_unix_ms,
             )
         except ValueError as exc:
-            self._count("flow_pruned", "nitsum_flow_pruned_total", "flows refused a permit (invalid or pruned)", msg.stage)
-            return FlowPermit(flow_id=msg.flow_id, level=0, dscp=0, pruned=True, reason=f"invalid flow: {exc}")
+            return self._refusal(msg.flow_id, msg.stage, f"invalid flow: {exc}", INVALID_CODE), False
         if msg.flow_id in self.stages:  # a retry of a flow already known: its current permit
-            return self._permit(msg.flow_id, self.levels[msg.flow_id])
+            return self._permit(msg.flow_id, self.levels[msg.flow_id]), False
+        now = _now_ms()
         self.stages[msg.flow_id] = stage
         self.sources[msg.flow_id] = msg.src
-        self.scheduler.on_arrival(spec, _now_ms())
-        level = self.scheduler.priorities(_now_ms()).get(msg.flow_id, self.scheduler.num_levels if hasattr(self.scheduler, "num_levels") else 8)
+        self.paths[msg.flow_id] = path
+        self.request_of[msg.flow_id] = msg.request_id
+        self.unit_of[msg.flow_id] = msg.unit_id
+        opened = msg.unit_id not in self.unit_flows
+        self.unit_flows.setdefault(msg.unit_id, set()).add(msg.flow_id)
+        for link in path:
+            self.link_flows.setdefault(link, set()).add(msg.flow_id)
+        self.scheduler.on_arrival(spec, now)
+        self._update_load(path, now)
+        level = self.scheduler.priorities(now).get(msg.flow_id, self.scheduler.num_levels)
         self.levels[msg.flow_id] = level
-        return self._permit(msg.flow_id, level)
+        return self._permit(msg.flow_id, level), opened
 
     async def on_done(self, msg: FlowCompletion, _delivery) -> None:
-        stage = self.stages.pop(msg.flow_id, None)
+        closed = self._forget(msg.flow_id, msg.bytes_sent)
+        if closed:  # a batch departed: the feasibility check
+            await self._prune(_now_ms())
+
+    def _forget(self, flow_id: str, bytes_sent: int) -> bool:
+        """Drop a finished (or withdrawn) flow; True when it was its unit's last one."""
+        stage = self.stages.pop(flow_id, None)
         if stage is None:
-            return
-        self.scheduler.on_complete(msg.flow_id, _now_ms())
-        self.ctx.metrics.flow_bytes_total().labels(stage=stage.value).inc(msg.bytes_sent)
-        self.levels.pop(msg.flow_id, None)
-        self.sources.pop(msg.flow_id, None)
+            return False
+        now = _now_ms()
+        self.scheduler.on_complete(flow_id, now)
+        if bytes_sent:
+            self.ctx.metrics.flow_bytes_total().labels(stage=stage.value).inc(bytes_sent)
+        self.levels.pop(flow_id, None)
+        self.sources.pop(flow_id, None)
+        self.request_of.pop(flow_id, None)
+        path = self.paths.pop(flow_id, ())
+        for link in path:
+            self.link_flows.get(link, set()).discard(flow_id)
+        self._update_load(path, now)
+        unit = self.unit_of.pop(flow_id, None)
+        flows = self.unit_flows.get(unit, set())
+        flows.discard(flow_id)
+        if unit is not None and not flows:
+            self.unit_flows.pop(unit, None)
+            return True
+        return False
+
+    # ---- layer progress ---------------------------------------------------------------------------
+    async def on_layer_progress(self, msg: LayerProgress, _delivery) -> None:
+        now = _now_ms()
+        sched = self.scheduler
+        for f in msg.flows:
+            st = sched.state(f.flow_id)
+            if st is not None and 0 <= f.remaining_bytes <= st.remaining_bytes:
+                sched.on_progress(f.flow_id, f.remaining_bytes, now)
+        if msg.request_deadlines_unix_ms:
+            sched.set_unit_deadlines(msg.unit_id, msg.request_deadlines_unix_ms, now)
+        if msg.layer >= 0:
+            sched.on_layer_boundary(msg.unit_id, msg.layer, now)
+        if msg.done:
+            sched.on_unit_done(msg.unit_id, now)
+        await self._push_changes(now)
+
+    # ---- pruning ----------------------------------------------------------------------------------
+    async def _prune(self, now: float) -> None:
+        """The worst-case check once per source link: the requests whose flows leave through it, each delayed
+        by its remaining bytes there over the link's residual bandwidth, walked in σ (flows on different
+        uplinks do not queue behind each other, so one global walk would prune far too much)."""
+        sched = self.scheduler
+        per_link: dict[str, dict[str, float]] = {}
+        for fid, rid in self.request_of.items():
+            st = sched.state(fid)
+            if st is None or st.pruned or st.stage is Stage.MIGRATION:
+                continue  # a TP migration is never pruned: its cutover waits for it
+            path = self.paths[fid]
+            bps = min(self.link_bps[l] * (1.0 - self.rho.get(l, 0.0)) for l in path)
+            est = per_link.setdefault(path[0], {})
+            est[rid] = est.get(rid, 0.0) + st.remaining_bytes * 8.0 / bps * 1000.0
+        victims: list[str] = []
+        for link in sorted(per_link):
+            victims.extend(r for r in sched.prune(now, per_link[link]) if r not in victims)
+        bus = self.ctx.bus
+        for rid in victims:
+            reason = "pruned: its transfers cannot meet its TTFT deadline under the current load"
+            self.pruned_requests[rid] = reason
+            while len(self.pruned_requests) > PRUNED_MEMORY:
+                self.pruned_requests.pop(next(iter(self.pruned_requests)))
+            fids = tuple(sorted(f for f, r in self.request_of.items() if r == rid))
+            for fid in fids:
+                permit = self._refusal(fid, self.stages[fid].value, reason, PRUNED_CODE)
+                src = self.sources[fid]
+                self._forget(fid, 0)
+                try:
+                    await bus.publish(bus.subjects.flow_permit(src), permit)
+                except Exception as exc:
+                    log.warning("pruned permit for %s not sent: %s", fid, exc)
+            log.info("pruned request %s (%d flows)", rid, len(fids))
+            try:
+                await bus.publish(bus.subjects.flow_pruned, FlowPruned(request_id=rid, code=PRUNED_CODE, reason=reason,
+                                                                       flow_ids=fids))
+            except Exception as exc:
+                log.warning("FlowPruned for %s not sent: %s", rid, exc)
+
+    # ---- promotions -------------------------------------------------------------------------------
+    async def _push_changes(self, now: float) -> None:
+        bus = self.ctx.bus
+        for flow_id, level in self.scheduler.priorities(now).items():
+            if flow_id in self.levels and level != self.levels[flow_id]:
+                self.levels[flow_id] = level
+                self._count("flow_promotions", "nitsum_flow_promotions_total", "flows moved to a higher level", self.stages[flow_id].value)
+                try:
+                    await bus.publish(bus.subjects.flow_permit(self.sources[flow_id]), self._permit(flow_id, level))
+                except Exception as exc:  # the agent keeps its old level until the next change
+                    log.warning("permit update for %s not sent: %s", flow_id, exc)
 
     async def tick(self) -> None:
-        bus = self.ctx.bus
         while not self.ctx.stop.is_set():
             if self.levels:
                 now = _now_ms()
                 self.scheduler.on_tick(now)
-                for flow_id, level in self.scheduler.priorities(now).items():
-                    if flow_id in self.levels and level != self.levels[flow_id]:
-                        self.levels[flow_id] = level
-                        self._count("flow_promotions", "nitsum_flow_promotions_total", "flows moved to a higher level", self.stages[flow_id].value)
-                        try:
-                            await bus.publish(bus.subjects.flow_permit(self.sources[flow_id]), self._permit(flow_id, level))
-                        except Exception as exc:  # the agent keeps its old level until the next change
-                            log.warning("permit update for %s not sent: %s", flow_id, exc)
+                await self._push_changes(now)
             try:
                 await asyncio.wait_for(self.ctx.stop.wait(), timeout=TICK_S)
             except asyncio.TimeoutError:
@@ -117,6 +303,7 @@ async def body(ctx: ServiceContext) -> None:
     bus = ctx.bus
     await bus.subscribe(bus.subjects.flow_submit, service.on_submit, queue="flow-scheduler", expected=(FlowSubmit, FlowSubmitBatch))
     await bus.subscribe(bus.subjects.flow_done, service.on_done, expected=FlowCompletion)
+    await bus.subscribe(bus.subjects.flow_progress, service.on_layer_progress, expected=LayerProgress)
     task = ctx.spawn(service.tick(), "priority tick")
 
     async def stop() -> None:

@@ -281,6 +281,14 @@ class FlowTable:
         for fid in unit.flows:
             self._reevaluate(self._flows[fid], unit, now_ms)
 
+    def set_unit_deadlines(self, unit_id: str, deadlines_ms: tuple[float, ...], now_ms: float) -> None:
+        """The TTFT deadlines of a unit's requests (a worker's layer report): RED and σ follow them."""
+        self.on_tick(now_ms)
+        unit = self._units.get(unit_id)
+        ds = tuple(sorted(deadlines_ms))
+        if unit is not None and ds and ds != unit.deadlines:
+            self._set_unit_deadlines(unit, ds)
+
     def on_unit_done(self, unit_id: str, now_ms: float) -> None:
         """The unit's compute finished: its explicit flows now move on the periodic timer."""
         self.on_tick(now_ms)

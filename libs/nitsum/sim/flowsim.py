@@ -4,20 +4,35 @@ service and the transfer agents run).
 
 Model (coarse on purpose, so 256 servers run on one core):
 - Servers of 8 GPUs; `prefill_fraction` of them prefill, the rest decode (P2D destinations). A prefill
-  instance spans `ep_servers` servers (expert parallelism across them, TP inside a server).
+  instance has TP x EP GPUs (`flowsetup`: 32 GPUs = 4 servers for the paper's setups): EP groups of TP GPUs,
+  attention data-parallel over the groups, experts sharded over them.
 - Network: every server has one uplink and one downlink of `nics x nic_bps` (1:1 fat-tree = non-blocking
   core, so only server links contend). Flow rates: strict priority by the scheduler's service key, max-min
-  fair among equal keys (`network.Network`); Karuna's pacing rates become rate caps.
+  fair among equal keys (`network.Network`); Karuna's pacing rates become rate caps. RMLQ's MLU uses the
+  same link capacities (set on the scheduler); every `refresh_ms` the scheduler learns each flow's remaining
+  bytes (what the transfer agents report live).
+- Routing (KV-aware, as Dynamo's router): a request goes to the instance with the least queued and running
+  new tokens plus the tokens it would compute there (its prompt minus the prefix that instance already holds). Inside
+  the instance it has a home server (its attention group's server, round robin): its KV lives there.
 - A batch (unit) runs its layers in `layer_blocks` blocks. Before block b: its KV-reuse fetches for
-  block b must have arrived (stage 1, target layer = first layer of b). After block b's compute: the
-  all-to-all of block b (stage 2) must finish before block b+1. After the last block: each request's KV
-  goes to a decode server (stage 3, explicit deadline = its TTFT deadline); its first token counts when
-  that transfer ends.
-- Compute per block from the shared cost model: each server of the instance runs its 1/S of the tokens at TP8.
-- KV reuse: Mooncake hash_ids (512-token blocks); a block lives on the instance that first computed it
-  (unlimited cache); a request scheduled elsewhere fetches its cached prefix from there.
+  block b must have arrived (stage 1, holder server -> home server, target layer = first layer of b). After
+  block b's compute: the all-to-all of block b between the instance's servers (stage 2) must finish before
+  block b+1 (compute stalls meanwhile: the non-overlapped CCT). After the last block: each request's KV goes
+  from its home server to a decode server (stage 3, explicit deadline = its TTFT deadline); its first token
+  counts when that transfer ends.
+- Compute per block from the shared cost model (`flowsetup.shard_spec`: one EP group's 1/EP of the tokens
+  at TP; A100 table by default).
+- KV reuse: Mooncake hash_ids (512-token blocks); a block lives on the server that first computed it
+  (unlimited cache); a request's leading cached blocks are fetched from there unless its instance has them.
+  `warm`: earlier trace requests whose KV is already placed (see `_warm_cache`), so a window of a trace keeps
+  the trace's reuse ratio.
 - TTFT SLO of a request = `slo_factor` x its TTFT on an idle cluster (compute + transfers at full rate).
-Not modelled: decode, overload pruning (RMLQ's prune is not called), link load rho (0), packet effects.
+- Overload pruning (`prune=True`): on every batch start and departure the scheduler's `prune` runs once per
+  source server of the instance, over the requests with flows leaving it (delay = their remaining bytes at
+  the link rate; a unit still computing adds its remaining compute once, shared by its requests). A pruned
+  request's flows are withdrawn, it leaves its batch and ends with error "pruned" (a miss; the live service
+  answers it with a retryable code). Only RMLQ prunes; the baselines' `prune` returns nothing.
+Not modelled: decode, link load rho (0), packet effects, expert-load imbalance, same-server expert dedup.
 """
 
 from __future__ import annotations
@@ -28,10 +43,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nitsum.metrics import Distribution, RequestRecord, summarize
-from nitsum.policy.costmodel import cost_model
+from nitsum.policy.costmodel import CostModel, ModelSpec, cost_model
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, Stage
 from nitsum.sim.engine import Event, Simulator
+from nitsum.sim.flowsetup import moe_spec, shard_spec
 from nitsum.sim.network import Network
 from nitsum.workloads.request import TraceRequest
 
@@ -45,58 +61,77 @@ class FlowClusterConfig:
     nics_per_server: int = 8
     nic_bps: float = 200e9
     prefill_fraction: float = 0.5
-    ep_servers: int = 2  # DBRX-like TP8/EP16 per instance: all-to-all crosses the NICs
-    model: str = "mixtral-8x22b"
-    device_kind: str = "h100"
+    model: str = "mixtral-8x22b"  # a flowsetup.MOE_PRESETS name
+    tp: int = 4
+    ep: int = 8  # TP x EP GPUs per prefill instance (Mixtral-8x22B TP4/EP8: 32 GPUs = 4 servers)
+    device_kind: str = "a100"
     layer_blocks: int = 4
     batch_tokens: int = 32_768
     slo_factor: float = 3.0
     refresh_ms: float = 2.0  # how often schedulers with timers (RMLQ's MLU promotion) are consulted
     max_prompt_tokens: int = 32_768
+    prune: bool = True
+
+    @property
+    def instance_servers(self) -> int:
+        gpus = self.tp * self.ep
+        if gpus % self.gpus_per_server:
+            raise ValueError(f"TP{self.tp} x EP{self.ep} = {gpus} GPUs is not whole servers of {self.gpus_per_server}")
+        return gpus // self.gpus_per_server
 
 
 class _Unit:
-    __slots__ = ("uid", "inst", "reqs", "block", "pending", "t0", "cct_start", "busy")
+    __slots__ = ("uid", "inst", "reqs", "block", "pending", "cct_start", "busy", "block_end", "wait_from")
 
     def __init__(self, uid: str, inst: "_Instance", reqs: list) -> None:
         self.uid, self.inst, self.reqs = uid, inst, reqs
         self.block = 0
         self.pending: dict[int, int] = {}  # block -> flows (fetch for it / collective of it) outstanding
-        self.t0 = 0.0
         self.cct_start = 0.0
         self.busy = False  # computing a block or waiting for its collective
+        self.block_end = 0.0  # when the block computing now ends
+        self.wait_from: float | None = None  # waiting on stage-1 fetches since
+
+    def tokens(self) -> int:
+        return sum(r.prompt - r.cached for r in self.reqs)
 
 
 class _Instance:
-    __slots__ = ("iid", "servers", "queue", "busy", "queued_tokens")
+    __slots__ = ("iid", "servers", "queue", "busy", "queued_tokens", "running_tokens", "rr")
 
     def __init__(self, iid: int, servers: list[int]) -> None:
         self.iid, self.servers = iid, servers
         self.queue: deque = deque()
         self.busy = False
         self.queued_tokens = 0
+        self.running_tokens = 0  # new tokens of the batch computing now
+        self.rr = 0
 
 
 class _FReq:
-    __slots__ = ("rid", "t", "prompt", "cached", "holder", "deadline", "slo", "done_ms", "error")
+    __slots__ = ("rid", "t", "prompt", "cached", "holder", "home", "deadline", "slo", "done_ms", "error",
+                 "unit", "flows")
 
     def __init__(self, rid: str, t: TraceRequest, prompt: int) -> None:
         self.rid, self.t, self.prompt = rid, t, prompt
         self.cached = 0
-        self.holder: int | None = None
+        self.holder: int | None = None  # server to fetch the cached prefix from (None: local or none)
+        self.home = 0
         self.deadline = 0.0
         self.slo = 1.0
         self.done_ms: float | None = None
         self.error: str | None = None
+        self.unit: _Unit | None = None
+        self.flows: set[str] = set()
 
 
 class FlowClusterSim:
-    def __init__(self, scheduler: str, config: FlowClusterConfig, workload: list[TraceRequest]) -> None:
+    def __init__(self, scheduler: str, config: FlowClusterConfig, workload: list[TraceRequest],
+                 warm: list[TraceRequest] | tuple = ()) -> None:
         c = self.config = config
-        self.sched = make_flow_scheduler(scheduler)
         self.name = scheduler
-        self.cost = cost_model(c.model, c.device_kind)
-        self.model = self.cost.model
+        self.model: ModelSpec = moe_spec(c.model)
+        self.cost: CostModel = cost_model(shard_spec(self.model, c.ep), c.device_kind)
         self.sim = Simulator()
         self.net = Network(self._flow_done)
         link_bps = c.nics_per_server * c.nic_bps
@@ -105,15 +140,20 @@ class FlowClusterSim:
         for s in range(c.num_servers):
             self.net.add_link(f"up{s}", link_bps)
             self.net.add_link(f"dn{s}", link_bps)
-        n_prefill = int(c.num_servers * c.prefill_fraction) // c.ep_servers * c.ep_servers
-        assert n_prefill >= c.ep_servers and n_prefill < c.num_servers, "need prefill and decode servers"
-        self.instances = [_Instance(i, list(range(i * c.ep_servers, (i + 1) * c.ep_servers)))
-                          for i in range(n_prefill // c.ep_servers)]
+        self.sched = make_flow_scheduler(scheduler)
+        if hasattr(self.sched, "set_link_bandwidth"):
+            for link, bps in self.link_map.items():
+                self.sched.set_link_bandwidth(link, bps)
+        s_inst = c.instance_servers
+        n_prefill = int(c.num_servers * c.prefill_fraction) // s_inst * s_inst
+        assert n_prefill >= s_inst and n_prefill < c.num_servers, "need prefill and decode servers"
+        self.instances = [_Instance(i, list(range(i * s_inst, (i + 1) * s_inst))) for i in range(n_prefill // s_inst)]
+        self.instance_of_server = {s: inst.iid for inst in self.instances for s in inst.servers}
         self.decode_servers = list(range(n_prefill, c.num_servers))
         self._next_decode = 0
         self.workload = sorted(workload, key=lambda r: r.arrival_ms)
         self.reqs: list[_FReq] = []
-        self.block_owner: dict[int, int] = {}  # hash id -> instance id holding its KV
+        self.block_owner: dict[int, int] = {}  # hash id -> server holding its KV
         self.units: dict[str, _Unit] = {}
         self.flow_meta: dict[str, tuple] = {}
         self._seq = 0
@@ -121,28 +161,61 @@ class FlowClusterSim:
         self.earliness_ms: list[float] = []
         self.layers_per_block = max(self.model.num_layers // c.layer_blocks, 1)
         self._refresh_scheduled = False
+        # where the time and the bytes go (the bottleneck measurement)
+        self.compute_ms = 0.0
+        self.stall_fetch_ms = 0.0
+        self.stall_a2a_ms = 0.0
+        self.bytes_by_stage: dict[str, float] = {s.value: 0.0 for s in Stage}
+        self.link_bytes: dict[str, float] = {}
+        self.pruned: list[str] = []
+        self.last_ms = 0.0  # the last flow completion or batch end
+        self._warm_cache(warm)
+
+    def _warm_cache(self, warm: list[TraceRequest] | tuple) -> None:
+        """Place the KV of earlier trace requests as a KV-aware router would have: a request whose leading
+        block is cached continues on that block's server, any other starts on the next prefill server."""
+        servers = [s for inst in self.instances for s in inst.servers]
+        nxt = 0
+        for t in warm:
+            hashes = t.prefix_hash_ids[: math.ceil(min(t.prompt_tokens, self.config.max_prompt_tokens) / MOONCAKE_BLOCK_TOKENS)]
+            if not hashes:
+                continue
+            owner = self.block_owner.get(hashes[0])
+            if owner is None:
+                owner = servers[nxt % len(servers)]
+                nxt += 1
+            for h in hashes:
+                self.block_owner.setdefault(h, owner)
+
+    def reuse(self) -> dict[str, float]:
+        """Cached prefix tokens / prompt tokens of the workload, and the part of them fetched from elsewhere."""
+        prompt = sum(r.prompt for r in self.reqs) or 1
+        return {"reuse_ratio": sum(r.cached for r in self.reqs) / prompt,
+                "fetched_ratio": sum(r.cached for r in self.reqs if r.holder is not None) / prompt}
 
     # -- costs ---------------------------------------------------------------------------------------------
     def compute_block_ms(self, tokens: int, context: int, batch: int) -> float:
-        s = self.config.ep_servers
-        per_server = max(tokens // s, 1)
-        return self.cost.step_time_ms(8, batch, per_server, max(context // s, 1)) / self.config.layer_blocks
+        e = self.config.ep
+        step = self.cost.step_time_ms(self.config.tp, max(batch // e, 1), max(tokens // e, 1), max(context // e, 1))
+        return step / self.config.layer_blocks
 
     def a2a_bytes_per_flow(self, tokens: int) -> float:
-        """One block's all-to-all, server i -> j: dispatch + combine of the tokens routed across servers."""
-        s, m = self.config.ep_servers, self.model
+        """One block's all-to-all, server i -> j: dispatch + combine of the tokens routed across servers
+        (tokens spread evenly over the S servers, experts uniformly loaded)."""
+        s, m = self.config.instance_servers, self.model
         per_layer = tokens / s * m.experts_per_token * m.hidden_size * 2.0 * 2 / s  # bf16, dispatch+combine
         return per_layer * self.layers_per_block
 
     def kv_bytes(self, tokens: int) -> float:
         return tokens * self.model.kv_bytes_per_token
 
-    def isolated_ttft_ms(self, prompt: int, cached: int) -> float:
+    def isolated_ttft_ms(self, prompt: int, cached: int, fetch: bool) -> float:
         new = max(prompt - cached, 1)
         bw = self.link_bps / 8 / 1000  # bytes/ms
-        compute = self.compute_block_ms(new, prompt, 1) * self.config.layer_blocks
-        a2a = self.a2a_bytes_per_flow(new) / bw * self.config.layer_blocks if self.config.ep_servers > 1 else 0.0
-        fetch_first = self.kv_bytes(cached) / self.config.layer_blocks / bw
+        s, blocks = self.config.instance_servers, self.config.layer_blocks
+        compute = self.compute_block_ms(new, prompt, 1) * blocks
+        a2a = self.a2a_bytes_per_flow(new) * (s - 1) / bw * blocks if s > 1 else 0.0
+        fetch_first = self.kv_bytes(cached) / blocks / bw if fetch else 0.0
         return compute + a2a + fetch_first + self.kv_bytes(prompt) / bw
 
     # -- arrivals and batching -----------------------------------------------------------------------------
@@ -150,22 +223,32 @@ class FlowClusterSim:
         c = self.config
         r = _FReq(f"r{len(self.reqs)}", t, min(t.prompt_tokens, c.max_prompt_tokens))
         self.reqs.append(r)
-        inst = min(self.instances, key=lambda i: (i.queued_tokens + (1 if i.busy else 0), i.iid))
-        # cached prefix: leading hash ids already computed somewhere
-        lead, holder = 0, None
-        for h in t.prefix_hash_ids:
+        hashes = t.prefix_hash_ids[: math.ceil(r.prompt / MOONCAKE_BLOCK_TOKENS)]
+        lead, holder = 0, None  # leading blocks cached on one server
+        for h in hashes:
             owner = self.block_owner.get(h)
             if owner is None or (holder is not None and owner != holder):
                 break
             holder = owner
             lead += 1
-        r.cached = min(lead * MOONCAKE_BLOCK_TOKENS, r.prompt - 1)
-        r.holder = holder if holder is not None and holder != inst.iid else None
-        if holder == inst.iid:
-            pass  # local hit: no fetch
-        for h in t.prefix_hash_ids:
-            self.block_owner.setdefault(h, inst.iid)
-        r.slo = c.slo_factor * self.isolated_ttft_ms(r.prompt, r.cached)
+        cached = min(lead * MOONCAKE_BLOCK_TOKENS, r.prompt - 1)
+        holder_inst = self.instance_of_server.get(holder) if holder is not None else None
+
+        def cost(inst: _Instance) -> tuple:
+            new = r.prompt - (cached if inst.iid == holder_inst else 0)
+            return (inst.queued_tokens + inst.running_tokens + new, inst.iid)
+
+        inst = min(self.instances, key=cost)
+        r.cached = cached
+        if holder is not None and inst.iid == holder_inst:
+            r.home = holder  # local hit: its attention group already holds the prefix
+        else:
+            r.home = inst.servers[inst.rr % len(inst.servers)]
+            inst.rr += 1
+            r.holder = holder if cached > 0 else None
+        for h in hashes:
+            self.block_owner.setdefault(h, r.home)
+        r.slo = c.slo_factor * self.isolated_ttft_ms(r.prompt, r.cached, r.holder is not None)
         r.deadline = t.arrival_ms + r.slo
         inst.queue.append(r)
         inst.queued_tokens += r.prompt - r.cached
@@ -181,40 +264,41 @@ class FlowClusterSim:
             batch.append(r)
             tokens += r.prompt - r.cached
         inst.queued_tokens -= tokens
+        inst.running_tokens = tokens
         inst.busy = True
         self._seq += 1
         u = _Unit(f"u{self._seq}", inst, batch)
         self.units[u.uid] = u
-        now = self.sim.now_ms
-        u.t0 = now
         deadlines = tuple(sorted(r.deadline for r in batch))
-        dst = inst.servers[0]
         for r in batch:
+            r.unit = u
             if r.holder is None or r.cached <= 0:
                 continue
-            src = self.instances[r.holder].servers[0]
             size = self.kv_bytes(r.cached) / c.layer_blocks
             for b in range(c.layer_blocks):
-                self._add_flow(u, b, Stage.KV_REUSE, r, src, dst, size, target_layer=b * self.layers_per_block,
+                self._add_flow(u, b, Stage.KV_REUSE, r, r.holder, r.home, size, target_layer=b * self.layers_per_block,
                                deadlines=deadlines)
-        events = self._commit()
+        events = self._prune(inst) + self._commit()
         return events + self._try_block(u)
 
     # -- flows ---------------------------------------------------------------------------------------------
-    def _add_flow(self, u: _Unit | None, block: int, stage: Stage, r: _FReq, src: int, dst: int, size: float,
+    def _add_flow(self, u: _Unit | None, block: int, stage: Stage, r: _FReq | None, src: int, dst: int, size: float,
                   target_layer: int | None = None, deadline: float | None = None,
                   deadlines: tuple[float, ...] = ()) -> None:
         self._seq += 1
         fid = f"f{self._seq}"
         path = (f"up{src}", f"dn{dst}")
-        spec = FlowSpec(flow_id=fid, request_id=r.rid, unit_id=u.uid if u else f"p2d-{r.rid}", stage=stage,
+        rid = r.rid if r is not None else f"{u.uid}-a2a"  # a collective belongs to its batch, never pruned
+        spec = FlowSpec(flow_id=fid, request_id=rid, unit_id=u.uid if u else f"p2d-{rid}", stage=stage,
                         size_bytes=max(int(size), 1), src=str(src), dst=str(dst), path=path,
                         target_layer=target_layer, deadline_ms=deadline, request_deadlines_ms=deadlines,
-                        request_deadline_ms=r.deadline)
+                        request_deadline_ms=r.deadline if r is not None else None)
         now = self.sim.now_ms
         self.sched.on_arrival(spec, now)
         self.net.add_flow(fid, path, max(int(size), 1), now, key=(math.inf,))
         self.flow_meta[fid] = (u, block, stage, r)
+        if r is not None:
+            r.flows.add(fid)
         if u is not None:
             u.pending[block] = u.pending.get(block, 0) + 1
 
@@ -222,9 +306,9 @@ class FlowClusterSim:
         now = self.sim.now_ms
         keys = self.sched.service_keys(now)
         net = self.net
-        for fid, f in net.flows.items():
+        for fid in net.flows:
             k = keys.get(fid)
-            net.set_key(fid, k if k is not None else (math.inf,), now)  # pruned / unknown: lowest
+            net.set_key(fid, k if k is not None else (math.inf,), now)
         rates = self.sched.rates(now, self.link_map)
         if rates:
             for fid, bps in rates.items():
@@ -240,74 +324,165 @@ class FlowClusterSim:
         return events
 
     def _refresh(self, sim: Simulator, _: Any) -> list[Event]:
+        """Every `refresh_ms`: the scheduler learns each flow's remaining bytes (the transfer agents' progress
+        reports: MLU, SJF sizes and Karuna's rates are computed on what is left, not on the submitted size),
+        then its timers run and the network takes the new keys."""
         self._refresh_scheduled = False
+        now = sim.now_ms
+        net, sched = self.net, self.sched
+        for fid in net.flows:
+            sched.on_progress(fid, math.ceil(net.remaining_bytes(fid, now)), now)
         return self._commit()
+
+    def _account(self, flow: Any, stage: Stage) -> None:
+        self.bytes_by_stage[stage.value] += flow.size
+        for link in flow.path:
+            self.link_bytes[link] = self.link_bytes.get(link, 0.0) + flow.size
 
     def _flow_done(self, sim: Simulator, flow: Any, now: float) -> list[Event]:
         fid = flow.fid
+        meta = self.flow_meta.pop(fid, None)
+        if meta is None:
+            return []  # withdrawn (its request was pruned) by a completion handled in the same wake-up
+        self.last_ms = max(self.last_ms, now)
         self.sched.on_complete(fid, now)
-        u, block, stage, r = self.flow_meta.pop(fid)
+        u, block, stage, r = meta
+        self._account(flow, stage)
+        if r is not None:
+            r.flows.discard(fid)
         if stage is Stage.P2D:
             r.done_ms = now
             self.earliness_ms.append(r.deadline - now)
             return []
+        return self._unit_flow_done(u, block, stage, now)
+
+    def _unit_flow_done(self, u: _Unit, block: int, stage: Stage, now: float) -> list[Event]:
         u.pending[block] -= 1
         if u.pending[block] > 0:
             return []
         if stage is Stage.COLLECTIVE:
             self.cct_ms.append(now - u.cct_start)
+            self.stall_a2a_ms += now - u.cct_start
             u.block += 1
             u.busy = False
         return self._try_block(u)
+
+    # -- pruning -------------------------------------------------------------------------------------------
+    def _prune(self, inst: _Instance) -> list[Event]:
+        """The worst-case feasibility check on σ, once per source server of the instance."""
+        if not self.config.prune:
+            return []
+        now = self.sim.now_ms
+        bw = self.link_bps / 8 / 1000
+        victims: list[str] = []
+        for s in inst.servers:
+            est: dict[str, float] = {}
+            link = f"up{s}"
+            for fid, f in self.net.flows.items():
+                if f.path[0] != link:
+                    continue
+                r = self.flow_meta[fid][3]
+                if r is None:
+                    continue
+                est[r.rid] = est.get(r.rid, 0.0) + self.net.remaining_bytes(fid, now) / bw
+            # a unit still computing adds its remaining compute once: shared by its requests in this check
+            by_unit: dict[str, list[str]] = {}
+            for rid in est:
+                r = self.reqs[int(rid[1:])]
+                if r.unit is not None and r.unit.uid in self.units:
+                    by_unit.setdefault(r.unit.uid, []).append(rid)
+            for uid, rids in by_unit.items():
+                share = self._unit_remaining_ms(self.units[uid], now) / len(rids)
+                for rid in rids:
+                    est[rid] += share
+            if est:
+                victims.extend(self.sched.prune(now, est))
+        events: list[Event] = []
+        for rid in victims:
+            events.extend(self._drop(self.reqs[int(rid[1:])], now))
+        return events
+
+    def _unit_remaining_ms(self, u: _Unit, now: float) -> float:
+        c = self.config
+        left = c.layer_blocks - u.block
+        per_block = self.compute_block_ms(u.tokens(), sum(r.prompt for r in u.reqs), len(u.reqs))
+        s = c.instance_servers
+        a2a = self.a2a_bytes_per_flow(u.tokens()) * (s - 1) / (self.link_bps / 8 / 1000) if s > 1 else 0.0
+        done_part = per_block - max(u.block_end - now, 0.0) if u.busy and u.block_end > 0 else 0.0
+        return max(left * (per_block + a2a) - max(done_part, 0.0), 0.0)
+
+    def _drop(self, r: _FReq, now: float) -> list[Event]:
+        """A pruned request: withdraw its flows, take it out of its batch, end it with an error."""
+        self.pruned.append(r.rid)
+        r.error = "pruned"
+        events: list[Event] = []
+        for fid in list(r.flows):
+            u, block, stage, _ = self.flow_meta.pop(fid)
+            self.net.remove_flow(fid, now)
+            self.sched.on_complete(fid, now)
+            if u is not None and stage is Stage.KV_REUSE:
+                u.pending[block] -= 1
+                if u.pending[block] == 0 and block == u.block and not u.busy:
+                    events.extend(self._try_block(u))
+        r.flows.clear()
+        u = r.unit
+        if u is not None and u.uid in self.units and r in u.reqs and len(u.reqs) > 1:
+            u.reqs.remove(r)  # later blocks compute without it (its P2D is never sent)
+        return events
 
     # -- blocks --------------------------------------------------------------------------------------------
     def _try_block(self, u: _Unit) -> list[Event]:
         c = self.config
         if u.block >= c.layer_blocks:
             return self._finish_unit(u)
-        if u.busy or u.pending.get(u.block, 0) > 0:
-            return []  # computing, in its collective, or waiting for this block's KV fetches
-        u.busy = True
         now = self.sim.now_ms
+        if u.busy:
+            return []
+        if u.pending.get(u.block, 0) > 0:
+            if u.wait_from is None:
+                u.wait_from = now  # stalled on this block's KV fetches
+            return []
+        if u.wait_from is not None:
+            self.stall_fetch_ms += now - u.wait_from
+            u.wait_from = None
+        u.busy = True
         self.sched.on_layer_boundary(u.uid, u.block * self.layers_per_block, now)
-        tokens = sum(r.prompt - r.cached for r in u.reqs)
-        ctx = sum(r.prompt for r in u.reqs)
-        dt = self.compute_block_ms(tokens, ctx, len(u.reqs))
+        dt = self.compute_block_ms(u.tokens(), sum(r.prompt for r in u.reqs), len(u.reqs))
+        self.compute_ms += dt
+        u.block_end = now + dt
         return [(now + dt, self._block_computed, u)] + self._commit()
 
     def _block_computed(self, sim: Simulator, u: _Unit) -> list[Event]:
-        c = self.config
         servers = u.inst.servers
         if len(servers) == 1:
             u.block += 1
             u.busy = False
             return self._try_block(u)
-        tokens = sum(r.prompt - r.cached for r in u.reqs)
-        size = self.a2a_bytes_per_flow(tokens)
+        size = self.a2a_bytes_per_flow(u.tokens())
         u.cct_start = sim.now_ms
-        rep = u.reqs[0]
         deadlines = tuple(sorted(r.deadline for r in u.reqs))
-        # the collective's own block slot: block index offset so it is not confused with fetches of block+1
         key = u.block
-        u.pending[key] = u.pending.get(key, 0)
         for i in servers:
             for j in servers:
                 if i != j:
-                    self._add_flow(u, key, Stage.COLLECTIVE, rep, i, j, size, target_layer=u.block * self.layers_per_block,
+                    self._add_flow(u, key, Stage.COLLECTIVE, None, i, j, size, target_layer=u.block * self.layers_per_block,
                                    deadlines=deadlines)
         return self._commit()
 
     def _finish_unit(self, u: _Unit) -> list[Event]:
         now = self.sim.now_ms
+        self.last_ms = max(self.last_ms, now)
         self.sched.on_unit_done(u.uid, now)
-        src = u.inst.servers[0]
         for r in u.reqs:
+            if r.error is not None:
+                continue
             dst = self.decode_servers[self._next_decode % len(self.decode_servers)]
             self._next_decode += 1
-            self._add_flow(None, 0, Stage.P2D, r, src, dst, self.kv_bytes(r.prompt), deadline=r.deadline)
+            self._add_flow(None, 0, Stage.P2D, r, r.home, dst, self.kv_bytes(r.prompt), deadline=r.deadline)
         u.inst.busy = False
+        u.inst.running_tokens = 0
         del self.units[u.uid]
-        return self._start_batch(u.inst) + self._commit()
+        return self._prune(u.inst) + self._start_batch(u.inst) + self._commit()
 
     # -- run -----------------------------------------------------------------------------------------------
     def run(self, drain_ms: float = 20_000.0) -> dict[str, Any]:
@@ -317,15 +492,33 @@ class FlowClusterSim:
         self.sim.run(until_ms=end)
         records = [RequestRecord(request_id=r.rid, tier="interactive", ttft_slo_ms=r.slo, tpot_slo_ms=1e9, weight=1.0,
                                  send_ms=r.t.arrival_ms, first_token_ms=r.done_ms, finish_ms=r.done_ms,
-                                 output_tokens=1, prompt_tokens=r.prompt) for r in self.reqs]
+                                 output_tokens=1, prompt_tokens=r.prompt, error=r.error) for r in self.reqs]
         span_s = max((self.workload[-1].arrival_ms if self.workload else 0.0) / 1000.0, 1e-3)
         report = summarize(records, duration_s=span_s)
+        busy_ms = max(span_s * 1000.0, self.last_ms)
         nonneg = [e for e in self.earliness_ms if e >= 0]
         return {"scheduler": self.name, "report": report, "records": records,
                 "cct_ms": Distribution.of(self.cct_ms), "earliness_ms": Distribution.of(nonneg),
                 "cct_samples": self.cct_ms, "earliness_samples": nonneg,
                 "events": self.sim.events_run, "sim_ms": self.sim.now_ms, "wall_s": self.sim.wall_s,
-                "flows": self.net.flows_done, "reallocations": self.net.reallocations}
+                "flows": self.net.flows_done, "reallocations": self.net.reallocations,
+                "pruned": len(self.pruned), "bottleneck": self.bottleneck(busy_ms), **self.reuse()}
+
+    def bottleneck(self, span_ms: float) -> dict[str, float]:
+        """Where the time and the bytes went, from 0 to the last batch end or transfer: instance time computing / stalled on
+        stage-1 fetches / stalled in stage-2 all-to-alls, and link utilisation (mean over the prefill
+        servers' uplinks by stage, and the busiest link)."""
+        c = self.config
+        inst_ms = max(span_ms, 1e-9) * len(self.instances)
+        link_cap = self.link_bps / 8 / 1000 * max(span_ms, 1e-9)
+        n_prefill = len(self.instances) * c.instance_servers
+        out = {"compute_busy": self.compute_ms / inst_ms, "stall_fetch": self.stall_fetch_ms / inst_ms,
+               "stall_a2a": self.stall_a2a_ms / inst_ms}
+        for s in Stage:
+            if s is not Stage.MIGRATION:
+                out[f"uplink_util_stage{s.value}"] = self.bytes_by_stage[s.value] / (link_cap * n_prefill)
+        out["link_util_max"] = max(self.link_bytes.values(), default=0.0) / link_cap
+        return out
 
 
 __all__ = ["FlowClusterConfig", "FlowClusterSim"]

@@ -11,7 +11,8 @@ Channels (see subjects.py):
   topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers),
                  NodeReform → TopologyAck (a node world re-formed after it lost a member), StreamOffset
   flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler), FlowSubmitBatch →
-                 FlowPermitBatch (one round trip for every flow of a request)
+                 FlowPermitBatch (one round trip for every flow of a request), LayerProgress (prefill worker →
+                 flow-scheduler at layer boundaries), FlowPruned (flow-scheduler → gateways: retry the request)
   KV hand-off    KvLayer → KvAck (worker ↔ worker: one layer of a P/D hand-off or of a stage-1 prefix fetch,
                  its bytes in shared memory), KvFetch → KvFetchReply (a worker asks another for cached blocks)
   generic        ErrorReply (a coded failure answer to any request)
@@ -287,6 +288,8 @@ class FlowSubmit:
     target_layer: int | None = None
     deadline_unix_ms: float | None = None
     request_deadlines_unix_ms: tuple[float, ...] = ()
+    src_host: str = ""  # host ids of the two ends: the flow's links are the src host's uplink and the dst
+    dst_host: str = ""  # host's downlink (capacities from NITSUM_FLOW_LINK_GBPS); "" = the worker ids' links
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,7 @@ class FlowPermit:
     dscp: int
     pruned: bool = False
     reason: str = ""
+    code: str = ""  # with pruned: "flow_invalid" (never retry) or "overload_pruned" (retry the request)
 
 
 @dataclass(frozen=True)
@@ -326,6 +330,47 @@ class FlowPermitBatch:
     KIND: ClassVar[str] = "flow_permit_batch"
     VERSION: ClassVar[int] = 1
     permits: tuple[FlowPermit, ...]
+
+
+@dataclass(frozen=True)
+class FlowProgress:
+    """Bytes a flow still has to send (for RMLQ's MLU and the pruning check's delay estimate)."""
+
+    KIND: ClassVar[str] = "flow_progress"
+    VERSION: ClassVar[int] = 1
+    flow_id: str
+    remaining_bytes: int
+
+
+@dataclass(frozen=True)
+class LayerProgress:
+    """Prefill worker → flow-scheduler, at a layer boundary of a unit (a batch): the layer it starts now,
+    counted from the unit's first layer (the numbering of FlowSubmit.target_layer, so RLI = target − layer),
+    the TTFT deadlines of its requests, and its flows' progress. `done`: the unit's compute has finished
+    (its stage-3 flows then move on the scheduler's timer)."""
+
+    KIND: ClassVar[str] = "layer_progress"
+    VERSION: ClassVar[int] = 1
+    unit_id: str
+    layer: int
+    request_deadlines_unix_ms: tuple[float, ...] = ()
+    flows: tuple[FlowProgress, ...] = ()
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class FlowPruned:
+    """Flow-scheduler → gateways / coordinator: overload pruning suppressed a request's flows. The request
+    will miss its TTFT deadline where it is; `code` "overload_pruned" means: retry it (re-plan elsewhere or
+    later); nothing of it is sent any more."""
+
+    KIND: ClassVar[str] = "flow_pruned"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    code: str
+    reason: str
+    flow_ids: tuple[str, ...] = ()
+    retryable: bool = True
 
 
 @dataclass(frozen=True)
@@ -424,6 +469,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     FlowCompletion,
     FlowSubmitBatch,
     FlowPermitBatch,
+    FlowProgress,
+    LayerProgress,
+    FlowPruned,
     KvLayer,
     KvAck,
     KvFetch,

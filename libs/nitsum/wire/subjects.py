@@ -87,6 +87,16 @@ class Subjects:
         """transfer agents → flow-scheduler: FlowCompletion."""
         return f"{self.namespace}.flow.done"
 
+    @property
+    def flow_progress(self) -> str:
+        """prefill workers → flow-scheduler: LayerProgress at each layer boundary of a unit."""
+        return f"{self.namespace}.flow.progress"
+
+    @property
+    def flow_pruned(self) -> str:
+        """flow-scheduler → gateways and coordinator: FlowPruned (a request's flows were pruned; retry it)."""
+        return f"{self.namespace}.flow.pruned"
+
     def flow_permit(self, worker_id: str) -> str:
         """flow-scheduler → one transfer agent: FlowPermit updates (promotions)."""
         return f"{self.namespace}.flow.permit.{check_token(worker_id, 'worker id')}"
