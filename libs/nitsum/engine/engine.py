@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from nitsum.engine.runner import ModelRunner
 from nitsum.engine.sampling import make_generator, sample
 from nitsum.engine.scheduler import Scheduler, SchedulerOutput
 from nitsum.engine.sequence import Sequence
+from nitsum.engine.slo import RequestSlo
 from nitsum.kv import KVCacheManager
 from nitsum.model.loader import read_raw_config
 from nitsum.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -58,7 +60,16 @@ class Engine:
         self._num_prefill_tokens_computed = 0
 
     # -- requests -----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    @staticmethod
+    def now_ms() -> float:
+        """The engine clock (monotonic ms): `RequestSlo.arrival_ms` and the scheduler's deadlines use it."""
+        return time.monotonic() * 1000.0
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, slo: RequestSlo | None = None
+    ) -> None:
+        """`slo`: the request's tier and targets; once any request has one the scheduler follows the
+        tier-aware order (engine/tiered.py)."""
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt = list(prompt_token_ids)
@@ -79,6 +90,7 @@ class Engine:
                 f"{self.kv.pool.num_blocks}"
             )
         seq = Sequence(request_id, prompt, params, arrival_index=self._arrivals)
+        seq.slo = slo
         self._arrivals += 1
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -208,7 +220,8 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that got a new token (or finished)."""
-        scheduled = self.scheduler.schedule()
+        started_ms = self.now_ms()
+        scheduled = self.scheduler.schedule(started_ms)
         if not scheduled.chunks:
             return []
         plan = self._plan(scheduled)
@@ -217,6 +230,7 @@ class Engine:
         logits = self.runner.execute(plan)
         sampled = [c.seq for c in scheduled.chunks if c.sample]
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        self.scheduler.step_cost.observe(scheduled.num_tokens, self.now_ms() - started_ms)
 
         self.scheduler.update_after_step(scheduled)
         self._num_prefill_tokens_computed += sum(c.num_prefill_tokens for c in scheduled.chunks)

@@ -8,6 +8,10 @@ Each `schedule()` picks, for this step, how many tokens of which sequences to co
 2. Then waiting sequences in arrival order while budget, KV room and `max_num_seqs` allow, each first
    matched against the prefix cache. Nothing new is admitted in a step that had to preempt.
 
+Once any request carries an SLO (`Sequence.slo`) the step follows the tier-aware order of
+`nitsum.engine.tiered` instead (decodes first, TPOT-sized steps, prefill by TTFT deadline, background
+preempted for an interactive request that would otherwise miss); the role rules below hold in both.
+
 Roles (admission rules):
 - hybrid: the above.
 - prefill: a sequence leaves the running set after its first sampled token; the engine pins it (KV kept
@@ -23,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from nitsum.engine.sequence import Sequence, Status
+from nitsum.engine.slo import StepCostModel
+from nitsum.engine.tiered import TieredStep
 from nitsum.kv import KVCacheManager
 
 
@@ -56,6 +62,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         role: str = "hybrid",
+        step_cost: StepCostModel | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -68,15 +75,20 @@ class Scheduler:
         self._prefill_target: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # cumulative prefix-cache hits, first admissions only
+        # Measured step times (the engine feeds them): sizes tier-aware steps to the tightest TPOT.
+        self.step_cost = step_cost or StepCostModel()
+        self.tier_aware = False  # set once a request with an SLO arrives
 
     # -- queue management ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         assert seq.status is Status.WAITING, f"{seq.request_id} must be new"
+        self.tier_aware = self.tier_aware or seq.slo is not None
         self.waiting.append(seq)
 
     def adopt(self, seq: Sequence, prefill_target: int | None = None) -> None:
         """Take over a sequence moved from another engine, in the state it had there (its KV blocks, if
         any, already adopted by the KV manager). Appended after the sequences of the same status."""
+        self.tier_aware = self.tier_aware or seq.slo is not None
         if seq.status is Status.RUNNING:
             self.running.append(seq)
             self._prefill_target[seq.request_id] = prefill_target or seq.num_tokens
@@ -132,17 +144,25 @@ class Scheduler:
         return None
 
     def _preempt_newest(self) -> Sequence:
-        victim = self.running.pop()
+        victim = self.running[-1]
+        self.preempt(victim)
+        return victim
+
+    def preempt(self, victim: Sequence) -> None:
+        """Free a running sequence's KV and put it back at the head of the queue (recomputed later)."""
+        self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
-        return victim
 
     # -- the step decision --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now_ms: float | None = None) -> SchedulerOutput:
+        """`now_ms`: the engine clock, for the tier-aware order's deadline checks (unused without SLOs)."""
+        if self.tier_aware:
+            return TieredStep(self, now_ms).run()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
@@ -185,18 +205,22 @@ class Scheduler:
             if self.kv.allocate(seq.request_id, num_cached + num_new, prefix) is None:
                 break  # no room now: it waits (nothing is preempted for a newcomer)
             self.waiting.popleft()
-            seq.num_computed_tokens = num_cached
-            if seq.num_preemptions == 0:
-                seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
-                self.num_cached_prompt_tokens += seq.num_cached_prompt_tokens
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            self._prefill_target[seq.request_id] = seq.num_tokens
+            self.start(seq, num_cached)
             chunks.append(self._chunk(seq, num_new))
             budget -= num_new
         # Skipped sequences keep their place at the head of the queue, in order.
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def start(self, seq: Sequence, num_cached: int) -> None:
+        """A waiting sequence whose KV was just allocated joins the running set."""
+        seq.num_computed_tokens = num_cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
+            self.num_cached_prompt_tokens += seq.num_cached_prompt_tokens
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self._prefill_target[seq.request_id] = seq.num_tokens
 
     def _decode_ready(self, seq: Sequence, num_cached: int, chunks: list[ScheduledChunk]) -> bool:
         if seq.num_tokens - num_cached <= self.kv.block_size:

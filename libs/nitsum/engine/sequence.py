@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nitsum.engine.params import FinishReason, SamplingParams
+from nitsum.engine.slo import RequestSlo
 
 
 class Status(enum.Enum):
@@ -34,6 +35,8 @@ class Sequence:
     detokenizer: Any = None
     text: str = ""  # generated text so far (stop strings cut)
     num_text_emitted: int = 0  # chars of `text` already sent
+    # Tier and targets; None: no SLO (served in arrival order, like a background request without deadline).
+    slo: RequestSlo | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -57,3 +60,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def interactive(self) -> bool:
+        return self.slo is not None and self.slo.interactive
+
+    @property
+    def deadline_ms(self) -> float:
+        """TTFT deadline on the engine clock; +inf without an SLO."""
+        return self.slo.deadline_ms if self.slo is not None else float("inf")

@@ -46,7 +46,7 @@ class Metrics:
         return self._get("tpot", lambda: Histogram("nitsum_time_per_output_token_seconds", "time per output token", ["tier"], buckets=LATENCY_BUCKETS_S, registry=self.registry))
 
     def slo_compliance_ratio(self) -> Gauge:
-        return self._get("slo", lambda: Gauge("nitsum_slo_compliance_ratio", "fraction of finished requests meeting both SLOs", ["tier"], registry=self.registry))
+        return self._get("slo", lambda: Gauge("nitsum_slo_compliance_ratio", "fraction of ended requests (failed, rejected and cancelled included) meeting both SLOs", ["tier"], registry=self.registry))
 
     def queue_depth(self) -> Gauge:
         return self._get("queue", lambda: Gauge("nitsum_queue_depth", "requests waiting, per tier", ["tier"], registry=self.registry))
