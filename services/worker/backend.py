@@ -44,8 +44,8 @@ class PlainBackend:
     def group(self) -> tuple[int, int]:
         return (self.device_index, 1)
 
-    def add_request(self, request_id, prompt, params) -> None:
-        self.engine.add_request(request_id, prompt, params)
+    def add_request(self, request_id, prompt, params, slo=None) -> None:
+        self.engine.add_request(request_id, prompt, params, slo)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
@@ -116,8 +116,8 @@ class NodeBackend:
         g = self.runtime.group
         return (g.start, g.tp)
 
-    def add_request(self, request_id, prompt, params) -> None:
-        self.runtime.add_request(request_id, prompt, params)
+    def add_request(self, request_id, prompt, params, slo=None) -> None:
+        self.runtime.add_request(request_id, prompt, params, slo)
 
     def abort(self, request_id: str) -> bool:
         return self.runtime.engine.abort(request_id) if self.runtime.engine is not None else False

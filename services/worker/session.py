@@ -29,6 +29,8 @@ from opentelemetry import trace
 from nitsum.bus import Bus
 from nitsum.telemetry.metrics import Metrics
 from nitsum.telemetry.tracing import mark_error
+from nitsum.engine.engine import Engine
+from nitsum.engine.slo import RequestSlo
 from nitsum.wire.messages import RunRequest, SubmitRequest, TokenChunk
 
 log = logging.getLogger("nitsum.worker")
@@ -51,6 +53,15 @@ COMMIT_HOLD_MIN_STEP_MS = 12.0
 STEADY_STEPS = 16  # steps a steady step time is the median of (`steady_step_ms`)
 # A peer's turn of the step thread follows the leader's plans for at most this long (see `_iteration`).
 FOLLOW_BATCH_S = 0.25
+
+
+def request_slo(req: SubmitRequest) -> RequestSlo | None:
+    """The request's tier and targets on the engine clock (the gateway stamped its arrival in wall time), so
+    the engine schedules it tier-aware; None for a tier the engine does not know (plain order)."""
+    try:
+        return RequestSlo.from_unix(req.tier, req.ttft_ms, req.tpot_ms, req.arrival_unix_ms, time.time() * 1000.0, Engine.now_ms())
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -253,7 +264,9 @@ class WorkerSession:
                         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                         stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
                     )
-                    backend.add_request(req.request_id, list(req.prompt_token_ids) + list(req.output_token_ids), params)
+                    backend.add_request(
+                        req.request_id, list(req.prompt_token_ids) + list(req.output_token_ids), params, request_slo(req)
+                    )
                 except (ValueError, AssertionError) as exc:
                     rejected.append((req.request_id, str(exc)))
             elif op == "abort":

@@ -22,6 +22,7 @@ import msgpack
 import torch
 
 from nitsum.engine.params import SamplingParams
+from nitsum.engine.slo import RequestSlo
 from nitsum.engine.sequence import Sequence, Status
 from nitsum.kv.reshard import Group, Placement, RequestKV, Transfer, kv_head_range
 from nitsum.model.tokenizer import IncrementalDetokenizer
@@ -58,6 +59,11 @@ def export_state(engine: Any, seq: Sequence) -> dict[str, Any]:
         "text": seq.text,
         "emitted": seq.num_text_emitted,
         "prefill_target": engine.scheduler.prefill_target(seq.request_id),
+        # The SLO travels with its age, not the arrival stamp: engines on other hosts have other clocks.
+        "slo": None if seq.slo is None else {
+            "tier": seq.slo.tier, "ttft_ms": seq.slo.ttft_ms, "tpot_ms": seq.slo.tpot_ms,
+            "age_ms": engine.now_ms() - seq.slo.arrival_ms,
+        },
     }
 
 
@@ -87,6 +93,9 @@ def install_state(
     seq.num_preemptions = state["preemptions"]
     seq.text = state["text"]
     seq.num_text_emitted = state["emitted"]
+    slo = state.get("slo")
+    if slo is not None:
+        seq.slo = RequestSlo(slo["tier"], slo["ttft_ms"], slo["tpot_ms"], arrival_ms=engine.now_ms() - slo["age_ms"])
     if state["generator"] is not None:
         generator = torch.Generator(device="cpu")
         generator.set_state(torch.frombuffer(bytearray(state["generator"]), dtype=torch.uint8))

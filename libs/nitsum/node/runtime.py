@@ -15,6 +15,7 @@ from nitsum.engine.engine import Engine
 from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
 from nitsum.engine.runner import ModelRunner
+from nitsum.engine.slo import RequestSlo
 from nitsum.kv.reshard import Group, RequestKV, Topology
 from nitsum.model.loader import read_raw_config
 from nitsum.model.model import Workspace
@@ -170,9 +171,11 @@ class NodeRuntime:
                                     self.runner.kv_cache.element_size())
 
     # -- leader: requests and steps -----------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, slo: RequestSlo | None = None
+    ) -> None:
         assert self.engine is not None, f"worker {self.rank} is not a group leader"
-        self.engine.add_request(request_id, prompt_token_ids, params)
+        self.engine.add_request(request_id, prompt_token_ids, params, slo)
 
     def step(self) -> list[RequestOutput]:
         assert self.engine is not None, f"worker {self.rank} is not a group leader"
