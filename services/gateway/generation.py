@@ -38,6 +38,8 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    # When logprobs were asked: one (token id, logprob, ((id, logprob), ...)) per token in token_ids.
+    logprobs: list | None = None
 
 
 @dataclass
@@ -128,7 +130,9 @@ class Generation:
             if chunk.index > have:
                 await self._reroute("stream_gap", f"tokens {have}..{chunk.index - 1} were lost in transit")
                 continue
-            fresh = list(chunk.token_ids[have - chunk.index :])
+            skip = have - chunk.index
+            fresh = list(chunk.token_ids[skip:])
+            logprobs = _logprob_entries(chunk, skip) if self.request.sampling.logprobs >= 0 else None
             self.num_cached_prompt_tokens = max(self.num_cached_prompt_tokens, chunk.num_cached_prompt_tokens)
             if fresh and self.first_token_s is None:
                 self.first_token_s = time.monotonic()
@@ -140,7 +144,7 @@ class Generation:
                 self.finished = True
                 self.finish_reason = chunk.finish_reason or "stop"
             if fresh or chunk.finished:
-                yield Delta(fresh, text, self.finish_reason if chunk.finished else None)
+                yield Delta(fresh, text, self.finish_reason if chunk.finished else None, logprobs)
 
     async def _reroute(self, code: str, why: str) -> None:
         old = self.worker_id
@@ -222,6 +226,18 @@ class GenerationRegistry:
 
     def __len__(self) -> int:
         return len(self.by_id)
+
+
+def _logprob_entries(chunk: TokenChunk, skip: int) -> list:
+    k = chunk.top_k
+    entries = []
+    for i in range(skip, len(chunk.token_ids)):
+        logprob = chunk.logprobs[i] if i < len(chunk.logprobs) else None
+        if logprob is None:
+            raise GenerationError(500, "engine_error", f"worker {chunk.worker_id} sent tokens without the logprobs asked for")
+        top = tuple(zip(chunk.top_logprob_ids[i * k : (i + 1) * k], chunk.top_logprob_values[i * k : (i + 1) * k]))
+        entries.append((chunk.token_ids[i], logprob, top))
+    return entries
 
 
 def make_sampling(spec: SamplingSpec, max_tokens: int) -> SamplingSpec:

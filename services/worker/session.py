@@ -247,6 +247,9 @@ class WorkerSession:
                     params = SamplingParams(
                         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                         stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                        repetition_penalty=s.repetition_penalty, logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
+                        logprobs=s.logprobs if s.logprobs >= 0 else None,
                     )
                     backend.add_request(req.request_id, list(req.prompt_token_ids) + list(req.output_token_ids), params)
                 except (ValueError, AssertionError) as exc:
@@ -434,6 +437,10 @@ class WorkerSession:
             finish_reason=(out.finish_reason or "") if finished else "",
             num_prompt_tokens=state.prompt_len,
             num_cached_prompt_tokens=out.num_cached_prompt_tokens,
+            logprobs=(out.logprob,) if out.logprob is not None else (),
+            top_k=len(out.top_logprobs),
+            top_logprob_ids=tuple(t for t, _ in out.top_logprobs),
+            top_logprob_values=tuple(v for _, v in out.top_logprobs),
         )
         state.next_index += len(tokens)
         self.metrics.generated_tokens_total().labels(worker=self.worker_id).inc(len(tokens))

@@ -17,7 +17,7 @@ from pathlib import Path
 from nitsum.engine.params import EngineConfig, EngineStats, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, ChunkPlan, StepPlan
 from nitsum.engine.runner import ModelRunner
-from nitsum.engine.sampling import make_generator, sample
+from nitsum.engine.sampling import Sampled, make_generator, sample_detailed
 from nitsum.engine.scheduler import Scheduler, SchedulerOutput
 from nitsum.engine.sequence import Sequence
 from nitsum.kv import KVCacheManager
@@ -158,7 +158,8 @@ class Engine:
             self.group.broadcast_bytes(plan.encode())
         logits = self.runner.execute(plan)
         sampled = [c.seq for c in scheduled.chunks if c.sample]
-        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        histories = [(s.token_ids, s.num_prompt_tokens) if s.params.processes_logits else None for s in sampled]
+        tokens = sample_detailed(logits, [s.params for s in sampled], [s.generator for s in sampled], histories)
 
         self.scheduler.update_after_step(scheduled)
         self._num_prefill_tokens_computed += sum(c.num_prefill_tokens for c in scheduled.chunks)
@@ -177,7 +178,8 @@ class Engine:
         )
         return StepPlan(kind=PLAN_KIND_STEP, step_id=self._step_id, chunks=chunks)
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, sampled: Sampled) -> RequestOutput:
+        token = sampled.token
         params = seq.params
         seq.token_ids.append(token)
         finish = None
@@ -224,6 +226,8 @@ class Engine:
             finish_reason=finish,  # type: ignore[arg-type]
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            logprob=sampled.logprob,
+            top_logprobs=sampled.top,
         )
 
     @staticmethod

@@ -37,6 +37,13 @@ class SamplingSpec:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # issue 21 (OpenAI logits processing and logprobs); defaults mean "off", so older frames decode.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias_ids: tuple[int, ...] = ()  # logit_bias as two parallel arrays (msgpack maps want str keys)
+    logit_bias_values: tuple[float, ...] = ()
+    logprobs: int = -1  # -1: no logprobs; k >= 0: the sampled token's logprob and the k most likely
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,12 @@ class TokenChunk:
     num_cached_prompt_tokens: int = 0
     error_code: str = ""
     error_message: str = ""
+    # When the request asked for logprobs: one per token in `token_ids`, and `top_k` alternatives per token
+    # as flat (id, logprob) arrays, token after token.
+    logprobs: tuple[float, ...] = ()
+    top_k: int = 0
+    top_logprob_ids: tuple[int, ...] = ()
+    top_logprob_values: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
