@@ -153,6 +153,10 @@ class Generation:
         if self.reroutes >= self.max_reroutes:
             self.finished = True
             raise GenerationError(503, code, f"{why}; gave up after {self.reroutes} re-route(s)", retry_after_s=1.0)
+        if self.request.sampling.guide and self.tokens:
+            # Another worker would start the grammar afresh on prompt + output: the document could not be valid.
+            self.finished = True
+            raise GenerationError(503, code, f"{why}; a response_format request cannot resume on another worker after {len(self.tokens)} token(s)", retry_after_s=1.0)
         self.reroutes += 1
         remaining = self.request.sampling.max_tokens - len(self.tokens)
         if remaining <= 0:

@@ -105,7 +105,7 @@ PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
     "stream_options", "ignore_eos", "return_token_ids", "n", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "priority", "user",
+    "repetition_penalty", "logit_bias", "priority", "user", "response_format",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
@@ -124,7 +124,6 @@ NEUTRAL_VALUES: dict[str, tuple] = {
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
     "min_tokens": (0,),
-    "response_format": ({"type": "text"},),
 }
 STREAM_OPTION_FIELDS = frozenset({"include_usage"})
 
@@ -140,9 +139,6 @@ def _check_fields(body: dict, honoured: frozenset, allow_unknown: bool) -> tuple
                 continue
             if any(value == v and type(value) is type(v) for v in NEUTRAL_VALUES[name]):
                 continue
-            if name == "response_format":
-                kind = value.get("type") if isinstance(value, dict) else None
-                raise _bad(f"'response_format' of type {kind!r} is not supported (no structured-generation backend); only {{'type': 'text'}} is", name)
             raise _bad(f"'{name}' is not supported (only {NEUTRAL_VALUES[name][0]!r} is accepted)", name)
         if allow_unknown:
             ignored.append(str(name))
@@ -172,6 +168,27 @@ def _logit_bias(body: dict) -> tuple[tuple[int, ...], tuple[float, ...]]:
         pairs.append((token, float(bias)))
     pairs.sort()
     return tuple(t for t, _ in pairs), tuple(b for _, b in pairs)
+
+
+def _guide(body: dict) -> str:
+    """The llguidance grammar of `response_format` ("" for free text)."""
+    value = body.get("response_format")
+    if value is None:
+        return ""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _bad("'response_format' must be an object with a 'type'", "response_format")
+    if value["type"] == "text":
+        return ""
+    if value["type"] not in ("json_object", "json_schema"):
+        raise _bad(f"'response_format' type {value['type']!r} is not supported (text, json_object, json_schema)", "response_format")
+    if _boolean(body, "ignore_eos"):
+        raise _bad("'ignore_eos' cannot be combined with a JSON 'response_format' (the document ends where its grammar ends)", "ignore_eos")
+    from nitsum.engine.guided import GuideError, grammar_for
+
+    try:
+        return grammar_for(value)
+    except GuideError as exc:
+        raise _bad(f"'response_format': {exc}", "response_format") from None
 
 
 def _logprobs(body: dict, kind: str) -> int:
@@ -230,6 +247,7 @@ def parse_sampling(body: dict, max_tokens_default: int, max_tokens_name: str = "
         logit_bias_ids=bias_ids,
         logit_bias_values=bias_values,
         logprobs=_logprobs(body, kind),
+        guide=_guide(body),
     )
     return spec, given
 
@@ -369,9 +387,17 @@ def completion_logprobs(entries: list, token_text, text_offset: int) -> dict:
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _t, lp, _top in entries],
-        "top_logprobs": [{token_text(i): v for i, v in top} for _t, _lp, top in entries],
+        "top_logprobs": [_by_text(top, token_text) for _t, _lp, top in entries],
         "text_offset": offsets,
     }
+
+
+def _by_text(top, token_text) -> dict:
+    """{token text: logprob}, best first; tokens whose texts coincide (e.g. partial UTF-8 bytes) keep the best."""
+    out: dict[str, float] = {}
+    for i, v in top:
+        out.setdefault(token_text(i), v)
+    return out
 
 
 def chunk(kind: str, request_id: str, model: str, created: int, text: str, finish_reason: str | None, first: bool, token_ids: list[int] | None, index: int = 0, logprobs: dict | None = None) -> dict:

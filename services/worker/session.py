@@ -249,7 +249,7 @@ class WorkerSession:
                         stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
                         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                         repetition_penalty=s.repetition_penalty, logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
-                        logprobs=s.logprobs if s.logprobs >= 0 else None,
+                        logprobs=s.logprobs if s.logprobs >= 0 else None, guide=s.guide,
                     )
                     backend.add_request(req.request_id, list(req.prompt_token_ids) + list(req.output_token_ids), params)
                 except (ValueError, AssertionError) as exc:

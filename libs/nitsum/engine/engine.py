@@ -17,6 +17,7 @@ from pathlib import Path
 from nitsum.engine.params import EngineConfig, EngineStats, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, ChunkPlan, StepPlan
 from nitsum.engine.runner import ModelRunner
+from nitsum.engine.guided import Guides, allowed
 from nitsum.engine.sampling import Sampled, make_generator, sample_detailed
 from nitsum.engine.scheduler import Scheduler, SchedulerOutput
 from nitsum.engine.sequence import Sequence
@@ -55,6 +56,7 @@ class Engine:
         self._arrivals = 0
         self._step_id = 0
         self._num_prefill_tokens_computed = 0
+        self.guides = Guides(cfg.model_dir, self.runner.config.vocab_size, self._eos_token_id)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -83,6 +85,8 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             seq.generator = make_generator(seed)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if params.guide:
+            seq.matcher = self.guides.matcher(params.guide)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -159,7 +163,8 @@ class Engine:
         logits = self.runner.execute(plan)
         sampled = [c.seq for c in scheduled.chunks if c.sample]
         histories = [(s.token_ids, s.num_prompt_tokens) if s.params.processes_logits else None for s in sampled]
-        tokens = sample_detailed(logits, [s.params for s in sampled], [s.generator for s in sampled], histories)
+        masks = [allowed(s.matcher, logits.shape[-1]) if s.matcher is not None else None for s in sampled]
+        tokens = sample_detailed(logits, [s.params for s in sampled], [s.generator for s in sampled], histories, masks)
 
         self.scheduler.update_after_step(scheduled)
         self._num_prefill_tokens_computed += sum(c.num_prefill_tokens for c in scheduled.chunks)
@@ -183,6 +188,8 @@ class Engine:
         params = seq.params
         seq.token_ids.append(token)
         finish = None
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
         if token in params.stop_token_ids or (token == self._eos_token_id and not params.ignore_eos):
             finish = "stop"  # the stop token's id is returned, its text is not
         else:
@@ -191,6 +198,8 @@ class Engine:
                 seq.text += delta
                 if params.stop and self._cut_stop_string(seq, len(delta)):
                     finish = "stop"
+        if finish is None and seq.matcher is not None and seq.matcher.is_stopped():
+            finish = "stop"  # the document is complete: the grammar allows nothing but its end
         if finish is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = "length"
             tail = seq.detokenizer.flush()

@@ -95,6 +95,8 @@ def install_state(
     if state["detok"] is not None:
         detok.token_ids, detok._prefix_offset, detok._read_offset = list(state["detok"][0]), *state["detok"][1:]
     seq.detokenizer = detok
+    if params.guide:  # a guided request's matcher replays the output so far
+        seq.matcher = engine.guides.matcher(params.guide, seq.output_token_ids)
     status = Status(state["status"])
     has_kv = placement is not None and not placement.recompute and bool(placement.dst_block_ids)
     if status in (Status.RUNNING, Status.PINNED) and has_kv:

@@ -62,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM/CTRL: prompt or output tokens' logits / p if > 0, * p if < 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
+    guide: str = ""  # llguidance grammar the output must match (response_format; see engine/guided.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -103,7 +104,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the row needs more than a batched argmax / plain sampling (penalties, bias, logprobs)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.logprobs is not None)
+                    or self.logit_bias or self.logprobs is not None or bool(self.guide))
 
 
 @dataclass(frozen=True)

@@ -87,9 +87,11 @@ def sample_detailed(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     histories: Sequence[tuple[Sequence[int], int] | None] | None = None,
+    masks: Sequence[torch.Tensor | None] | None = None,
 ) -> list[Sampled]:
     """Like `sample`, with logprobs where asked. `histories[row]`: (prompt + output token ids, prompt
-    length), needed by rows whose params apply penalties (`SamplingParams.processes_logits`)."""
+    length), needed by rows whose params apply penalties (`SamplingParams.processes_logits`); `masks[row]`:
+    bool [V] of the tokens a guided row may take (every other logit becomes -inf before anything else)."""
     logits = logits.float().cpu()
     tokens = logits.argmax(dim=-1).tolist()
     out = [Sampled(t) for t in tokens]
@@ -97,6 +99,9 @@ def sample_detailed(
         if p.greedy and not p.processes_logits:
             continue
         row_logits = logits[row]
+        mask = masks[row] if masks is not None else None
+        if mask is not None:
+            row_logits = row_logits.masked_fill(~mask, float("-inf"))
         if p.processes_logits:
             history = histories[row] if histories is not None else None
             token_ids, num_prompt = history if history is not None else ((), 0)

@@ -44,6 +44,7 @@ class SamplingSpec:
     logit_bias_ids: tuple[int, ...] = ()  # logit_bias as two parallel arrays (msgpack maps want str keys)
     logit_bias_values: tuple[float, ...] = ()
     logprobs: int = -1  # -1: no logprobs; k >= 0: the sampled token's logprob and the k most likely
+    guide: str = ""  # llguidance grammar of response_format json_object / json_schema ("" = free text)
 
 
 @dataclass(frozen=True)
