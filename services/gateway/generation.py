@@ -5,6 +5,12 @@ token: duplicates (a chunk replayed after a re-route) are cut, and a gap (a lost
 request from the last token it holds. A worker that is lost, stops, or goes silent for
 NITSUM_STREAM_TIMEOUT_S gets the request re-submitted with the prompt and the tokens so far, to
 another worker, up to NITSUM_MAX_REROUTES times; after that the client gets a clear error.
+
+Frames are taken only from the worker the coordinator placed the request on, or from one of the
+successors it named (the P/D decode worker, the workers of those nodes: a TP change's new group leader),
+and only when the frame's subject names the same worker as its `worker_id` (with per-worker NATS
+identities a worker can publish under its own id only). Anything else is dropped and counted in
+nitsum_dropped_frames_total{code="foreign_stream_frame"}.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class Generation:
     worker_id: str = ""
     reroutes: int = 0
     left_workers: set[str] = field(default_factory=set)
+    successors: set[str] = field(default_factory=set)
+    on_foreign_frame: object = None  # called with the sender of a frame that is not taken
     num_cached_prompt_tokens: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -71,7 +79,11 @@ class Generation:
     async def start(self) -> None:
         """Subscribe to the stream, then submit; raises GenerationError when the mesh refuses."""
 
-        async def on_chunk(chunk: TokenChunk, _delivery) -> None:
+        async def on_chunk(chunk: TokenChunk, delivery) -> None:
+            sender = self.bus.subjects.stream_sender(delivery.subject)
+            if sender != chunk.worker_id or chunk.request_id != self.request_id:
+                self._foreign(sender or delivery.subject)
+                return
             self._queue.put_nowait(chunk)
 
         self._sub = await self.bus.subscribe(self.bus.subjects.stream(self.request_id), on_chunk, expected=TokenChunk)
@@ -91,7 +103,14 @@ class Generation:
             code = {429: "rate_limited", 503: "no_capacity", 400: "invalid_request"}.get(reply.status, "rejected")
             raise GenerationError(reply.status or 503, code, reply.reason, retry_after_s=reply.retry_after_s)
         self.worker_id = reply.worker_id
+        # A stream may come back to the worker it left (merged into a TP group, then split again).
+        self.successors = set(reply.successors) | {reply.worker_id}
         self.registry.moved(self)
+
+    def _foreign(self, sender: str) -> None:
+        log.warning("%s: dropped a stream frame from %s (not the worker placed on or its successor)", self.request_id, sender)
+        if self.on_foreign_frame is not None:
+            self.on_foreign_frame(sender)
 
     def worker_lost(self) -> None:
         self._queue.put_nowait("worker_lost")
@@ -112,6 +131,9 @@ class Generation:
                 # A worker this request was re-routed away from may still send late chunks: never take them.
                 # Any other worker continuing exactly where we are is a hand-off (a TP change moved the
                 # request to its new group leader): follow it.
+                if chunk.worker_id not in self.successors:
+                    self._foreign(chunk.worker_id)
+                    continue
                 if chunk.worker_id in self.left_workers or chunk.index != len(self.tokens):
                     continue
                 self.worker_id = chunk.worker_id
@@ -167,7 +189,7 @@ class Generation:
         trace.get_current_span().add_event("rerouted", {"nitsum.reason": code, "nitsum.detail": why, "nitsum.from_worker": old, "nitsum.tokens_so_far": len(self.tokens)})
         resubmit = replace(
             self.request,
-            sampling=replace(self.request.sampling, max_tokens=remaining),
+            sampling=replace(self.request.sampling, max_tokens=remaining, min_tokens=max(0, self.request.sampling.min_tokens - len(self.tokens))),
             output_token_ids=tuple(self.tokens),
             attempt=self.reroutes,
             exclude_workers=(old,) if old else (),

@@ -135,6 +135,8 @@ class Gateway:
                     if parsed.prompt_token_ids is not None:
                         self.model.check_ids(prompt_ids)
                 sampling = self.model.fit_max_tokens(parsed.sampling, len(prompt_ids), fill_context=(kind == "chat" and not parsed.max_tokens_given))
+                if sampling.min_tokens > sampling.max_tokens:
+                    raise ApiError(400, f"'min_tokens' ({sampling.min_tokens}) exceeds max_tokens ({sampling.max_tokens})", "min_tokens")
             except ApiError as exc:
                 mark_error(span, exc.code)
                 self.slo.outcome(tier_name, "rejected")
@@ -178,6 +180,7 @@ class Gateway:
         gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.submit_timeout_s, self.registry)
         # The decode pause a stream sees when its request moves to another worker (TP change, P/D).
         gen.on_handoff_gap = self.ctx.metrics.reconfiguration_duration_ms().labels(phase="stream_pause").observe
+        gen.on_foreign_frame = lambda _sender: self.ctx.metrics.dropped_frames_total().labels(subject=self.ctx.bus.subjects.stream("*").rsplit(".", 1)[0] + ".*", code="foreign_stream_frame").inc()
         return gen
 
     def _refused(self, exc: GenerationError, span, slo, headers: dict) -> web.Response:

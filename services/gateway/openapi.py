@@ -65,6 +65,8 @@ _SAMPLING = {
     },
     "priority": {"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1], "nullable": True, "description": "vLLM: < 0 interactive tier, > 0 background"},
     "user": {"type": "string", "maxLength": 256, "nullable": True},
+    "min_tokens": {"type": "integer", "minimum": 0, "maximum": MAX_INT_OPTION, "nullable": True, "description": "vLLM: no EOS/stop token before this many tokens; at most max_tokens (else 400)"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}], "nullable": True},
     "stop_token_ids": {"type": "array", "items": _TOKEN_ID, "nullable": True},
     "stream": {"type": "boolean", "nullable": True},

@@ -105,7 +105,7 @@ PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
     "stream_options", "ignore_eos", "return_token_ids", "n", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "priority", "user", "response_format",
+    "repetition_penalty", "logit_bias", "priority", "user", "response_format", "min_tokens", "min_p",
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
@@ -123,7 +123,6 @@ NEUTRAL_VALUES: dict[str, tuple] = {
     "metadata": ({},),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
-    "min_tokens": (0,),
 }
 STREAM_OPTION_FIELDS = frozenset({"include_usage"})
 
@@ -232,6 +231,11 @@ def parse_sampling(body: dict, max_tokens_default: int, max_tokens_name: str = "
         raise _bad("'repetition_penalty' must be > 0", "repetition_penalty")
     bias_ids, bias_values = _logit_bias(body)
     top_k = _integer(body, "top_k", 0, -1, MAX_INT_OPTION) or 0
+    min_tokens = _integer(body, "min_tokens", 0, 0, MAX_INT_OPTION)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise _bad(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+    if min_tokens and body.get("response_format") not in (None, {"type": "text"}):
+        raise _bad("'min_tokens' cannot be combined with a JSON 'response_format' (the grammar decides where the document ends)", "min_tokens")
     spec = SamplingSpec(
         max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
         temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
@@ -248,6 +252,8 @@ def parse_sampling(body: dict, max_tokens_default: int, max_tokens_name: str = "
         logit_bias_values=bias_values,
         logprobs=_logprobs(body, kind),
         guide=_guide(body),
+        min_tokens=min_tokens,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
     )
     return spec, given
 

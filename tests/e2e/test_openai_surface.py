@@ -233,3 +233,15 @@ def test_json_object_output_parses(client):
     out = client.completions.create(model="tiny", prompt="{", max_tokens=1500, temperature=0.7, seed=5, extra_body={"response_format": {"type": "json_object"}})
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].text), dict)
+
+
+def test_min_tokens_holds_eos_back(client, tiny_model_dir):
+    import json as _json
+
+    eos = _json.loads((tiny_model_dir / "config.json").read_text()).get("eos_token_id")
+    bias = {str(eos): 100}  # EOS would be the next token every time
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logit_bias=bias, extra_body={"return_token_ids": True})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logit_bias=bias, extra_body={"min_tokens": 5, "return_token_ids": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == 6 and eos not in out.choices[0].model_extra["token_ids"][:5]

@@ -101,7 +101,10 @@ REFUSED = [
     (CHAT, {"audio": {"voice": "alloy"}}, "audio"),
     (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
     (CHAT, {"reasoning_effort": "low"}, "reasoning_effort"),
-    (COMP, {"min_tokens": 3}, "min_tokens"),
+    (COMP, {"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+    (COMP, {"min_tokens": 17}, "min_tokens"),
+    (COMP, {"min_p": 1.5}, "min_p"),
+    (CHAT, {"min_tokens": 1, "response_format": {"type": "json_object"}}, "min_tokens"),
     (COMP, {"guided_json": {"type": "object"}}, "guided_json"),
     (COMP, {"some_vendor_field": 1}, "some_vendor_field"),
     (CHAT, {"logprobs": True, "echo": True}, "echo"),
@@ -110,7 +113,7 @@ REFUSED = [
 
 def _with_base(path, extra):
     base = {"messages": [{"role": "user", "content": "x"}]} if path == CHAT else {"prompt": "x"}
-    return {**base, **extra, "max_tokens": 2}
+    return {**base, "max_tokens": 2, **extra} if "min_tokens" not in extra else {**base, **extra}
 
 
 @pytest.mark.parametrize("path, extra, param", REFUSED)
@@ -128,6 +131,9 @@ async def test_unsupported_fields_are_400_naming_them(gateway_url, path, extra, 
         (CHAT, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "store": False, "service_tier": "auto", "logprobs": False, "user": "u1"}),
         (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
         (COMP, {"response_format": {"type": "json_object"}}),
+        # vLLM's benchmark_serving completions body, as it sends it.
+        (COMP, {"model": None, "temperature": 0.0, "best_of": 1, "max_tokens": 8, "min_tokens": 8, "logprobs": None, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}),
+        (CHAT, {"temperature": 0.0, "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "min_p": 0.1, "top_k": 5}),
         (CHAT, {"n": 2, "best_of": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 1, "frequency_penalty": -1, "logit_bias": {"5": -100}, "priority": -1}),
     ],
 )

@@ -55,3 +55,13 @@ def test_bad_params_are_refused():
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
     assert SamplingParams(logit_bias=[[3, 1]]).logit_bias == ((3, 1.0),)  # a migrated request's lists
+
+
+def test_min_p_cuts_tokens_below_a_fraction_of_the_top_probability():
+    from nitsum.engine.sampling import filter_logits
+
+    p = SamplingParams(temperature=1.0, min_p=0.3)
+    probs = torch.softmax(LOGITS, -1)
+    kept = torch.isfinite(filter_logits(LOGITS, p))
+    assert kept.tolist() == (probs >= 0.3 * probs.max()).tolist()
+    assert kept.sum() < len(LOGITS) and kept[3]

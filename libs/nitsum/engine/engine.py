@@ -163,12 +163,25 @@ class Engine:
         logits = self.runner.execute(plan)
         sampled = [c.seq for c in scheduled.chunks if c.sample]
         histories = [(s.token_ids, s.num_prompt_tokens) if s.params.processes_logits else None for s in sampled]
-        masks = [allowed(s.matcher, logits.shape[-1]) if s.matcher is not None else None for s in sampled]
+        masks = [self._mask(s, logits.shape[-1]) for s in sampled]
         tokens = sample_detailed(logits, [s.params for s in sampled], [s.generator for s in sampled], histories, masks)
 
         self.scheduler.update_after_step(scheduled)
         self._num_prefill_tokens_computed += sum(c.num_prefill_tokens for c in scheduled.chunks)
         return [self._append_token(seq, token) for seq, token in zip(sampled, tokens)]
+
+    def _mask(self, seq: Sequence, vocab: int):
+        """Bool [vocab] of the tokens this request may take next (None: any): its grammar's, less EOS and its
+        stop tokens while it has fewer than min_tokens."""
+        mask = allowed(seq.matcher, vocab) if seq.matcher is not None else None
+        if seq.params.min_tokens and seq.num_output_tokens < seq.params.min_tokens:
+            import torch
+
+            mask = torch.ones(vocab, dtype=torch.bool) if mask is None else mask.clone()
+            for token in (self._eos_token_id, *seq.params.stop_token_ids):
+                if token is not None and token < vocab:
+                    mask[token] = False
+        return mask
 
     def _plan(self, scheduled: SchedulerOutput) -> StepPlan:
         self._step_id += 1

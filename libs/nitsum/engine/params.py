@@ -63,6 +63,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
     guide: str = ""  # llguidance grammar the output must match (response_format; see engine/guided.py)
+    min_tokens: int = 0  # vLLM: EOS and stop_token_ids cannot be sampled before this many output tokens
+    min_p: float = 0.0  # vLLM: tokens below min_p x the top token's probability are cut (after top-k/top-p)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -93,6 +95,10 @@ class SamplingParams:
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in pairs):
             raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {self.logit_bias!r}")
         object.__setattr__(self, "logit_bias", pairs)
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
 
@@ -104,7 +110,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the row needs more than a batched argmax / plain sampling (penalties, bias, logprobs)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.logprobs is not None or bool(self.guide))
+                    or self.logit_bias or self.logprobs is not None or bool(self.guide) or self.min_tokens > 0)
 
 
 @dataclass(frozen=True)

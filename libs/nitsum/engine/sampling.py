@@ -9,7 +9,8 @@ the frequency penalty (minus penalty x count of the token in the output) and the
 penalty once, if the token is in the output); then temperature, top-k and top-p (`filter_logits`).
 
 Logprobs are those of the distribution the token was drawn from: log-softmax of the processed logits
-after temperature, top-k and top-p (tokens cut by top-k/top-p have -inf, reported as -9999.0 like vLLM).
+after temperature, top-k, top-p and min-p (tokens they cut have -inf, reported as -9999.0 like vLLM).
+`min_tokens` and `response_format` (engine/guided.py) act as masks: the tokens they forbid get -inf first.
 A greedy request has no sampling distribution; its logprobs read temperature 0 as 1 (the processed
 logits, top-k/top-p applied), so that the argmax token's logprob is the model's, not 0.
 """
@@ -50,6 +51,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return logits
 
 

@@ -45,6 +45,8 @@ class SamplingSpec:
     logit_bias_values: tuple[float, ...] = ()
     logprobs: int = -1  # -1: no logprobs; k >= 0: the sampled token's logprob and the k most likely
     guide: str = ""  # llguidance grammar of response_format json_object / json_schema ("" = free text)
+    min_tokens: int = 0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class SubmitReply:
     status: int = 200
     retry_after_s: float = 0.0
     reason: str = ""
+    # Workers that may take the request's stream over from `worker_id` (TP change, P/D hand-off): the P/D
+    # decode worker and the workers of the nodes of both (a node is one process world and trust domain).
+    successors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
