@@ -215,7 +215,8 @@ class Generation:
     async def abort(self, reason: str) -> None:
         if not self.finished:
             self.finished = True
-            await self._abort_at(self.worker_id or "?", reason)
+            # Shielded: a second cancellation of the handler (client gone) must not lose the abort.
+            await asyncio.shield(self._abort_at(self.worker_id or "?", reason))
 
     async def close(self) -> None:
         self.registry.remove(self)

@@ -180,7 +180,7 @@ class Gateway:
         gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.submit_timeout_s, self.registry)
         # The decode pause a stream sees when its request moves to another worker (TP change, P/D).
         gen.on_handoff_gap = self.ctx.metrics.reconfiguration_duration_ms().labels(phase="stream_pause").observe
-        gen.on_foreign_frame = lambda _sender: self.ctx.metrics.dropped_frames_total().labels(subject=self.ctx.bus.subjects.stream("*").rsplit(".", 1)[0] + ".*", code="foreign_stream_frame").inc()
+        gen.on_foreign_frame = lambda _sender: self.ctx.metrics.dropped_frames_total().labels(subject=f"{self.ctx.bus.subjects.namespace}.stream.*.*", code="foreign_stream_frame").inc()
         return gen
 
     def _refused(self, exc: GenerationError, span, slo, headers: dict) -> web.Response:
@@ -207,10 +207,14 @@ class Gateway:
                 queue.put_nowait((i, None))
             except GenerationError as exc:
                 queue.put_nowait((i, exc))
+            except Exception as exc:  # a bug must end the request with an error, not leave it waiting
+                log.exception("%s: choice %d failed", gen.request_id, i)
+                queue.put_nowait((i, GenerationError(500, "gateway_error", f"{type(exc).__name__}: {exc}")))
             finally:
                 prefilled.set()
 
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        reason = "request_ended"
         try:
             running = len(gens)
             while running:
@@ -221,13 +225,16 @@ class Gateway:
                     raise item
                 else:
                     yield i, item
+        except asyncio.CancelledError:
+            reason = "client_disconnected"
+            raise
         finally:
+            for gen in gens:  # a failed sibling (or a disconnect) ends them all
+                if gen.worker_id and not gen.finished:
+                    await gen.abort(reason)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for gen in gens:  # a failed sibling (or a disconnect) ends them all
-                if gen.worker_id and not gen.finished:
-                    await gen.abort("request_ended")
 
     def _logprobs(self, kind: str, delta, text_offset: int) -> dict | None:
         if delta.logprobs is None:
