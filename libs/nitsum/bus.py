@@ -31,6 +31,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
 
 from nitsum.config import CommonConfig, nats_urls
+from nitsum.natsserver import inbox_prefix
 from nitsum.telemetry.metrics import Metrics
 from nitsum.telemetry.tracing import extract_context, inject_headers
 from nitsum.wire import DecodeError, decode, encode
@@ -128,6 +129,9 @@ class Bus:
                     name=name,
                     user=config.nats_user or None,
                     password=config.nats_password or None,
+                    # Replies to this identity's requests come to its own inbox prefix (a worker's identity may
+                    # read no other: nitsum.natsserver.worker_permissions).
+                    inbox_prefix=inbox_prefix(config.nats_user),
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25,

@@ -126,6 +126,28 @@ def parse_die_at(value: str) -> tuple[str, int, int] | None:
     return phase, int(epoch), int(device)
 
 
+def parse_objectives(value: str) -> dict[str, str]:
+    """NITSUM_GATEWAY_OBJECTIVES "name=tier,..." as a map; every tier name maps to itself as well."""
+    from nitsum.policy.tiers import DEFAULT_TIERS
+
+    out = {name: name for name in DEFAULT_TIERS}
+    for pair in (p.strip() for p in value.split(",")):
+        if pair:
+            name, _, tier = pair.partition("=")
+            out[name.strip()] = tier.strip()
+    return out
+
+
+def objective_map_error(value: str) -> str | None:
+    from nitsum.policy.tiers import DEFAULT_TIERS
+
+    for pair in (p.strip() for p in value.split(",")):
+        name, eq, tier = pair.partition("=")
+        if pair and (not eq or not name.strip() or tier.strip() not in DEFAULT_TIERS):
+            return f"must be name=tier pairs with tiers from {', '.join(sorted(DEFAULT_TIERS))}, got {pair!r}"
+    return None
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -263,6 +285,8 @@ class GatewayConfig(CommonConfig):
     stream_timeout_s: float = setting("NITSUM_STREAM_TIMEOUT_S", 30.0, "longest silence of a worker before the request is re-routed", check=positive)
     max_reroutes: int = setting("NITSUM_MAX_REROUTES", 2, "re-submissions of a request whose worker was lost", check=non_negative)
     ready_timeout_s: float = setting("NITSUM_READY_TIMEOUT_S", 5.0, "time budget of the /ready 1-token generation", check=positive)
+    allow_unknown_fields: bool = setting("NITSUM_GATEWAY_ALLOW_UNKNOWN_FIELDS", False, "ignore (rather than refuse with 400) request fields the gateway does not know; listed in x-nitsum-ignored-fields")
+    objectives: str = setting("NITSUM_GATEWAY_OBJECTIVES", "critical=interactive,standard=interactive,sheddable=background", "x-gateway-inference-objective name=tier pairs (each tier name is also an objective)", check=lambda v: objective_map_error(v))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,13 @@
 One identity per service, each with the subjects it may publish and subscribe; anonymous connections
 are refused; only `admin` may publish under `<ns>.admin.>`. Passwords are generated per run, written
 with mode 0600 and handed to children through the environment — never logged.
+
+Workers: given their ids, each worker gets its own identity `worker-<id>` (`worker_identity`) that may
+subscribe only to its own subjects (`<ns>.worker.<id>.>`, its flow permits, its own reply inbox
+`_INBOX.worker-<id>.>`) and the broadcasts, and publish only its stream frames under its own id
+(`<ns>.stream.<id>.>`), its heartbeats, flow requests and the KV subjects of its peers. `nitsum up` does
+this; `python -m nitsum.natsserver --workers ID,ID ...` prints such a config for compose or Kubernetes.
+The shared `worker` identity (any worker's subjects) remains for deployments that have not done that step.
 """
 
 from __future__ import annotations
@@ -21,11 +28,34 @@ from pathlib import Path
 IDENTITIES = ("gateway", "coordinator", "worker", "flow-scheduler", "admin")
 
 
-def permissions(namespace: str = "nitsum") -> dict[str, dict]:
-    """Publish/subscribe allow-lists per identity (nats-server `permissions` blocks)."""
+def worker_identity(worker_id: str) -> str:
+    """The NATS user of one worker."""
+    from nitsum.wire.subjects import check_token
+
+    return "worker-" + check_token(worker_id, "worker id")
+
+
+def inbox_prefix(user: str) -> str:
+    """The reply-inbox prefix of a connection as `user`: replies to one identity's requests land under it."""
+    return f"_INBOX.{user}" if user else "_INBOX"
+
+
+def worker_permissions(namespace: str, worker_id: str) -> dict:
+    """What one worker's own identity may do: its role's subjects, nothing of another worker's."""
+    ns = namespace
+    return {
+        "publish": [f"{ns}.stream.{worker_id}.>", f"{ns}.stats.worker", f"{ns}.flow.submit", f"{ns}.flow.done", f"{ns}.worker.*.kv", f"{ns}.worker.*.kvfetch"],
+        "subscribe": [f"{ns}.worker.{worker_id}.>", f"{ns}.req.abort", f"{ns}.event.coordinator_up", f"{ns}.flow.permit.{worker_id}", inbox_prefix(worker_identity(worker_id)) + ".>"],
+        "allow_responses": True,
+    }
+
+
+def permissions(namespace: str = "nitsum", worker_ids: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Publish/subscribe allow-lists per identity (nats-server `permissions` blocks); with `worker_ids`, one
+    identity per worker as well."""
     ns = namespace
     inbox = "_INBOX.>"
-    return {
+    perms = {
         "gateway": {
             "publish": [f"{ns}.req.submit", f"{ns}.req.abort"],
             "subscribe": [f"{ns}.stream.>", f"{ns}.event.worker_lost", inbox],
@@ -50,6 +80,9 @@ def permissions(namespace: str = "nitsum") -> dict[str, dict]:
             "subscribe": [inbox],
         },
     }
+    for worker_id in worker_ids:
+        perms[worker_identity(worker_id)] = worker_permissions(ns, worker_id)
+    return perms
 
 
 def _perm_block(perm: dict) -> str:
@@ -62,13 +95,18 @@ def _perm_block(perm: dict) -> str:
     return "\n".join(lines)
 
 
-def render_config(port: int, passwords: dict[str, str] | None, namespace: str = "nitsum", host: str = "127.0.0.1", env_refs: bool = False) -> str:
+def password_variable(identity: str) -> str:
+    """The environment variable a compose/Kubernetes config reads an identity's password from."""
+    return "NITSUM_NATS_PASSWORD_" + identity.upper().replace("-", "_")
+
+
+def render_config(port: int, passwords: dict[str, str] | None, namespace: str = "nitsum", host: str = "127.0.0.1", env_refs: bool = False, worker_ids: tuple[str, ...] = ()) -> str:
     """A nats-server config. With `env_refs`, passwords are `$NITSUM_NATS_PASSWORD_<ID>` references
     (docker compose fills them); otherwise the given passwords are written in (file mode 0600)."""
     users = []
-    for identity, perm in permissions(namespace).items():
+    for identity, perm in permissions(namespace, worker_ids).items():
         if env_refs:
-            password = "$NITSUM_NATS_PASSWORD_" + identity.upper().replace("-", "_")
+            password = "$" + password_variable(identity)
         else:
             assert passwords is not None, "passwords are required unless env_refs is set"
             password = json.dumps(passwords[identity])
@@ -87,8 +125,8 @@ def render_config(port: int, passwords: dict[str, str] | None, namespace: str = 
     )
 
 
-def new_passwords() -> dict[str, str]:
-    return {identity: secrets.token_urlsafe(24) for identity in IDENTITIES}
+def new_passwords(worker_ids: tuple[str, ...] = ()) -> dict[str, str]:
+    return {identity: secrets.token_urlsafe(24) for identity in (*IDENTITIES, *map(worker_identity, worker_ids))}
 
 
 def find_binary() -> str:
@@ -186,3 +224,28 @@ def write_secure(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nitsum.natsserver --workers ID,ID [--env-refs]`: print a nats-server config with one identity
+    per worker (compose / Kubernetes); without --env-refs, also new passwords, as NAME=value lines on stderr."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m nitsum.natsserver", description=main.__doc__)
+    p.add_argument("--workers", required=True, help="comma-separated worker ids (NITSUM_WORKER_ID of each worker)")
+    p.add_argument("--port", type=int, default=4222)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--namespace", default="nitsum")
+    p.add_argument("--env-refs", action="store_true", help="passwords as $NITSUM_NATS_PASSWORD_<IDENTITY> references")
+    args = p.parse_args(argv)
+    worker_ids = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    passwords = None if args.env_refs else new_passwords(worker_ids)
+    print(render_config(args.port, passwords, args.namespace, args.host, env_refs=args.env_refs, worker_ids=worker_ids), end="")
+    if passwords is not None:
+        for identity, password in passwords.items():
+            print(f"{password_variable(identity)}={password}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

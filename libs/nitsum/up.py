@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nitsum.config import default_home
-from nitsum.natsserver import NatsServer, free_port, new_passwords, render_config, write_secure
+from nitsum.natsserver import NatsServer, free_port, new_passwords, render_config, worker_identity, write_secure
 
 MAX_RESTARTS_PER_MINUTE = 3
 
@@ -140,12 +140,12 @@ def main(argv: list[str]) -> int:
         nats_url = args.nats
     else:
         port = 4222 if _port_free(4222) else free_port()
-        passwords = new_passwords()
+        passwords = new_passwords(_worker_ids(args.devices))
         config_path = run_dir / "nats.conf"
-        write_secure(config_path, render_config(port, passwords))
+        write_secure(config_path, render_config(port, passwords, worker_ids=_worker_ids(args.devices)))
         nats = NatsServer(port=port, config_path=config_path).start(log_path=run_dir / "nats-server.log")
         nats_url = nats.url
-        print(f"nitsum up: nats-server on {nats_url} (one identity per service, see {config_path})", flush=True)
+        print(f"nitsum up: nats-server on {nats_url} (one identity per service and per worker, see {config_path})", flush=True)
     write_secure(
         default_home() / "run" / "current.json",
         json.dumps({"nats_url": nats_url, "admin_user": "admin" if passwords else "", "admin_password": passwords.get("admin", ""), "run_dir": str(run_dir), "gateway": f"http://{args.host}:{args.port}"}),
@@ -183,7 +183,8 @@ def main(argv: list[str]) -> int:
     world = {} if args.no_node_world or args.max_tp == 1 else {"NITSUM_NODE_SIZE": str(args.devices), "NITSUM_NODE_MASTER_PORT": str(_free_port_span())}
     for i in range(args.devices):
         service = "prefill-worker" if i < args.prefill_workers else "decode-worker"
-        children.append(Child(f"worker-{i}", service, env_for("worker", NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=f"node0-{i}", **world), run_dir / f"worker-{i}.log"))
+        worker_id = _worker_ids(args.devices)[i]
+        children.append(Child(f"worker-{i}", service, env_for(worker_identity(worker_id), NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=worker_id, **world), run_dir / f"worker-{i}.log"))
     children.append(Child("gateway", "gateway", env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host), run_dir / "gateway.log"))
 
     stopping = {"flag": False}
@@ -216,6 +217,11 @@ def main(argv: list[str]) -> int:
             _remove_weight_store(model_dir, default_dtype(args.device) if dtype == "auto" else dtype)
         print("nitsum up: stopped", flush=True)
     return code
+
+
+def _worker_ids(devices: int) -> tuple[str, ...]:
+    """The workers' ids (each one its own NATS identity, `worker-<id>`)."""
+    return tuple(f"node0-{i}" for i in range(devices))
 
 
 def _remove_weight_store(model_dir: Path, dtype: str) -> None:

@@ -250,7 +250,9 @@ class Coordinator:
                     continue
                 if ack.accepted:
                     span.set_attribute("nitsum.worker", worker_id)
-                    return SubmitReply(req.request_id, True, worker_id=worker_id, group_id=record.stats.group_id)
+                    nodes = {record.stats.node_id} | {r.stats.node_id for w, r in self.members.workers.items() if w == decode_worker}
+                    successors = {w for w, r in self.members.workers.items() if r.stats.node_id in nodes} | ({decode_worker} if decode_worker else set())
+                    return SubmitReply(req.request_id, True, worker_id=worker_id, group_id=record.stats.group_id, successors=tuple(sorted(successors - {worker_id})))
                 self.members.unassign(req.request_id, worker_id)
                 reasons.append(f"{worker_id}: {ack.reason}")
                 if "exceeds the model context" in ack.reason or ack.reason == "empty prompt":

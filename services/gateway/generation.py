@@ -5,6 +5,12 @@ token: duplicates (a chunk replayed after a re-route) are cut, and a gap (a lost
 request from the last token it holds. A worker that is lost, stops, or goes silent for
 NITSUM_STREAM_TIMEOUT_S gets the request re-submitted with the prompt and the tokens so far, to
 another worker, up to NITSUM_MAX_REROUTES times; after that the client gets a clear error.
+
+Frames are taken only from the worker the coordinator placed the request on, or from one of the
+successors it named (the P/D decode worker, the workers of those nodes: a TP change's new group leader),
+and only when the frame's subject names the same worker as its `worker_id` (with per-worker NATS
+identities a worker can publish under its own id only). Anything else is dropped and counted in
+nitsum_dropped_frames_total{code="foreign_stream_frame"}.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    # When logprobs were asked: one (token id, logprob, ((id, logprob), ...)) per token in token_ids.
+    logprobs: list | None = None
 
 
 @dataclass
@@ -52,6 +60,8 @@ class Generation:
     worker_id: str = ""
     reroutes: int = 0
     left_workers: set[str] = field(default_factory=set)
+    successors: set[str] = field(default_factory=set)
+    on_foreign_frame: object = None  # called with the sender of a frame that is not taken
     num_cached_prompt_tokens: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -69,7 +79,11 @@ class Generation:
     async def start(self) -> None:
         """Subscribe to the stream, then submit; raises GenerationError when the mesh refuses."""
 
-        async def on_chunk(chunk: TokenChunk, _delivery) -> None:
+        async def on_chunk(chunk: TokenChunk, delivery) -> None:
+            sender = self.bus.subjects.stream_sender(delivery.subject)
+            if sender != chunk.worker_id or chunk.request_id != self.request_id:
+                self._foreign(sender or delivery.subject)
+                return
             self._queue.put_nowait(chunk)
 
         self._sub = await self.bus.subscribe(self.bus.subjects.stream(self.request_id), on_chunk, expected=TokenChunk)
@@ -89,7 +103,14 @@ class Generation:
             code = {429: "rate_limited", 503: "no_capacity", 400: "invalid_request"}.get(reply.status, "rejected")
             raise GenerationError(reply.status or 503, code, reply.reason, retry_after_s=reply.retry_after_s)
         self.worker_id = reply.worker_id
+        # A stream may come back to the worker it left (merged into a TP group, then split again).
+        self.successors = set(reply.successors) | {reply.worker_id}
         self.registry.moved(self)
+
+    def _foreign(self, sender: str) -> None:
+        log.warning("%s: dropped a stream frame from %s (not the worker placed on or its successor)", self.request_id, sender)
+        if self.on_foreign_frame is not None:
+            self.on_foreign_frame(sender)
 
     def worker_lost(self) -> None:
         self._queue.put_nowait("worker_lost")
@@ -110,6 +131,9 @@ class Generation:
                 # A worker this request was re-routed away from may still send late chunks: never take them.
                 # Any other worker continuing exactly where we are is a hand-off (a TP change moved the
                 # request to its new group leader): follow it.
+                if chunk.worker_id not in self.successors:
+                    self._foreign(chunk.worker_id)
+                    continue
                 if chunk.worker_id in self.left_workers or chunk.index != len(self.tokens):
                     continue
                 self.worker_id = chunk.worker_id
@@ -128,7 +152,9 @@ class Generation:
             if chunk.index > have:
                 await self._reroute("stream_gap", f"tokens {have}..{chunk.index - 1} were lost in transit")
                 continue
-            fresh = list(chunk.token_ids[have - chunk.index :])
+            skip = have - chunk.index
+            fresh = list(chunk.token_ids[skip:])
+            logprobs = _logprob_entries(chunk, skip) if self.request.sampling.logprobs >= 0 else None
             self.num_cached_prompt_tokens = max(self.num_cached_prompt_tokens, chunk.num_cached_prompt_tokens)
             if fresh and self.first_token_s is None:
                 self.first_token_s = time.monotonic()
@@ -140,7 +166,7 @@ class Generation:
                 self.finished = True
                 self.finish_reason = chunk.finish_reason or "stop"
             if fresh or chunk.finished:
-                yield Delta(fresh, text, self.finish_reason if chunk.finished else None)
+                yield Delta(fresh, text, self.finish_reason if chunk.finished else None, logprobs)
 
     async def _reroute(self, code: str, why: str) -> None:
         old = self.worker_id
@@ -149,6 +175,10 @@ class Generation:
         if self.reroutes >= self.max_reroutes:
             self.finished = True
             raise GenerationError(503, code, f"{why}; gave up after {self.reroutes} re-route(s)", retry_after_s=1.0)
+        if self.request.sampling.guide and self.tokens:
+            # Another worker would start the grammar afresh on prompt + output: the document could not be valid.
+            self.finished = True
+            raise GenerationError(503, code, f"{why}; a response_format request cannot resume on another worker after {len(self.tokens)} token(s)", retry_after_s=1.0)
         self.reroutes += 1
         remaining = self.request.sampling.max_tokens - len(self.tokens)
         if remaining <= 0:
@@ -159,7 +189,7 @@ class Generation:
         trace.get_current_span().add_event("rerouted", {"nitsum.reason": code, "nitsum.detail": why, "nitsum.from_worker": old, "nitsum.tokens_so_far": len(self.tokens)})
         resubmit = replace(
             self.request,
-            sampling=replace(self.request.sampling, max_tokens=remaining),
+            sampling=replace(self.request.sampling, max_tokens=remaining, min_tokens=max(0, self.request.sampling.min_tokens - len(self.tokens))),
             output_token_ids=tuple(self.tokens),
             attempt=self.reroutes,
             exclude_workers=(old,) if old else (),
@@ -185,7 +215,8 @@ class Generation:
     async def abort(self, reason: str) -> None:
         if not self.finished:
             self.finished = True
-            await self._abort_at(self.worker_id or "?", reason)
+            # Shielded: a second cancellation of the handler (client gone) must not lose the abort.
+            await asyncio.shield(self._abort_at(self.worker_id or "?", reason))
 
     async def close(self) -> None:
         self.registry.remove(self)
@@ -222,6 +253,18 @@ class GenerationRegistry:
 
     def __len__(self) -> int:
         return len(self.by_id)
+
+
+def _logprob_entries(chunk: TokenChunk, skip: int) -> list:
+    k = chunk.top_k
+    entries = []
+    for i in range(skip, len(chunk.token_ids)):
+        logprob = chunk.logprobs[i] if i < len(chunk.logprobs) else None
+        if logprob is None:
+            raise GenerationError(500, "engine_error", f"worker {chunk.worker_id} sent tokens without the logprobs asked for")
+        top = tuple(zip(chunk.top_logprob_ids[i * k : (i + 1) * k], chunk.top_logprob_values[i * k : (i + 1) * k]))
+        entries.append((chunk.token_ids[i], logprob, top))
+    return entries
 
 
 def make_sampling(spec: SamplingSpec, max_tokens: int) -> SamplingSpec:

@@ -11,10 +11,11 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 
 from aiohttp import web
 
-from nitsum.config import GatewayConfig
+from nitsum.config import GatewayConfig, parse_objectives
 from nitsum.httpauth import auth_middleware, json_error
 from nitsum.modelpath import resolve_model_dir
 from nitsum.policy.tiers import UnknownTierError, resolve_slo
@@ -24,7 +25,7 @@ from nitsum.wire.messages import SamplingSpec, SubmitRequest, WorkerLost
 from nitsum_services.gateway.generation import Generation, GenerationError, GenerationRegistry
 from nitsum_services.gateway.model_info import ModelInfo
 from nitsum_services.gateway.openapi import OPENAPI
-from nitsum_services.gateway.protocol import ApiError, chunk, full_response, parse_chat, parse_completion, usage, usage_chunk
+from nitsum_services.gateway.protocol import ApiError, chat_logprobs, choice, chunk, completion_logprobs, full_response, parse_chat, parse_completion, usage, usage_chunk
 from nitsum_services.gateway.slo import SloAccounting
 
 log = logging.getLogger("nitsum.gateway")
@@ -40,6 +41,7 @@ class Gateway:
         self.registry = GenerationRegistry()
         self.draining = False
         self.slo = SloAccounting(ctx.metrics)
+        self.objectives = parse_objectives(self.config.objectives)
 
     # ---- helpers -------------------------------------------------------------------------------
     async def _json_body(self, request: web.Request):
@@ -56,8 +58,23 @@ class Gateway:
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
 
-    def _slo(self, request: web.Request):
-        tier = request.headers.get("x-request-tier") or self.config.default_tier
+    def _slo(self, request: web.Request, priority: int | None):
+        """The request's tier (README "Tiers from other APIs"): x-request-tier, else the GIE objective header
+        through NITSUM_GATEWAY_OBJECTIVES, else vLLM's `priority` (< 0 interactive, > 0 background), else
+        NITSUM_DEFAULT_TIER."""
+        tier = request.headers.get("x-request-tier")
+        objective = request.headers.get("x-gateway-inference-objective")
+        if tier is None and objective is not None:
+            tier = self.objectives.get(objective.strip())
+            if tier is None:
+                known = ", ".join(sorted(self.objectives))
+                raise ApiError(400, f"unknown inference objective {objective!r}; known objectives: {known}", "x-gateway-inference-objective", "unknown_objective")
+        if tier is None and priority is not None and priority != 0:
+            tier = "interactive" if priority < 0 else "background"
+        tier = tier or self.config.default_tier
+        fairness = request.headers.get("x-gateway-inference-fairness-id")
+        if fairness is not None and not 0 < len(fairness) <= 256:
+            raise ApiError(400, "header x-gateway-inference-fairness-id must be 1..256 characters", "x-gateway-inference-fairness-id")
         values = {}
         for header in ("x-slo-ttft-ms", "x-slo-tpot-ms"):
             raw = request.headers.get(header)
@@ -74,6 +91,11 @@ class Gateway:
             raise ApiError(400, str(exc), "x-request-tier", "unknown_tier") from None
         except ValueError as exc:
             raise ApiError(400, str(exc), "x-slo", "invalid_slo") from None
+
+    def _check_bias(self, sampling: SamplingSpec) -> None:
+        bad = [t for t in sampling.logit_bias_ids if t >= self.model.vocab_size]
+        if bad:
+            raise ApiError(400, f"logit_bias names token id {bad[0]}, outside the vocabulary (size {self.model.vocab_size})", "logit_bias")
 
     def _check_model(self, name: str) -> None:
         if name and name != self.model.name:
@@ -96,64 +118,148 @@ class Gateway:
                 if self.draining:
                     raise ApiError(503, "the gateway is shutting down", None, "shutting_down", "service_unavailable", {"Retry-After": "1"})
                 body = await self._json_body(request)
-                slo = self._slo(request)
+                allow = self.config.allow_unknown_fields
+                if kind == "chat":
+                    parsed, messages = parse_chat(body, self.config.max_messages, allow_unknown=allow)
+                else:
+                    parsed = parse_completion(body, allow_unknown=allow)
+                slo = self._slo(request, parsed.priority)
                 tier_name = slo.tier
                 span.set_attribute("nitsum.tier", slo.tier)
+                self._check_model(parsed.model)
+                self._check_bias(parsed.sampling)
                 if kind == "chat":
-                    parsed, messages = parse_chat(body, self.config.max_messages)
-                    self._check_model(parsed.model)
                     prompt_ids = self.model.encode_chat(messages)
                 else:
-                    parsed = parse_completion(body)
-                    self._check_model(parsed.model)
                     prompt_ids = list(parsed.prompt_token_ids) if parsed.prompt_token_ids is not None else self.model.encode(parsed.prompt_text)
                     if parsed.prompt_token_ids is not None:
                         self.model.check_ids(prompt_ids)
                 sampling = self.model.fit_max_tokens(parsed.sampling, len(prompt_ids), fill_context=(kind == "chat" and not parsed.max_tokens_given))
+                if sampling.min_tokens > sampling.max_tokens:
+                    raise ApiError(400, f"'min_tokens' ({sampling.min_tokens}) exceeds max_tokens ({sampling.max_tokens})", "min_tokens")
             except ApiError as exc:
                 mark_error(span, exc.code)
                 self.slo.outcome(tier_name, "rejected")
                 return json_error(exc.status, exc.message, exc.type, exc.code, exc.param, headers={"x-request-id": request_id, **exc.headers})
             span.set_attribute("nitsum.prompt_tokens", len(prompt_ids))
-            submit = SubmitRequest(
-                request_id=request_id,
-                prompt_token_ids=tuple(prompt_ids),
-                sampling=sampling,
-                tier=slo.tier,
-                ttft_ms=slo.ttft_ms,
-                tpot_ms=slo.tpot_ms,
-                weight=slo.weight,
-                arrival_unix_ms=arrival_unix_ms,
-                stream_subject=self.ctx.bus.subjects.stream(request_id),
-            )
-            gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.submit_timeout_s, self.registry)
-            # The decode pause a stream sees when its request moves to another worker (TP change, P/D).
-            gen.on_handoff_gap = self.ctx.metrics.reconfiguration_duration_ms().labels(phase="stream_pause").observe
+            fairness = request.headers.get("x-gateway-inference-fairness-id")
+            if fairness:
+                span.set_attribute("nitsum.fairness_id", fairness)
+            if parsed.user:
+                span.set_attribute("nitsum.user", parsed.user)
+            gens = [self._generation(request_id if parsed.n == 1 else f"{request_id}-{i}", prompt_ids, _choice_sampling(sampling, i), slo, arrival_unix_ms) for i in range(parsed.n)]
             headers = {"x-request-id": request_id, "x-request-tier": slo.tier}
+            if parsed.ignored_fields:
+                headers["x-nitsum-ignored-fields"] = ",".join(parsed.ignored_fields)
             try:
-                await gen.start()
+                # The first choice is submitted alone: the others follow once its prompt is computed, so that
+                # they find it in the prefix cache (the prompt is computed once for all n).
+                await gens[0].start()
             except GenerationError as exc:
-                mark_error(span, f"{exc.code}: {exc.message}")
-                self.slo.outcome(slo.tier, "rejected" if exc.status in (429, 503) else "error")
-                extra = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.status in (429, 503) else {}
-                type_ = {429: "rate_limit_error", 503: "service_unavailable", 400: "invalid_request_error"}.get(exc.status, "server_error")
-                return json_error(exc.status, exc.message, type_, exc.code, headers={**headers, **extra})
+                return self._refused(exc, span, slo, headers)
             try:
                 if parsed.stream:
-                    return await self._stream(request, gen, parsed, kind, headers, span, slo, arrival_s)
-                return await self._collect(gen, parsed, kind, headers, span, slo, arrival_s)
+                    return await self._stream(request, request_id, gens, parsed, kind, headers, span, slo, arrival_s)
+                return await self._collect(request_id, gens, parsed, kind, headers, span, slo, arrival_s)
             finally:
-                await gen.close()
+                for gen in gens:
+                    await gen.close()
 
-    async def _stream(self, request, gen: Generation, parsed, kind, headers, span, slo, arrival_s) -> web.StreamResponse:
+    def _generation(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec, slo, arrival_unix_ms: float) -> Generation:
+        submit = SubmitRequest(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=sampling,
+            tier=slo.tier,
+            ttft_ms=slo.ttft_ms,
+            tpot_ms=slo.tpot_ms,
+            weight=slo.weight,
+            arrival_unix_ms=arrival_unix_ms,
+            stream_subject=self.ctx.bus.subjects.stream(request_id),
+        )
+        gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.submit_timeout_s, self.registry)
+        # The decode pause a stream sees when its request moves to another worker (TP change, P/D).
+        gen.on_handoff_gap = self.ctx.metrics.reconfiguration_duration_ms().labels(phase="stream_pause").observe
+        gen.on_foreign_frame = lambda _sender: self.ctx.metrics.dropped_frames_total().labels(subject=f"{self.ctx.bus.subjects.namespace}.stream.*.*", code="foreign_stream_frame").inc()
+        return gen
+
+    def _refused(self, exc: GenerationError, span, slo, headers: dict) -> web.Response:
+        mark_error(span, f"{exc.code}: {exc.message}")
+        self.slo.outcome(slo.tier, "rejected" if exc.status in (429, 503) else "error")
+        extra = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.status in (429, 503) else {}
+        type_ = {429: "rate_limit_error", 503: "service_unavailable", 400: "invalid_request_error"}.get(exc.status, "server_error")
+        return json_error(exc.status, exc.message, type_, exc.code, headers={**headers, **extra})
+
+    async def _deltas(self, gens: list[Generation]):
+        """(choice index, Delta) from every generation as they come; the first is already started, the
+        others start once it has produced its first token (or finished). Raises the first GenerationError."""
+        queue: asyncio.Queue = asyncio.Queue()
+        prefilled = asyncio.Event()
+
+        async def pump(i: int, gen: Generation) -> None:
+            try:
+                if i > 0:
+                    await prefilled.wait()
+                    await gen.start()
+                async for delta in gen.deltas():
+                    prefilled.set()
+                    queue.put_nowait((i, delta))
+                queue.put_nowait((i, None))
+            except GenerationError as exc:
+                queue.put_nowait((i, exc))
+            except Exception as exc:  # a bug must end the request with an error, not leave it waiting
+                log.exception("%s: choice %d failed", gen.request_id, i)
+                queue.put_nowait((i, GenerationError(500, "gateway_error", f"{type(exc).__name__}: {exc}")))
+            finally:
+                prefilled.set()
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        reason = "request_ended"
+        try:
+            running = len(gens)
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, GenerationError):
+                    raise item
+                else:
+                    yield i, item
+        except asyncio.CancelledError:
+            reason = "client_disconnected"
+            raise
+        finally:
+            for gen in gens:  # a failed sibling (or a disconnect) ends them all
+                if gen.worker_id and not gen.finished:
+                    await gen.abort(reason)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _logprobs(self, kind: str, delta, text_offset: int) -> dict | None:
+        if delta.logprobs is None:
+            return None
+        if kind == "chat":
+            return chat_logprobs(delta.logprobs, self.model.token_text)
+        return completion_logprobs(delta.logprobs, self.model.token_text, text_offset)
+
+    def _usage(self, gens: list[Generation]) -> dict:
+        # The prompt is one prompt, computed once, whatever n is; completion tokens add up over the choices;
+        # cached tokens: the most any choice found in the prefix cache (choices after the first reuse the prompt).
+        return usage(len(gens[0].request.prompt_token_ids), sum(len(g.tokens) for g in gens), max(g.num_cached_prompt_tokens for g in gens))
+
+    async def _stream(self, request, request_id: str, gens: list[Generation], parsed, kind, headers, span, slo, arrival_s) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created = int(time.time())
         await response.prepare(request)
-        first = True
+        first = [True] * len(gens)
+        offsets = [0] * len(gens)
         try:
-            async for delta in gen.deltas():
-                payload = chunk(kind, gen.request_id, self.model.name, created, delta.text, delta.finish_reason, first, delta.token_ids if parsed.return_token_ids else None)
-                first = False
+            async for i, delta in self._deltas(gens):
+                logprobs = self._logprobs(kind, delta, offsets[i])
+                offsets[i] += sum(len(self.model.token_text(t)) for t in delta.token_ids) if logprobs is not None else 0
+                payload = chunk(kind, request_id, self.model.name, created, delta.text, delta.finish_reason, first[i], delta.token_ids if parsed.return_token_ids else None, i, logprobs)
+                first[i] = False
                 await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
         except GenerationError as exc:
             mark_error(span, f"{exc.code}: {exc.message}")
@@ -165,20 +271,22 @@ class Gateway:
         except (asyncio.CancelledError, ConnectionResetError):
             mark_error(span, "client_disconnected")
             self.slo.outcome(slo.tier, "cancelled")
-            await gen.abort("client_disconnected")
+            for gen in gens:
+                await gen.abort("client_disconnected")
             raise
         if parsed.include_usage:
-            u = usage(len(gen.request.prompt_token_ids), len(gen.tokens), gen.num_cached_prompt_tokens)
-            await response.write(b"data: " + json.dumps(usage_chunk(kind, gen.request_id, self.model.name, created, u)).encode() + b"\n\n")
+            await response.write(b"data: " + json.dumps(usage_chunk(kind, request_id, self.model.name, created, self._usage(gens))).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
-        self._finished(gen, span, slo, arrival_s)
+        self._finished(gens, span, slo, arrival_s)
         return response
 
-    async def _collect(self, gen: Generation, parsed, kind, headers, span, slo, arrival_s) -> web.Response:
-        texts = []
+    async def _collect(self, request_id: str, gens: list[Generation], parsed, kind, headers, span, slo, arrival_s) -> web.Response:
+        texts: list[list[str]] = [[] for _ in gens]
+        entries: list[list] = [[] for _ in gens]
         try:
-            async for delta in gen.deltas():
-                texts.append(delta.text)
+            async for i, delta in self._deltas(gens):
+                texts[i].append(delta.text)
+                entries[i].extend(delta.logprobs or ())
         except GenerationError as exc:
             mark_error(span, f"{exc.code}: {exc.message}")
             self.slo.outcome(slo.tier, "error")
@@ -187,17 +295,25 @@ class Gateway:
         except asyncio.CancelledError:
             mark_error(span, "client_disconnected")
             self.slo.outcome(slo.tier, "cancelled")
-            await gen.abort("client_disconnected")
+            for gen in gens:
+                await gen.abort("client_disconnected")
             raise
-        u = usage(len(gen.request.prompt_token_ids), len(gen.tokens), gen.num_cached_prompt_tokens)
-        body = full_response(kind, gen.request_id, self.model.name, int(time.time()), "".join(texts), gen.finish_reason, u, list(gen.tokens) if parsed.return_token_ids else None)
-        self._finished(gen, span, slo, arrival_s)
+        choices = []
+        for i, gen in enumerate(gens):
+            logprobs = None
+            if gen.request.sampling.logprobs >= 0:
+                logprobs = chat_logprobs(entries[i], self.model.token_text) if kind == "chat" else completion_logprobs(entries[i], self.model.token_text, 0)
+            choices.append(choice(kind, i, "".join(texts[i]), gen.finish_reason, list(gen.tokens) if parsed.return_token_ids else None, logprobs))
+        body = full_response(kind, request_id, self.model.name, int(time.time()), choices, self._usage(gens))
+        self._finished(gens, span, slo, arrival_s)
         return web.json_response(body, headers=headers)
 
-    def _finished(self, gen: Generation, span, slo, arrival_s: float) -> None:
-        span.set_attribute("nitsum.output_tokens", len(gen.tokens))
+    def _finished(self, gens: list[Generation], span, slo, arrival_s: float) -> None:
+        gen = gens[0]
+        span.set_attribute("nitsum.output_tokens", sum(len(g.tokens) for g in gens))
         span.set_attribute("nitsum.worker", gen.worker_id)
-        span.set_attribute("nitsum.reroutes", gen.reroutes)
+        span.set_attribute("nitsum.reroutes", sum(g.reroutes for g in gens))
+        # SLO accounting follows the first choice (its TTFT is the request's; the others start after it).
         self.slo.finished(slo, arrival_s, gen.first_token_s, time.monotonic(), len(gen.tokens))
 
     async def models(self, _request: web.Request) -> web.Response:
@@ -298,6 +414,14 @@ async def body(ctx: ServiceContext) -> None:
         await runner.cleanup()
 
     ctx.drain_hooks.append(drain)
+
+
+def _choice_sampling(spec: SamplingSpec, index: int) -> SamplingSpec:
+    """Choice `index` of n: a given seed is advanced by the index (choices differ, yet reproducibly)."""
+    if index == 0 or spec.seed is None:
+        return spec
+    seed = (spec.seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
+    return replace(spec, seed=seed)
 
 
 def main(argv: list[str]) -> int:

@@ -47,6 +47,10 @@ class ModelInfo:
             raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
         return self.tokenizer.encode(text)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (logprobs name tokens by it); special tokens too."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def check_ids(self, ids: list[int]) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
         if bad:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nitsum_services.gateway.protocol import MAX_INT_OPTION, MAX_STOP_STRINGS, MAX_TOKEN_ID
+from nitsum_services.gateway.protocol import MAX_INT_OPTION, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_TOKEN_ID, PRIORITY_RANGE
 
 _ERROR = {
     "type": "object",
@@ -51,11 +51,26 @@ _SAMPLING = {
     "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
     "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_INT_OPTION, "nullable": True},
     "seed": {"type": "integer", "format": "int64", "minimum": -(1 << 63), "maximum": (1 << 63) - 1, "nullable": True},
-    "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": True},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True},
+    "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True, "description": "only equal to n (else 400)"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 2, "nullable": True},
+    "logit_bias": {
+        "type": "object",
+        "maxProperties": MAX_LOGIT_BIAS,
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "nullable": True,
+        "description": "token id (a decimal string, below the vocabulary size, else 400) -> bias added to its logit",
+    },
+    "priority": {"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1], "nullable": True, "description": "vLLM: < 0 interactive tier, > 0 background"},
+    "user": {"type": "string", "maxLength": 256, "nullable": True},
+    "min_tokens": {"type": "integer", "minimum": 0, "maximum": MAX_INT_OPTION, "nullable": True, "description": "vLLM: no EOS/stop token before this many tokens; at most max_tokens (else 400)"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}], "nullable": True},
     "stop_token_ids": {"type": "array", "items": _TOKEN_ID, "nullable": True},
     "stream": {"type": "boolean", "nullable": True},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "nullable": True},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "nullable": True, "description": "only with stream: true (else 400)"},
     "ignore_eos": {"type": "boolean", "nullable": True},
     "return_token_ids": {"type": "boolean", "nullable": True},
 }
@@ -64,6 +79,9 @@ _TIER_HEADERS = [
     {"name": "x-request-tier", "in": "header", "required": False, "schema": {"type": "string", "enum": ["interactive", "background"]}},
     {"name": "x-slo-ttft-ms", "in": "header", "required": False, "schema": {"type": "number", "exclusiveMinimum": True, "minimum": 0}},
     {"name": "x-slo-tpot-ms", "in": "header", "required": False, "schema": {"type": "number", "exclusiveMinimum": True, "minimum": 0}},
+    # Gateway API Inference Extension: objectives map onto tiers through NITSUM_GATEWAY_OBJECTIVES (these are the defaults).
+    {"name": "x-gateway-inference-objective", "in": "header", "required": False, "schema": {"type": "string", "enum": ["critical", "standard", "sheddable", "interactive", "background"]}},
+    {"name": "x-gateway-inference-fairness-id", "in": "header", "required": False, "schema": {"type": "string", "minLength": 1, "maxLength": 256}},
 ]
 
 
@@ -136,7 +154,7 @@ def _sse_event(chunk_schema: dict) -> dict:
 def _generation_responses(body: dict, chunk_schema: dict) -> dict:
     return {
         "200": {
-            "description": "the completion (JSON), or an SSE stream of chunks when stream is true (a last chunk carries usage, then `data: [DONE]`)",
+            "description": "the completion (JSON), or an SSE stream of chunks when stream is true (with stream_options.include_usage a last chunk carries usage; then `data: [DONE]`)",
             "content": {"application/json": {"schema": body}, "text/event-stream": {"schema": _sse_event(chunk_schema)}},
         },
         **_errors(400, 401, 404, 413, 429, 500, 503),
@@ -170,8 +188,10 @@ OPENAPI = {
                                             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "array", "minItems": 1, "items": _TOKEN_ID}},
                                         ],
                                     },
+                                    "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "nullable": True},
                                     **_SAMPLING,
                                 },
+                                "additionalProperties": False,
                             }
                         }
                     },
@@ -197,8 +217,11 @@ OPENAPI = {
                                         "items": _MESSAGE_IN,
                                     },
                                     "max_completion_tokens": _MAX_TOKENS,
+                                    "logprobs": {"type": "boolean", "nullable": True},
+                                    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "nullable": True, "description": "needs logprobs: true (else 400)"},
                                     **_SAMPLING,
                                 },
+                                "additionalProperties": False,
                             }
                         }
                     },

@@ -142,7 +142,8 @@ class WorkerSession:
             },
         )
         self.running[req.request_id] = Running(
-            req.request_id, req.stream_subject, len(req.prompt_token_ids), len(req.output_token_ids), span,
+            # Frames go out under this worker's id (its NATS identity may publish only there), not req.stream_subject.
+            req.request_id, self.bus.subjects.stream(req.request_id, self.worker_id), len(req.prompt_token_ids), len(req.output_token_ids), span,
             decode_worker=run.decode_worker, max_tokens=req.sampling.max_tokens, tpot_ms=req.tpot_ms,
         )
         if hold:
@@ -176,7 +177,7 @@ class WorkerSession:
     def adopt(self, request_id: str, stream_subject: str, prompt_len: int, produced: int) -> None:
         """P/D decode side: stream an imported request from output index `produced` on."""
         span = self.tracer.start_span("worker.generate", attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.imported": True})
-        self.running[request_id] = Running(request_id, stream_subject, prompt_len, produced, span)
+        self.running[request_id] = Running(request_id, self.bus.subjects.stream(request_id, self.worker_id), prompt_len, produced, span)
 
     def forget(self, request_id: str) -> None:
         state = self.running.pop(request_id, None)
@@ -263,6 +264,9 @@ class WorkerSession:
                     params = SamplingParams(
                         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                         stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                        repetition_penalty=s.repetition_penalty, logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
+                        logprobs=s.logprobs if s.logprobs >= 0 else None, guide=s.guide, min_tokens=s.min_tokens, min_p=s.min_p,
                     )
                     backend.add_request(
                         req.request_id, list(req.prompt_token_ids) + list(req.output_token_ids), params, request_slo(req)
@@ -416,7 +420,7 @@ class WorkerSession:
             if request_id not in self.running:
                 span = self.tracer.start_span("worker.generate", attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.adopted": True})
                 offset = self.stream_offsets.get(request_id, 0)
-                self.running[request_id] = Running(request_id, self.bus.subjects.stream(request_id), 0, produced + offset, span)
+                self.running[request_id] = Running(request_id, self.bus.subjects.stream(request_id, self.worker_id), 0, produced + offset, span)
         if self.on_topology_change is not None:
             await self.on_topology_change()
 
@@ -452,6 +456,10 @@ class WorkerSession:
             finish_reason=(out.finish_reason or "") if finished else "",
             num_prompt_tokens=state.prompt_len,
             num_cached_prompt_tokens=out.num_cached_prompt_tokens,
+            logprobs=(out.logprob,) if out.logprob is not None else (),
+            top_k=len(out.top_logprobs),
+            top_logprob_ids=tuple(t for t, _ in out.top_logprobs),
+            top_logprob_values=tuple(v for _, v in out.top_logprobs),
         )
         state.next_index += len(tokens)
         self.metrics.generated_tokens_total().labels(worker=self.worker_id).inc(len(tokens))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 import pytest
 
@@ -37,7 +38,7 @@ async def run_on(nats_url: str, request_id: str, prompt: list[int], exclude: tup
             done.set()
 
     try:
-        subject = f"nitsum.stream.{request_id}"
+        subject = f"nitsum.stream.*.{request_id}"  # from whichever worker runs it
         await nc.subscribe(subject, cb=on_chunk)
         req = SubmitRequest(
             request_id=request_id, prompt_token_ids=tuple(prompt), sampling=SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
@@ -56,6 +57,15 @@ async def run_on(nats_url: str, request_id: str, prompt: list[int], exclude: tup
 def mesh2(tmp_path, tiny_model_dir):
     mesh = ManualMesh(tmp_path, tiny_model_dir, num_workers=2).start()
     mesh.add("flow-scheduler", "flow-scheduler").start()
+    # Up before the test's fetch asks it for permits (else the worker falls back to the lowest level, unscheduled).
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(mesh.metrics_url("flow-scheduler"), timeout=2).read()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the flow-scheduler did not start"
+            time.sleep(0.2)
     yield mesh
     mesh.stop()
 

@@ -5,7 +5,7 @@ document (status code, content type, body schema; for SSE, every event's JSON pa
 Generated max_tokens are folded into 1..8 so the run stays fast; that changes how many tokens come back,
 not which code paths run (a request without a limit would generate to the end of the 2048-token context).
 Negative data keeps its invalid part: only valid limits are folded, and adding a limit to a body cannot
-make an invalid body valid (the request schemas allow extra properties).
+make an invalid body valid (the limits are known properties of both request schemas).
 
 The fast tests at the end pin the protocol fixes schemathesis led to.
 """

@@ -46,7 +46,8 @@ COMP = "/v1/completions"
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "stop": 7}, "stop"),
         (COMP, {"prompt": 12}, "prompt"),
         (COMP, {"prompt": ""}, "prompt"),
@@ -54,7 +55,22 @@ COMP = "/v1/completions"
         (COMP, {"prompt": [10**9]}, "prompt"),
         (COMP, {"prompt": "x", "max_tokens": 100000}, "max_tokens"),
         (COMP, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        (COMP, {"prompt": "x", "logprobs": 3}, "logprobs"),
+        (COMP, {"prompt": "x", "logprobs": 21}, "logprobs"),
+        (COMP, {"prompt": "x", "logprobs": True}, "logprobs"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (COMP, {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        (COMP, {"prompt": "x", "frequency_penalty": "a"}, "frequency_penalty"),
+        (COMP, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        (COMP, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        (COMP, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        (COMP, {"prompt": "x", "logit_bias": [1, 2]}, "logit_bias"),
+        (COMP, {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+        (COMP, {"prompt": "x", "priority": "high"}, "priority"),
+        (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        (COMP, {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+        (COMP, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
         (COMP, {"prompt": "x", "seed": "s"}, "seed"),
     ],
 )
@@ -63,6 +79,93 @@ async def test_bad_fields_are_400_with_the_param(gateway_url, path, body, param)
     assert status == 400, answer
     _assert_openai_error(answer, param=param)
     assert headers["x-request-id"]
+
+
+# Every field the gateway does not honour is refused, named; "off" values of known fields are accepted.
+REFUSED = [
+    (COMP, {"echo": True}, "echo"),
+    (COMP, {"suffix": "end"}, "suffix"),
+    (COMP, {"best_of": 3}, "best_of"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"tool_choice": "auto"}, "tool_choice"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"function_call": "auto"}, "function_call"),
+    (CHAT, {"response_format": {"type": "yaml"}}, "response_format"),
+    (CHAT, {"response_format": "json"}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    (CHAT, {"store": True}, "store"),
+    (CHAT, {"metadata": {"a": "b"}}, "metadata"),
+    (CHAT, {"service_tier": "flex"}, "service_tier"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"audio": {"voice": "alloy"}}, "audio"),
+    (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    (CHAT, {"reasoning_effort": "low"}, "reasoning_effort"),
+    (COMP, {"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+    (COMP, {"min_tokens": 17}, "min_tokens"),
+    (COMP, {"min_p": 1.5}, "min_p"),
+    (CHAT, {"min_tokens": 1, "response_format": {"type": "json_object"}}, "min_tokens"),
+    (COMP, {"guided_json": {"type": "object"}}, "guided_json"),
+    (COMP, {"some_vendor_field": 1}, "some_vendor_field"),
+    (CHAT, {"logprobs": True, "echo": True}, "echo"),
+]
+
+
+def _with_base(path, extra):
+    base = {"messages": [{"role": "user", "content": "x"}]} if path == CHAT else {"prompt": "x"}
+    return {**base, "max_tokens": 2, **extra} if "min_tokens" not in extra else {**base, **extra}
+
+
+@pytest.mark.parametrize("path, extra, param", REFUSED)
+async def test_unsupported_fields_are_400_naming_them(gateway_url, path, extra, param):
+    status, _, answer = await _post(gateway_url, path, _with_base(path, extra))
+    assert status == 400, answer
+    _assert_openai_error(answer, param=param)
+    assert param in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path, extra",
+    [
+        (COMP, {"echo": False, "best_of": 1, "suffix": None, "logprobs": None, "n": 1}),
+        (CHAT, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "store": False, "service_tier": "auto", "logprobs": False, "user": "u1"}),
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+        (COMP, {"response_format": {"type": "json_object"}}),
+        # vLLM's benchmark_serving completions body, as it sends it.
+        (COMP, {"model": None, "temperature": 0.0, "best_of": 1, "max_tokens": 8, "min_tokens": 8, "logprobs": None, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}),
+        (CHAT, {"temperature": 0.0, "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "min_p": 0.1, "top_k": 5}),
+        (CHAT, {"n": 2, "best_of": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 1, "frequency_penalty": -1, "logit_bias": {"5": -100}, "priority": -1}),
+    ],
+)
+async def test_off_values_and_honoured_fields_pass_validation(gateway_url, path, extra):
+    # No worker behind this gateway: passing validation shows as the 503 of the mesh, not a 400.
+    status, _, answer = await _post(gateway_url, path, _with_base(path, extra))
+    assert status == 503, answer
+
+
+async def test_unknown_objective_is_400_and_known_ones_pass(gateway_url):
+    status, _, answer = await _post(gateway_url, COMP, _with_base(COMP, {}), headers={"x-gateway-inference-objective": "no-such"})
+    assert status == 400
+    _assert_openai_error(answer, code="unknown_objective", param="x-gateway-inference-objective")
+    for objective in ("critical", "sheddable", "interactive"):
+        status, _, answer = await _post(gateway_url, COMP, _with_base(COMP, {}), headers={"x-gateway-inference-objective": objective, "x-gateway-inference-fairness-id": "tenant-a"})
+        assert status == 503, answer
+
+
+async def test_unknown_fields_tolerated_when_configured(tmp_path, bare_nats, tiny_model_dir):
+    from tests.gateway.conftest import _start_gateway
+
+    proc, url = _start_gateway(tmp_path, bare_nats.url, tiny_model_dir, {"NITSUM_GATEWAY_ALLOW_UNKNOWN_FIELDS": "true"})
+    try:
+        status, headers, answer = await _post(url, COMP, _with_base(COMP, {"some_vendor_field": 1, "other": {"x": 1}}))
+        assert status == 503, answer  # got past validation
+        assert headers["x-nitsum-ignored-fields"] == "some_vendor_field,other"
+        # Known fields keep their rules: an unsupported value is still refused.
+        status, _, answer = await _post(url, COMP, _with_base(COMP, {"echo": True}))
+        assert status == 400 and answer["error"]["param"] == "echo"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 async def test_malformed_json_and_content_type(gateway_url):

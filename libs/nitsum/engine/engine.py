@@ -19,7 +19,8 @@ from pathlib import Path
 from nitsum.engine.params import EngineConfig, EngineStats, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, ChunkPlan, StepPlan
 from nitsum.engine.runner import ModelRunner
-from nitsum.engine.sampling import make_generator, sample
+from nitsum.engine.guided import Guides, allowed
+from nitsum.engine.sampling import Sampled, make_generator, sample_detailed
 from nitsum.engine.scheduler import Scheduler, SchedulerOutput
 from nitsum.engine.sequence import Sequence
 from nitsum.engine.slo import RequestSlo
@@ -58,6 +59,7 @@ class Engine:
         self._arrivals = 0
         self._step_id = 0
         self._num_prefill_tokens_computed = 0
+        self.guides = Guides(cfg.model_dir, self.runner.config.vocab_size, self._eos_token_id)
 
     # -- requests -----------------------------------------------------------------------------------
     @staticmethod
@@ -96,6 +98,8 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             seq.generator = make_generator(seed)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if params.guide:
+            seq.matcher = self.guides.matcher(params.guide)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -229,12 +233,27 @@ class Engine:
             self.group.broadcast_bytes(plan.encode())
         logits = self.runner.execute(plan)
         sampled = [c.seq for c in scheduled.chunks if c.sample]
-        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        histories = [(s.token_ids, s.num_prompt_tokens) if s.params.processes_logits else None for s in sampled]
+        masks = [self._mask(s, logits.shape[-1]) for s in sampled]
+        tokens = sample_detailed(logits, [s.params for s in sampled], [s.generator for s in sampled], histories, masks)
         self.scheduler.step_cost.observe(scheduled.num_tokens, self.now_ms() - started_ms)
 
         self.scheduler.update_after_step(scheduled)
         self._num_prefill_tokens_computed += sum(c.num_prefill_tokens for c in scheduled.chunks)
         return [self._append_token(seq, token) for seq, token in zip(sampled, tokens)]
+
+    def _mask(self, seq: Sequence, vocab: int):
+        """Bool [vocab] of the tokens this request may take next (None: any): its grammar's, less EOS and its
+        stop tokens while it has fewer than min_tokens."""
+        mask = allowed(seq.matcher, vocab) if seq.matcher is not None else None
+        if seq.params.min_tokens and seq.num_output_tokens < seq.params.min_tokens:
+            import torch
+
+            mask = torch.ones(vocab, dtype=torch.bool) if mask is None else mask.clone()
+            for token in (self._eos_token_id, *seq.params.stop_token_ids):
+                if token is not None and token < vocab:
+                    mask[token] = False
+        return mask
 
     def _plan(self, scheduled: SchedulerOutput) -> StepPlan:
         self._step_id += 1
@@ -249,10 +268,13 @@ class Engine:
         )
         return StepPlan(kind=PLAN_KIND_STEP, step_id=self._step_id, chunks=chunks)
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, sampled: Sampled) -> RequestOutput:
+        token = sampled.token
         params = seq.params
         seq.token_ids.append(token)
         finish = None
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
         if token in params.stop_token_ids or (token == self._eos_token_id and not params.ignore_eos):
             finish = "stop"  # the stop token's id is returned, its text is not
         else:
@@ -261,6 +283,8 @@ class Engine:
                 seq.text += delta
                 if params.stop and self._cut_stop_string(seq, len(delta)):
                     finish = "stop"
+        if finish is None and seq.matcher is not None and seq.matcher.is_stopped():
+            finish = "stop"  # the document is complete: the grammar allows nothing but its end
         if finish is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = "length"
             tail = seq.detokenizer.flush()
@@ -296,6 +320,8 @@ class Engine:
             finish_reason=finish,  # type: ignore[arg-type]
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            logprob=sampled.logprob,
+            top_logprobs=sampled.top,
         )
 
     @staticmethod

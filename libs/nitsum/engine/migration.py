@@ -104,6 +104,8 @@ def install_state(
     if state["detok"] is not None:
         detok.restore(state["detok"])
     seq.detokenizer = detok
+    if params.guide:  # a guided request's matcher replays the output so far
+        seq.matcher = engine.guides.matcher(params.guide, seq.output_token_ids)
     status = Status(state["status"])
     has_kv = placement is not None and not placement.recompute and bool(placement.dst_block_ids)
     if status in (Status.RUNNING, Status.PINNED) and has_kv:

@@ -63,6 +63,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI / vLLM logits processing (applied before temperature, top-k and top-p; see engine/sampling.py).
+    presence_penalty: float = 0.0  # minus this, once, from the logit of every token already generated
+    frequency_penalty: float = 0.0  # minus this times its count, for every token already generated
+    repetition_penalty: float = 1.0  # vLLM/CTRL: prompt or output tokens' logits / p if > 0, * p if < 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
+    guide: str = ""  # llguidance grammar the output must match (response_format; see engine/guided.py)
+    min_tokens: int = 0  # vLLM: EOS and stop_token_ids cannot be sampled before this many output tokens
+    min_p: float = 0.0  # vLLM: tokens below min_p x the top token's probability are cut (after top-k/top-p)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -82,10 +91,33 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        # A dict {id: bias} (JSON) or (id, bias) pairs (a migrated request's lists) become sorted pairs.
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs = tuple(sorted((int(t), float(b)) for t, b in bias))
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in pairs):
+            raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", pairs)
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the row needs more than a batched argmax / plain sampling (penalties, bias, logprobs)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.logprobs is not None or bool(self.guide) or self.min_tokens > 0)
 
 
 @dataclass(frozen=True)
@@ -97,6 +129,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_prompt_tokens: int
+    # When the request asked for logprobs: the sampled token's, and the top (token id, logprob) pairs.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

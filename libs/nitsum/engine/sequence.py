@@ -33,6 +33,7 @@ class Sequence:
     # Engine-side attachments (a torch.Generator, the detokenizer); opaque to the scheduler.
     generator: Any = None
     detokenizer: Any = None
+    matcher: Any = None  # llguidance matcher of a guided request (engine/guided.py)
     text: str = ""  # generated text so far (stop strings cut)
     num_text_emitted: int = 0  # chars of `text` already sent
     # Tier and targets; None: no SLO (served in arrival order, like a background request without deadline).

@@ -38,6 +38,16 @@ class SamplingSpec:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # issue 21 (OpenAI logits processing and logprobs); defaults mean "off", so older frames decode.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias_ids: tuple[int, ...] = ()  # logit_bias as two parallel arrays (msgpack maps want str keys)
+    logit_bias_values: tuple[float, ...] = ()
+    logprobs: int = -1  # -1: no logprobs; k >= 0: the sampled token's logprob and the k most likely
+    guide: str = ""  # llguidance grammar of response_format json_object / json_schema ("" = free text)
+    min_tokens: int = 0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,9 @@ class SubmitReply:
     status: int = 200
     retry_after_s: float = 0.0
     reason: str = ""
+    # Workers that may take the request's stream over from `worker_id` (TP change, P/D hand-off): the P/D
+    # decode worker and the workers of the nodes of both (a node is one process world and trust domain).
+    successors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,12 @@ class TokenChunk:
     num_cached_prompt_tokens: int = 0
     error_code: str = ""
     error_message: str = ""
+    # When the request asked for logprobs: one per token in `token_ids`, and `top_k` alternatives per token
+    # as flat (id, logprob) arrays, token after token.
+    logprobs: tuple[float, ...] = ()
+    top_k: int = 0
+    top_logprob_ids: tuple[int, ...] = ()
+    top_logprob_values: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,17 @@ class Subjects:
         """worker → the worker holding a prefix (request/reply): KvFetch → KvFetchReply."""
         return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.kvfetch"
 
-    def stream(self, request_id: str) -> str:
-        """worker → gateway: TokenChunk frames of one request."""
-        return f"{self.namespace}.stream.{check_token(request_id, 'request id')}"
+    def stream(self, request_id: str, worker_id: str = "*") -> str:
+        """worker → gateway: TokenChunk frames of one request, `<ns>.stream.<worker id>.<request id>`. A worker
+        publishes under its own id (with per-worker NATS identities it may publish nowhere else), so the
+        gateway knows which worker sent each frame; the default `*` is the gateway's subscription."""
+        worker = worker_id if worker_id == "*" else check_token(worker_id, "worker id")
+        return f"{self.namespace}.stream.{worker}.{check_token(request_id, 'request id')}"
+
+    def stream_sender(self, subject: str) -> str:
+        """The worker id in a stream subject (what NATS let that worker publish)."""
+        parts = subject.split(".")
+        return parts[2] if len(parts) == 4 and parts[1] == "stream" else ""
 
     @property
     def abort(self) -> str:
