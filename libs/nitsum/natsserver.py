@@ -71,8 +71,8 @@ def permissions(namespace: str = "nitsum", worker_ids: tuple[str, ...] = ()) -> 
             "allow_responses": True,
         },
         "flow-scheduler": {
-            "publish": [f"{ns}.flow.permit.>"],
-            "subscribe": [f"{ns}.flow.submit", f"{ns}.flow.done", inbox],
+            "publish": [f"{ns}.flow.permit.>", f"{ns}.flow.pruned"],
+            "subscribe": [f"{ns}.flow.submit", f"{ns}.flow.done", f"{ns}.flow.progress", inbox],
             "allow_responses": True,
         },
         "admin": {
