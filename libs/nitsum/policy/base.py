@@ -11,6 +11,7 @@ from nitsum.policy import admission, routing
 from nitsum.policy.costmodel import CostModel, DeviceSpec, ModelSpec, device_spec, model_spec
 from nitsum.policy.decisions import AdmissionDecision, RouteDecision, Topology, TopologyDecision
 from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView
+from nitsum.policy.steptable import DeviceStepTable
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class PolicyConfig:
     model: ModelSpec = field(default_factory=lambda: model_spec("tiny"))
     # Device tables by kind; kinds not listed fall back to costmodel.device_spec(kind).
     devices: tuple[tuple[str, DeviceSpec], ...] = ()
+    # Measured step-time tables by kind (steptable.py); a kind listed here prices steps from its table.
+    step_tables: tuple[tuple[str, DeviceStepTable], ...] = ()
     block_size_tokens: int = 16
     epoch_ms: float = 1000.0  # NITSUM_RECONFIG_INTERVAL_MS
     # A request is latency-sensitive (routed to high TP) when its TTFT target is at most this.
@@ -63,7 +66,8 @@ class BasePolicy:
         cm = self._costs.get(node.device_kind)
         if cm is None:
             dev = self._devices.get(node.device_kind) or device_spec(node.device_kind)
-            cm = self._costs[node.device_kind] = CostModel(self.config.model, dev)
+            steps = dict(self.config.step_tables).get(node.device_kind)
+            cm = self._costs[node.device_kind] = CostModel(self.config.model, dev, steps=steps)
         return cm
 
     def latency_sensitive(self, r: RequestView) -> bool:

@@ -28,6 +28,7 @@ from nitsum.policy.costmodel import CostModel, DeviceSpec, cost_model, resolve_d
 from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import MIN_CHUNK_TOKENS
 from nitsum.policy.registry import make_policy
+from nitsum.policy.steptable import DeviceStepTable, StepRow, load_step_rows, select
 from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
 from nitsum.policy.tiers import DEFAULT_TIERS, Tier
 from nitsum.sim.engine import Event, Simulator
@@ -41,6 +42,9 @@ class ClusterConfig:
     # A preset ("cpu" is the shipped CPU table; "h100" | "h200" | "a100"), a device table JSON path (what
     # `nitsum bench profile --out` writes), a loaded DeviceSpec or a CostModel. The policy gets the same table.
     device_kind: str | Path | DeviceSpec | CostModel = "h100"
+    # A measured step-time table (CSV path or parsed rows; policy/steptable.py): steps of every group are priced
+    # from its rows for (this device's name, this model), and the policy's estimator reads the same table.
+    device_table: str | Path | tuple[StepRow, ...] | None = None
     num_nodes: int = 1
     devices_per_node: int = 8
     min_tp: int = 1
@@ -72,6 +76,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         self.device  # an unknown kind or a missing table file fails here, with the accepted forms named
+        self.step_table()  # a malformed step table fails here, naming its line and column
         if isinstance(self.device_kind, CostModel) and self.device_kind.model.name != self.model:
             raise ValueError(f"device_kind is a cost model of {self.device_kind.model.name!r}, the cluster runs {self.model!r}")
 
@@ -85,8 +90,21 @@ class ClusterConfig:
         return self.device_kind if isinstance(self.device_kind, str) and not self.device_kind.endswith(".json") \
             else self.device.name
 
+    def step_table(self) -> DeviceStepTable | None:
+        if self.device_table is None:
+            return None
+        from nitsum.policy.costmodel import model_spec
+
+        rows = self.device_table if isinstance(self.device_table, tuple) else load_step_rows(self.device_table)
+        source = "device table" if isinstance(self.device_table, tuple) else str(self.device_table)
+        return select(rows, self.device_name, model_spec(self.model), source)
+
     def cost_model(self) -> CostModel:
-        return self.device_kind if isinstance(self.device_kind, CostModel) else cost_model(self.model, self.device)
+        if isinstance(self.device_kind, CostModel):
+            return self.device_kind
+        base = cost_model(self.model, self.device)
+        steps = self.step_table()
+        return base if steps is None else CostModel(base.model, base.device, steps=steps)
 
     def policy_config(self) -> PolicyConfig:
         from nitsum.policy.costmodel import model_spec
@@ -94,7 +112,8 @@ class ClusterConfig:
         return PolicyConfig(model=model_spec(self.model), epoch_ms=self.epoch_ms,
                             block_size_tokens=self.block_size_tokens, chunk_tokens=self.chunk_tokens,
                             prefill_batch_tokens=self.prefill_batch_tokens,
-                            devices=((self.device_name, self.device),))
+                            devices=((self.device_name, self.device),),
+                            step_tables=() if self.device_table is None else ((self.device_name, self.step_table()),))
 
 
 class _Req:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nitsum.metrics import Distribution, RequestRecord, summarize
-from nitsum.policy.costmodel import cost_model
+from nitsum.policy.costmodel import CostModel, cost_model
+from nitsum.policy.steptable import select
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, Stage
 from nitsum.sim.engine import Event, Simulator
@@ -48,6 +49,7 @@ class FlowClusterConfig:
     ep_servers: int = 2  # DBRX-like TP8/EP16 per instance: all-to-all crosses the NICs
     model: str = "mixtral-8x22b"
     device_kind: str = "h100"
+    device_table: tuple | None = None  # measured step-time rows (policy/steptable.py) for (device_kind, model)
     layer_blocks: int = 4
     batch_tokens: int = 32_768
     slo_factor: float = 3.0
@@ -96,6 +98,9 @@ class FlowClusterSim:
         self.sched = make_flow_scheduler(scheduler)
         self.name = scheduler
         self.cost = cost_model(c.model, c.device_kind)
+        if c.device_table is not None:
+            self.cost = CostModel(self.cost.model, self.cost.device,
+                                  steps=select(c.device_table, c.device_kind, self.cost.model, "device table"))
         self.model = self.cost.model
         self.sim = Simulator()
         self.net = Network(self._flow_done)

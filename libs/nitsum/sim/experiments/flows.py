@@ -9,19 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from nitsum.policy.flow_baselines import SCHEDULER_NAMES
-from nitsum.sim.experiments.common import Progress, md_table, plot_lines, write_csv
+from nitsum.sim.experiments.common import Progress, md_table, plot_lines, write_csv, table_target
 from nitsum.sim.flowsim import FlowClusterConfig, FlowClusterSim
 from nitsum.workloads import default_trace_path, is_excerpt, poisson, read_mooncake
 
 
-def run(out: Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
+def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None = None) -> dict[str, Any]:
     if quick:
         servers, rates, duration_s = 16, (0.05, 0.2), 3.0
     else:
         servers, rates, duration_s = 256, (0.05, 0.1, 0.15, 0.2, 0.25, 0.3), 8.0
     trace_path = default_trace_path("mooncake-conv")
     trace = read_mooncake(trace_path)
-    config = FlowClusterConfig(num_servers=servers)
+    model, device, table = table_target(device_table, FlowClusterConfig.model, FlowClusterConfig.device_kind)
+    config = FlowClusterConfig(num_servers=servers, model=model, device_kind=device, device_table=table)
     schedulers = tuple(SCHEDULER_NAMES)
     progress = Progress(len(rates) * len(schedulers), "sim flows")
     rows: list[dict[str, Any]] = []

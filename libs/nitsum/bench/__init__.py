@@ -1,0 +1,1 @@
+"""Benchmarks behind `nitsum bench` (never imported by services)."""
