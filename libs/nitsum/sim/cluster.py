@@ -230,6 +230,7 @@ class ClusterResult:
     sim_ms: float
     wall_s: float
     topologies: list[tuple[float, str, str]] = field(default_factory=list)  # (time, node, topology)
+    layouts: list[tuple[float, str, Topology]] = field(default_factory=list)  # the same, as Topology objects
 
 
 class ClusterSim:
@@ -252,6 +253,7 @@ class ClusterSim:
         self.reconfigs = 0
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
+        self.layouts: list[tuple[float, str, Topology]] = []
         self.end_arrivals_ms = self.workload[-1].arrival_ms if self.workload else 0.0
         self.p2d_link = config.inter_node_bandwidth_bps / 8 / 1000  # bytes/ms
         self.nvlink = self.cost.device.link_bandwidth_bytes_per_s * self.cost.device.link_efficiency / 1000
@@ -319,6 +321,7 @@ class ClusterSim:
             g.version += 1
         node.groups = new_groups
         self.topologies.append((now, node.node_id, str(topo)))
+        self.layouts.append((now, node.node_id, topo))
         return created
 
     def _reconfigure(self, node: _Node, topo: Topology) -> list[Event]:
@@ -611,7 +614,7 @@ class ClusterSim:
         window = duration_s if duration_s is not None else max(self.end_arrivals_ms / 1000.0, 1e-3)
         report = summarize(records, duration_s=window, tier_order=tuple(self.tiers))
         return ClusterResult(records, report, self.reconfigs, self.pause_ms, sim.events_run, sim.now_ms, sim.wall_s,
-                             self.topologies)
+                             self.topologies, self.layouts)
 
     def _record(self, r: _Req) -> RequestRecord:
         done = r.finish is not None and r.error is None
