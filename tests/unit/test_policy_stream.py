@@ -34,10 +34,10 @@ def score(top: str, snap: ClusterSnapshot, prefill_batch_tokens: int = 0):
     return evaluate(cost, classes_of(Topology.parse(top).groups), load, 5000.0, 512, prefill_batch_tokens)
 
 
-def test_measure_takes_rate_quantile_midpoints_and_mean_output():
+def test_measure_takes_rate_quantile_slice_means_and_mean_output():
     a = ArrivalStats.measure("bg", 2000.0, 10_000.0, 100.0, 1.0, [(p, 10 * i) for i, p in enumerate(range(100, 900, 100))])
     assert a.rate_per_s == 4.0  # 8 arrivals in 2 s
-    assert a.prompt_tokens == (200, 400, 600, 800)  # midpoints of four equal-mass slices of 100..800
+    assert a.prompt_tokens == (150, 350, 550, 750)  # means of four equal-mass slices of 100..800
     assert a.output_tokens == 35.0
 
 

@@ -38,6 +38,9 @@ class PolicyConfig:
     # scores grow with the load, and a fixed margin alone let noise in the measured rates flip the layout.
     hysteresis_fraction: float = 0.1
     min_dwell_ms: float = 3000.0  # no change sooner than this after the last one
+    # With measured arrivals: no change until this long after the arrival stream last shifted (or measuring
+    # began): the sliding window (5 s in the simulator and the coordinator) must hold the new load only.
+    shift_settle_ms: float = 10_000.0
     max_steps: int = 2  # candidates: at most this many merge/split steps from the current topology
     interactive_backlog_threshold: int = 1  # fast path: queued latency-sensitive requests to call it a surge
 

@@ -18,7 +18,7 @@ finishes come off a heap keyed by the step index at which it emits its last toke
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,8 @@ from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import MIN_CHUNK_TOKENS
 from nitsum.policy.registry import make_policy
 from nitsum.policy.steptable import DeviceStepTable, StepRow, load_step_rows, select
-from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+from nitsum.policy.snapshot import (ArrivalStats, ArrivalWindow, ClusterSnapshot, GroupView, NodeView, RequestView,
+                                    assemble_snapshot, group_id_for)
 from nitsum.policy.tiers import DEFAULT_TIERS, Tier
 from nitsum.sim.engine import Event, Simulator
 from nitsum.sim.service import ServiceModel, ServiceSampler
@@ -69,6 +70,8 @@ class ClusterConfig:
     # Arrivals per tier over this sliding window go into each epoch's snapshot (ClusterSnapshot.arrivals),
     # as a coordinator would measure them; 0 leaves them out (the policy then scores the backlog only).
     arrival_window_ms: float = 5000.0
+    # ... and over the whole steady stretch since the stream last shifted, up to this long (ArrivalWindow.regime_ms).
+    arrival_regime_ms: float = 60_000.0
     drain_ms: float = 30_000.0  # after the last arrival, how long in-flight requests may still finish
     tiers: tuple[tuple[str, Tier], ...] = tuple(DEFAULT_TIERS.items())
     # What the live mesh adds to the table's engine steps (request path, step noise); None: engine steps only.
@@ -248,8 +251,8 @@ class ClusterSim:
         self.reqs: list[_Req] = []
         self.live: dict[str, _Req] = {}
         self.coordinator_queue: list[_Req] = []
-        self.recent: list[_Req] = []  # arrivals in order; recent[recent_lo:] are inside the window
-        self.recent_lo = 0
+        w = config.arrival_window_ms
+        self.arrivals = ArrivalWindow(w, started_ms=0.0, regime_ms=config.arrival_regime_ms) if w > 0 else None
         self.reconfigs = 0
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
@@ -268,35 +271,23 @@ class ClusterSim:
                         groups=tuple(g.view(c.block_size_tokens) for g in node.groups), device_kind=c.device_name,
                         last_reconfig_ms=node.last_reconfig_ms)
 
-    def snapshot(self, full: bool = True) -> ClusterSnapshot:
+    def snapshot(self, full: bool = True, arrivals: bool = False) -> ClusterSnapshot:
         """`full=False` lists only requests not yet prefilled: all that prefill routing, admission and
-        shedding read (their loads come from prefill work), and much cheaper at high load."""
+        shedding read (their loads come from prefill work), and much cheaper at high load. `arrivals`: with the
+        arrival window's per-tier stats (epochs). Built by the policy's own `assemble_snapshot`, as the live
+        coordinator builds it."""
         if full:
-            views = tuple(r.view() for r in self.live.values())
+            views = [r.view() for r in self.live.values()]
         else:
-            views = tuple(r.view() for r in self.live.values() if r.first_token is None)
-        return ClusterSnapshot(now_ms=self.sim.now_ms, nodes=tuple(self._node_view(n) for n in self.nodes),
-                               requests=views)
+            views = [r.view() for r in self.live.values() if r.first_token is None]
+        return assemble_snapshot(self.sim.now_ms, [self._node_view(n) for n in self.nodes], views,
+                                 arrivals=self.arrivals if arrivals and self.arrivals is not None else None)
 
     def arrival_stats(self) -> tuple[ArrivalStats, ...]:
         """Per tier, the arrivals of the last `arrival_window_ms` (shorter at the start of the run)."""
-        w = self.config.arrival_window_ms
-        now = self.sim.now_ms
-        if w <= 0 or now <= 0:
+        if self.arrivals is None or self.sim.now_ms <= 0:
             return ()
-        lo = self.recent_lo
-        while lo < len(self.recent) and self.recent[lo].arrival < now - w:
-            lo += 1
-        self.recent_lo = lo
-        by_tier: dict[str, list[tuple[int, int]]] = {}
-        for r in self.recent[lo:]:
-            by_tier.setdefault(r.tier, []).append((r.prompt, r.output))
-        window = min(w, now)
-        out = []
-        for name, lengths in by_tier.items():
-            tier = self.tiers.get(name) or DEFAULT_TIERS["interactive"]
-            out.append(ArrivalStats.measure(name, window, tier.ttft_ms, tier.tpot_ms, tier.weight, lengths))
-        return tuple(out)
+        return self.arrivals.stats(self.sim.now_ms)
 
     def _group(self, gid: str) -> _Group | None:
         for n in self.nodes:
@@ -371,7 +362,8 @@ class ClusterSim:
         r = _Req(f"r{index}", t, tier)
         r.path_ms, r.stalled = path_ms, stalled
         self.reqs.append(r)
-        self.recent.append(r)
+        if self.arrivals is not None:
+            self.arrivals.add(sim.now_ms, r.tier, r.ttft_slo, r.tpot_slo, r.weight, r.prompt, r.output)
         snap = self.snapshot(full=False)
         decision = self.policy.admit(snap, r.view())
         if not decision.admit:
@@ -586,8 +578,7 @@ class ClusterSim:
                 heapq.heapify(g.waiting)
             r.error = "shed"
             self.live.pop(rid, None)
-        full = self.snapshot(full=True)
-        full = replace(full, arrivals=self.arrival_stats())
+        full = self.snapshot(full=True, arrivals=True)
         for decision in self.policy.decide_topology(full):
             if decision.target is None:
                 continue
