@@ -270,7 +270,8 @@ class ArrivalWindow:
     min(window, now − started) instead of the whole window, so the first seconds are not under-counted.
     None (the coordinator) divides by the window always.
 
-    `regime_ms` > 0 (the simulator: 60 s): once the stream has been steady (no shift, see `_detect_shift`) for
+    `detect_shifts` (the simulator): track when the stream shifts (`shift_ms`, ClusterSnapshot.load_shift_ms).
+    `regime_ms` > 0 (the simulator: 60 s, with detect_shifts): once the stream has been steady (no shift, see `_detect_shift`) for
     longer than the window, rates and lengths are measured over all of the steady stretch, up to `regime_ms`,
     instead of the last window only: a 5 s window of a 7 req/s stream is ±17 % noise, which put a layout at
     ρ ≈ 1 one epoch and ρ ≈ 0.75 the next. 0 (the coordinator, for now): the window only."""
@@ -280,21 +281,26 @@ class ArrivalWindow:
     SHIFT_Z = 3.0
     SHIFT_FRACTION = 0.3
 
-    def __init__(self, window_ms: float = 5000.0, started_ms: float | None = None, regime_ms: float = 0.0) -> None:
+    def __init__(self, window_ms: float = 5000.0, started_ms: float | None = None, regime_ms: float = 0.0,
+                 detect_shifts: bool = False) -> None:
         assert window_ms > 0 and regime_ms >= 0, "window_ms must be > 0, regime_ms >= 0"
         self.window_ms = window_ms
         self.started_ms = started_ms
         self.regime_ms = regime_ms
         self._events: deque[tuple[float, str, float, float, float, int, int]] = deque()
         self._long: deque[tuple[float, str, float, float, float, int, int]] = deque()  # the last regime_ms
-        self.shift_ms: float | None = None  # when the stream last shifted (see `stats`)
+        # When the stream last shifted (see `_detect_shift`); the start of measuring counts as one. None: shifts
+        # are not tracked (detect_shifts False: the coordinator for now), and the policy's rules that use them
+        # stay off.
+        self.detect_shifts = detect_shifts
+        self.shift_ms: float | None = started_ms if detect_shifts else None
         self._since_ms = started_ms  # start of the current regime (None: first stats call)
         self._since_counts: dict[str, int] = {}  # arrivals per tier since the regime began
 
     def add(self, now_ms: float, tier: str, ttft_ms: float, tpot_ms: float, weight: float, prompt_tokens: int,
             max_tokens: int) -> None:
         self._events.append((now_ms, tier, ttft_ms, tpot_ms, weight, prompt_tokens, max_tokens))
-        if self.regime_ms > 0:
+        if self.regime_ms > 0 and self.detect_shifts:
             self._long.append(self._events[-1])
         self._since_counts[tier] = self._since_counts.get(tier, 0) + 1
 
@@ -303,6 +309,10 @@ class ArrivalWindow:
         (at the start of the window, where the new stream began at the latest)."""
         if self._since_ms is None:
             self._since_ms = now_ms - span
+            if self.detect_shifts and self.shift_ms is None:
+                self.shift_ms = self._since_ms
+        if not self.detect_shifts:
+            return
         age = now_ms - self._since_ms
         if age < 3 * self.window_ms or span <= 0:
             return  # the regime's own rate is not yet known better than the window's
@@ -328,7 +338,7 @@ class ArrivalWindow:
         for event in self._events:
             by_tier.setdefault(event[1], []).append(event)
         self._detect_shift(now_ms, span, {t: len(e) for t, e in by_tier.items()})
-        if self.regime_ms > 0:
+        if self.regime_ms > 0 and self.detect_shifts:
             while self._long and now_ms - self._long[0][0] > self.regime_ms:
                 self._long.popleft()
             since = self._since_ms if self._since_ms is not None else now_ms
@@ -347,14 +357,15 @@ class ArrivalWindow:
 
 def assemble_snapshot(now_ms: float, nodes: "list[NodeView] | tuple[NodeView, ...]",
                       requests: "list[RequestView] | tuple[RequestView, ...]" = (), *,
-                      arrivals: "ArrivalWindow | tuple[ArrivalStats, ...] | None" = None, epoch: int = 0) -> ClusterSnapshot:
+                      arrivals: "ArrivalWindow | tuple[ArrivalStats, ...] | None" = None, epoch: int = 0,
+                      load_shift_ms: float | None = None) -> ClusterSnapshot:
     """The one way a caller builds the policy's snapshot (simulator now; the live coordinator adopts it):
     nodes ordered by id, each node's groups by first device, arrivals measured from a window (or given)."""
     ordered = []
     for n in sorted(nodes, key=lambda n: n.node_id):
         groups = tuple(sorted(n.groups, key=lambda g: g.start))
         ordered.append(n if groups == n.groups else replace(n, groups=groups))
-    shift = None
+    shift = load_shift_ms
     if isinstance(arrivals, ArrivalWindow):
         stats = arrivals.stats(now_ms)
         shift = arrivals.shift_ms

@@ -207,16 +207,16 @@ class AdaptivePolicy(BasePolicy):
         gain = worth(chosen)
         # A shift of the arrival stream is still inside the measurement window: the rates mix the old load and
         # the new one, so wait until the window holds the new load only.
-        if snap.arrivals:
-            shift = snap.load_shift_ms if snap.load_shift_ms is not None else 0.0
+        if snap.load_shift_ms is not None:
+            shift = snap.load_shift_ms
             if snap.now_ms - shift < cfg.shift_settle_ms:
                 return TopologyDecision(nid, None, f"{why}: the load shifted {snap.now_ms - shift:.0f} ms ago "
                                         f"(< {cfg.shift_settle_ms:.0f} ms); keep until the measurement settles", gain, path)
         # One change per shift of the arrival stream: the estimate swings by more than any margin from epoch to
         # epoch near saturation (measured: TP8 <-> TP4 x2 every 4-10 s under a steady surge, each move "gaining"
         # 20-480 weighted requests), so once the node has moved for this load it stays until the load moves.
-        if snap.arrivals and node.last_reconfig_ms is not None and (
-                snap.load_shift_ms is None or node.last_reconfig_ms >= snap.load_shift_ms):
+        if snap.load_shift_ms is not None and node.last_reconfig_ms is not None and \
+                node.last_reconfig_ms >= snap.load_shift_ms:
             return TopologyDecision(nid, None, f"{why}: changed already since the load last shifted "
                                     f"(best {chosen[3]} would gain {gain:.2f}); keep", gain, path)
         settled = node.last_reconfig_ms is None or snap.now_ms - node.last_reconfig_ms >= THROUGHPUT_DWELL_FACTOR * cfg.min_dwell_ms
@@ -234,11 +234,11 @@ class AdaptivePolicy(BasePolicy):
     def expected_remaining_ms(self, snap: ClusterSnapshot) -> float:
         """How long the current load is expected to last: as long as it has lasted since the stream last
         shifted (a regime seen for t is, on the median, seen for t more), between one dwell time and
-        MAX_REMAINING_HORIZONS horizons. Without arrival measurements: one horizon (the old rule)."""
+        MAX_REMAINING_HORIZONS horizons. Without shift measurements (load_shift_ms None): one horizon."""
         cfg = self.config
-        if not snap.arrivals:
+        if snap.load_shift_ms is None:
             return cfg.horizon_ms
-        age = snap.now_ms - snap.load_shift_ms if snap.load_shift_ms is not None else snap.now_ms
+        age = snap.now_ms - snap.load_shift_ms
         return min(max(age, cfg.min_dwell_ms), MAX_REMAINING_HORIZONS * cfg.horizon_ms)
 
     def _score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> tuple[float, float]:

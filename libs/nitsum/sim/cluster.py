@@ -252,7 +252,8 @@ class ClusterSim:
         self.live: dict[str, _Req] = {}
         self.coordinator_queue: list[_Req] = []
         w = config.arrival_window_ms
-        self.arrivals = ArrivalWindow(w, started_ms=0.0, regime_ms=config.arrival_regime_ms) if w > 0 else None
+        self.arrivals = ArrivalWindow(w, started_ms=0.0, regime_ms=config.arrival_regime_ms,
+                                      detect_shifts=True) if w > 0 else None
         self.reconfigs = 0
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
@@ -281,7 +282,8 @@ class ClusterSim:
         else:
             views = [r.view() for r in self.live.values() if r.first_token is None]
         return assemble_snapshot(self.sim.now_ms, [self._node_view(n) for n in self.nodes], views,
-                                 arrivals=self.arrivals if arrivals and self.arrivals is not None else None)
+                                 arrivals=self.arrivals if arrivals and self.arrivals is not None else None,
+                                 load_shift_ms=None if self.arrivals is None else self.arrivals.shift_ms)
 
     def arrival_stats(self) -> tuple[ArrivalStats, ...]:
         """Per tier, the arrivals of the last `arrival_window_ms` (shorter at the start of the run)."""
