@@ -64,6 +64,23 @@ def fitting_static_policies(config: ClusterConfig) -> list[str]:
     return out
 
 
+def node_prefill_capacity(config: ClusterConfig, prompt_tokens: int = 1000) -> float:
+    """Prompt tokens per ms a node prefills at its best uniform layout (groups of one TP that fit)."""
+    cost = config.cost_model()
+    best = 0.0
+    for tp in (1, 2, 4, 8, 16, 32):
+        if tp <= config.devices_per_node and config.min_tp <= tp <= config.max_tp and cost.fits(tp):
+            best = max(best, config.devices_per_node // tp * prompt_tokens / cost.prefill_time_ms(tp, prompt_tokens))
+    return best
+
+
+def load_scale(config: ClusterConfig) -> float:
+    """How much faster (> 1) or slower this node prefills than the data-sheet H100 node with Llama-3-70B that the
+    rates were chosen for: with a device table, every rate is multiplied by it (the same load relative to
+    the node), so the sweep and the phases test the same regimes on another device or model."""
+    return node_prefill_capacity(config) / node_prefill_capacity(ClusterConfig())
+
+
 def row_of(policy: str, rate: float, nodes: int, res: ClusterResult) -> dict[str, Any]:
     rep = res.report
     inter = rep.tiers.get("interactive")
@@ -186,14 +203,21 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
     config = ClusterConfig(model=model, device_kind=device, device_table=table)
     statics = fitting_static_policies(config)
     policies = ["adaptive"] + statics
-    phases = PHASES
+    scale = load_scale(config) if table is not None else 1.0
+    phases = tuple(replace(p, rate_per_s=p.rate_per_s * scale) for p in PHASES)
     if quick:
         rates, duration_s = (2.0, 8.0), 10.0
-        phases = tuple(replace(p, duration_s=10.0) for p in PHASES)
+        phases = tuple(replace(p, duration_s=10.0) for p in phases)
+        big_rates, big_nodes, big_duration = (), 0, 0.0
+    elif table is not None:
+        # Another device/model: many more layouts may fit (31 on 8 devices when TP1 does) at scaled rates;
+        # fewer points, shorter, and no 32-node part keep one run within minutes.
+        rates, duration_s = (2.0, 8.0, 16.0, 20.0), 30.0
         big_rates, big_nodes, big_duration = (), 0, 0.0
     else:
         rates, duration_s = RATES, 60.0
         big_rates, big_nodes, big_duration = (4.0, 8.0, 12.0), 32, 10.0
+    rates = tuple(round(r * scale, 3) for r in rates)
     big_policies = [p for p in ("adaptive", "static:8", "static:4+4") if p == "adaptive" or p in statics]
     total = len(rates) * len(policies) + len(big_rates) * len(big_policies) + len(policies)
     progress = Progress(total, "sim tiers")
@@ -228,7 +252,8 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
     source = f"`{device_table}` ({device}, {model})" if device_table else f"data-sheet {device} table"
     md = ["# sim tiers", "",
           f"{model}, 8 x {device} per node, step times from the {source}; {len(statics)} static layouts fit: "
-          f"{', '.join(statics)}. Seed {seed}.", "",
+          f"{', '.join(statics)}. Seed {seed}." + (f" Rates x {scale:.3g} (this node prefills {scale:.3g} x as fast as "
+                                                    f"the data-sheet H100 node with Llama-3-70B)." if scale != 1.0 else ""), "",
           f"## Stationary: Poisson, 30% interactive, lengths from `{trace_path.name}`"
           f"{' (committed excerpt)' if is_excerpt(trace_path) else ''}, {duration_s:g} s per point", "",
           f"Adaptive / best static (weighted goodput): worst {_f(head['min_vs_best_static'])}x at {head['min_at_rate_rps']} req/s "
