@@ -40,7 +40,7 @@ BENCHES = {
     "policy": "nitsum.policy.bench",
     "flows": "nitsum.policy.flows_bench",
     "gateway": "nitsum_load.bench_gateway",
-    "profile": "nitsum.engine.profile",
+    "profile": "nitsum.bench.profile",
     "fidelity": "nitsum_load.bench_fidelity",
     "soak": "nitsum_load.bench_soak",
 }

@@ -5,37 +5,14 @@ Times are milliseconds on the coordinator's monotonic clock (the policy only com
 
 from __future__ import annotations
 
-from collections import deque
-
-from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView
+from nitsum.policy.snapshot import ArrivalStats, ArrivalWindow, ClusterSnapshot, GroupView, NodeView, RequestView, assemble_snapshot
 from nitsum_services.coordinator.membership import Membership
 
 ROLE_FOR_POLICY = {"prefill": "prefill", "decode": "decode", "hybrid": "hybrid"}
 
 
-ARRIVAL_WINDOW_MS = 5000.0
-
-
-class ArrivalWindow:
-    """Arrivals of the last few seconds per tier (what keeps coming, not only what is queued)."""
-
-    def __init__(self, window_ms: float = ARRIVAL_WINDOW_MS) -> None:
-        self.window_ms = window_ms
-        self._events: deque[tuple[float, str, float, float, float, int, int]] = deque()
-
-    def add(self, now_ms: float, tier: str, ttft_ms: float, tpot_ms: float, weight: float, prompt_tokens: int, max_tokens: int) -> None:
-        self._events.append((now_ms, tier, ttft_ms, tpot_ms, weight, prompt_tokens, max_tokens))
-
-    def stats(self, now_ms: float) -> tuple[ArrivalStats, ...]:
-        while self._events and now_ms - self._events[0][0] > self.window_ms:
-            self._events.popleft()
-        by_tier: dict[str, list] = {}
-        for event in self._events:
-            by_tier.setdefault(event[1], []).append(event)
-        return tuple(
-            ArrivalStats.measure(tier, self.window_ms, events[-1][2], events[-1][3], events[-1][4], [(e[5], e[6]) for e in events])
-            for tier, events in sorted(by_tier.items())
-        )
+ARRIVAL_WINDOW_MS = 5000.0  # the shared nitsum.policy.snapshot.ArrivalWindow's default
+__all__ = ["ARRIVAL_WINDOW_MS", "ArrivalWindow", "build_snapshot", "fitting_max_tp"]
 
 
 def fitting_max_tp(num_devices: int, max_tp: int) -> int:
@@ -91,4 +68,4 @@ def build_snapshot(members: Membership, now_ms: float, max_tp: int, min_tp: int,
             continue
         group_id = members.workers[req.worker_id].stats.group_id if req.worker_id in members.workers else None
         requests.append(RequestView(**{**req.view.__dict__, "group_id": group_id}))
-    return ClusterSnapshot(now_ms=now_ms, nodes=tuple(node_views), requests=tuple(requests), arrivals=arrivals)
+    return assemble_snapshot(now_ms, node_views, requests, arrivals=arrivals)

@@ -84,7 +84,7 @@ def test_flow_cluster_schedulers_all_run_and_idle_load_meets_slo():
         assert out["cct_ms"].count > 0
 
 
-@pytest.mark.parametrize("name", ["tiers", "reconfig", "flows"])
+@pytest.mark.parametrize("name", ["reconfig", "flows"])  # tiers: its own test below (one quick run)
 def test_quick_experiments_write_csv_png_md(name, tmp_path):
     from nitsum.sim.cli import main
 
@@ -101,3 +101,31 @@ def test_cli_rejects_unknown_experiment(capsys):
     with pytest.raises(SystemExit):
         main(["nope"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_tiers_compares_every_fitting_static_layout_and_the_best_static_column_is_their_max(tmp_path):
+    from nitsum.sim.experiments import tiers
+
+    result = tiers.run(tmp_path, quick=True)
+    for suffix in (".csv", "_phased.csv", ".md", ".png"):
+        assert (tmp_path / f"tiers{suffix}").stat().st_size > 100
+    assert (tmp_path / "tiers.md").read_text().startswith("# sim tiers")
+    rows = result["rows"]
+    statics = sorted({r["policy"] for r in rows if r["policy"].startswith("static:")})
+    # Llama-3-70B on 80 GB H100s: TP1 cannot hold the weights; every layout of TP2/TP4/TP8 groups is there.
+    assert "static:8" in statics and "static:4+4" in statics and "static:4+2+2" in statics and "static:2+2+2+2" in statics
+    assert "static:4p+4d" in statics and "static:4p+2d+2d" in statics and "static:2p+2p+4d" in statics
+    assert not any("1" in s.split(":")[1].replace("+", " ").split() for s in statics)
+    for rate in {r["rate_rps"] for r in rows}:
+        at = [r for r in rows if r["rate_rps"] == rate and r["nodes"] == 1]
+        best = max((r for r in at if r["policy"].startswith("static:")), key=lambda r: r["weighted_goodput_rps"])
+        for r in at:
+            assert r["best_static_weighted_goodput_rps"] == best["weighted_goodput_rps"]
+            assert r["best_static"] == best["policy"]
+    ph = result["phased"]
+    statics_ph = [r for r in ph["rows"] if r["policy"].startswith("static:")]
+    assert ph["best_static"]["weighted_goodput_rps"] == max(r["weighted_goodput_rps"] for r in statics_ph)
+    # The oracle takes the best static layout of each phase: never below the best single static layout.
+    assert ph["oracle"] >= ph["best_static"]["weighted_goodput_rps"] - 1e-9
+    for name, (policy, wg) in ph["oracle_parts"].items():
+        assert wg == max(r[f"{name}_wg"] for r in statics_ph)

@@ -42,20 +42,28 @@ def test_epoch_snapshots_carry_measured_arrival_rates():
     from nitsum.sim.cluster import ClusterSim
 
     work = [TraceRequest(100.0 * i, 1000, 10, tier="background" if i % 2 else "interactive") for i in range(50)]
-    sim = ClusterSim("static-tp:8", ClusterConfig(arrival_window_ms=1000.0), work)
-    seen = []
-    orig = sim.policy.decide_topology
 
-    def spy(snap):
-        seen.append((snap.now_ms, {a.tier: a.rate_per_s for a in snap.arrivals}))
-        return orig(snap)
+    def measured(**kw):
+        sim = ClusterSim("static-tp:8", ClusterConfig(arrival_window_ms=1000.0, **kw), work)
+        seen = []
+        orig = sim.policy.decide_topology
 
-    sim.policy.decide_topology = spy
-    sim.run()
-    rates = dict(seen)
+        def spy(snap):
+            seen.append((snap.now_ms, {a.tier: a.rate_per_s for a in snap.arrivals}))
+            return orig(snap)
+
+        sim.policy.decide_topology = spy
+        sim.run()
+        return dict(seen)
+
+    rates = measured(arrival_regime_ms=0.0)
     # At t = 3 s the window [2 s, 3 s] holds 11 arrivals at 100 ms spacing: 6 interactive, 5 background.
     assert rates[3000.0] == {"interactive": 6.0, "background": 5.0}
     assert rates[0.0] == {}  # nothing measured before the first arrival
+    # Measured over the steady stretch (no shift since 0): [0 s, 3 s] holds 16 interactive and 15 background.
+    rates = measured()
+    assert rates[3000.0] == {"interactive": 16 / 3, "background": 5.0}
+    assert rates[0.0] == {}
 
 
 @pytest.mark.parametrize("in_budget, ttft_ms", [(True, 3.5), (False, 2.5)])

@@ -17,6 +17,7 @@ MODULES = (
     "nitsum.policy.topology",
     "nitsum.policy.baselines",
     "nitsum.policy.costmodel",
+    "nitsum.policy.steptable",
     "nitsum.policy.flows",
     "nitsum.policy.flow_baselines",
     "nitsum.kv",

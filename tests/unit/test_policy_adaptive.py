@@ -155,3 +155,15 @@ def test_candidates_respect_min_tp():
 
 def test_initial_topology_is_consolidated():
     assert str(policy().initial_topology(node_of(TP2X4, 2))) == TP8
+
+
+def test_role_variants_of_equal_tp_groups_include_quarter_and_three_quarter_prefill_splits():
+    from nitsum.policy.phases import role_variants
+
+    shape = tuple((i, 1) for i in range(8))
+    variants = role_variants(shape, prefill_pending=True)
+    prefill_counts = sorted(sum(g.role == "prefill" for g in v) for v in variants)
+    assert prefill_counts == [0, 2, 4, 6]  # all hybrid, then 2 / 4 / 6 prefill groups, the rest decode
+    assert all(g.role in ("prefill", "hybrid") for g in variants[0]) and all(v[0].role in ("prefill", "hybrid") for v in variants)
+    assert role_variants(shape, prefill_pending=False) == variants[:1]
+    assert len(role_variants(((0, 4), (4, 2), (6, 2)), True)) == 2  # mixed TPs: the highest-TP prefill split only

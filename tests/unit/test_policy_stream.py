@@ -34,10 +34,10 @@ def score(top: str, snap: ClusterSnapshot, prefill_batch_tokens: int = 0):
     return evaluate(cost, classes_of(Topology.parse(top).groups), load, 5000.0, 512, prefill_batch_tokens)
 
 
-def test_measure_takes_rate_quantile_midpoints_and_mean_output():
+def test_measure_takes_rate_quantile_slice_means_and_mean_output():
     a = ArrivalStats.measure("bg", 2000.0, 10_000.0, 100.0, 1.0, [(p, 10 * i) for i, p in enumerate(range(100, 900, 100))])
     assert a.rate_per_s == 4.0  # 8 arrivals in 2 s
-    assert a.prompt_tokens == (200, 400, 600, 800)  # midpoints of four equal-mass slices of 100..800
+    assert a.prompt_tokens == (150, 350, 550, 750)  # means of four equal-mass slices of 100..800
     assert a.output_tokens == 35.0
 
 
@@ -99,3 +99,37 @@ def test_background_leaves_its_low_tp_lane_once_the_queue_eats_half_its_budget()
     # 50 (~6.4 s): it would still meet its 10 s TTFT there (the old rule sent it), but with under half the
     # budget to spare it goes to the idle TP8 group instead of deepening the lane's queue.
     assert pol.route(ClusterSnapshot(0.0, nodes, queued(50)), new).group_id == big.group_id
+
+
+def test_arrival_window_detects_a_shift_of_the_stream_and_not_poisson_noise():
+    import random
+
+    from nitsum.policy.snapshot import ArrivalWindow
+
+    def shifts(rates_per_s, seconds_each, seed):
+        rng, times, t0 = random.Random(seed), [], 0.0
+        for rate in rates_per_s:  # Poisson arrivals, each phase at its rate
+            t = t0
+            while (t := t + rng.expovariate(rate / 1000.0)) < t0 + seconds_each * 1000.0:
+                times.append(t)
+            t0 += seconds_each * 1000.0
+        w, out, i = ArrivalWindow(5000.0, started_ms=0.0, detect_shifts=True), [], 0
+        for now in range(1000, int(t0) + 1, 1000):  # one epoch a second
+            while i < len(times) and times[i] <= now:
+                w.add(times[i], "interactive", 200.0, 25.0, 10.0, 100, 10)
+                i += 1
+            w.stats(float(now))
+            if w.shift_ms not in out:
+                out.append(w.shift_ms)
+        return out
+
+    for seed in range(3):
+        assert shifts([8.0, 8.0, 8.0], 60.0, seed) == [0.0]  # the start only: a steady stream does not shift
+        found = shifts([8.0, 1.0, 8.0], 60.0, seed)
+        assert found[0] == 0.0 and len(found) == 3
+        assert 55_000 <= found[1] <= 65_000 and 115_000 <= found[2] <= 125_000
+    # Without detect_shifts (the coordinator today) nothing is tracked.
+    w = ArrivalWindow(5000.0)
+    w.add(0.0, "interactive", 200.0, 25.0, 10.0, 100, 10)
+    w.stats(1000.0)
+    assert w.shift_ms is None

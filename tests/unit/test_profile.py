@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from nitsum.engine.profile import DEFAULT_TABLE_PATH, RooflineFit, StepPoint, fit_roofline, fitted_device, main, predict_ms, roofline_terms, table_json
+from nitsum.bench.profile import DEFAULT_TABLE_PATH, RooflineFit, StepPoint, fit_roofline, fitted_device, main, predict_ms, roofline_terms, table_json
 from nitsum.policy.costmodel import CostModel, DeviceSpec, load_device_table, model_spec
 
 TINY = model_spec("tiny")
@@ -140,3 +140,31 @@ def test_fit_recovers_per_sequence_and_prefill_step_costs():
     # Without those columns the fit is the plain roofline (the old three-term model).
     plain = fit_roofline(list(flops), list(num_bytes), measured)
     assert (plain.ms_per_seq, plain.prefill_step_ms) == (0.0, 0.0) and plain.mean_abs_pct_error > 0.01
+
+
+@pytest.mark.timeout(240)
+def test_quick_profile_writes_a_step_table_with_tp2_rows_measured_on_a_node_world(tmp_path):
+    from nitsum.policy.steptable import load_step_rows, select
+
+    out = tmp_path / "cpu.csv"
+    assert main(["--quick", "--tp", "1,2", "--csv", str(out)]) == 0
+    rows = load_step_rows(out)  # the step-table loader accepts what the profile writes
+    assert {r.tp for r in rows} == {1, 2} and {r.phase for r in rows} == {"prefill", "decode"}
+    assert {(r.device, r.model) for r in rows} == {("cpu", "tiny")}
+    for tp in (1, 2):
+        mine = [r for r in rows if r.tp == tp]
+        assert len(mine) == 7
+        assert sorted((r.phase, r.batch_size, r.prompt_tokens) for r in mine if r.phase == "prefill") == [
+            ("prefill", 1, 16), ("prefill", 1, 128), ("prefill", 4, 64)]
+    table = select(rows, "cpu", TINY)
+    for r in rows:  # the table prices its own points exactly
+        n = r.batch_size if r.phase == "decode" else r.batch_size * r.prompt_tokens
+        ctx = r.batch_size * (r.context_tokens if r.phase == "decode" else r.prompt_tokens)
+        assert table.step_ms(r.tp, r.batch_size, n, ctx) == r.ms
+
+
+def test_bad_tp_levels_are_clear_errors(capsys):
+    for bad in ("3", "x", "0"):
+        with pytest.raises(SystemExit):
+            main(["--tp", bad])
+        assert "--tp" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from nitsum.policy import admission, routing
 from nitsum.policy.costmodel import CostModel, DeviceSpec, ModelSpec, device_spec, model_spec
 from nitsum.policy.decisions import AdmissionDecision, RouteDecision, Topology, TopologyDecision
 from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView
+from nitsum.policy.steptable import DeviceStepTable
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class PolicyConfig:
     model: ModelSpec = field(default_factory=lambda: model_spec("tiny"))
     # Device tables by kind; kinds not listed fall back to costmodel.device_spec(kind).
     devices: tuple[tuple[str, DeviceSpec], ...] = ()
+    # Measured step-time tables by kind (steptable.py); a kind listed here prices steps from its table.
+    step_tables: tuple[tuple[str, DeviceStepTable], ...] = ()
     block_size_tokens: int = 16
     epoch_ms: float = 1000.0  # NITSUM_RECONFIG_INTERVAL_MS
     # A request is latency-sensitive (routed to high TP) when its TTFT target is at most this.
@@ -35,6 +38,9 @@ class PolicyConfig:
     # scores grow with the load, and a fixed margin alone let noise in the measured rates flip the layout.
     hysteresis_fraction: float = 0.1
     min_dwell_ms: float = 3000.0  # no change sooner than this after the last one
+    # With measured arrivals: no change until this long after the arrival stream last shifted (or measuring
+    # began): the sliding window (5 s in the simulator and the coordinator) must hold the new load only.
+    shift_settle_ms: float = 10_000.0
     max_steps: int = 2  # candidates: at most this many merge/split steps from the current topology
     interactive_backlog_threshold: int = 1  # fast path: queued latency-sensitive requests to call it a surge
 
@@ -63,7 +69,8 @@ class BasePolicy:
         cm = self._costs.get(node.device_kind)
         if cm is None:
             dev = self._devices.get(node.device_kind) or device_spec(node.device_kind)
-            cm = self._costs[node.device_kind] = CostModel(self.config.model, dev)
+            steps = dict(self.config.step_tables).get(node.device_kind)
+            cm = self._costs[node.device_kind] = CostModel(self.config.model, dev, steps=steps)
         return cm
 
     def latency_sensitive(self, r: RequestView) -> bool:

@@ -106,3 +106,76 @@ class StaticHybrid(BasePolicy):
 
     def decide_topology(self, snap: ClusterSnapshot) -> list[TopologyDecision]:
         return self._keep_static(snap)
+
+
+_ROLE_OF = {"": "hybrid", "h": "hybrid", "p": "prefill", "d": "decode"}
+_SUFFIX = {"hybrid": "", "prefill": "p", "decode": "d"}
+
+
+def parse_layout(text: str) -> tuple[tuple[int, str], ...]:
+    """`4+2+2`, `4p+2d+2d`: groups as TP[role], role h (hybrid, the default), p (prefill) or d (decode)."""
+    out = []
+    for part in text.split("+"):
+        part = part.strip().lower()
+        digits = part.rstrip("hpd")
+        role = _ROLE_OF[part[len(digits):]] if len(part) - len(digits) <= 1 else None
+        if not digits.isdigit() or role is None:
+            raise ValueError(f"bad layout {text!r}: {part!r} is not TP[h|p|d]")
+        tp = int(digits)
+        if tp < 1 or tp & (tp - 1):
+            raise ValueError(f"bad layout {text!r}: TP {tp} must be a power of two >= 1")
+        out.append((tp, role))
+    return tuple(out)
+
+
+def layout_name(groups: tuple[tuple[int, str], ...]) -> str:
+    return "+".join(f"{tp}{_SUFFIX[role]}" for tp, role in groups)
+
+
+def layout_topology(groups: tuple[tuple[int, str], ...]) -> Topology:
+    """Groups placed largest TP first (so every group is aligned), in the given order within a TP."""
+    placed, start = [], 0
+    for tp, role in sorted(groups, key=lambda g: -g[0]):
+        placed.append(GroupSpec(start, tp, role))
+        start += tp
+    return Topology(tuple(placed))
+
+
+def static_layouts(num_devices: int, levels: tuple[int, ...]) -> list[tuple[tuple[int, str], ...]]:
+    """Every static layout of a node: each partition of its devices into aligned groups at the allowed levels,
+    all hybrid; and every P/D split with prefill groups of one size and decode groups of one size (any
+    number of each, at least one of each). Largest groups first."""
+    def partitions(n: int, most: int) -> list[tuple[int, ...]]:
+        if n == 0:
+            return [()]
+        return [(k,) + rest for k in sorted(levels, reverse=True) if k <= min(n, most) for rest in partitions(n - k, k)]
+
+    out = [tuple((k, "hybrid") for k in part) for part in partitions(num_devices, num_devices)]
+    for p in levels:
+        for d in levels:
+            for n_p in range(1, num_devices // p + 1):
+                rest = num_devices - n_p * p
+                if rest <= 0 or rest % d:
+                    continue
+                out.append(tuple([(p, "prefill")] * n_p + [(d, "decode")] * (rest // d)))
+    return out
+
+
+class StaticLayout(BasePolicy):
+    """`static:<layout>` (e.g. `static:4+2+2`, `static:4p+2d+2d`): any fixed layout, never changed."""
+
+    def __init__(self, layout: str, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self.groups = parse_layout(layout)
+        self.name = f"static:{layout_name(self.groups)}"
+
+    def initial_topology(self, node: NodeView) -> Topology:
+        for tp, _ in self.groups:
+            _check_level(node, tp, self.name)
+        if sum(tp for tp, _ in self.groups) != node.num_devices:
+            raise ValueError(f"{self.name}: {sum(tp for tp, _ in self.groups)} devices, node {node.node_id} has "
+                             f"{node.num_devices}")
+        return layout_topology(self.groups)
+
+    def decide_topology(self, snap: ClusterSnapshot) -> list[TopologyDecision]:
+        return self._keep_static(snap)

@@ -28,6 +28,8 @@ from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
+from nitsum.policy.steptable import DeviceStepTable
+
 DEVICE_TABLE_SCHEMA = "nitsum.costmodel.device/1"
 
 
@@ -200,6 +202,10 @@ class CostModel:
     model: ModelSpec
     device: DeviceSpec
     reconfig_fixed_ms: float = 5.0  # switch cost beyond moving KV: views, communicator swap, barrier
+    # A measured step-time table (steptable.py, `--device-table FILE`): when set, step_time_ms is the table's
+    # (exact at measured points, interpolated between, the roofline fitted to it outside); memory, KV
+    # capacity and link figures still come from `device`.
+    steps: DeviceStepTable | None = None
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     # -- roofline -----------------------------------------------------------------------------------------
@@ -219,6 +225,11 @@ class CostModel:
         hit = self._memo.get(key)
         if hit is not None:
             return hit
+        if self.steps is not None:
+            out = self.steps.step_ms(tp, batch_size, num_tokens, context_tokens)
+            if len(self._memo) < 65536:
+                self._memo[key] = out
+            return out
         m, d = self.model, self.device
         batch = max(batch_size, 1)
         pairs = num_tokens * context_tokens / batch

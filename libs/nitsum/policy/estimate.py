@@ -25,7 +25,8 @@ The fluid model (ours; ALGORITHMS.md leaves it open):
    u = rate · mean pooled prefill time of the pool (averaged over its prompt-length quantiles); higher tiers
    have taken U already, so a fraction min(1, (1 − U) / u) of it is served at all. Its queueing delay is the
    M/D/1 wait ρ/(2(1 − ρ)) · mean service at ρ = U + u (unbounded at ρ ≥ 1: the queue grows without end);
-   a quantile meets TTFT when that wait plus its fastest prefill fits the TTFT target. Those need decode
+   a quantile meets TTFT with the probability that the wait (an atom 1 − ρ at zero, an exponential tail of
+   that mean) leaves room for its fastest prefill within the TTFT target. Those need decode
    slots in steady state (Little: rate · output tokens · step time) from what higher streams left. Each one
    projected to meet its SLO counts weight · STREAM_CREDIT. Without this term a layout that is slightly
    overloaded (static TP8 for Llama-3-70B at 20 req/s of Azure conv) looks as good as one that keeps up,
@@ -253,9 +254,10 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
     order_hi = sorted(range(n), key=lambda i: (-tps[i], i))
     order_lo = sorted(range(n), key=lambda i: (tps[i], i))
 
-    def chunk(i: int) -> int:
-        """Prefill tokens a hybrid group mixes into each decode step (0: none pending, or not hybrid)."""
-        if roles[i] != "hybrid" or not pending_prefill:
+    def chunk(i: int, pending: bool = False) -> int:
+        """Prefill tokens a hybrid group mixes into each decode step (0: none pending, or not hybrid).
+        `pending`: as if prefill were pending (the arrival stream brings it even when none is queued now)."""
+        if roles[i] != "hybrid" or not (pending_prefill or pending):
             return 0
         b = used[i] // mult[i]
         return hybrid_chunk_tokens(cost, tps[i], cap[i], chunk_tokens, b,
@@ -375,6 +377,15 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
     return Estimate(score, latency_misses, misses)
 
 
+def _p_wait_within(x_ms: float, rho: float, mean_wait_ms: float) -> float:
+    """P(queueing wait <= x) for utilisation rho and mean wait (module docstring, rule 5)."""
+    if x_ms < 0 or rho >= 1.0 or math.isinf(mean_wait_ms):  # (callers pass rho < 1)
+        return 0.0
+    if rho <= 0 or mean_wait_ms <= 0:
+        return 1.0
+    return 1.0 - rho * math.exp(-x_ms * rho / mean_wait_ms)
+
+
 def _stream(cost: CostModel, streams: tuple[StreamLoad, ...], tps: list[int], roles: list[str], mult: list[int],
             used: list[int], ctx_sum: list[int], slots, order_hi: list[int], order_lo: list[int], horizon_ms: float,
             chunk, hol) -> tuple[float, int]:
@@ -398,7 +409,10 @@ def _stream(cost: CostModel, streams: tuple[StreamLoad, ...], tps: list[int], ro
                 s = cost.prefill_time_ms(tps[i], p)
                 if roles[i] == "hybrid" and used[i] > 0:
                     per_group = max(used[i] // mult[i], 1)
-                    c = max(chunk(i), 1)
+                    # The stream brings prefill work whether or not any is queued now: the chunk a hybrid
+                    # step carries beside its decodes (with chunk(i) alone, an idle queue priced a prompt
+                    # at one token per step, and one running request made the whole stream miss).
+                    c = max(chunk(i, pending=True), 1)
                     ctx_dec = quantize_tokens(ctx_sum[i] / mult[i])
                     s = -(-p // c) * cost.step_time_ms(tps[i], per_group, per_group + c, ctx_dec + c)
                 r_i = mult[i] / s
@@ -419,8 +433,19 @@ def _stream(cost: CostModel, streams: tuple[StreamLoad, ...], tps: list[int], ro
             continue
         served = min(1.0, max(1.0 - util, 0.0) / u)
         rho = util + u
-        wait = rho / (2.0 * (1.0 - rho)) * mean_service if rho < 1.0 else math.inf
-        in_time = sum(1 for f in fastest if wait + f <= st.ttft_ms) / len(fastest)
+        if rho < 1.0:
+            wait = rho / (2.0 * (1.0 - rho)) * mean_service
+        else:
+            # Overloaded: the pool serves the fraction `served` at capacity, and admission and shedding keep
+            # the queue of what is admitted at most about a TTFT target deep (the rest is refused), so the
+            # served part waits about half a target. Scoring it 0 (an unbounded queue) made every overloaded
+            # layout look the same, the one with twice the capacity included.
+            rho, wait = 1.0 - 1e-9, st.ttft_ms / 2.0
+        # The waiting time's distribution, not only its mean: an atom 1 − ρ at zero and an exponential tail
+        # of the same mean (P(W > x) = ρ·exp(−x·ρ / E[W])). With the mean alone every quantile flipped from
+        # "in time" to "late" at once as ρ crossed a threshold: the cliff that made near-saturated layouts
+        # look alternately hopeless and fine from one epoch to the next.
+        in_time = sum(_p_wait_within(st.ttft_ms - f, rho, wait) for f in fastest) / len(fastest)
         util = min(util + u, 1.0)
         # Decode, steady state (Little): the served-in-time part keeps rate · output tokens · step slots busy.
         # A full class steps at about the TPOT target (max_decode_batch sizes it so), hence tokens/ms per

@@ -1,7 +1,7 @@
 """`make_policy(spec)`: the policy named on the command line (`--policy`) or by `nitsum admin set-policy`.
 
 Specs: `adaptive` (default) | `static-tp:K` | `disagg` | `disagg:P/D` | `static-hybrid` | `static-hybrid:H/L`
-(see baselines.py for what each layout is). A spec that is not one of these raises ValueError naming it.
+| `static:LAYOUT` (any fixed layout, e.g. `static:4+2+2`, `static:4p+2d+2d`; see baselines.py for what each is). A spec that is not one of these raises ValueError naming it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from nitsum.policy.base import BasePolicy, PolicyConfig
 from nitsum.policy.snapshot import NodeView
 
 DEFAULT_POLICY = "adaptive"
-POLICY_SPECS: tuple[str, ...] = ("adaptive", "static-tp:K", "disagg[:P/D]", "static-hybrid[:H/L]")
+POLICY_SPECS: tuple[str, ...] = ("adaptive", "static-tp:K", "disagg[:P/D]", "static-hybrid[:H/L]", "static:LAYOUT")
 
 
 def _int(spec: str, text: str) -> int:
@@ -40,7 +40,7 @@ def layout_problem(policy: BasePolicy, node: NodeView) -> str:
 
 
 def make_policy(spec: str = DEFAULT_POLICY, config: PolicyConfig | None = None) -> BasePolicy:
-    from nitsum.policy.baselines import Disagg, StaticHybrid, StaticTP
+    from nitsum.policy.baselines import Disagg, StaticHybrid, StaticLayout, StaticTP
     from nitsum.policy.topology import AdaptivePolicy
 
     text = spec.strip().lower()
@@ -49,6 +49,8 @@ def make_policy(spec: str = DEFAULT_POLICY, config: PolicyConfig | None = None) 
         return AdaptivePolicy(config)
     if name == "static-tp" and arg:
         return StaticTP(_int(spec, arg), config)
+    if name == "static" and arg:
+        return StaticLayout(arg, config)
     if name == "disagg":
         return Disagg(*_pair(spec, arg), config=config) if arg else Disagg(config=config)
     if name == "static-hybrid":

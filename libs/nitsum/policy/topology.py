@@ -40,6 +40,7 @@ from nitsum.policy.phases import Shape, role_variants
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView
 
 THROUGHPUT_DWELL_FACTOR = 2.0  # a split for throughput waits this many dwell times after the last change
+MAX_REMAINING_HORIZONS = 4.0  # the phase expected to remain is counted up to this many horizons
 MIN_BATCH_SEQS = 8
 
 
@@ -156,56 +157,95 @@ class AdaptivePolicy(BasePolicy):
         shapes = candidate_shapes(cur_shape, node.num_devices, levels, cfg.max_steps)
         shapes = [sh for sh in shapes if all(k in levels for _, k in sh)]
         cur_mean = mean_tp(cur_shape)
-        throughput_split = False
+        # Fast path: a direction to prefer, never a layout the scorer finds clearly worse (the two rules
+        # fought before: the surge rule consolidated on one projected miss, the scorer split again next epoch).
+        latency_stream = any(st.latency_sensitive and st.rate_per_ms > 0 for st in load.streams)
+        direction = 0
         if load.latency_queued() >= cfg.interactive_backlog_threshold and cur_est.latency_misses > 0:
-            path, why = "fast", f"interactive surge: {cur_est.latency_misses} projected latency-tier misses"
-            shapes = [sh for sh in shapes if mean_tp(sh) > cur_mean]
-            allow_same_shape = False
-        elif load.latency_work() == 0 and load.throughput_queued() > 0:
-            path, why = "fast", f"throughput backlog ({load.throughput_queued()} queued), no interactive work"
-            shapes = [sh for sh in shapes if mean_tp(sh) < cur_mean]
-            allow_same_shape = False
-            throughput_split = True
+            direction, path, why = 1, "fast", f"interactive surge: {cur_est.latency_misses} projected latency-tier misses"
+        elif load.latency_work() == 0 and not latency_stream and load.throughput_queued() > 0:
+            direction, path, why = -1, "fast", f"throughput backlog ({load.throughput_queued()} queued), no interactive work"
         else:
             path, why = "scored", "mixed load"
-            allow_same_shape = True
         prefill_pending = any(t.queued for t in load.tiers)
 
-        best: tuple[float, Topology] | None = None
-        scored: list[tuple[float, Shape]] = []
+        scored: list[tuple[float, float, Shape, Topology]] = []  # (score, change cost, shape, topology)
         for sh in shapes:  # first pass: all-hybrid roles, the common case
             groups = role_variants(sh, False)[0]
-            net = self._net_score(cost, groups, load, node)
-            scored.append((net, sh))
-            if best is None or net > best[0]:
-                best = (net, Topology(groups))
-        # Second pass: other role variants for the three best partitions (and the current one).
-        scored.sort(key=lambda x: -x[0])
-        refine = [sh for _, sh in scored[:3]] + ([cur_shape] if allow_same_shape else [])
-        for sh in refine:
-            for groups in role_variants(sh, prefill_pending):
+            scored.append((*self._score(cost, groups, load, node), sh, Topology(groups)))
+        # Second pass: other role variants for the three best partitions, the best in the fast path's
+        # direction, and the current one.
+        scored.sort(key=lambda x: -(x[0] - x[1]))
+        refine = [x[2] for x in scored[:3]] + [cur_shape]
+        if direction:
+            refine += [x[2] for x in scored if (mean_tp(x[2]) - cur_mean) * direction > 0][:1]
+        for sh in dict.fromkeys(refine):
+            for groups in role_variants(sh, prefill_pending)[1:]:
                 top = Topology(groups)
-                if top == current:
-                    continue
-                net = self._net_score(cost, groups, load, node)
-                if best is None or net > best[0]:
-                    best = (net, top)
-        if best is None:
-            return keep(f"{why}: no candidate in that direction", path)
-        gain = best[0] - cur_est.score
-        margin = max(cfg.hysteresis_margin, cfg.hysteresis_fraction * abs(cur_est.score))
+                if top != current:
+                    scored.append((*self._score(cost, groups, load, node), sh, top))
+        if not scored:
+            return keep(f"{why}: no candidate", path)
+        # The change is worth what it gains over the phase expected to remain, less its one-time cost.
+        remaining = self.expected_remaining_ms(snap)
+        scale = remaining / cfg.horizon_ms
+
+        def worth(x) -> float:
+            return (x[0] - cur_est.score) * scale - x[1]
+
+        best = max(scored, key=worth)
+        # The hysteresis margin guards against the estimate's noise, which the phase scale multiplies too: in
+        # the same units as `worth`, so the remaining phase discounts only the one-time cost of the change.
+        margin = max(cfg.hysteresis_margin, cfg.hysteresis_fraction * abs(cur_est.score)) * scale
+        chosen = best
+        if direction:
+            along = [x for x in scored if (mean_tp(x[2]) - cur_mean) * direction > 0]
+            if along:
+                top_along = max(along, key=worth)
+                if worth(top_along) >= worth(best) - margin:
+                    chosen = top_along
+        gain = worth(chosen)
+        # A shift of the arrival stream is still inside the measurement window: the rates mix the old load and
+        # the new one, so wait until the window holds the new load only.
+        if snap.load_shift_ms is not None:
+            shift = snap.load_shift_ms
+            if snap.now_ms - shift < cfg.shift_settle_ms:
+                return TopologyDecision(nid, None, f"{why}: the load shifted {snap.now_ms - shift:.0f} ms ago "
+                                        f"(< {cfg.shift_settle_ms:.0f} ms); keep until the measurement settles", gain, path)
+        # One change per shift of the arrival stream: the estimate swings by more than any margin from epoch to
+        # epoch near saturation (measured: TP8 <-> TP4 x2 every 4-10 s under a steady surge, each move "gaining"
+        # 20-480 weighted requests), so once the node has moved for this load it stays until the load moves.
+        if snap.load_shift_ms is not None and node.last_reconfig_ms is not None and \
+                node.last_reconfig_ms >= snap.load_shift_ms:
+            return TopologyDecision(nid, None, f"{why}: changed already since the load last shifted "
+                                    f"(best {chosen[3]} would gain {gain:.2f}); keep", gain, path)
         settled = node.last_reconfig_ms is None or snap.now_ms - node.last_reconfig_ms >= THROUGHPUT_DWELL_FACTOR * cfg.min_dwell_ms
-        if throughput_split and gain > -margin and settled:
-            # ALGORITHMS.md §1.5: with no interactive work, split to maximise batch throughput. Goodput
-            # alone cannot show the gain when the background SLOs are loose (both layouts meet them), so
-            # here the margin guards against a loss instead of demanding a win; the dwell time and the
-            # requirement of zero interactive work keep it from flapping: a split waits THROUGHPUT_DWELL_FACTOR
-            # times the dwell after the last change, so that consolidation (latency) reacts faster than splitting.
-            return TopologyDecision(nid, best[1], f"{why}: {current} -> {best[1]} for throughput (goodput change {gain:.2f})", gain, path)
+        if direction < 0 and mean_tp(chosen[2]) < cur_mean and gain > -margin and settled:
+            # ALGORITHMS.md §1.5: with no interactive work (queued, running or arriving), split to maximise
+            # batch throughput. Goodput alone cannot show the gain when the background SLOs are loose (both
+            # layouts meet them), so here the margin guards against a loss instead of demanding a win.
+            return TopologyDecision(nid, chosen[3], f"{why}: {current} -> {chosen[3]} for throughput (goodput change {gain:.2f})", gain, path)
         if gain <= margin:
-            return TopologyDecision(nid, None, f"{why}: best {best[1]} gains {gain:.2f} <= margin "
+            return TopologyDecision(nid, None, f"{why}: best {chosen[3]} gains {gain:.2f} <= margin "
                                     f"{margin:.2f}; keep", gain, path)
-        return TopologyDecision(nid, best[1], f"{why}: {current} -> {best[1]} gains {gain:.2f}", gain, path)
+        return TopologyDecision(nid, chosen[3], f"{why}: {current} -> {chosen[3]} gains {gain:.2f} "
+                                f"(over {remaining / 1000:.0f} s expected to remain)", gain, path)
+
+    def expected_remaining_ms(self, snap: ClusterSnapshot) -> float:
+        """How long the current load is expected to last: as long as it has lasted since the stream last
+        shifted (a regime seen for t is, on the median, seen for t more), between one dwell time and
+        MAX_REMAINING_HORIZONS horizons. Without shift measurements (load_shift_ms None): one horizon."""
+        cfg = self.config
+        if snap.load_shift_ms is None:
+            return cfg.horizon_ms
+        age = snap.now_ms - snap.load_shift_ms
+        return min(max(age, cfg.min_dwell_ms), MAX_REMAINING_HORIZONS * cfg.horizon_ms)
+
+    def _score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> tuple[float, float]:
+        """(estimated weighted goodput over the horizon, λ · reconfiguration cost of moving there)."""
+        cfg = self.config
+        est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
+        return est.score, cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
     def _net_score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> float:
         cfg = self.config

@@ -1,4 +1,4 @@
-"""`nitsum sim <experiment> [--out DIR] [--quick] [--seed N]`: run one experiment, write CSV + PNG + Markdown."""
+"""`nitsum sim <experiment> [--out DIR] [--quick] [--seed N] [--device-table FILE]`: run one experiment, write CSV + PNG + Markdown."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sim/<experiment>)")
     p.add_argument("--quick", action="store_true", help="a small version (seconds), for tests and smoke checks")
     p.add_argument("--seed", type=int, default=0, help="workload seed (runs are deterministic for a seed)")
+    p.add_argument("--device-table", type=Path, default=None, metavar="FILE",
+                   help="measured step times (CSV: device,model,tp,phase,batch_size,prompt_tokens,context_tokens,ms; "
+                        "`nitsum bench profile --csv` writes it): the simulator and the policy price steps from it")
     return p
 
 
@@ -23,7 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     out = args.out if args.out is not None else Path("runs") / "sim" / args.experiment
     module = importlib.import_module(EXPERIMENTS[args.experiment])
-    result = module.run(out, quick=args.quick, seed=args.seed)
+    if args.device_table is not None:
+        from nitsum.policy.steptable import StepTableError, load_step_rows
+
+        try:
+            load_step_rows(args.device_table)
+        except StepTableError as exc:
+            print(f"nitsum sim: {exc}", file=sys.stderr)
+            return 2
+    result = module.run(out, quick=args.quick, seed=args.seed, device_table=args.device_table)
     print(result.get("speed", ""))
     print(f"wrote {out}/{args.experiment}.csv, .png, .md")
     return 0

@@ -18,7 +18,7 @@ finishes come off a heap keyed by the step index at which it emits its last toke
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,9 @@ from nitsum.policy.costmodel import CostModel, DeviceSpec, cost_model, resolve_d
 from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import MIN_CHUNK_TOKENS
 from nitsum.policy.registry import make_policy
-from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+from nitsum.policy.steptable import DeviceStepTable, StepRow, load_step_rows, select
+from nitsum.policy.snapshot import (ArrivalStats, ArrivalWindow, ClusterSnapshot, GroupView, NodeView, RequestView,
+                                    assemble_snapshot, group_id_for)
 from nitsum.policy.tiers import DEFAULT_TIERS, Tier
 from nitsum.sim.engine import Event, Simulator
 from nitsum.sim.service import ServiceModel, ServiceSampler
@@ -41,6 +43,9 @@ class ClusterConfig:
     # A preset ("cpu" is the shipped CPU table; "h100" | "h200" | "a100"), a device table JSON path (what
     # `nitsum bench profile --out` writes), a loaded DeviceSpec or a CostModel. The policy gets the same table.
     device_kind: str | Path | DeviceSpec | CostModel = "h100"
+    # A measured step-time table (CSV path or parsed rows; policy/steptable.py): steps of every group are priced
+    # from its rows for (this device's name, this model), and the policy's estimator reads the same table.
+    device_table: str | Path | tuple[StepRow, ...] | None = None
     num_nodes: int = 1
     devices_per_node: int = 8
     min_tp: int = 1
@@ -65,6 +70,8 @@ class ClusterConfig:
     # Arrivals per tier over this sliding window go into each epoch's snapshot (ClusterSnapshot.arrivals),
     # as a coordinator would measure them; 0 leaves them out (the policy then scores the backlog only).
     arrival_window_ms: float = 5000.0
+    # ... and over the whole steady stretch since the stream last shifted, up to this long (ArrivalWindow.regime_ms).
+    arrival_regime_ms: float = 60_000.0
     drain_ms: float = 30_000.0  # after the last arrival, how long in-flight requests may still finish
     tiers: tuple[tuple[str, Tier], ...] = tuple(DEFAULT_TIERS.items())
     # What the live mesh adds to the table's engine steps (request path, step noise); None: engine steps only.
@@ -72,6 +79,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         self.device  # an unknown kind or a missing table file fails here, with the accepted forms named
+        self.step_table()  # a malformed step table fails here, naming its line and column
         if isinstance(self.device_kind, CostModel) and self.device_kind.model.name != self.model:
             raise ValueError(f"device_kind is a cost model of {self.device_kind.model.name!r}, the cluster runs {self.model!r}")
 
@@ -85,8 +93,21 @@ class ClusterConfig:
         return self.device_kind if isinstance(self.device_kind, str) and not self.device_kind.endswith(".json") \
             else self.device.name
 
+    def step_table(self) -> DeviceStepTable | None:
+        if self.device_table is None:
+            return None
+        from nitsum.policy.costmodel import model_spec
+
+        rows = self.device_table if isinstance(self.device_table, tuple) else load_step_rows(self.device_table)
+        source = "device table" if isinstance(self.device_table, tuple) else str(self.device_table)
+        return select(rows, self.device_name, model_spec(self.model), source)
+
     def cost_model(self) -> CostModel:
-        return self.device_kind if isinstance(self.device_kind, CostModel) else cost_model(self.model, self.device)
+        if isinstance(self.device_kind, CostModel):
+            return self.device_kind
+        base = cost_model(self.model, self.device)
+        steps = self.step_table()
+        return base if steps is None else CostModel(base.model, base.device, steps=steps)
 
     def policy_config(self) -> PolicyConfig:
         from nitsum.policy.costmodel import model_spec
@@ -94,7 +115,8 @@ class ClusterConfig:
         return PolicyConfig(model=model_spec(self.model), epoch_ms=self.epoch_ms,
                             block_size_tokens=self.block_size_tokens, chunk_tokens=self.chunk_tokens,
                             prefill_batch_tokens=self.prefill_batch_tokens,
-                            devices=((self.device_name, self.device),))
+                            devices=((self.device_name, self.device),),
+                            step_tables=() if self.device_table is None else ((self.device_name, self.step_table()),))
 
 
 class _Req:
@@ -211,6 +233,7 @@ class ClusterResult:
     sim_ms: float
     wall_s: float
     topologies: list[tuple[float, str, str]] = field(default_factory=list)  # (time, node, topology)
+    layouts: list[tuple[float, str, Topology]] = field(default_factory=list)  # the same, as Topology objects
 
 
 class ClusterSim:
@@ -228,11 +251,13 @@ class ClusterSim:
         self.reqs: list[_Req] = []
         self.live: dict[str, _Req] = {}
         self.coordinator_queue: list[_Req] = []
-        self.recent: list[_Req] = []  # arrivals in order; recent[recent_lo:] are inside the window
-        self.recent_lo = 0
+        w = config.arrival_window_ms
+        self.arrivals = ArrivalWindow(w, started_ms=0.0, regime_ms=config.arrival_regime_ms,
+                                      detect_shifts=True) if w > 0 else None
         self.reconfigs = 0
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
+        self.layouts: list[tuple[float, str, Topology]] = []
         self.end_arrivals_ms = self.workload[-1].arrival_ms if self.workload else 0.0
         self.p2d_link = config.inter_node_bandwidth_bps / 8 / 1000  # bytes/ms
         self.nvlink = self.cost.device.link_bandwidth_bytes_per_s * self.cost.device.link_efficiency / 1000
@@ -247,35 +272,24 @@ class ClusterSim:
                         groups=tuple(g.view(c.block_size_tokens) for g in node.groups), device_kind=c.device_name,
                         last_reconfig_ms=node.last_reconfig_ms)
 
-    def snapshot(self, full: bool = True) -> ClusterSnapshot:
+    def snapshot(self, full: bool = True, arrivals: bool = False) -> ClusterSnapshot:
         """`full=False` lists only requests not yet prefilled: all that prefill routing, admission and
-        shedding read (their loads come from prefill work), and much cheaper at high load."""
+        shedding read (their loads come from prefill work), and much cheaper at high load. `arrivals`: with the
+        arrival window's per-tier stats (epochs). Built by the policy's own `assemble_snapshot`, as the live
+        coordinator builds it."""
         if full:
-            views = tuple(r.view() for r in self.live.values())
+            views = [r.view() for r in self.live.values()]
         else:
-            views = tuple(r.view() for r in self.live.values() if r.first_token is None)
-        return ClusterSnapshot(now_ms=self.sim.now_ms, nodes=tuple(self._node_view(n) for n in self.nodes),
-                               requests=views)
+            views = [r.view() for r in self.live.values() if r.first_token is None]
+        return assemble_snapshot(self.sim.now_ms, [self._node_view(n) for n in self.nodes], views,
+                                 arrivals=self.arrivals if arrivals and self.arrivals is not None else None,
+                                 load_shift_ms=None if self.arrivals is None else self.arrivals.shift_ms)
 
     def arrival_stats(self) -> tuple[ArrivalStats, ...]:
         """Per tier, the arrivals of the last `arrival_window_ms` (shorter at the start of the run)."""
-        w = self.config.arrival_window_ms
-        now = self.sim.now_ms
-        if w <= 0 or now <= 0:
+        if self.arrivals is None or self.sim.now_ms <= 0:
             return ()
-        lo = self.recent_lo
-        while lo < len(self.recent) and self.recent[lo].arrival < now - w:
-            lo += 1
-        self.recent_lo = lo
-        by_tier: dict[str, list[tuple[int, int]]] = {}
-        for r in self.recent[lo:]:
-            by_tier.setdefault(r.tier, []).append((r.prompt, r.output))
-        window = min(w, now)
-        out = []
-        for name, lengths in by_tier.items():
-            tier = self.tiers.get(name) or DEFAULT_TIERS["interactive"]
-            out.append(ArrivalStats.measure(name, window, tier.ttft_ms, tier.tpot_ms, tier.weight, lengths))
-        return tuple(out)
+        return self.arrivals.stats(self.sim.now_ms)
 
     def _group(self, gid: str) -> _Group | None:
         for n in self.nodes:
@@ -300,6 +314,7 @@ class ClusterSim:
             g.version += 1
         node.groups = new_groups
         self.topologies.append((now, node.node_id, str(topo)))
+        self.layouts.append((now, node.node_id, topo))
         return created
 
     def _reconfigure(self, node: _Node, topo: Topology) -> list[Event]:
@@ -349,7 +364,8 @@ class ClusterSim:
         r = _Req(f"r{index}", t, tier)
         r.path_ms, r.stalled = path_ms, stalled
         self.reqs.append(r)
-        self.recent.append(r)
+        if self.arrivals is not None:
+            self.arrivals.add(sim.now_ms, r.tier, r.ttft_slo, r.tpot_slo, r.weight, r.prompt, r.output)
         snap = self.snapshot(full=False)
         decision = self.policy.admit(snap, r.view())
         if not decision.admit:
@@ -564,8 +580,7 @@ class ClusterSim:
                 heapq.heapify(g.waiting)
             r.error = "shed"
             self.live.pop(rid, None)
-        full = self.snapshot(full=True)
-        full = replace(full, arrivals=self.arrival_stats())
+        full = self.snapshot(full=True, arrivals=True)
         for decision in self.policy.decide_topology(full):
             if decision.target is None:
                 continue
@@ -592,7 +607,7 @@ class ClusterSim:
         window = duration_s if duration_s is not None else max(self.end_arrivals_ms / 1000.0, 1e-3)
         report = summarize(records, duration_s=window, tier_order=tuple(self.tiers))
         return ClusterResult(records, report, self.reconfigs, self.pause_ms, sim.events_run, sim.now_ms, sim.wall_s,
-                             self.topologies)
+                             self.topologies, self.layouts)
 
     def _record(self, r: _Req) -> RequestRecord:
         done = r.finish is not None and r.error is None

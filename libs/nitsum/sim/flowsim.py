@@ -44,6 +44,7 @@ from typing import Any
 
 from nitsum.metrics import Distribution, RequestRecord, summarize
 from nitsum.policy.costmodel import CostModel, ModelSpec, cost_model
+from nitsum.policy.steptable import select
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, Stage
 from nitsum.sim.engine import Event, Simulator
@@ -65,6 +66,7 @@ class FlowClusterConfig:
     tp: int = 4
     ep: int = 8  # TP x EP GPUs per prefill instance (Mixtral-8x22B TP4/EP8: 32 GPUs = 4 servers)
     device_kind: str = "a100"
+    device_table: tuple | None = None  # measured step-time rows (policy/steptable.py) for (device_kind, shard model)
     layer_blocks: int = 4
     batch_tokens: int = 32_768
     slo_factor: float = 3.0
@@ -132,6 +134,9 @@ class FlowClusterSim:
         self.name = scheduler
         self.model: ModelSpec = moe_spec(c.model)
         self.cost: CostModel = cost_model(shard_spec(self.model, c.ep), c.device_kind)
+        if c.device_table is not None:
+            self.cost = CostModel(self.cost.model, self.cost.device,
+                                  steps=select(c.device_table, c.device_kind, self.cost.model, "device table"))
         self.sim = Simulator()
         self.net = Network(self._flow_done)
         link_bps = c.nics_per_server * c.nic_bps

@@ -7,12 +7,14 @@ replay exactly the same request lists. Every function is deterministic for a giv
     read_mooncake(path)                  Mooncake FAST'25 JSONL; hash_ids = 512-token prefix blocks
     servegen_arrivals(archive, ...)      ServeGen per-client window statistics sampled into requests
     poisson(...), gamma(...)             synthetic arrivals (lengths fixed or drawn from a trace)
+    phased(phases, ...)                  a shifting load: phases of their own rate and tier mix
     assign_tiers(reqs, fractions, seed)  exact-count tier labels
     scale_time(reqs, factor), scale_to_rate(reqs, rate_per_s), window(reqs, ...)
     default_trace_path(name)             the real trace under shared/traces, else the committed excerpt
 """
 
 from nitsum.workloads.arrivals import gamma, poisson
+from nitsum.workloads.phased import Phase, phase_bounds, phased
 from nitsum.workloads.paths import TRACE_NAMES, default_trace_path, is_excerpt, traces_dir
 from nitsum.workloads.readers import MOONCAKE_BLOCK_TOKENS, read_azure, read_mooncake
 from nitsum.workloads.request import TraceRequest
@@ -21,12 +23,15 @@ from nitsum.workloads.transform import assign_tiers, scale_time, scale_to_rate, 
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
+    "Phase",
     "TRACE_NAMES",
     "TraceRequest",
     "assign_tiers",
     "default_trace_path",
     "gamma",
     "is_excerpt",
+    "phase_bounds",
+    "phased",
     "poisson",
     "read_azure",
     "read_mooncake",

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from nitsum.policy.steptable import StepRow, StepTableError, load_step_rows, table_pairs
+
 
 @dataclass
 class Progress:
@@ -104,3 +106,21 @@ def plot_lines(path: Path, panels: Sequence[dict[str, Any]], title: str) -> bool
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def table_target(device_table: "str | Path | None", model: str, device: str
+                 ) -> tuple[str, str, tuple[StepRow, ...] | None]:
+    """(model, device kind, rows) an experiment runs with `--device-table FILE`: the experiment's own model and
+    device when the table has rows for them, else the table's only (device, model) pair; otherwise a
+    StepTableError naming what the table holds. Without a table: the experiment's defaults, no rows."""
+    if device_table is None:
+        return model, device, None
+    rows = load_step_rows(device_table)
+    pairs = table_pairs(rows)
+    if (device, model) in pairs:
+        return model, device, rows
+    if len(pairs) == 1:
+        return pairs[0][1], pairs[0][0], rows
+    have = ", ".join(f"{d}/{m}" for d, m in pairs)
+    raise StepTableError(f"{device_table}: no rows for {device}/{model} and more than one device/model to choose "
+                         f"from ({have})")

@@ -15,6 +15,7 @@ from typing import Any
 from nitsum.policy.flow_baselines import SCHEDULER_NAMES
 from nitsum.sim.experiments.common import Progress, md_table, plot_lines, write_csv
 from nitsum.sim.flowsetup import PAPER_SETUPS
+from nitsum.policy.steptable import load_step_rows
 from nitsum.sim.flowsim import FlowClusterConfig, FlowClusterSim
 from nitsum.workloads import TraceRequest, default_trace_path, is_excerpt, read_mooncake
 
@@ -45,9 +46,11 @@ def windowed(trace: list[TraceRequest], start: int, rate_per_s: float, duration_
 
 
 def run(out: Path, quick: bool = False, seed: int = 0, nics_per_server: int = 8,
-        only_setups: tuple[str, ...] = (), only_workloads: tuple[str, ...] = ()) -> dict[str, Any]:
+        only_setups: tuple[str, ...] = (), only_workloads: tuple[str, ...] = (),
+        device_table: Path | None = None) -> dict[str, Any]:
     """The sweep; `nics_per_server` (8 in the paper) and the `only_*` filters are for sensitivity runs
-    (`python -m nitsum.sim.experiments.flows --help`)."""
+    (`python -m nitsum.sim.experiments.flows --help`). `device_table`: measured step times, which must hold
+    rows for every setup's (device, shard model) pair (a StepTableError names what the table holds otherwise)."""
     if quick:
         servers, rates, duration_s, setups, loads = 16, (0.02, 0.1), 2.0, ("mixtral-tp4-ep8",), ("conversation",)
     else:
@@ -58,13 +61,14 @@ def run(out: Path, quick: bool = False, seed: int = 0, nics_per_server: int = 8,
     for load in loads:
         path = default_trace_path(WORKLOADS[load][0])
         traces[load] = (path, read_mooncake(path))
+    table_rows = load_step_rows(device_table) if device_table is not None else None
     schedulers = tuple(SCHEDULER_NAMES)
     progress = Progress(len(loads) * len(setups) * len(rates) * len(schedulers), "sim flows")
     rows: list[dict[str, Any]] = []
     for load, setup_name in ((w, s) for w in loads for s in setups):
         setup = PAPER_SETUPS[setup_name]
         config = FlowClusterConfig(num_servers=servers, model=setup.model, tp=setup.tp, ep=setup.ep,
-                                   nics_per_server=nics_per_server)
+                                   nics_per_server=nics_per_server, device_table=table_rows)
         trace = traces[load][1]
         start = int(len(trace) * WORKLOADS[load][1])
         for rate in rates:

@@ -8,18 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from nitsum.sim.cluster import ClusterConfig, run_cluster
-from nitsum.sim.experiments.common import Progress, md_table, plot_lines, write_csv
+from nitsum.sim.experiments.common import Progress, md_table, plot_lines, table_target, write_csv
 from nitsum.sim.experiments.tiers import workload
 
 
-def run(out: Path, quick: bool = False, seed: int = 0) -> dict[str, Any]:
+def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None = None) -> dict[str, Any]:
     if quick:
         costs, epochs, rate, duration_s = (0.0, 1000.0), (1000.0,), 8.0, 10.0
     else:
         costs, epochs, rate, duration_s = (0.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0), (250.0, 500.0, 1000.0, 2000.0, 4000.0), 8.0, 60.0
     reqs, _ = workload(rate, duration_s, seed)
     progress = Progress(len(costs) + len(epochs) + 1, "sim reconfig")
-    base = ClusterConfig()
+    model, device, rows = table_target(device_table, ClusterConfig.model, ClusterConfig.device_kind)
+    base = ClusterConfig(model=model, device_kind=device, device_table=rows)
     rows: list[dict[str, Any]] = []
 
     def one(kind: str, value: float | None, config: ClusterConfig, policy: str = "adaptive") -> None:

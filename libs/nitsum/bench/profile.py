@@ -262,19 +262,25 @@ def model_spec_of(model_dir: Path) -> ModelSpec:
     return spec
 
 
+def engine_config(model_dir: Path, max_batched_tokens: int, kv_cache_mb: int, seed: int):
+    from nitsum.engine.params import EngineConfig
+
+    return EngineConfig(model_dir=str(model_dir), max_num_seqs=256, max_num_batched_tokens=max_batched_tokens,
+                        kv_cache_mb=kv_cache_mb, enable_prefix_caching=False, seed=seed)
+
+
 class Profiler:
     """Drives one engine through controlled batches (public Engine API only)."""
 
-    def __init__(self, model_dir: Path, max_batched_tokens: int, kv_cache_mb: int, seed: int) -> None:
+    def __init__(self, model_dir: Path, max_batched_tokens: int, kv_cache_mb: int, seed: int, group=None) -> None:
         import torch
 
         from nitsum.engine.engine import Engine
-        from nitsum.engine.params import EngineConfig
 
         self.torch = torch
         self.max_batched_tokens = max_batched_tokens
-        self.engine = Engine(EngineConfig(model_dir=str(model_dir), max_num_seqs=256, max_num_batched_tokens=max_batched_tokens,
-                                          kv_cache_mb=kv_cache_mb, enable_prefix_caching=False, seed=seed))
+        cfg = engine_config(model_dir, max_batched_tokens, kv_cache_mb, seed)
+        self.engine = Engine(cfg) if group is None else Engine(cfg, group)
         self.vocab_limit = min(256, self.engine.runner.config.vocab_size)  # byte tokens: no special ids (no EOS)
         self.generator = torch.Generator().manual_seed(seed)
         self.next_id = 0
@@ -349,6 +355,96 @@ class Profiler:
         return StepPoint("decode", batch, batch, round(statistics.mean(contexts)), min(times))
 
 
+def csv_rows(points: list[StepPoint], tp: int, device: str, model: str) -> list:
+    """The points as step-table rows (nitsum.policy.steptable: per-sequence prompt / context lengths)."""
+    from nitsum.policy.steptable import StepRow
+
+    out = []
+    for p in points:
+        if p.kind == "prefill":
+            out.append(StepRow(device, model, tp, "prefill", p.batch_size, p.num_tokens // p.batch_size,
+                               p.num_tokens // p.batch_size, p.step_ms))
+        else:
+            out.append(StepRow(device, model, tp, "decode", p.batch_size, 0, round(p.context_tokens / p.batch_size), p.step_ms))
+    return out
+
+
+def measure_points(profiler: "Profiler", decode_grid, prefill_grid, steps: int, repeats: int) -> list[StepPoint]:
+    profiler.warm_up()
+    points = [profiler.decode(b, ctx, steps) for b, ctx in decode_grid]
+    points += [profiler.prefill(b, n, repeats) for b, n in prefill_grid]
+    return points
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def profile_tp(model_dir: Path, tp: int, quick: bool, threads: int, steps: int, repeats: int, seed: int,
+               max_batched: int, kv_cache_mb: int, timeout_s: float = 600.0) -> list[StepPoint]:
+    """The grid at TP=tp: `tp` rank processes form a node world (nitsum.parallel.world.NodeWorld, shared-memory
+    collectives as the live workers use them), rank 0's engine leads the group and is timed, so every step
+    includes the group's all-reduces and the step plan's broadcast."""
+    import subprocess
+
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="nitsum-profile-tp-") as tmp:
+        out = Path(tmp) / "points.json"
+        cmd = [sys.executable, "-m", "nitsum.bench.profile", "--rank-of-world", "", "--model", str(model_dir),
+               "--threads", str(threads), "--steps", str(steps), "--repeats", str(repeats), "--seed", str(seed)]
+        if quick:
+            cmd.append("--quick")
+        procs = []
+        for rank in range(tp):
+            rank_cmd = list(cmd)
+            rank_cmd[4] = json.dumps({"rank": rank, "size": tp, "port": port, "out": str(out),
+                                      "max_batched": max_batched, "kv_cache_mb": kv_cache_mb})
+            procs.append(subprocess.Popen(rank_cmd))
+        try:
+            codes = [p.wait(timeout=timeout_s) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            raise RuntimeError(f"TP{tp} profile: rank exit codes {codes}")
+        return [StepPoint(**d) for d in json.loads(out.read_text())]
+
+
+def _rank_main(spec: dict, args) -> int:
+    """One rank of a TP>1 profile (see profile_tp)."""
+    import torch
+
+    from nitsum.engine.engine import run_peer
+    from nitsum.parallel.world import NodeWorld
+
+    torch.set_num_threads(args.threads)
+    size = spec["size"]
+    world = NodeWorld(spec["rank"], size, "127.0.0.1", spec["port"], min_tp=size, max_tp=size)
+    try:
+        world.attach_channels(lambda ranks: True)
+        group = world.group(0, size)
+        if spec["rank"] != 0:
+            run_peer(engine_config(args.model, spec["max_batched"], spec["kv_cache_mb"], args.seed), group)
+            return 0
+        profiler = Profiler(args.model, spec["max_batched"], spec["kv_cache_mb"], args.seed, group=group)
+        try:
+            decode_grid = QUICK_DECODE_GRID if args.quick else FULL_DECODE_GRID
+            prefill_grid = QUICK_PREFILL_GRID if args.quick else FULL_PREFILL_GRID
+            points = measure_points(profiler, decode_grid, prefill_grid, args.steps, args.repeats)
+        finally:
+            profiler.engine.shutdown()
+        Path(spec["out"]).write_text(json.dumps([dataclasses.asdict(p) for p in points]))
+        return 0
+    finally:
+        world.destroy()
+
+
 def measure_peaks(torch, repeats: int = 5) -> tuple[float, float]:
     """(FLOP/s of a 512³ fp32 matmul, bytes/s of a 64 MiB copy counted read + write), best of `repeats`."""
     n = 512
@@ -387,6 +483,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed prefill steps per point (default 7; --quick 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the device table (JSON) here")
+    parser.add_argument("--tp", default="1", help="TP levels to measure, comma-separated powers of two (default 1; "
+                        "each level > 1 runs that many rank processes in a node world)")
+    parser.add_argument("--csv", type=Path, default=None, help="write every measured step as a step table (CSV: "
+                        "device,model,tp,phase,batch_size,prompt_tokens,context_tokens,ms; `nitsum sim --device-table`)")
+    parser.add_argument("--rank-of-world", default=None, help=argparse.SUPPRESS)  # internal: one rank of a TP>1 profile
     parser.add_argument("--write-default", action="store_true", help=f"write the device table to the shipped {DEFAULT_TABLE_PATH.relative_to(DEFAULT_TABLE_PATH.parents[3])}")
     args = parser.parse_args(argv)
     if args.threads < 1:
@@ -397,6 +498,15 @@ def main(argv: list[str]) -> int:
     repeats = args.repeats or (3 if args.quick else 7)
     if steps < 1 or repeats < 1:
         parser.error("--steps and --repeats must be >= 1")
+    if args.rank_of_world is not None:
+        args.steps, args.repeats = steps, repeats
+        return _rank_main(json.loads(args.rank_of_world), args)
+    try:
+        tp_levels = sorted({int(x) for x in args.tp.split(",") if x.strip()})
+    except ValueError:
+        parser.error(f"--tp {args.tp!r}: expected comma-separated integers")
+    if not tp_levels or any(k < 1 or k & (k - 1) for k in tp_levels):
+        parser.error(f"--tp {args.tp!r}: every level must be a power of two >= 1")
 
     import torch
 
@@ -416,10 +526,16 @@ def main(argv: list[str]) -> int:
         print(f"profiling {spec.name} on {_cpu_name()}, {args.threads} torch thread(s): "
               f"{len(decode_grid)} decode + {len(prefill_grid)} prefill points...", flush=True)
         profiler = Profiler(model_dir, max_batched, kv_cache_mb, args.seed)
-        profiler.warm_up()
-        points = [profiler.decode(b, ctx, steps) for b, ctx in decode_grid]
-        points += [profiler.prefill(b, n, repeats) for b, n in prefill_grid]
+        points = measure_points(profiler, decode_grid, prefill_grid, steps, repeats)
         peak_flops, peak_bytes = measure_peaks(torch)
+        table_rows = csv_rows(points, 1, "cpu", spec.name)
+        for tp in tp_levels:
+            if tp > 1:
+                print(f"profiling TP{tp} ({tp} rank processes in a node world)...", flush=True)
+                tp_points = profile_tp(model_dir, tp, args.quick, args.threads, steps, repeats, args.seed, max_batched, kv_cache_mb)
+                table_rows += csv_rows(tp_points, tp, "cpu", spec.name)
+        if 1 not in tp_levels:
+            table_rows = [r for r in table_rows if r.tp != 1]
 
     terms = [roofline_terms(spec, p) for p in points]
     flops, num_bytes = [t[0] for t in terms], [t[1] for t in terms]
@@ -451,6 +567,14 @@ def main(argv: list[str]) -> int:
     print(f"mean absolute percentage error: fitted {100 * fit.mean_abs_pct_error:.1f}% vs {base_name} table "
           f"{100 * mean_abs_pct_error(baseline, measured):.1f}% on the same {len(points)} measurements")
     print(text, end="")
+    if args.csv is not None:
+        from nitsum.policy.steptable import parse_rows, write_rows
+
+        csv_text = write_rows(table_rows)
+        parse_rows(csv_text, str(args.csv))  # what is written loads back
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        args.csv.write_text(csv_text)
+        print(f"wrote {args.csv} ({len(table_rows)} rows, TP {', '.join(map(str, sorted({r.tp for r in table_rows})))})")
     for path in ([args.out] if args.out is not None else []) + ([DEFAULT_TABLE_PATH] if args.write_default else []):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
