@@ -37,8 +37,8 @@ VERBS = {
 BENCHES = {
     "engine": "nitsum.bench.engine",
     "reconfigure": "nitsum_load.bench_reconfigure",
-    "policy": "nitsum.policy.bench",
-    "flows": "nitsum.policy.flows_bench",
+    "policy": "nitsum.bench.policy",
+    "flows": "nitsum.bench.flows",
     "gateway": "nitsum_load.bench_gateway",
     "profile": "nitsum.bench.profile",
     "fidelity": "nitsum_load.bench_fidelity",

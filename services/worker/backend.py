@@ -201,9 +201,9 @@ class NodeBackend:
         if final is not None:
             self._finish(allowed, (final.ok, final, final.reason))
             return final.ok
-        done = {i: cb for i, cb in allowed.items()
-                if all((i, c) in precopy.done for c in range(len(precopy.flow(i).chunks)))}
-        if done and not precopy.complete:  # the last flows stay until the final ack
+        finished, complete = runtime.precopy_flows_done(allowed)
+        done = {i: cb for i, cb in allowed.items() if i in finished}
+        if done and not complete:  # the last flows stay until the final ack
             self._finish(done, (True, None, ""))
         return False
 

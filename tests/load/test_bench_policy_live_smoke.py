@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from nitsum.policy.bench import main
+from nitsum.bench.policy import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -143,6 +143,10 @@ class PreCopy:
     def complete(self) -> bool:
         return len(self.done) == self.total_chunks
 
+    def flow_done(self, index: int) -> bool:
+        """Every chunk of this flow is copied."""
+        return all((index, c) in self.done for c in range(len(self.flow(index).chunks)))
+
     def flow(self, index: int) -> MigrationFlow:
         return self._by_index[index]
 

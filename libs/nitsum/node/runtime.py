@@ -306,6 +306,13 @@ class NodeRuntime:
         self._broadcast(cmd)
         return self._run_precopy(cmd, wait_build)
 
+    def precopy_flows_done(self, indices) -> tuple[set[int], bool]:
+        """(those of these flows whose every chunk is copied, whether the whole pre-copy is complete)."""
+        t = self.transition
+        if t is None or t.precopy is None:
+            return set(), False
+        return {i for i in indices if t.precopy.flow_done(i)}, t.precopy.complete
+
     def poll_prepare(self, wait_s: float = 0.0) -> None:
         """Leader, between steps: every chunk is done; produce the final prepare ack once the new runner is
         built (waiting up to `wait_s` for it)."""
