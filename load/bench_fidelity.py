@@ -44,9 +44,17 @@ from nitsum.metrics import Report, RequestRecord, percentile, summarize
 from nitsum.policy.costmodel import DeviceSpec, load_device_table
 from nitsum.sim.service import Calibration, ServiceModel, calibrate_service_fixed_point
 from nitsum.workloads import TraceRequest, scale_to_rate
-from nitsum_load.fidelity_diagnostics import (METRICS, PATH_PARTS, bootstrap_intervals, format_breakdown,
-                                              metric_values, path_breakdown, per_request_rows, read_spans)
 from nitsum_load.client import PROMPT_TOKEN_ID_SPAN, ClientConfig, RequestSpec
+from nitsum_load.fidelity_diagnostics import (
+    METRICS,
+    PATH_PARTS,
+    bootstrap_intervals,
+    format_breakdown,
+    metric_values,
+    path_breakdown,
+    per_request_rows,
+    read_spans,
+)
 from nitsum_load.mesh import start_mesh
 from nitsum_load.report import read_lifecycle_log, write_all
 from nitsum_load.runner import run_open_loop
@@ -63,16 +71,29 @@ FIXED_POINT_ROUNDS = 3  # calibration rounds against a simulation slowed by the 
 WARMUP_REQUESTS, WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS, WARMUP_GAP_MS = 6, 8, 8, 100.0
 
 
-def build_workload(trace: str, n: int, rate_per_s: float, max_prompt: int, max_output: int, first_row: int = 0,
-                   ) -> list[TraceRequest]:
+def build_workload(
+    trace: str,
+    n: int,
+    rate_per_s: float,
+    max_prompt: int,
+    max_output: int,
+    first_row: int = 0,
+) -> list[TraceRequest]:
     """Rows [first_row, first_row + n) of the trace, rescaled to the rate, capped, starting at 0 ms."""
     rows = read_trace(trace, limit=first_row + n)[first_row:]
     if len(rows) < n:
         raise ValueError(f"{trace} has {len(rows) + first_row} rows, the slice needs {first_row + n}")
     reqs = scale_to_rate(rows, rate_per_s)
     t0 = reqs[0].arrival_ms
-    return [dataclasses.replace(r, arrival_ms=r.arrival_ms - t0, prompt_tokens=min(r.prompt_tokens, max_prompt),
-                                output_tokens=min(r.output_tokens, max_output)) for r in reqs]
+    return [
+        dataclasses.replace(
+            r,
+            arrival_ms=r.arrival_ms - t0,
+            prompt_tokens=min(r.prompt_tokens, max_prompt),
+            output_tokens=min(r.output_tokens, max_output),
+        )
+        for r in reqs
+    ]
 
 
 def split_rows(rows: list) -> tuple[list, list]:
@@ -80,34 +101,63 @@ def split_rows(rows: list) -> tuple[list, list]:
     return rows[0::2], rows[1::2]
 
 
-def simulate(workload: list[TraceRequest], policy: str, table: DeviceSpec | None = None,
-             service: ServiceModel | None = None) -> Any:
+def simulate(
+    workload: list[TraceRequest], policy: str, table: DeviceSpec | None = None, service: ServiceModel | None = None
+) -> Any:
     """The simulator on a CPU device table (default: the shipped nitsum/data/costmodel/cpu.json, what
     `nitsum bench profile` writes), one device, the worker's batch limits, optionally a service model.
     Returns (result, table)."""
     from nitsum.sim.cluster import ClusterConfig, run_cluster
 
     table = table or load_device_table(None)
-    config = ClusterConfig(model="tiny", device_kind=table, num_nodes=1, devices_per_node=1, min_tp=1, max_tp=1,
-                           chunk_tokens=WORKER_MAX_BATCHED_TOKENS, max_batch=WORKER_MAX_NUM_SEQS,
-                           block_size_tokens=WORKER_BLOCK_SIZE, drain_ms=120_000.0, service=service,
-                           # nitsum's engine: no SLO-aware chunk, its 512-token budget pays for decodes too
-                           tpot_aware_chunks=False, decode_tokens_in_budget=True)
+    config = ClusterConfig(
+        model="tiny",
+        device_kind=table,
+        num_nodes=1,
+        devices_per_node=1,
+        min_tp=1,
+        max_tp=1,
+        chunk_tokens=WORKER_MAX_BATCHED_TOKENS,
+        max_batch=WORKER_MAX_NUM_SEQS,
+        block_size_tokens=WORKER_BLOCK_SIZE,
+        drain_ms=120_000.0,
+        service=service,
+        # nitsum's engine: no SLO-aware chunk, its 512-token budget pays for decodes too
+        tpot_aware_chunks=False,
+        decode_tokens_in_budget=True,
+    )
     return run_cluster(policy, config, workload), table
 
 
 def client_config(url: str, model: str) -> ClientConfig:
-    return ClientConfig(base_url=url, model=model, endpoint="completions", prompt_format="token-ids",
-                        return_token_ids=True, ignore_eos=True, request_timeout_s=120.0)
+    return ClientConfig(
+        base_url=url,
+        model=model,
+        endpoint="completions",
+        prompt_format="token-ids",
+        return_token_ids=True,
+        ignore_eos=True,
+        request_timeout_s=120.0,
+    )
 
 
 async def live(url: str, model: str, workload: list[TraceRequest]) -> tuple[list, float]:
     """The slice's trackers, and the wall clock (unix ms) of the load generator's time 0 (to place its times
     next to the services' spans)."""
     cfg = client_config(url, model)
-    warm = [RequestSpec(request_id=f"warmup-{i}", arrival_ms=i * WARMUP_GAP_MS, prompt_tokens=WARMUP_PROMPT_TOKENS,
-                        output_tokens=WARMUP_OUTPUT_TOKENS, tier="interactive", ttft_slo_ms=1000.0,
-                        tpot_slo_ms=100.0, weight=1.0) for i in range(WARMUP_REQUESTS)]
+    warm = [
+        RequestSpec(
+            request_id=f"warmup-{i}",
+            arrival_ms=i * WARMUP_GAP_MS,
+            prompt_tokens=WARMUP_PROMPT_TOKENS,
+            output_tokens=WARMUP_OUTPUT_TOKENS,
+            tier="interactive",
+            ttft_slo_ms=1000.0,
+            tpot_slo_ms=100.0,
+            weight=1.0,
+        )
+        for i in range(WARMUP_REQUESTS)
+    ]
     await run_open_loop(warm, cfg, drain_timeout_s=30.0)
     wall0_ms = time.time() * 1000.0  # run_open_loop takes its time 0 right after this (microseconds later)
     result = await run_open_loop(shape(workload, Shaping()), cfg, drain_timeout_s=120.0)
@@ -118,8 +168,11 @@ def side_by_side(live_report: Report, sim_report: Report) -> list[dict[str, Any]
     return compare(metric_values(live_report), metric_values(sim_report))
 
 
-def compare(live_values: list[float | None], sim_values: list[float | None],
-            sim_ranges: list[tuple[float, float] | None] | None = None) -> list[dict[str, Any]]:
+def compare(
+    live_values: list[float | None],
+    sim_values: list[float | None],
+    sim_ranges: list[tuple[float, float] | None] | None = None,
+) -> list[dict[str, Any]]:
     rows = []
     for k, ((dist, stat), a, b) in enumerate(zip(METRICS, live_values, sim_values)):
         err = None if a is None or b is None or a == 0 else (b - a) / a
@@ -132,7 +185,9 @@ def compare(live_values: list[float | None], sim_values: list[float | None],
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     ranged = any(r.get("sim_range") for r in rows)
-    lines = [f"{'metric':<16}{'live mesh':>12}{'simulator':>12}{'sim error':>12}" + ("   sim over seeds" if ranged else "")]
+    lines = [
+        f"{'metric':<16}{'live mesh':>12}{'simulator':>12}{'sim error':>12}" + ("   sim over seeds" if ranged else "")
+    ]
     for r in rows:
         live_s = "-" if r["live"] is None else f"{r['live']:.2f}"
         sim_s = "-" if r["sim"] is None else f"{r['sim']:.2f}"
@@ -147,7 +202,10 @@ def _verdict(rows: list[dict[str, Any]]) -> tuple[float | None, str]:
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     worst = max(errs) if errs else None
     verdict = "-" if worst is None else ("within" if worst <= GOAL_REL_ERROR else "outside")
-    return worst, f"worst error {'-' if worst is None else f'{worst * 100:.1f}%'} ({verdict} the {GOAL_REL_ERROR:.0%} goal)"
+    return (
+        worst,
+        f"worst error {'-' if worst is None else f'{worst * 100:.1f}%'} ({verdict} the {GOAL_REL_ERROR:.0%} goal)",
+    )
 
 
 def over_seeds(per_seed: list[list[float | None]]) -> tuple[list[float | None], list[tuple[float, float] | None]]:
@@ -165,10 +223,12 @@ def describe(cal: Calibration) -> str:
     q = statistics.quantiles
     path = q(m.path_ms, n=10) if len(m.path_ms) > 1 else [m.path_ms[0]] * 9
     ratio = q(m.step_ratios, n=10) if len(m.step_ratios) > 1 else [m.step_ratios[0]] * 9
-    return (f"request path p10/p50/p90 {path[0]:.2f}/{path[4]:.2f}/{path[8]:.2f} ms ({cal.path_samples} samples, "
-            f"{cal.path_clamped} clamped at 0, {cal.stalled} with all tokens at once); decode-step ratio p10/p50/p90 {ratio[0]:.2f}/{ratio[4]:.2f}/"
-            f"{ratio[8]:.2f} ({cal.ratio_samples} samples, {cal.ratio_dropped} without a TPOT), one draw per "
-            f"{m.noise_window_ms:.0f} ms")
+    return (
+        f"request path p10/p50/p90 {path[0]:.2f}/{path[4]:.2f}/{path[8]:.2f} ms ({cal.path_samples} samples, "
+        f"{cal.path_clamped} clamped at 0, {cal.stalled} with all tokens at once); decode-step ratio p10/p50/p90 {ratio[0]:.2f}/{ratio[4]:.2f}/"
+        f"{ratio[8]:.2f} ({cal.ratio_samples} samples, {cal.ratio_dropped} without a TPOT), one draw per "
+        f"{m.noise_window_ms:.0f} ms"
+    )
 
 
 def interleave(evaluation: list, calibration: list) -> list:
@@ -182,8 +242,9 @@ def interleave(evaluation: list, calibration: list) -> list:
     return out
 
 
-def run_live(args: argparse.Namespace, workload: list[TraceRequest]
-             ) -> tuple[list[RequestRecord], list[dict], list[dict], float]:
+def run_live(
+    args: argparse.Namespace, workload: list[TraceRequest]
+) -> tuple[list[RequestRecord], list[dict], list[dict], float]:
     """The slice on a live mesh (started here unless --url): its records and lifecycle-log rows in row order, the
     mesh's spans (none for --url) and the load generator's time 0 (unix ms)."""
     mesh = None
@@ -195,8 +256,11 @@ def run_live(args: argparse.Namespace, workload: list[TraceRequest]
         mesh = start_mesh(run_dir, devices=1, extra_args=("--policy", args.policy))
         url = mesh.url
     try:
-        print(f"live: {len(workload)} requests ({args.requests} evaluation + {len(workload) - args.requests} "
-              f"calibration, interleaved) against {url} ...", flush=True)
+        print(
+            f"live: {len(workload)} requests ({args.requests} evaluation + {len(workload) - args.requests} "
+            f"calibration, interleaved) against {url} ...",
+            flush=True,
+        )
         trackers, wall0_ms = asyncio.run(live(url, "tiny", workload))
     finally:
         if mesh is not None:
@@ -228,10 +292,15 @@ class Session:
 def replayed(run: Path, k: int, workload: list[TraceRequest], wall0_ms: float) -> Session:
     """Session k of a run saved with --out: its live records and log rows (row order) and spans."""
     d = run / f"session-{k}"
-    records = interleave(read_lifecycle_log(d / "live" / "requests.jsonl"),
-                         read_lifecycle_log(d / "live-calibration" / "requests.jsonl"))
-    logs = interleave(*[[json.loads(line) for line in (d / name / "requests.jsonl").read_text().splitlines()
-                         if line.strip()] for name in ("live", "live-calibration")])
+    records = interleave(
+        read_lifecycle_log(d / "live" / "requests.jsonl"), read_lifecycle_log(d / "live-calibration" / "requests.jsonl")
+    )
+    logs = interleave(
+        *[
+            [json.loads(line) for line in (d / name / "requests.jsonl").read_text().splitlines() if line.strip()]
+            for name in ("live", "live-calibration")
+        ]
+    )
     spans = read_spans(d / "spans.jsonl") if (d / "spans.jsonl").is_file() else []
     return Session(k, workload, records, logs, spans, wall0_ms)
 
@@ -248,35 +317,59 @@ def analyse(session: Session, args: argparse.Namespace, table: DeviceSpec) -> No
         return split_rows(slowed.records)[1]
 
     session.calibration, session.ratios_tried = calibrate_service_fixed_point(
-        cal_rows, calibration_rows_at, FIXED_POINT_ROUNDS, source=f"{len(cal_rows)} calibration rows of {args.trace}")
+        cal_rows, calibration_rows_at, FIXED_POINT_ROUNDS, source=f"{len(cal_rows)} calibration rows of {args.trace}"
+    )
     for seed in range(args.seeds):
-        result, _ = simulate(session.workload, args.policy, table,
-                             dataclasses.replace(session.calibration.model, seed=seed))
+        result, _ = simulate(
+            session.workload, args.policy, table, dataclasses.replace(session.calibration.model, seed=seed)
+        )
         session.service.append(split_rows(result.records)[0])
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="nitsum bench fidelity", description=__doc__, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="nitsum bench fidelity",
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--trace", default="azure-conv")
-    p.add_argument("--requests", type=int, default=50,
-                   help="evaluation rows per session (as many calibration rows interleave)")
-    p.add_argument("--sessions", type=int, default=1,
-                   help="fresh meshes on consecutive slices of the trace, pooled (more requests for the p90s)")
+    p.add_argument(
+        "--requests", type=int, default=50, help="evaluation rows per session (as many calibration rows interleave)"
+    )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=1,
+        help="fresh meshes on consecutive slices of the trace, pooled (more requests for the p90s)",
+    )
     p.add_argument("--rate", type=float, default=4.0, help="mean arrival rate after rescaling (requests/s)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-output-tokens", type=int, default=32)
     p.add_argument("--policy", default="static-tp:1", help="policy of both the mesh and the simulator")
-    p.add_argument("--device-table", type=Path, default=None,
-                   help="device table JSON for the simulator (default: the shipped nitsum/data/costmodel/cpu.json)")
-    p.add_argument("--seeds", type=int, default=40,
-                   help="simulator runs with the service model (figures over all of them pooled)")
+    p.add_argument(
+        "--device-table",
+        type=Path,
+        default=None,
+        help="device table JSON for the simulator (default: the shipped nitsum/data/costmodel/cpu.json)",
+    )
+    p.add_argument(
+        "--seeds", type=int, default=40, help="simulator runs with the service model (figures over all of them pooled)"
+    )
     p.add_argument("--url", default=None, help="measure this running one-worker mesh instead of starting one")
-    p.add_argument("--replay", type=Path, default=None,
-                   help="no live run: the live records of a run saved with --out (its slice settings win)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="write session-K/{live,live-calibration}, sim/, sim-service/, requests.csv, path.csv and "
-                        "fidelity.json here")
+    p.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        help="no live run: the live records of a run saved with --out (its slice settings win)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write session-K/{live,live-calibration}, sim/, sim-service/, requests.csv, path.csv and "
+        "fidelity.json here",
+    )
     args = p.parse_args(argv)
     saved: dict[str, Any] = {}
     if args.replay is not None:
@@ -302,23 +395,34 @@ def main(argv: list[str]) -> int:
         print("warning: the CPU device table holds placeholder figures; run `nitsum bench profile` first", flush=True)
     sessions = []
     for k in range(args.sessions):
-        workload = build_workload(args.trace, 2 * args.requests, args.rate, args.max_prompt_tokens,
-                                  args.max_output_tokens, first_row=2 * args.requests * k)
+        workload = build_workload(
+            args.trace,
+            2 * args.requests,
+            args.rate,
+            args.max_prompt_tokens,
+            args.max_output_tokens,
+            first_row=2 * args.requests * k,
+        )
         if args.replay is None:
             sessions.append(Session(k, workload, *run_live(args, workload)))
         else:
             sessions.append(replayed(args.replay, k, workload, saved["wall0_unix_ms"][k]))
             print(f"replaying session {k} of {args.replay}")
         analyse(sessions[-1], args, table)
-        print(f"  session {k} service model: {describe(sessions[-1].calibration)}; typical ratio "
-              + " -> ".join(f"{m:.2f}" for m in sessions[-1].ratios_tried), flush=True)
+        print(
+            f"  session {k} service model: {describe(sessions[-1].calibration)}; typical ratio "
+            + " -> ".join(f"{m:.2f}" for m in sessions[-1].ratios_tried),
+            flush=True,
+        )
 
     live_eval = [r for s in sessions for r in split_rows(s.live)[0]]
     bare_eval = [r for s in sessions for r in split_rows(s.bare)[0]]
     service_by_seed = [[r for s in sessions for r in s.service[seed]] for seed in range(args.seeds)]
     live_report = summarize(live_eval)
-    print(f"live: {live_report.overall.succeeded}/{live_report.overall.requests} evaluation requests succeeded "
-          f"({args.sessions} session(s))")
+    print(
+        f"live: {live_report.overall.succeeded}/{live_report.overall.requests} evaluation requests succeeded "
+        f"({args.sessions} session(s))"
+    )
     rows = side_by_side(live_report, summarize(bare_eval))
     worst, text = _verdict(rows)
     print(f"simulator on the device table alone ({table.source[:60]}...):")
@@ -336,32 +440,67 @@ def main(argv: list[str]) -> int:
     print(format_rows(service_rows))
     print(text)
     spread = bootstrap_intervals(live_eval)
-    print("live figures' own sampling spread (5-95% over resamples of the evaluation requests): " + ", ".join(
-        r["metric"].split(" (")[0] + " " + ("-" if iv is None else f"{iv[0]:.2f}-{iv[1]:.2f}")
-        for r, iv in zip(service_rows, spread)))
+    print(
+        "live figures' own sampling spread (5-95% over resamples of the evaluation requests): "
+        + ", ".join(
+            r["metric"].split(" (")[0] + " " + ("-" if iv is None else f"{iv[0]:.2f}-{iv[1]:.2f}")
+            for r, iv in zip(service_rows, spread)
+        )
+    )
     breakdown = [row for s in sessions for row in path_breakdown(s.logs, s.spans, s.wall0_ms)]
     if breakdown:
         bare_all = [r for s in sessions for r in s.bare]
         print(format_breakdown(breakdown))
-        print("  simulated on the bare table, same requests: engine TTFT p50/p90 " + "/".join(
-            f"{percentile([r.ttft_ms for r in bare_all if r.ttft_ms is not None], q):.2f}" for q in (50, 90))
-            + ", engine time of a request (arrival to last token) p50/p90 " + "/".join(
-            f"{percentile([r.finish_ms - r.send_ms for r in bare_all if r.finish_ms is not None], q):.2f}"
-            for q in (50, 90)))
+        print(
+            "  simulated on the bare table, same requests: engine TTFT p50/p90 "
+            + "/".join(f"{percentile([r.ttft_ms for r in bare_all if r.ttft_ms is not None], q):.2f}" for q in (50, 90))
+            + ", engine time of a request (arrival to last token) p50/p90 "
+            + "/".join(
+                f"{percentile([r.finish_ms - r.send_ms for r in bare_all if r.finish_ms is not None], q):.2f}"
+                for q in (50, 90)
+            )
+        )
     if args.out:
-        write_outputs(args, table, sessions, live_report, live_eval, bare_eval, service_by_seed[0], breakdown, {
-            "rows": rows, "worst_rel_error": worst, "service_rows": service_rows,
-            "service_worst_rel_error": service_worst, "service_per_seed": per_seed, "live_spread": spread})
+        write_outputs(
+            args,
+            table,
+            sessions,
+            live_report,
+            live_eval,
+            bare_eval,
+            service_by_seed[0],
+            breakdown,
+            {
+                "rows": rows,
+                "worst_rel_error": worst,
+                "service_rows": service_rows,
+                "service_worst_rel_error": service_worst,
+                "service_per_seed": per_seed,
+                "live_spread": spread,
+            },
+        )
     return 0
 
 
-def write_outputs(args: argparse.Namespace, table: DeviceSpec, sessions: list[Session], live_report: Report,
-                  live_eval: list, bare_eval: list, service_eval: list, breakdown: list[dict],
-                  figures: dict[str, Any]) -> None:
+def write_outputs(
+    args: argparse.Namespace,
+    table: DeviceSpec,
+    sessions: list[Session],
+    live_report: Report,
+    live_eval: list,
+    bare_eval: list,
+    service_eval: list,
+    breakdown: list[dict],
+    figures: dict[str, Any],
+) -> None:
     out = args.out
-    meta = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "date": time.strftime("%Y-%m-%d"), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "device_table": dataclasses.asdict(table), "wall0_unix_ms": [s.wall0_ms for s in sessions]}
+    meta = {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "device_table": dataclasses.asdict(table),
+        "wall0_unix_ms": [s.wall0_ms for s in sessions],
+    }
     for s in sessions:
         d = out / f"session-{s.index}"
         evaluation, calibration = split_rows(s.live)
@@ -382,7 +521,14 @@ def write_outputs(args: argparse.Namespace, table: DeviceSpec, sessions: list[Se
         writer = csv.DictWriter(f, fieldnames=list(table_rows[0]))
         writer.writeheader()
         writer.writerows(table_rows)
-    calibrations = [{"service_model": dataclasses.asdict(s.calibration.model), "ratios_tried": s.ratios_tried,
-                     **{k: v for k, v in dataclasses.asdict(s.calibration).items() if k != "model"}} for s in sessions]
-    (out / "fidelity.json").write_text(json.dumps({**meta, **figures, "calibrations": calibrations}, indent=2,
-                                                  default=str) + "\n")
+    calibrations = [
+        {
+            "service_model": dataclasses.asdict(s.calibration.model),
+            "ratios_tried": s.ratios_tried,
+            **{k: v for k, v in dataclasses.asdict(s.calibration).items() if k != "model"},
+        }
+        for s in sessions
+    ]
+    (out / "fidelity.json").write_text(
+        json.dumps({**meta, **figures, "calibrations": calibrations}, indent=2, default=str) + "\n"
+    )

@@ -41,8 +41,9 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[TOKEN_ID_BASE + (i * 7 + j) % TOKEN_ID_SPAN for j in range(length)] for i in range(n)]
 
 
-def in_process(model: str, latency_prompts: list[list[int]], tput_prompts: list[list[int]],
-               concurrency: int, warmup: int) -> dict[str, Any]:
+def in_process(
+    model: str, latency_prompts: list[list[int]], tput_prompts: list[list[int]], concurrency: int, warmup: int
+) -> dict[str, Any]:
     import torch
 
     from nitsum.config import WorkerConfig, load
@@ -62,21 +63,32 @@ def in_process(model: str, latency_prompts: list[list[int]], tput_prompts: list[
             lat_ms.append((time.perf_counter() - t) * 1000.0)
         t = time.perf_counter()
         for i in range(0, len(tput_prompts), concurrency):
-            engine.generate(tput_prompts[i:i + concurrency], params)
+            engine.generate(tput_prompts[i : i + concurrency], params)
         tput_s = time.perf_counter() - t
-    return {"latency_ms": lat_ms, "requests_per_s": len(tput_prompts) / tput_s,
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "latency_ms": lat_ms,
+        "requests_per_s": len(tput_prompts) / tput_s,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
-async def through_gateway(url: str, model: str, latency_prompts: list[list[int]], tput_prompts: list[list[int]],
-                          concurrency: int, warmup: int, timeout_s: float) -> dict[str, Any]:
+async def through_gateway(
+    url: str,
+    model: str,
+    latency_prompts: list[list[int]],
+    tput_prompts: list[list[int]],
+    concurrency: int,
+    warmup: int,
+    timeout_s: float,
+) -> dict[str, Any]:
     endpoint = url.rstrip("/") + "/v1/completions"
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
-        async with session.post(endpoint, json=body, timeout=timeout,
-                                headers={"x-request-tier": "interactive"}) as resp:
+        async with session.post(
+            endpoint, json=body, timeout=timeout, headers={"x-request-tier": "interactive"}
+        ) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"gateway answered HTTP {resp.status}: {(await resp.text())[:200]}")
             data = await resp.json()
@@ -122,19 +134,22 @@ def compare(engine: dict[str, Any], gateway: dict[str, Any]) -> dict[str, Any]:
 
 def format_result(r: dict[str, Any]) -> str:
     e, g = r["engine_latency_ms"], r["gateway_latency_ms"]
-    return "\n".join([
-        "1-token requests          in-process engine   through gateway + NATS   gateway / engine",
-        f"latency p50 (ms)          {e['p50']:17.2f}   {g['p50']:22.2f}   {r['latency_ratio_p50']:14.2f}x",
-        f"latency p90 (ms)          {e['p90']:17.2f}   {g['p90']:22.2f}   {g['p90'] / e['p90']:14.2f}x",
-        f"throughput (requests/s)   {r['engine_requests_per_s']:17.1f}   {r['gateway_requests_per_s']:22.1f}   "
-        f"{r['throughput_ratio']:14.2f}x",
-        f"added latency: p50 {r['added_latency_p50_ms']:.2f} ms, p90 {r['added_latency_p90_ms']:.2f} ms",
-    ])
+    return "\n".join(
+        [
+            "1-token requests          in-process engine   through gateway + NATS   gateway / engine",
+            f"latency p50 (ms)          {e['p50']:17.2f}   {g['p50']:22.2f}   {r['latency_ratio_p50']:14.2f}x",
+            f"latency p90 (ms)          {e['p90']:17.2f}   {g['p90']:22.2f}   {g['p90'] / e['p90']:14.2f}x",
+            f"throughput (requests/s)   {r['engine_requests_per_s']:17.1f}   {r['gateway_requests_per_s']:22.1f}   "
+            f"{r['throughput_ratio']:14.2f}x",
+            f"added latency: p50 {r['added_latency_p50_ms']:.2f} ms, p90 {r['added_latency_p90_ms']:.2f} ms",
+        ]
+    )
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="nitsum bench gateway", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="nitsum bench gateway", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", default=None, help="measure this running mesh instead of starting one")
     p.add_argument("--model", default="tiny", help="model the in-process engine loads (must match the mesh)")
     p.add_argument("--requests", type=int, default=100, help="requests per phase (after warm-up)")
@@ -154,8 +169,10 @@ def main(argv: list[str]) -> int:
     # Shift throughput prompts so they share no prefix block with the latency phase either.
     tput = [[TOKEN_ID_BASE + (t + 50) % TOKEN_ID_SPAN for t in q] for q in tput]
 
-    print(f"in-process engine: {args.requests} sequential + {args.requests} at concurrency {args.concurrency} ...",
-          flush=True)
+    print(
+        f"in-process engine: {args.requests} sequential + {args.requests} at concurrency {args.concurrency} ...",
+        flush=True,
+    )
     engine = in_process(args.model, lat, tput, args.concurrency, args.warmup)
     mesh = None
     url = args.url
@@ -166,15 +183,19 @@ def main(argv: list[str]) -> int:
         url = mesh.url
     try:
         print(f"gateway {url}: the same requests ...", flush=True)
-        gateway = asyncio.run(through_gateway(url, _served_model(url), lat, tput, args.concurrency, args.warmup,
-                                              args.timeout))
+        gateway = asyncio.run(
+            through_gateway(url, _served_model(url), lat, tput, args.concurrency, args.warmup, args.timeout)
+        )
     finally:
         if mesh is not None:
             mesh.stop()
     result = compare(engine, gateway)
     result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
-                         "engine_torch_threads": engine["torch_threads"]}
+    result["machine"] = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "engine_torch_threads": engine["torch_threads"],
+    }
     result["date"] = time.strftime("%Y-%m-%d")
     print(format_result(result))
     if args.out:

@@ -62,36 +62,56 @@ def _f(x: float | None, spec: str = ".2f") -> str:
 
 
 def format_table(report: dict) -> str:
-    lines = ["| policy | tier | requests | SLO attainment | goodput req/s | weighted goodput | TTFT p50 / p99 ms "
-             "| TPOT p50 / p99 ms | failed | TP changes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | tier | requests | SLO attainment | goodput req/s | weighted goodput | TTFT p50 / p99 ms "
+        "| TPOT p50 / p99 ms | failed | TP changes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, pol in report["policies"].items():
         for tier, s in pol["tiers"].items():
             lines.append(
                 f"| {name} | {tier} | {s['requests']} | {_f(s['slo_attainment'])} | {_f(s['goodput_rps'], '.3f')} | "
                 f"{_f(s['weighted_goodput_rps'], '.3f')} | {_f(s['ttft_ms'].get('p50'), '.0f')} / "
                 f"{_f(s['ttft_ms'].get('p99'), '.0f')} | {_f(s['tpot_ms'].get('p50'), '.1f')} / "
-                f"{_f(s['tpot_ms'].get('p99'), '.1f')} | {s['failed'] + s['unfinished']} | {pol['transitions']} |")
+                f"{_f(s['tpot_ms'].get('p99'), '.1f')} | {s['failed'] + s['unfinished']} | {pol['transitions']} |"
+            )
     lines.append("")
     lines.append("| tier | adaptive / baseline | goodput | weighted goodput | SLO attainment |")
     lines.append("|---|---|---|---|---|")
     for tier, per in report["ratios"].items():
         for base, r in per.items():
-            lines.append(f"| {tier} | {base} | {_f(r['goodput'])}x | {_f(r['weighted_goodput'])}x | "
-                         f"{_f(r['attainment'])}x |")
+            lines.append(
+                f"| {tier} | {base} | {_f(r['goodput'])}x | {_f(r['weighted_goodput'])}x | {_f(r['attainment'])}x |"
+            )
     return "\n".join(lines)
 
 
 def build_specs(args: argparse.Namespace) -> list:
     from nitsum_load.workload import Shaping, read_trace, shape
 
-    reqs = read_trace(args.trace, limit=args.skip + args.requests, seed=args.seed)[args.skip:]
-    specs = shape(reqs, Shaping(tier_mix=args.tier_mix, target_rate_per_s=args.target_rate,
-                                max_requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
-                                max_output_tokens=args.max_output_tokens, seed=args.seed))
+    reqs = read_trace(args.trace, limit=args.skip + args.requests, seed=args.seed)[args.skip :]
+    specs = shape(
+        reqs,
+        Shaping(
+            tier_mix=args.tier_mix,
+            target_rate_per_s=args.target_rate,
+            max_requests=args.requests,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens,
+            seed=args.seed,
+        ),
+    )
     if args.interactive_ttft_ms is not None or args.interactive_tpot_ms is not None:
-        specs = [dataclasses.replace(
-            s, ttft_slo_ms=args.interactive_ttft_ms or s.ttft_slo_ms,
-            tpot_slo_ms=args.interactive_tpot_ms or s.tpot_slo_ms) if s.tier == "interactive" else s for s in specs]
+        specs = [
+            dataclasses.replace(
+                s,
+                ttft_slo_ms=args.interactive_ttft_ms or s.ttft_slo_ms,
+                tpot_slo_ms=args.interactive_tpot_ms or s.tpot_slo_ms,
+            )
+            if s.tier == "interactive"
+            else s
+            for s in specs
+        ]
     return specs
 
 
@@ -114,13 +134,21 @@ async def _run_policy(mesh, specs: list, policy: str, devices: int) -> tuple[lis
     while not _shape_reached(status := await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0), policy, devices):
         if loop.time() > deadline:
             why = "; ".join(f"{d.get('node_id')}: {d.get('reason')}" for d in status.get("last_decisions", []))
-            raise RuntimeError(f"{policy}: the coordinator did not reach its shape within {SHAPE_TIMEOUT_S} s "
-                               f"(its last decisions: {why or 'none'}; last transitions: "
-                               f"{status.get('transitions', [])[-2:]})")
+            raise RuntimeError(
+                f"{policy}: the coordinator did not reach its shape within {SHAPE_TIMEOUT_S} s "
+                f"(its last decisions: {why or 'none'}; last transitions: "
+                f"{status.get('transitions', [])[-2:]})"
+            )
         await asyncio.sleep(0.2)
     before = len((await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0)).get("transitions", []))
-    cfg = ClientConfig(base_url=mesh.url, model=await discover_model(mesh.url, None), endpoint="completions",
-                       prompt_format="token-ids", return_token_ids=True, request_timeout_s=300.0)
+    cfg = ClientConfig(
+        base_url=mesh.url,
+        model=await discover_model(mesh.url, None),
+        endpoint="completions",
+        prompt_format="token-ids",
+        return_token_ids=True,
+        request_timeout_s=300.0,
+    )
     result = await run_open_loop(specs, cfg, drain_timeout_s=180.0)
     status = await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0)
     # The status keeps the last 20 transitions; those made during the replay are the ones after `before`.
@@ -184,23 +212,39 @@ def main(argv: list[str]) -> int:
         try:
             for pol in policies:
                 name = pol.replace(":", "-")
-                print(f"[{pol}] nitsum up --devices {args.devices} --policy {pol}; replaying {len(specs)} requests ...",
-                      flush=True)
-                mesh = start_live_mesh(out / "logs" / name, model_dir=model_dir, nats_url=nats.url,
-                                       devices=args.devices, policy=pol,
-                                       env_extra={"NITSUM_RECONFIG_INTERVAL_MS": str(args.reconfig_interval_ms)})
+                print(
+                    f"[{pol}] nitsum up --devices {args.devices} --policy {pol}; replaying {len(specs)} requests ...",
+                    flush=True,
+                )
+                mesh = start_live_mesh(
+                    out / "logs" / name,
+                    model_dir=model_dir,
+                    nats_url=nats.url,
+                    devices=args.devices,
+                    policy=pol,
+                    env_extra={"NITSUM_RECONFIG_INTERVAL_MS": str(args.reconfig_interval_ms)},
+                )
                 try:
                     trackers, elapsed_s, transitions = asyncio.run(_run_policy(mesh, specs, pol, args.devices))
                 finally:
                     mesh.stop()
                 records = [t.to_record() for t in trackers]
                 report = summarize(records)
-                write_all(report, records, out / name, {"policy": pol, "elapsed_s": elapsed_s,
-                                                          "transitions": transitions},
-                          log_rows=(t.to_log() for t in trackers))
+                write_all(
+                    report,
+                    records,
+                    out / name,
+                    {"policy": pol, "elapsed_s": elapsed_s, "transitions": transitions},
+                    log_rows=(t.to_log() for t in trackers),
+                )
                 d = report.to_dict()
-                summaries[pol] = {"tiers": d["tiers"], "overall": d["overall"], "duration_s": d["duration_s"],
-                                  "transitions": len(transitions), "transition_log": transitions}
+                summaries[pol] = {
+                    "tiers": d["tiers"],
+                    "overall": d["overall"],
+                    "duration_s": d["duration_s"],
+                    "transitions": len(transitions),
+                    "transition_log": transitions,
+                }
                 print(f"[{pol}] done in {elapsed_s:.0f} s, {len(transitions)} topology changes", flush=True)
         except RuntimeError as exc:
             sys.stderr.write(f"nitsum bench policy --live: {exc}\n(logs in {out / 'logs'})\n")
@@ -210,15 +254,24 @@ def main(argv: list[str]) -> int:
             remove_weight_store(model_dir)
     baselines = tuple(x for x in policies if x != "adaptive")
     full = {
-        "mode": "live", "command": "nitsum bench policy --live " + " ".join(argv),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
-        "trace": args.trace, "requests": len(specs), "target_rate_per_s": args.target_rate,
-        "tier_mix": args.tier_mix, "model": args.model, "devices": args.devices,
-        "policies": summaries, "ratios": compare(summaries, baselines),
+        "mode": "live",
+        "command": "nitsum bench policy --live " + " ".join(argv),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "trace": args.trace,
+        "requests": len(specs),
+        "target_rate_per_s": args.target_rate,
+        "tier_mix": args.tier_mix,
+        "model": args.model,
+        "devices": args.devices,
+        "policies": summaries,
+        "ratios": compare(summaries, baselines),
     }
     (out / "report.json").write_text(json.dumps(full, indent=2))
-    print(f"nitsum bench policy --live: {len(specs)} requests of {args.trace} at {args.target_rate} req/s, "
-          f"model {args.model}, {args.devices} CPU workers, {full['machine']}")
+    print(
+        f"nitsum bench policy --live: {len(specs)} requests of {args.trace} at {args.target_rate} req/s, "
+        f"model {args.model}, {args.devices} CPU workers, {full['machine']}"
+    )
     print(format_table(full))
     print(f"report in {out}")
     return 0

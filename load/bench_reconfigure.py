@@ -72,14 +72,20 @@ SHAPE_NAMES = {TP1X4: "4xTP1", TP2X2: "2xTP2", TP4: "TP4", TP1X2: "2xTP1", TP2: 
 CHAINS = {4: CHAIN, 2: CHAIN_2}
 BOOT_SHAPES = {4: TP1X4, 2: TP1X2}  # workers boot as one TP1 group each
 # The ~27M-parameter random Llama of the live policy test: big enough that a weight reload costs something.
-MID_OVERRIDES = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8,
-                 "num_key_value_heads": 4}
+MID_OVERRIDES = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 ADMIN_TIMEOUT_S = 120.0
 # An inter-token gap this long is a stall (a hand-off the gateway did not follow), not a slow step.
 STALL_MS = 1000.0
 
 
 # ---------------------------------------------------------------- functional core (pure, no clock reads)
+
 
 @dataclass(frozen=True)
 class TransitionGap:
@@ -128,8 +134,9 @@ def _stretch_step(token_times_ms: Sequence[Sequence[float]], lo: float, hi: floa
     return statistics.median(per_stream) if per_stream else None
 
 
-def transition_gaps(token_times_ms: Sequence[Sequence[float]],
-                    windows_ms: Sequence[tuple[float, float]]) -> tuple[float | None, list[TransitionGap]]:
+def transition_gaps(
+    token_times_ms: Sequence[Sequence[float]], windows_ms: Sequence[tuple[float, float]]
+) -> tuple[float | None, list[TransitionGap]]:
     """Steady step (median over transitions) and, per window [start, end] (admin call sent .. answered), the
     largest gap from that change on against the steady steps of the stretch since the previous window ended
     (old TP) and of the stretch from this window's end to the next window's start (new TP).
@@ -141,14 +148,20 @@ def transition_gaps(token_times_ms: Sequence[Sequence[float]],
         # Gaps that end after the call was sent and start before the next change: a stream that stalls after
         # the answer (its new leader not followed) counts against this change too.
         until = windows_ms[k + 1][0] if k + 1 < len(windows_ms) else float("inf")
-        across = [(b - a, i) for i, times in enumerate(token_times_ms)
-                  for a, b in zip(times, times[1:]) if b > s and a < until]
-        out.append(TransitionGap(
-            max(g for g, _ in across) if across else None,
-            _stretch_step(token_times_ms, prev_end, s),
-            len({i for _, i in across}),
-            _stretch_step(token_times_ms, e, until),
-        ))
+        across = [
+            (b - a, i)
+            for i, times in enumerate(token_times_ms)
+            for a, b in zip(times, times[1:])
+            if b > s and a < until
+        ]
+        out.append(
+            TransitionGap(
+                max(g for g, _ in across) if across else None,
+                _stretch_step(token_times_ms, prev_end, s),
+                len({i for _, i in across}),
+                _stretch_step(token_times_ms, e, until),
+            )
+        )
         prev_end = e
     steady = [g.steady_ms for g in out if g.steady_ms is not None]
     return (statistics.median(steady) if steady else None), out
@@ -161,7 +174,8 @@ def stalls(token_times_ms: Sequence[Sequence[float]], threshold_ms: float) -> in
 
 _PRECOPY_LINE = re.compile(
     r"epoch (\d+): prepare step ([\d.]+) ms .*?pre-copy of (\d+) flow\(s\) \+ (\d+) local copy\(ies\), "
-    r"(\d+) chunk\(s\), (\d+) bytes, done ([\d.]+) ms")
+    r"(\d+) chunk\(s\), (\d+) bytes, done ([\d.]+) ms"
+)
 
 
 def precopy_stats(log_lines: Sequence[str]) -> dict[int, dict[str, float]]:
@@ -207,12 +221,14 @@ def format_live_table(report: dict) -> str:
             f"{_fmt(r['total_ms'])} | {_fmt(r['admin_rtt_ms'])} | {_fmt(r['stream_pause_ms'])} "
             f"({_fmt(r['stream_pause_steps'])}) | {_fmt(r['max_gap_ms'])} / {_fmt(r['steady_gap_ms'])}, "
             f"{_fmt(r.get('steady_gap_after_ms'))} | {_fmt(r.get('stream_pause_before_ms'))} | "
-            f"{_fmt(r['restart_ms'], '.0f')} | {_fmt(r['speedup'], '.0f')}x |")
+            f"{_fmt(r['restart_ms'], '.0f')} | {_fmt(r['speedup'], '.0f')}x |"
+        )
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- shell: a live `nitsum up` (also used by
 # load/bench_policy_live.py)
+
 
 def _http_status(url: str, timeout_s: float) -> int:
     try:
@@ -281,8 +297,16 @@ def _ready_workers(nats_url: str) -> int:
     return sum(1 for w in status.get("workers", []) if w.get("state") == "ready")
 
 
-def start_live_mesh(work: Path, *, model_dir: Path, nats_url: str, devices: int = 4, policy: str = "adaptive",
-                    env_extra: dict[str, str] | None = None, ready_timeout_s: float = 180.0) -> LiveMesh:
+def start_live_mesh(
+    work: Path,
+    *,
+    model_dir: Path,
+    nats_url: str,
+    devices: int = 4,
+    policy: str = "adaptive",
+    env_extra: dict[str, str] | None = None,
+    ready_timeout_s: float = 180.0,
+) -> LiveMesh:
     """`nitsum up --devices N --nats URL --model DIR --policy P` on a free port; returns once /ready answers
     200 and the coordinator lists every worker ready (raises RuntimeError with the log tail otherwise)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -292,9 +316,26 @@ def start_live_mesh(work: Path, *, model_dir: Path, nats_url: str, devices: int 
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     env["NITSUM_HOME"] = str(work / "home")  # current.json and the like stay inside the benchmark's folder
     env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "nitsum.cli", "up", "--devices", str(devices), "--port", str(port),
-           "--nats", nats_url, "--model", str(model_dir), "--policy", policy, "--run-dir", str(work / "run"),
-           "--ready-timeout", str(ready_timeout_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nitsum.cli",
+        "up",
+        "--devices",
+        str(devices),
+        "--port",
+        str(port),
+        "--nats",
+        nats_url,
+        "--model",
+        str(model_dir),
+        "--policy",
+        policy,
+        "--run-dir",
+        str(work / "run"),
+        "--ready-timeout",
+        str(ready_timeout_s),
+    ]
     t0 = time.monotonic()
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -366,6 +407,7 @@ def make_model(kind: str, work: Path) -> Path:
 
 # ---------------------------------------------------------------- the live run
 
+
 async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dict:
     """Stream the requests; once each has `--steady-tokens` tokens, apply each change of the chain, letting
     every stream move on by `--steady-tokens` tokens after each answer."""
@@ -375,8 +417,14 @@ async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dic
     from nitsum_load.client import ClientConfig, RequestSpec, RequestTracker, send
 
     model = await discover_model(mesh.url, None)
-    cfg = ClientConfig(base_url=mesh.url, model=model, endpoint="completions", prompt_format="token-ids",
-                       return_token_ids=True, request_timeout_s=600.0)
+    cfg = ClientConfig(
+        base_url=mesh.url,
+        model=model,
+        endpoint="completions",
+        prompt_format="token-ids",
+        return_token_ids=True,
+        request_timeout_s=600.0,
+    )
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     origin_unix = time.time()  # wall clock of clock() == 0, to line the timeline up with the services' logs
@@ -402,16 +450,22 @@ async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dic
             # stream timeout: the chain goes on, and the stall shows as that transition's gap.
             deadline = loop.time() + args.advance_timeout_s
             while not all(task.done() for task in tasks) and loop.time() < deadline:
-                if all(len(t.token_times_ms) >= m + args.steady_tokens or task.done()
-                       for t, m, task in zip(trackers, marks, tasks)):
+                if all(
+                    len(t.token_times_ms) >= m + args.steady_tokens or task.done()
+                    for t, m, task in zip(trackers, marks, tasks)
+                ):
                     return
                 await asyncio.sleep(0.005)
 
         await advance([0] * len(trackers))
-        for kind, _src, dst in chain:
+        for _kind, _src, dst in chain:
             start = clock()
-            answer = await admin_call(mesh.nats_url, "set-topology",
-                                      {"topology": dst, "node_id": "node0", "id": f"bench-{len(answers)}"}, nc=nc)
+            answer = await admin_call(
+                mesh.nats_url,
+                "set-topology",
+                {"topology": dst, "node_id": "node0", "id": f"bench-{len(answers)}"},
+                nc=nc,
+            )
             end = clock()
             if not answer.get("ok"):
                 raise RuntimeError(f"set-topology {dst} failed: {answer}")
@@ -424,18 +478,24 @@ async def _stream_through_chain(mesh: LiveMesh, args: argparse.Namespace) -> dic
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     await nc.close()
-    return {"chain": chain, "windows": windows, "answers": answers, "origin_unix": origin_unix,
-            "token_times_ms": [list(t.token_times_ms) for t in trackers],
-            "streams": [{"tokens": len(t.token_times_ms), "error": t.error, "detail": t.error_detail}
-                        for t in trackers]}
+    return {
+        "chain": chain,
+        "windows": windows,
+        "answers": answers,
+        "origin_unix": origin_unix,
+        "token_times_ms": [list(t.token_times_ms) for t in trackers],
+        "streams": [{"tokens": len(t.token_times_ms), "error": t.error, "detail": t.error_detail} for t in trackers],
+    }
 
 
-def _restart_baseline(work: Path, mesh: LiveMesh, model_dir: Path, nats_url: str, env_extra: dict,
-                      devices: int = 4) -> dict:
+def _restart_baseline(
+    work: Path, mesh: LiveMesh, model_dir: Path, nats_url: str, env_extra: dict, devices: int = 4
+) -> dict:
     stop_ms = mesh.stop()
     removed = remove_weight_store(model_dir)
-    fresh = start_live_mesh(work / "restart", model_dir=model_dir, nats_url=nats_url, env_extra=env_extra,
-                            devices=devices)
+    fresh = start_live_mesh(
+        work / "restart", model_dir=model_dir, nats_url=nats_url, env_extra=env_extra, devices=devices
+    )
     boot = BOOT_SHAPES[devices]
     # Each target shape of the chain from the boot shape, back to the boot shape in between.
     targets: list[str] = []
@@ -448,8 +508,14 @@ def _restart_baseline(work: Path, mesh: LiveMesh, model_dir: Path, nats_url: str
         for target in targets:
             t0 = time.monotonic()
             try:
-                answer = asyncio.run(admin_call(nats_url, "set-topology", {"topology": target, "node_id": "node0",
-                                                                             "id": f"restart-{target}"}, timeout_s=30.0))
+                answer = asyncio.run(
+                    admin_call(
+                        nats_url,
+                        "set-topology",
+                        {"topology": target, "node_id": "node0", "id": f"restart-{target}"},
+                        timeout_s=30.0,
+                    )
+                )
             except Exception as exc:  # nats-py timeout types vary; an unanswered change leaves that target out  # noqa: BLE001
                 answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             if not answer.get("ok"):
@@ -460,9 +526,15 @@ def _restart_baseline(work: Path, mesh: LiveMesh, model_dir: Path, nats_url: str
     finally:
         fresh.stop()
         remove_weight_store(model_dir)
-    return {"stop_ms": stop_ms, "ready_ms": fresh.ready_ms, "boot_ms": fresh.workers_ready_ms,
-            "to_target_ms": {SHAPE_NAMES[k]: v for k, v in to_target.items()}, "_to_target": to_target,
-            "store_removed": removed, "store_reloaded_bytes": reloaded_bytes}
+    return {
+        "stop_ms": stop_ms,
+        "ready_ms": fresh.ready_ms,
+        "boot_ms": fresh.workers_ready_ms,
+        "to_target_ms": {SHAPE_NAMES[k]: v for k, v in to_target.items()},
+        "_to_target": to_target,
+        "store_removed": removed,
+        "store_reloaded_bytes": reloaded_bytes,
+    }
 
 
 def build_live_report(run: dict, restart: dict, histogram: dict | None, meta: dict) -> dict:
@@ -472,43 +544,82 @@ def build_live_report(run: dict, restart: dict, histogram: dict | None, meta: di
         t = answer["transition"]
         base = restart_ms(restart["stop_ms"], restart["boot_ms"], restart["_to_target"], dst)
         rtt = e - s
-        rows.append({
-            "transition": f"{kind} {SHAPE_NAMES[src]} -> {SHAPE_NAMES[dst]}", "epoch": t["epoch"],
-            "decide_ms": t.get("decide_ms"), "prepare_ms": t["prepare_ms"], "pause_ms": t["pause_ms"],
-            "total_ms": t["total_ms"], "admin_rtt_ms": rtt, "max_gap_ms": gap.max_gap_ms,
-            "steady_gap_ms": gap.steady_ms, "steady_gap_after_ms": gap.steady_after_ms,
-            "stream_pause_ms": gap.pause_ms, "stream_pause_steps": gap.pause_steps, "stream_pause_before_ms": gap.pause_before_ms,
-            "streams_across": gap.streams_across, "restart_ms": base, "speedup": base / rtt if base is not None and rtt > 0 else None,
-            **{f"worker_{k}": v for k, v in run.get("precopy", {}).get(t["epoch"], {}).items()},
-        })
-    return {**meta, "steady_gap_ms": steady_ms, "rows": rows,
-            "restart": {k: v for k, v in restart.items() if not k.startswith("_")},
-            "coordinator_histogram_ms": histogram, "streams": run["streams"],
-            "streams_failed": sum(1 for x in run["streams"] if x["error"] is not None),
-            "stalls": stalls(run["token_times_ms"], STALL_MS),
-            # Raw timeline (client clock, ms): each change's admin call (sent, answered) and every stream's
-            # token arrivals, for a closer look at where a gap falls.
-            "clock_origin_unix": run["origin_unix"], "windows_ms": [list(w) for w in run["windows"]],
-            "token_times_ms": run["token_times_ms"]}
+        rows.append(
+            {
+                "transition": f"{kind} {SHAPE_NAMES[src]} -> {SHAPE_NAMES[dst]}",
+                "epoch": t["epoch"],
+                "decide_ms": t.get("decide_ms"),
+                "prepare_ms": t["prepare_ms"],
+                "pause_ms": t["pause_ms"],
+                "total_ms": t["total_ms"],
+                "admin_rtt_ms": rtt,
+                "max_gap_ms": gap.max_gap_ms,
+                "steady_gap_ms": gap.steady_ms,
+                "steady_gap_after_ms": gap.steady_after_ms,
+                "stream_pause_ms": gap.pause_ms,
+                "stream_pause_steps": gap.pause_steps,
+                "stream_pause_before_ms": gap.pause_before_ms,
+                "streams_across": gap.streams_across,
+                "restart_ms": base,
+                "speedup": base / rtt if base is not None and rtt > 0 else None,
+                **{f"worker_{k}": v for k, v in run.get("precopy", {}).get(t["epoch"], {}).items()},
+            }
+        )
+    return {
+        **meta,
+        "steady_gap_ms": steady_ms,
+        "rows": rows,
+        "restart": {k: v for k, v in restart.items() if not k.startswith("_")},
+        "coordinator_histogram_ms": histogram,
+        "streams": run["streams"],
+        "streams_failed": sum(1 for x in run["streams"] if x["error"] is not None),
+        "stalls": stalls(run["token_times_ms"], STALL_MS),
+        # Raw timeline (client clock, ms): each change's admin call (sent, answered) and every stream's
+        # token arrivals, for a closer look at where a gap falls.
+        "clock_origin_unix": run["origin_unix"],
+        "windows_ms": [list(w) for w in run["windows"]],
+        "token_times_ms": run["token_times_ms"],
+    }
 
 
 def live_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nitsum bench reconfigure [--live]", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="mid", help="mid (a ~27M-param random Llama, default) | tiny | a model directory")
     p.add_argument("--requests", type=int, default=6, help="greedy streams in flight across the changes")
-    p.add_argument("--steady-tokens", type=int, default=12,
-                   help="tokens every stream decodes before the first change and after each one")
-    p.add_argument("--max-tokens", type=int, default=1500,
-                   help="output tokens asked per stream; streams are cancelled once the chain is done")
+    p.add_argument(
+        "--steady-tokens",
+        type=int,
+        default=12,
+        help="tokens every stream decodes before the first change and after each one",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1500,
+        help="output tokens asked per stream; streams are cancelled once the chain is done",
+    )
     p.add_argument("--rounds", type=int, default=1, help="times the chain of changes is repeated")
-    p.add_argument("--devices", type=int, choices=sorted(CHAINS), default=4,
-                   help="workers: 4 (4xTP1 -> TP4 -> 2xTP2 -> TP4 -> 2xTP2 -> 4xTP1, default) or 2 "
-                        "(2xTP1 -> TP2 -> 2xTP1, twice: one worker per core on a 2-core machine)")
-    p.add_argument("--advance-timeout-s", type=float, default=60.0,
-                   help="longest wait for the streams to move on after a change (a stalled hand-off)")
-    p.add_argument("--stream-timeout-s", type=float, default=None,
-                   help="the gateway's NITSUM_STREAM_TIMEOUT_S (default: its own, 30 s): how long a silent "
-                        "stream waits before it is re-routed")
+    p.add_argument(
+        "--devices",
+        type=int,
+        choices=sorted(CHAINS),
+        default=4,
+        help="workers: 4 (4xTP1 -> TP4 -> 2xTP2 -> TP4 -> 2xTP2 -> 4xTP1, default) or 2 "
+        "(2xTP1 -> TP2 -> 2xTP1, twice: one worker per core on a 2-core machine)",
+    )
+    p.add_argument(
+        "--advance-timeout-s",
+        type=float,
+        default=60.0,
+        help="longest wait for the streams to move on after a change (a stalled hand-off)",
+    )
+    p.add_argument(
+        "--stream-timeout-s",
+        type=float,
+        default=None,
+        help="the gateway's NITSUM_STREAM_TIMEOUT_S (default: its own, 30 s): how long a silent "
+        "stream waits before it is re-routed",
+    )
     p.add_argument("--out", type=Path, default=None, help="report directory (default runs/reconfigure-<time>)")
     p.add_argument("--json", type=Path, default=None, help="also write report.json here")
     args = p.parse_args(argv)
@@ -536,14 +647,20 @@ def live_main(argv: list[str]) -> int:
         mesh: LiveMesh | None = None
         try:
             print(f"starting nitsum up --devices {args.devices} --model {model_dir} ...", flush=True)
-            mesh = start_live_mesh(out / "logs" / "live", model_dir=model_dir, nats_url=nats.url, env_extra=env_extra,
-                                   devices=args.devices)
+            mesh = start_live_mesh(
+                out / "logs" / "live", model_dir=model_dir, nats_url=nats.url, env_extra=env_extra, devices=args.devices
+            )
             store_bytes = weight_store_bytes(model_dir)
-            print(f"ready in {mesh.workers_ready_ms / 1000:.1f} s; streaming {args.requests} x {args.max_tokens} "
-                  f"tokens through {len(CHAINS[args.devices]) * args.rounds} changes ...", flush=True)
+            print(
+                f"ready in {mesh.workers_ready_ms / 1000:.1f} s; streaming {args.requests} x {args.max_tokens} "
+                f"tokens through {len(CHAINS[args.devices]) * args.rounds} changes ...",
+                flush=True,
+            )
             run = asyncio.run(_stream_through_chain(mesh, args))
             worker_logs = sorted(mesh.run_dir.glob("worker-*.log"))
-            run["precopy"] = precopy_stats([line for path in worker_logs for line in path.read_text(errors="replace").splitlines()])
+            run["precopy"] = precopy_stats(
+                [line for path in worker_logs for line in path.read_text(errors="replace").splitlines()]
+            )
             histogram = None
             metrics_url = mesh.coordinator_metrics_url()
             if metrics_url:
@@ -563,9 +680,14 @@ def live_main(argv: list[str]) -> int:
             nats.stop()
             remove_weight_store(model_dir)
     meta = {
-        "mode": "live", "command": "nitsum bench reconfigure " + " ".join(argv),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores", "model": args.model,
-        "weight_store_bytes": store_bytes, "devices": args.devices, "requests": args.requests, "max_tokens": args.max_tokens,
+        "mode": "live",
+        "command": "nitsum bench reconfigure " + " ".join(argv),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "model": args.model,
+        "weight_store_bytes": store_bytes,
+        "devices": args.devices,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
         "date": time.strftime("%Y-%m-%d"),
     }
     report = build_live_report(run, restart, histogram, meta)
@@ -575,27 +697,41 @@ def live_main(argv: list[str]) -> int:
         args.json.write_text(text)
     write_timeline_plot(report, out / "timeline.png")
     rs = report["restart"]
-    print(f"nitsum bench reconfigure (live): {args.devices} CPU workers, model {args.model} ({store_bytes / 1e6:.1f} MB "
-          f"fp32), {args.requests} greedy streams, {meta['machine']}; steady token gap {_fmt(report['steady_gap_ms'])} ms")
+    print(
+        f"nitsum bench reconfigure (live): {args.devices} CPU workers, model {args.model} ({store_bytes / 1e6:.1f} MB "
+        f"fp32), {args.requests} greedy streams, {meta['machine']}; steady token gap {_fmt(report['steady_gap_ms'])} ms"
+    )
     print(format_live_table(report))
     targets = ", ".join(f"{k} +{v:.0f} ms" for k, v in rs["to_target_ms"].items())
-    print(f"restart+reload = stop {rs['stop_ms']:.0f} ms + boot {rs['boot_ms']:.0f} ms (/ready at {rs['ready_ms']:.0f} ms; "
-          f"store deleted, {rs['store_reloaded_bytes'] / 1e6:.1f} MB re-read) + set-topology on the idle restarted mesh ({targets})")
-    print("worker side, per change: longest prepare step (stops a group) / stage-M flows / pre-copied MB / "
-          "pre-copy end after the pending ack: " + "; ".join(
-              f"{r['transition'].split()[0]} {_fmt(r.get('worker_prepare_step_ms'), '.0f')} ms / "
-              f"{r.get('worker_flows', '-')} / {(r.get('worker_bytes') or 0) / 1e6:.1f} / {_fmt(r.get('worker_precopy_ms'), '.0f')} ms"
-              for r in report["rows"]))
+    print(
+        f"restart+reload = stop {rs['stop_ms']:.0f} ms + boot {rs['boot_ms']:.0f} ms (/ready at {rs['ready_ms']:.0f} ms; "
+        f"store deleted, {rs['store_reloaded_bytes'] / 1e6:.1f} MB re-read) + set-topology on the idle restarted mesh ({targets})"
+    )
+    print(
+        "worker side, per change: longest prepare step (stops a group) / stage-M flows / pre-copied MB / "
+        "pre-copy end after the pending ack: "
+        + "; ".join(
+            f"{r['transition'].split()[0]} {_fmt(r.get('worker_prepare_step_ms'), '.0f')} ms / "
+            f"{r.get('worker_flows', '-')} / {(r.get('worker_bytes') or 0) / 1e6:.1f} / {_fmt(r.get('worker_precopy_ms'), '.0f')} ms"
+            for r in report["rows"]
+        )
+    )
     if histogram:
-        print("coordinator histogram (sum ms / count): " + ", ".join(
-            f"{k} {v.get('sum', 0):.1f}/{v.get('count', 0):.0f}" for k, v in sorted(histogram.items())))
-    print(f"streams failed: {report['streams_failed']}/{args.requests}; token gaps >= {STALL_MS / 1000:.0f} s (stalled hand-offs): "
-          f"{report['stalls']}")
+        print(
+            "coordinator histogram (sum ms / count): "
+            + ", ".join(f"{k} {v.get('sum', 0):.1f}/{v.get('count', 0):.0f}" for k, v in sorted(histogram.items()))
+        )
+    print(
+        f"streams failed: {report['streams_failed']}/{args.requests}; token gaps >= {STALL_MS / 1000:.0f} s (stalled hand-offs): "
+        f"{report['stalls']}"
+    )
     worst = max((r["stream_pause_steps"] or 0.0) for r in report["rows"])
     least = min((r["speedup"] or 0.0) for r in report["rows"])
-    print(f"goals: speedup >= 100x: {'met' if least >= 100 else 'NOT met'} (lowest {least:.0f}x); "
-          f"stream pause <= 2 steps: {'met' if worst <= 2 else 'NOT met'} (worst {worst:.1f}); report in {out} "
-          f"(timeline.png: every stream's inter-token gaps across the changes)")
+    print(
+        f"goals: speedup >= 100x: {'met' if least >= 100 else 'NOT met'} (lowest {least:.0f}x); "
+        f"stream pause <= 2 steps: {'met' if worst <= 2 else 'NOT met'} (worst {worst:.1f}); report in {out} "
+        f"(timeline.png: every stream's inter-token gaps across the changes)"
+    )
     return 0
 
 
@@ -609,13 +745,20 @@ def write_timeline_plot(report: dict, path: Path) -> None:
     for i, times in enumerate(report["token_times_ms"]):
         pts = [(b / 1000.0, b - a) for a, b in zip(times, times[1:])]
         if pts:
-            ax.plot([t for t, _ in pts], [g for _, g in pts], ".", markersize=3, color=f"C{i % 10}", label=f"stream {i}")
+            ax.plot(
+                [t for t, _ in pts], [g for _, g in pts], ".", markersize=3, color=f"C{i % 10}", label=f"stream {i}"
+            )
     windows = report["windows_ms"]
     for k, ((start, end), row) in enumerate(zip(windows, report["rows"])):
         ax.axvspan(start / 1000.0, end / 1000.0, color="tab:orange", alpha=0.25)
         pause = row.get("stream_pause_steps")
-        ax.annotate(f"{row['transition']}\ntotal {row['total_ms']:.0f} ms, pause {_fmt(pause, '.1f')} steps",
-                    (start / 1000.0, 1.0 - 0.09 * (k % 2)), xycoords=("data", "axes fraction"), fontsize=7, va="top")
+        ax.annotate(
+            f"{row['transition']}\ntotal {row['total_ms']:.0f} ms, pause {_fmt(pause, '.1f')} steps",
+            (start / 1000.0, 1.0 - 0.09 * (k % 2)),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            va="top",
+        )
         until = windows[k + 1][0] if k + 1 < len(windows) else None
         steady = row.get("steady_gap_after_ms")
         if steady and until is not None:
@@ -623,8 +766,10 @@ def write_timeline_plot(report: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("seconds since the streams started")
     ax.set_ylabel("gap to the previous token (ms, log)")
-    ax.set_title(f"nitsum bench reconfigure ({report['model']}): inter-token gaps; shaded = a TP change's admin call; "
-                 "dashed = steady gap at the new TP")
+    ax.set_title(
+        f"nitsum bench reconfigure ({report['model']}): inter-token gaps; shaded = a TP change's admin call; "
+        "dashed = steady gap at the new TP"
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
     fig.savefig(path, dpi=110)
@@ -652,12 +797,33 @@ def _run_node(model_dir: str, workers: int, script: dict, work: Path, shm_dir: P
     script_path = work / "script.json"
     script_path.write_text(json.dumps(script))
     port = free_port()
-    codes, logs = run_all([
-        [sys.executable, "-m", "nitsum.bench.node_run", "--model-dir", model_dir, "--rank", str(rank),
-         "--world-size", str(workers), "--master-port", str(port), "--script", str(script_path),
-         "--out", str(work / f"out{rank}.json"), "--shm-dir", str(shm_dir), "--num-kv-blocks", "256"]
-        for rank in range(workers)
-    ], timeout_s)
+    codes, logs = run_all(
+        [
+            [
+                sys.executable,
+                "-m",
+                "nitsum.bench.node_run",
+                "--model-dir",
+                model_dir,
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(workers),
+                "--master-port",
+                str(port),
+                "--script",
+                str(script_path),
+                "--out",
+                str(work / f"out{rank}.json"),
+                "--shm-dir",
+                str(shm_dir),
+                "--num-kv-blocks",
+                "256",
+            ]
+            for rank in range(workers)
+        ],
+        timeout_s,
+    )
     if any(codes):
         raise RuntimeError("a worker failed:\n" + "\n---\n".join(logs))
     return [json.loads((work / f"out{rank}.json").read_text()) for rank in range(workers)]
@@ -681,15 +847,27 @@ def _script(workers: int, num_requests: int, max_tokens: int, period: int) -> tu
     import random
 
     rng = random.Random(0)
-    chain = [("merge", [[0, workers]]), ("split", [[s, workers // 2] for s in range(0, workers, workers // 2)]),
-             ("split", [[s, 1] for s in range(workers)]), ("merge", [[0, workers]])]
+    chain = [
+        ("merge", [[0, workers]]),
+        ("split", [[s, workers // 2] for s in range(0, workers, workers // 2)]),
+        ("split", [[s, 1] for s in range(workers)]),
+        ("merge", [[0, workers]]),
+    ]
     start = [[s, workers // 2] for s in range(0, workers, workers // 2)]
     events: list[dict] = []
     for i in range(num_requests):
         leader = start[i % len(start)][0]
         prompt = [rng.randrange(256) for _ in range(rng.randrange(8, 64))]
-        events.append({"tick": 0, "kind": "add", "leader": leader, "request_id": f"r{i}", "prompt": prompt,
-                       "max_tokens": max_tokens})
+        events.append(
+            {
+                "tick": 0,
+                "kind": "add",
+                "leader": leader,
+                "request_id": f"r{i}",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+            }
+        )
     transitions = []
     for epoch, (name, groups) in enumerate(chain, start=1):
         commit_tick = period * epoch
@@ -729,8 +907,10 @@ def engine_main(argv: list[str]) -> int:
         script, transitions = _script(args.workers, args.requests, args.max_tokens, args.period)
         with tempfile.TemporaryDirectory(dir=_shm_root()) as shm:
             reports = _run_node(model_dir, args.workers, script, work, Path(shm), args.timeout_s)
-        restart = {tp: _restart_ms(model_dir, args.workers, tp, work, args.timeout_s)
-                   for tp in sorted({g[0][1] for _, _, g in transitions} | {args.workers // 2})}
+        restart = {
+            tp: _restart_ms(model_dir, args.workers, tp, work, args.timeout_s)
+            for tp in sorted({g[0][1] for _, _, g in transitions} | {args.workers // 2})
+        }
 
     records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
     by_request: dict[str, list[list]] = {}
@@ -739,39 +919,51 @@ def engine_main(argv: list[str]) -> int:
     transition_ticks = {t for _, tick, _ in transitions for t in (tick - 3, tick)}
     steady = [
         (b[5] - a[5]) * 1000.0
-        for rs in by_request.values() for a, b in zip(rs, rs[1:])
+        for rs in by_request.values()
+        for a, b in zip(rs, rs[1:])
         if b[0] == a[0] + 1 and b[0] not in transition_ticks
     ]
     step_ms = statistics.median(steady)
     rows = []
     for epoch, (name, tick, groups) in enumerate(transitions, start=1):
+
         def phase(kind: str) -> float:
             return max(a[5] for rep in reports for a in rep["acks"] if a[1] == kind and a[2] == epoch and a[3])
 
-        gaps = [
-            (b[5] - a[5]) * 1000.0
-            for rs in by_request.values() for a, b in zip(rs, rs[1:]) if a[0] < tick <= b[0]
-        ]
+        gaps = [(b[5] - a[5]) * 1000.0 for rs in by_request.values() for a, b in zip(rs, rs[1:]) if a[0] < tick <= b[0]]
         prepare_ms, commit_ms = phase("prepare"), phase("commit")
         # The part of prepare that stops a group (the prepare step; pre-copy then runs between steps).
         steps = [p[2] for rep in reports for p in rep.get("prepare_steps", []) if p[1] == epoch]
         base = restart[groups[0][1]]
-        rows.append({
-            "transition": f"{name} -> {_describe(groups)}", "prepare_ms": prepare_ms, "pause_ms": commit_ms,
-            "prepare_step_ms": max(steps) if steps else prepare_ms,
-            "total_ms": prepare_ms + commit_ms, "stream_gap_ms": max(gaps) if gaps else float("nan"),
-            "streams_across": len(gaps), "restart_ms": base, "speedup": base / (prepare_ms + commit_ms),
-            "gap_in_steps": (max(gaps) / step_ms) if gaps else float("nan"),
-        })
+        rows.append(
+            {
+                "transition": f"{name} -> {_describe(groups)}",
+                "prepare_ms": prepare_ms,
+                "pause_ms": commit_ms,
+                "prepare_step_ms": max(steps) if steps else prepare_ms,
+                "total_ms": prepare_ms + commit_ms,
+                "stream_gap_ms": max(gaps) if gaps else float("nan"),
+                "streams_across": len(gaps),
+                "restart_ms": base,
+                "speedup": base / (prepare_ms + commit_ms),
+                "gap_in_steps": (max(gaps) / step_ms) if gaps else float("nan"),
+            }
+        )
 
-    print(f"nitsum bench reconfigure: {args.workers} CPU workers, {args.requests} greedy requests, "
-          f"{platform.machine()} {os.cpu_count()} cores; steady decode step (median token gap) {step_ms:.2f} ms")
-    print("| transition | prepare ms (of it: the step) | pause (commit) ms | total ms | max stream gap ms (steps) "
-          "| restart+reload ms | speedup |")
+    print(
+        f"nitsum bench reconfigure: {args.workers} CPU workers, {args.requests} greedy requests, "
+        f"{platform.machine()} {os.cpu_count()} cores; steady decode step (median token gap) {step_ms:.2f} ms"
+    )
+    print(
+        "| transition | prepare ms (of it: the step) | pause (commit) ms | total ms | max stream gap ms (steps) "
+        "| restart+reload ms | speedup |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['transition']} | {r['prepare_ms']:.1f} ({r['prepare_step_ms']:.1f}) | {r['pause_ms']:.1f} | {r['total_ms']:.1f} | "
-              f"{r['stream_gap_ms']:.1f} ({r['gap_in_steps']:.1f}) | {r['restart_ms']:.0f} | {r['speedup']:.0f}x |")
+        print(
+            f"| {r['transition']} | {r['prepare_ms']:.1f} ({r['prepare_step_ms']:.1f}) | {r['pause_ms']:.1f} | {r['total_ms']:.1f} | "
+            f"{r['stream_gap_ms']:.1f} ({r['gap_in_steps']:.1f}) | {r['restart_ms']:.0f} | {r['speedup']:.0f}x |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"step_ms": step_ms, "rows": rows, "restart_ms": restart}, indent=2))
     return 0

@@ -60,8 +60,15 @@ class PlannedFault:
     target: str  # child name in processes.json, or "nats-server"
 
 
-def plan_faults(duration_s: float, kill_every_s: float, num_workers: int, *, max_kills: int | None = None,
-                nats_restart: bool = True, tail_s: float = 10.0) -> list[PlannedFault]:
+def plan_faults(
+    duration_s: float,
+    kill_every_s: float,
+    num_workers: int,
+    *,
+    max_kills: int | None = None,
+    nats_restart: bool = True,
+    tail_s: float = 10.0,
+) -> list[PlannedFault]:
     """Kills at every multiple of kill_every_s that leaves `tail_s` before the end (round-robin over the workers),
     and one NATS restart in the middle of the largest gap between events (the gap whose midpoint is nearest the
     run's midpoint on ties), so it is as far as the schedule allows from any kill."""
@@ -101,8 +108,9 @@ class FaultWindow:
 
 def fault_windows(faults: Sequence[FaultRecord], grace_s: float, run_end_s: float) -> list[FaultWindow]:
     """From each fault to grace_s after its recovery; an unrecovered fault's window lasts to the end of the run."""
-    return [FaultWindow(f.at_s, run_end_s if f.recovered_s is None else f.recovered_s + grace_s, f.kind)
-            for f in faults]
+    return [
+        FaultWindow(f.at_s, run_end_s if f.recovered_s is None else f.recovered_s + grace_s, f.kind) for f in faults
+    ]
 
 
 def overlaps(start_s: float, end_s: float, windows: Sequence[FaultWindow]) -> bool:
@@ -129,8 +137,13 @@ def outcome_of(tracker: RequestTracker, ended_ms: float | None) -> Outcome:
         status = "lost"
     else:
         status = "failed"
-    return Outcome(tracker.spec.request_id, tracker.spec.arrival_ms / 1000.0,
-                   None if ended_ms is None else ended_ms / 1000.0, status, tracker.error)
+    return Outcome(
+        tracker.spec.request_id,
+        tracker.spec.arrival_ms / 1000.0,
+        None if ended_ms is None else ended_ms / 1000.0,
+        status,
+        tracker.error,
+    )
 
 
 @dataclass(frozen=True)
@@ -156,10 +169,15 @@ def count_outcomes(outcomes: Sequence[Outcome], windows: Sequence[FaultWindow], 
         failed_out += not inside
         bucket = errs_in if inside else errs_out
         bucket[str(o.error)] = bucket.get(str(o.error), 0) + 1
-    return SoakCounts(sent=len(outcomes), completed=sum(o.status == "ok" for o in outcomes),
-                      failed_in_windows=failed_in, failed_outside_windows=failed_out,
-                      lost=sum(o.status == "lost" for o in outcomes), errors_in_windows=errs_in,
-                      errors_outside_windows=errs_out)
+    return SoakCounts(
+        sent=len(outcomes),
+        completed=sum(o.status == "ok" for o in outcomes),
+        failed_in_windows=failed_in,
+        failed_outside_windows=failed_out,
+        lost=sum(o.status == "lost" for o in outcomes),
+        errors_in_windows=errs_in,
+        errors_outside_windows=errs_out,
+    )
 
 
 @dataclass(frozen=True)
@@ -210,9 +228,17 @@ def summarize_series(samples: Sequence[Sample], warmup_s: float) -> list[SeriesS
             if not pts and all(getattr(s, metric) is None for s in mine):
                 continue  # this process does not expose the metric at all (nats-server has no asyncio)
             values = [v for _, v in pts]
-            out.append(SeriesSummary(process, metric, len(pts), values[0] if values else None,
-                                     values[-1] if values else None, max(values) if values else None,
-                                     slope_per_min(pts)))
+            out.append(
+                SeriesSummary(
+                    process,
+                    metric,
+                    len(pts),
+                    values[0] if values else None,
+                    values[-1] if values else None,
+                    max(values) if values else None,
+                    slope_per_min(pts),
+                )
+            )
     return out
 
 
@@ -291,8 +317,9 @@ async def admin_status(nats_url: str) -> dict | None:
     import nats as nats_py
 
     try:
-        nc = await nats_py.connect(servers=[nats_url], allow_reconnect=False, max_reconnect_attempts=0,
-                                   connect_timeout=1)
+        nc = await nats_py.connect(
+            servers=[nats_url], allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=1
+        )
     except Exception:  # nats-py raises several unrelated types when the server is down  # noqa: BLE001
         return None
     try:
@@ -308,8 +335,9 @@ def ready_workers(status: dict | None) -> set[str]:
     return {w["worker_id"] for w in (status or {}).get("workers", []) if w.get("state") == "ready"}
 
 
-async def wait_whole(nats_url: str, gateway_url: str, num_workers: int, deadline: float,
-                     gone_worker: str | None = None) -> bool:
+async def wait_whole(
+    nats_url: str, gateway_url: str, num_workers: int, deadline: float, gone_worker: str | None = None
+) -> bool:
     """Until the mesh is whole: every worker ready and /ready 200. After a kill, first wait (a few heartbeat
     timeouts at most) for the coordinator to see the victim not ready, so a stale 'ready' entry is not taken
     for recovery."""
@@ -329,8 +357,12 @@ async def wait_whole(nats_url: str, gateway_url: str, num_workers: int, deadline
     return False
 
 
-async def fire_timed(specs: Sequence[RequestSpec], cfg: ClientConfig, t0: float, drain_timeout_s: float,
-                     ) -> list[tuple[RequestTracker, float | None]]:
+async def fire_timed(
+    specs: Sequence[RequestSpec],
+    cfg: ClientConfig,
+    t0: float,
+    drain_timeout_s: float,
+) -> list[tuple[RequestTracker, float | None]]:
     """Open-loop dispatch like `run_open_loop`, but every request's end time is kept: a RequestTracker has no
     time for an error, and the soak must place each failure inside or outside the fault windows."""
     import aiohttp
@@ -368,10 +400,19 @@ async def fire_timed(specs: Sequence[RequestSpec], cfg: ClientConfig, t0: float,
     return [(row[0], row[1]) for row in rows]
 
 
-def poisson_specs(rate_per_s: float, duration_s: float, prompt_tokens: int, output_tokens: int,
-                  seed: int) -> list[RequestSpec]:
-    reqs = synthetic("poisson", rate_per_s, num_requests=None, duration_s=duration_s, seed=seed, lengths=None,
-                     prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+def poisson_specs(
+    rate_per_s: float, duration_s: float, prompt_tokens: int, output_tokens: int, seed: int
+) -> list[RequestSpec]:
+    reqs = synthetic(
+        "poisson",
+        rate_per_s,
+        num_requests=None,
+        duration_s=duration_s,
+        seed=seed,
+        lengths=None,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+    )
     return shape(reqs, Shaping(seed=seed))
 
 
@@ -396,20 +437,29 @@ async def measure_capacity(cfg: ClientConfig, args: argparse.Namespace) -> tuple
         result = await run_open_loop(specs, cfg, duration_s=args.ramp_step_s, drain_timeout_s=2.0)
         report = summarize([t.to_record() for t in result.trackers]).overall
         p90 = report.ttft_ms.p90
-        ok = (report.failed == 0 and report.succeeded == len(result.trackers)
-              and p90 is not None and p90 <= args.ramp_ttft_ms)
+        ok = (
+            report.failed == 0
+            and report.succeeded == len(result.trackers)
+            and p90 is not None
+            and p90 <= args.ramp_ttft_ms
+        )
         steps.append(RampStep(rate, len(result.trackers), report.succeeded, report.failed, p90, ok))
-        print(f"  ramp {rate:7.2f} req/s: {report.succeeded}/{len(result.trackers)} done, "
-              f"TTFT p90 {'-' if p90 is None else f'{p90:.0f}'} ms -> {'sustained' if ok else 'not sustained'}",
-              flush=True)
+        print(
+            f"  ramp {rate:7.2f} req/s: {report.succeeded}/{len(result.trackers)} done, "
+            f"TTFT p90 {'-' if p90 is None else f'{p90:.0f}'} ms -> {'sustained' if ok else 'not sustained'}",
+            flush=True,
+        )
         if not ok:
             break
         rate *= 1.5
         await asyncio.sleep(2.0)  # let any tail finish before the next step
     sustained = [s.rate_per_s for s in steps if s.sustained]
     if steps[-1].sustained:
-        print(f"  the ramp ran out of steps before overload: capacity is at least {steps[-1].rate_per_s:.2f} req/s "
-              "(raise --ramp-max-steps to find it)", flush=True)
+        print(
+            f"  the ramp ran out of steps before overload: capacity is at least {steps[-1].rate_per_s:.2f} req/s "
+            "(raise --ramp-max-steps to find it)",
+            flush=True,
+        )
     return (max(sustained) if sustained else steps[0].rate_per_s / 1.5), steps
 
 
@@ -447,22 +497,33 @@ class FaultInjector:
                 await asyncio.sleep(self.nats_down_s)
                 await asyncio.to_thread(self.nats.start, self.log_dir / "nats-server.log")
                 detail = f"down {self.nats_down_s:g} s"
-            whole = await wait_whole(self.nats_url, self.gateway_url, self.num_workers,
-                                     loop.time() + RECOVERY_TIMEOUT_S, gone_worker=gone)
+            whole = await wait_whole(
+                self.nats_url, self.gateway_url, self.num_workers, loop.time() + RECOVERY_TIMEOUT_S, gone_worker=gone
+            )
             rec_s = loop.time() - self.t0 if whole else None
             self.records.append(FaultRecord(fault.kind, fault.target, at_s, rec_s, detail))
-            print(f"  fault {fault.kind} {fault.target} at {at_s:.1f} s ({detail}); "
-                  f"{'whole again at ' + format(rec_s, '.1f') + ' s' if whole else 'NOT recovered'}", flush=True)
+            print(
+                f"  fault {fault.kind} {fault.target} at {at_s:.1f} s ({detail}); "
+                f"{'whole again at ' + format(rec_s, '.1f') + ' s' if whole else 'NOT recovered'}",
+                flush=True,
+            )
 
 
-async def sampler(stop: asyncio.Event, period_s: float, t0: float, run_dir: Path, gateway_url: str,
-                  nats: NatsServer, out: list[Sample]) -> None:
+async def sampler(
+    stop: asyncio.Event,
+    period_s: float,
+    t0: float,
+    run_dir: Path,
+    gateway_url: str,
+    nats: NatsServer,
+    out: list[Sample],
+) -> None:
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         out.extend(await asyncio.to_thread(sample_once, loop.time() - t0, run_dir, gateway_url, nats))
         try:
             await asyncio.wait_for(stop.wait(), timeout=period_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -474,23 +535,46 @@ def write_series_csv(samples: Sequence[Sample], path: Path) -> None:
         w = csv.writer(f)
         w.writerow(("t_s", "process", "pid", "rss_mib", "asyncio_tasks"))
         for s in samples:
-            w.writerow((f"{s.t_s:.2f}", s.process, s.pid, "" if s.rss_mib is None else f"{s.rss_mib:.1f}",
-                        "" if s.asyncio_tasks is None else f"{s.asyncio_tasks:g}"))
+            w.writerow(
+                (
+                    f"{s.t_s:.2f}",
+                    s.process,
+                    s.pid,
+                    "" if s.rss_mib is None else f"{s.rss_mib:.1f}",
+                    "" if s.asyncio_tasks is None else f"{s.asyncio_tasks:g}",
+                )
+            )
 
 
-def write_requests_csv(outcomes: Sequence[Outcome], windows: Sequence[FaultWindow], run_end_s: float,
-                       path: Path) -> None:
+def write_requests_csv(
+    outcomes: Sequence[Outcome], windows: Sequence[FaultWindow], run_end_s: float, path: Path
+) -> None:
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(("request_id", "send_s", "end_s", "status", "error", "in_fault_window"))
         for o in outcomes:
             inside = overlaps(o.send_s, run_end_s if o.end_s is None else o.end_s, windows)
-            w.writerow((o.request_id, f"{o.send_s:.3f}", "" if o.end_s is None else f"{o.end_s:.3f}", o.status,
-                        o.error or "", int(inside)))
+            w.writerow(
+                (
+                    o.request_id,
+                    f"{o.send_s:.3f}",
+                    "" if o.end_s is None else f"{o.end_s:.3f}",
+                    o.status,
+                    o.error or "",
+                    int(inside),
+                )
+            )
 
 
-def write_plot(samples: Sequence[Sample], outcomes: Sequence[Outcome], faults: Sequence[FaultRecord],
-               windows: Sequence[FaultWindow], run_end_s: float, warmup_s: float, path: Path) -> None:
+def write_plot(
+    samples: Sequence[Sample],
+    outcomes: Sequence[Outcome],
+    faults: Sequence[FaultRecord],
+    windows: Sequence[FaultWindow],
+    run_end_s: float,
+    warmup_s: float,
+    path: Path,
+) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 9), layout="constrained")
@@ -503,8 +587,13 @@ def write_plot(samples: Sequence[Sample], outcomes: Sequence[Outcome], faults: S
             for ax, metric in ((ax_rss, "rss_mib"), (ax_tasks, "asyncio_tasks")):
                 pts = [(s.t_s, getattr(s, metric)) for s in seg if getattr(s, metric) is not None]
                 if pts:
-                    ax.plot([t for t, _ in pts], [v for _, v in pts], linewidth=1, color=f"C{i % 10}",
-                            label=process if k == 0 else None)
+                    ax.plot(
+                        [t for t, _ in pts],
+                        [v for _, v in pts],
+                        linewidth=1,
+                        color=f"C{i % 10}",
+                        label=process if k == 0 else None,
+                    )
     bin_s = float(max(1, round(run_end_s / 60.0)))
     nbins = max(1, int(run_end_s / bin_s) + 1)
     edges = [i * bin_s for i in range(nbins + 1)]
@@ -521,8 +610,14 @@ def write_plot(samples: Sequence[Sample], outcomes: Sequence[Outcome], faults: S
         ax.axvline(warmup_s, color="gray", linestyle=":", linewidth=0.8)
         ax.grid(alpha=0.3)
     for f in faults:
-        ax_rss.annotate("NATS" if f.kind == NATS_RESTART else f"kill {f.target}", (f.at_s, 1.0),
-                        xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top")
+        ax_rss.annotate(
+            "NATS" if f.kind == NATS_RESTART else f"kill {f.target}",
+            (f.at_s, 1.0),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            rotation=90,
+            va="top",
+        )
     ax_rss.set_ylabel("RSS (MiB)")
     ax_rss.set_title("Soak: shaded = fault windows (red worker kill, orange NATS restart); dotted = end of warm-up")
     ax_tasks.set_ylabel("asyncio tasks")
@@ -564,14 +659,22 @@ def format_markdown(result: dict[str, Any]) -> str:
     ]
     for f, w in zip(result["faults"], result["windows"]):
         rec = "never" if f["recovered_s"] is None else f"{f['recovered_s']:.1f}"
-        lines.append(f"| {f['kind']} | {f['target']} ({f['detail']}) | {f['at_s']:.1f} | {rec} | "
-                     f"{w['start_s']:.1f}-{w['end_s']:.1f} |")
-    lines += ["", f"After warm-up ({result['warmup_s']:.0f} s), per process (the pid it ended with):", "",
-              "| process | metric | samples | first | last | max | slope /min |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {f['kind']} | {f['target']} ({f['detail']}) | {f['at_s']:.1f} | {rec} | "
+            f"{w['start_s']:.1f}-{w['end_s']:.1f} |"
+        )
+    lines += [
+        "",
+        f"After warm-up ({result['warmup_s']:.0f} s), per process (the pid it ended with):",
+        "",
+        "| process | metric | samples | first | last | max | slope /min |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for s in result["series"]:
-        lines.append(f"| {s['process']} | {s['metric']} | {s['samples']} | {_num(s['first'])} | {_num(s['last'])} "
-                     f"| {_num(s['max'])} | {_num(s['slope_per_min'], 2)} |")
+        lines.append(
+            f"| {s['process']} | {s['metric']} | {s['samples']} | {_num(s['first'])} | {_num(s['last'])} "
+            f"| {_num(s['max'])} | {_num(s['slope_per_min'], 2)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -599,8 +702,15 @@ async def soak(args: argparse.Namespace, gateway_url: str, nats: NatsServer, run
 
     model = await discover_model(gateway_url, None)
     # Token-id prompts on /v1/completions and ignore_eos: every request has exactly the lengths asked for.
-    cfg = ClientConfig(base_url=gateway_url, model=model, endpoint="completions", prompt_format="token-ids",
-                       return_token_ids=True, ignore_eos=True, request_timeout_s=args.request_timeout)
+    cfg = ClientConfig(
+        base_url=gateway_url,
+        model=model,
+        endpoint="completions",
+        prompt_format="token-ids",
+        return_token_ids=True,
+        ignore_eos=True,
+        request_timeout_s=args.request_timeout,
+    )
     steps: list[RampStep] = []
     capacity = None
     if args.rate is not None:
@@ -610,11 +720,20 @@ async def soak(args: argparse.Namespace, gateway_url: str, nats: NatsServer, run
         capacity, steps = await measure_capacity(cfg, args)
         rate = capacity * args.load_fraction
     duration_s = args.minutes * 60.0
-    plan = plan_faults(duration_s, args.kill_every * 60.0, args.devices, max_kills=args.max_kills,
-                       nats_restart=not args.no_nats_restart, tail_s=min(10.0, duration_s / 4))
+    plan = plan_faults(
+        duration_s,
+        args.kill_every * 60.0,
+        args.devices,
+        max_kills=args.max_kills,
+        nats_restart=not args.no_nats_restart,
+        tail_s=min(10.0, duration_s / 4),
+    )
     specs = poisson_specs(rate, duration_s, args.prompt_tokens, args.output_tokens, seed=args.seed)
-    print(f"soak: {len(specs)} requests at {rate:.2f} req/s for {duration_s:.0f} s; faults: "
-          + ", ".join(f"{f.kind} {f.target} @{f.at_s:.0f}s" for f in plan), flush=True)
+    print(
+        f"soak: {len(specs)} requests at {rate:.2f} req/s for {duration_s:.0f} s; faults: "
+        + ", ".join(f"{f.kind} {f.target} @{f.at_s:.0f}s" for f in plan),
+        flush=True,
+    )
 
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -646,35 +765,63 @@ async def soak(args: argparse.Namespace, gateway_url: str, nats: NatsServer, run
         "command": "nitsum bench soak " + " ".join(args.argv),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "devices": args.devices, "capacity_rps": capacity, "rate_rps": rate, "duration_s": duration_s,
-        "run_end_s": run_end_s, "warmup_s": args.warmup_s, "grace_s": args.grace_s,
-        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-        "ramp": [asdict(s) for s in steps], "planned_faults": [asdict(f) for f in plan],
-        "faults": [asdict(f) for f in injector.records], "windows": [asdict(w) for w in windows],
-        "counts": asdict(counts), "series": [asdict(s) for s in series],
-        "ttft_ms": report.overall.to_dict()["ttft_ms"], "tpot_ms": report.overall.to_dict()["tpot_ms"],
+        "devices": args.devices,
+        "capacity_rps": capacity,
+        "rate_rps": rate,
+        "duration_s": duration_s,
+        "run_end_s": run_end_s,
+        "warmup_s": args.warmup_s,
+        "grace_s": args.grace_s,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "ramp": [asdict(s) for s in steps],
+        "planned_faults": [asdict(f) for f in plan],
+        "faults": [asdict(f) for f in injector.records],
+        "windows": [asdict(w) for w in windows],
+        "counts": asdict(counts),
+        "series": [asdict(s) for s in series],
+        "ttft_ms": report.overall.to_dict()["ttft_ms"],
+        "tpot_ms": report.overall.to_dict()["tpot_ms"],
     }
     (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     write_series_csv(samples, out / "soak_series.csv")
     write_requests_csv(outcomes, windows, run_end_s, out / "soak_requests.csv")
     write_plot(samples, outcomes, injector.records, windows, run_end_s, args.warmup_s, out / "soak.png")
     (out / "soak.md").write_text(format_markdown(result), encoding="utf-8")
-    write_all(report, records, out / "load", {"soak": {k: result[k] for k in ("command", "rate_rps", "duration_s")}},
-              log_rows=(t.to_log() for t in trackers))
+    write_all(
+        report,
+        records,
+        out / "load",
+        {"soak": {k: result[k] for k in ("command", "rate_rps", "duration_s")}},
+        log_rows=(t.to_log() for t in trackers),
+    )
     print(format_table(report))
     return result
 
 
-QUICK = {"minutes": 1.0, "kill_every": 0.5, "max_kills": 1, "warmup_s": 10.0, "sample_s": 1.0,
-         "ramp_step_s": 4.0, "ramp_max_steps": 5}
+QUICK = {
+    "minutes": 1.0,
+    "kill_every": 0.5,
+    "max_kills": 1,
+    "warmup_s": 10.0,
+    "sample_s": 1.0,
+    "ramp_step_s": 4.0,
+    "ramp_max_steps": 5,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nitsum bench soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="nitsum bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--minutes", type=float, default=None, help="soak length (default 10; --quick 1)")
-    p.add_argument("--kill-every", type=float, default=None, metavar="MIN",
-                   help="SIGKILL a worker every MIN minutes (default 2; --quick: once, half-way)")
+    p.add_argument(
+        "--kill-every",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="SIGKILL a worker every MIN minutes (default 2; --quick: once, half-way)",
+    )
     p.add_argument("--max-kills", type=int, default=None, help="at most this many kills")
     p.add_argument("--no-nats-restart", action="store_true", help="skip the NATS restart")
     p.add_argument("--quick", action="store_true", help="1 minute, one kill, one NATS restart, short ramp")
@@ -701,8 +848,19 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    defaults = QUICK if args.quick else {"minutes": 10.0, "kill_every": 2.0, "max_kills": None, "warmup_s": 60.0,
-                                         "sample_s": 5.0, "ramp_step_s": 8.0, "ramp_max_steps": 12}
+    defaults = (
+        QUICK
+        if args.quick
+        else {
+            "minutes": 10.0,
+            "kill_every": 2.0,
+            "max_kills": None,
+            "warmup_s": 60.0,
+            "sample_s": 5.0,
+            "ramp_step_s": 8.0,
+            "ramp_max_steps": 12,
+        }
+    )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -739,6 +897,8 @@ def main(argv: list[str]) -> int:
             mesh.stop()
         nats.stop()
     c = result["counts"]
-    print(f"sent {c['sent']}, completed {c['completed']}, failed inside fault windows {c['failed_in_windows']}, "
-          f"outside {c['failed_outside_windows']} (goal 0), lost {c['lost']} (goal 0); report in {args.out}")
+    print(
+        f"sent {c['sent']}, completed {c['completed']}, failed inside fault windows {c['failed_in_windows']}, "
+        f"outside {c['failed_outside_windows']} (goal 0), lost {c['lost']} (goal 0); report in {args.out}"
+    )
     return 0

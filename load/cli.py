@@ -38,6 +38,7 @@ def _positive(kind: type) -> Any:
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
+
     conv.__name__ = kind.__name__
     return conv
 
@@ -60,8 +61,9 @@ def _tier_mix(text: str) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nitsum load", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="nitsum load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the OpenAI-compatible server")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
@@ -69,47 +71,96 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--trace", help="azure-conv | azure-code | mooncake | servegen:<model> | path")
     src.add_argument("--poisson", type=_positive(float), metavar="RATE", help="Poisson arrivals, requests/s")
     src.add_argument("--gamma", type=_rate_cv, metavar="RATE,CV", help="gamma arrivals: rate/s and gap CV")
-    src.add_argument("--from-log", type=Path, metavar="FILE",
-                     help="send nothing; report an existing requests.jsonl lifecycle log")
-    p.add_argument("--time-scale", type=_positive(float), default=1.0,
-                   help="multiply arrival times (0.5 = twice the rate)")
-    p.add_argument("--target-rate", type=_positive(float), default=None, metavar="RPS",
-                   help="instead of --time-scale: rescale arrivals to this mean rate")
-    p.add_argument("--tier-mix", type=_tier_mix, default=None,
-                   help="e.g. interactive=0.3,background=0.7 (default: every request interactive)")
+    src.add_argument(
+        "--from-log", type=Path, metavar="FILE", help="send nothing; report an existing requests.jsonl lifecycle log"
+    )
+    p.add_argument(
+        "--time-scale", type=_positive(float), default=1.0, help="multiply arrival times (0.5 = twice the rate)"
+    )
+    p.add_argument(
+        "--target-rate",
+        type=_positive(float),
+        default=None,
+        metavar="RPS",
+        help="instead of --time-scale: rescale arrivals to this mean rate",
+    )
+    p.add_argument(
+        "--tier-mix",
+        type=_tier_mix,
+        default=None,
+        help="e.g. interactive=0.3,background=0.7 (default: every request interactive)",
+    )
     p.add_argument("--slo-ttft-ms", type=_positive(float), default=None, help="override every tier's TTFT target")
     p.add_argument("--slo-tpot-ms", type=_positive(float), default=None, help="override every tier's TPOT target")
     p.add_argument("--max-requests", type=_positive(int), default=None)
-    p.add_argument("--duration", type=_positive(float), default=None, metavar="S",
-                   help="send no request arriving at or after S seconds")
-    p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
-                   help="after the last send, wait at most S s for in-flight requests (default 60)")
+    p.add_argument(
+        "--duration",
+        type=_positive(float),
+        default=None,
+        metavar="S",
+        help="send no request arriving at or after S seconds",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="after the last send, wait at most S s for in-flight requests (default 60)",
+    )
     p.add_argument("--request-timeout", type=_positive(float), default=300.0, metavar="S")
-    p.add_argument("--concurrency-limit", type=_positive(int), default=None,
-                   help="at most N requests in flight; later ones wait (their wait counts in TTFT)")
+    p.add_argument(
+        "--concurrency-limit",
+        type=_positive(int),
+        default=None,
+        help="at most N requests in flight; later ones wait (their wait counts in TTFT)",
+    )
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat")
     p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="text")
-    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="text prompts: assume one token per word instead of measuring it with two requests")
+    p.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="text prompts: assume one token per word instead of measuring it with two requests",
+    )
     p.add_argument("--max-prompt-tokens", type=_positive(int), default=None)
     p.add_argument("--max-output-tokens", type=_positive(int), default=None)
     p.add_argument("--prompt-tokens", type=_positive(int), default=256, help="--poisson/--gamma fixed prompt length")
     p.add_argument("--output-tokens", type=_positive(int), default=64, help="--poisson/--gamma fixed output length")
-    p.add_argument("--lengths-from", default=None, metavar="TRACE",
-                   help="--poisson/--gamma: draw (prompt, output) lengths from this trace instead")
-    p.add_argument("--bucket-spread-ms", type=float, default=DEFAULT_BUCKET_SPREAD_MS,
-                   help="Mooncake: spread each timestamp bucket over this many ms (0 = fire at once)")
+    p.add_argument(
+        "--lengths-from",
+        default=None,
+        metavar="TRACE",
+        help="--poisson/--gamma: draw (prompt, output) lengths from this trace instead",
+    )
+    p.add_argument(
+        "--bucket-spread-ms",
+        type=float,
+        default=DEFAULT_BUCKET_SPREAD_MS,
+        help="Mooncake: spread each timestamp bucket over this many ms (0 = fire at once)",
+    )
     # Two extensions are on by default: ignore_eos (vLLM, SGLang, nitsum) makes outputs exactly as long as the
     # workload says; return_token_ids (nitsum, recent vLLM) gives every token its own time even when a chunk's
     # text is empty (a partial UTF-8 character) or holds several tokens. Turn them off for strict servers.
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos (for servers that reject it)")
-    p.add_argument("--no-token-ids", dest="return_token_ids", action="store_false",
-                   help="do not send return_token_ids; count one token per non-empty text chunk")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (for servers that reject it)",
+    )
+    p.add_argument(
+        "--no-token-ids",
+        dest="return_token_ids",
+        action="store_false",
+        help="do not send return_token_ids; count one token per non-empty text chunk",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="report directory (default runs/load-<time>)")
-    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                   help="live progress bar on stderr (auto: when stderr is a terminal)")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="live progress bar on stderr (auto: when stderr is a terminal)",
+    )
     return p
 
 
@@ -118,12 +169,13 @@ async def discover_model(url: str, api_key: str | None, timeout_s: float = 10.0)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with aiohttp.ClientSession() as session:
-            async with session.get(url.rstrip("/") + "/v1/models", headers=headers,
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with session.get(
+                url.rstrip("/") + "/v1/models", headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"GET /v1/models answered HTTP {resp.status}; pass --model")
                 data = await resp.json()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         raise RuntimeError(f"cannot reach {url}: {exc!r}") from exc
     models = data.get("data") or []
     if not models:
@@ -144,19 +196,35 @@ async def _calibrate(cfg: ClientConfig) -> PromptScale:
 def build_specs(args: argparse.Namespace) -> list:
     max_n = args.max_requests
     if args.trace:
-        reqs = read_trace(args.trace, limit=max_n, bucket_spread_ms=args.bucket_spread_ms,
-                          duration_s=args.duration, seed=args.seed)
+        reqs = read_trace(
+            args.trace, limit=max_n, bucket_spread_ms=args.bucket_spread_ms, duration_s=args.duration, seed=args.seed
+        )
     else:
         lengths = read_trace(args.lengths_from, bucket_spread_ms=args.bucket_spread_ms) if args.lengths_from else None
         kind, rate, cv = ("gamma", *args.gamma) if args.gamma else ("poisson", args.poisson, 1.0)
         # Generated before time scaling, so a duration bound is stretched to cover the scaled window.
         dur = None if args.duration is None else args.duration / args.time_scale
-        reqs = synthetic(kind, rate, cv=cv, num_requests=max_n, duration_s=dur, seed=args.seed,
-                         lengths=lengths, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
+        reqs = synthetic(
+            kind,
+            rate,
+            cv=cv,
+            num_requests=max_n,
+            duration_s=dur,
+            seed=args.seed,
+            lengths=lengths,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+        )
     shaping = Shaping(
-        tier_mix=args.tier_mix, time_scale=args.time_scale, target_rate_per_s=args.target_rate,
-        max_requests=max_n, max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed,
+        tier_mix=args.tier_mix,
+        time_scale=args.time_scale,
+        target_rate_per_s=args.target_rate,
+        max_requests=max_n,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        seed=args.seed,
     )
     return shape(reqs, shaping)
 
@@ -169,9 +237,16 @@ def _meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
 
 async def run(args: argparse.Namespace) -> int:
     model = args.model or await discover_model(args.url, args.api_key)
-    cfg = ClientConfig(base_url=args.url, model=model, endpoint=args.endpoint, api_key=args.api_key,
-                       request_timeout_s=args.request_timeout, ignore_eos=args.ignore_eos,
-                       return_token_ids=args.return_token_ids, prompt_format=args.prompt_format)
+    cfg = ClientConfig(
+        base_url=args.url,
+        model=model,
+        endpoint=args.endpoint,
+        api_key=args.api_key,
+        request_timeout_s=args.request_timeout,
+        ignore_eos=args.ignore_eos,
+        return_token_ids=args.return_token_ids,
+        prompt_format=args.prompt_format,
+    )
     if args.calibrate and args.prompt_format == "text":
         cfg = dataclasses.replace(cfg, prompt_scale=await _calibrate(cfg))
     specs = build_specs(args)
@@ -189,8 +264,15 @@ async def run(args: argparse.Namespace) -> int:
         bar.start()
     started = time.time()
     try:
-        result = await run_open_loop(specs, cfg, duration_s=args.duration, concurrency_limit=args.concurrency_limit,
-                                     drain_timeout_s=args.drain_timeout, stop=stop, counters=counters)
+        result = await run_open_loop(
+            specs,
+            cfg,
+            duration_s=args.duration,
+            concurrency_limit=args.concurrency_limit,
+            drain_timeout_s=args.drain_timeout,
+            stop=stop,
+            counters=counters,
+        )
     finally:
         if bar:
             await bar.stop()
@@ -199,13 +281,20 @@ async def run(args: argparse.Namespace) -> int:
     records = [t.to_record() for t in result.trackers]
     report = summarize(records)
     out = args.out or Path("runs") / time.strftime("load-%Y%m%d-%H%M%S")
-    meta = _meta(args, model=model, prompt_scale=dataclasses.asdict(cfg.prompt_scale), started_unix_s=started, elapsed_s=result.elapsed_s,
-                 interrupted=result.interrupted, planned_requests=len(specs), sent_requests=len(records))
+    meta = _meta(
+        args,
+        model=model,
+        prompt_scale=dataclasses.asdict(cfg.prompt_scale),
+        started_unix_s=started,
+        elapsed_s=result.elapsed_s,
+        interrupted=result.interrupted,
+        planned_requests=len(specs),
+        sent_requests=len(records),
+    )
     write_all(report, records, out, meta, log_rows=(t.to_log() for t in result.trackers))
     print(format_table(report))
     note = " (interrupted: partial report)" if result.interrupted else ""
-    print(f"sent {len(records)} of {len(specs)} planned requests in {result.elapsed_s:.1f} s{note}; "
-          f"report in {out}")
+    print(f"sent {len(records)} of {len(specs)} planned requests in {result.elapsed_s:.1f} s{note}; report in {out}")
     return 130 if result.interrupted else 0
 
 

@@ -7,7 +7,6 @@ Ctrl-C) still holds everything observed so far. Times are ms on the runner's clo
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,8 +96,7 @@ class RequestSpec:
     weight: float
 
 
-def synth_prompt(num_tokens: int, fmt: str, seed_index: int = 0,
-                 scale: PromptScale | None = None) -> str | list[int]:
+def synth_prompt(num_tokens: int, fmt: str, seed_index: int = 0, scale: PromptScale | None = None) -> str | list[int]:
     """A prompt of about `num_tokens` tokens (exactly, for token ids). Deterministic."""
     assert num_tokens >= 1, "a prompt has at least one token"
     if fmt == "token-ids":
@@ -136,20 +134,29 @@ async def calibrate_prompt(session: aiohttp.ClientSession, cfg: ClientConfig) ->
     Raises RuntimeError when the server does not answer them with a usage block."""
     measured = []
     for words in CALIBRATION_WORDS:
-        spec = RequestSpec(request_id=f"calibrate-{words}", arrival_ms=0.0, prompt_tokens=words, output_tokens=1,
-                           tier="background", ttft_slo_ms=1.0, tpot_slo_ms=1.0, weight=1.0)
+        spec = RequestSpec(
+            request_id=f"calibrate-{words}",
+            arrival_ms=0.0,
+            prompt_tokens=words,
+            output_tokens=1,
+            tier="background",
+            ttft_slo_ms=1.0,
+            tpot_slo_ms=1.0,
+            weight=1.0,
+        )
         body = build_body(dataclasses.replace(cfg, prompt_scale=PromptScale()), spec)
         body["stream"] = False
         body.pop("stream_options", None)
         body.pop("return_token_ids", None)
         headers = {k: v for k, v in build_headers(cfg, spec).items() if not k.startswith("x-slo-")}
         try:
-            async with session.post(cfg.url, json=body, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s)) as resp:
+            async with session.post(
+                cfg.url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+            ) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"prompt calibration: HTTP {resp.status}: {(await resp.text())[:200]}")
                 data = await resp.json()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise RuntimeError(f"prompt calibration: {exc!r}") from exc
         tokens = (data.get("usage") or {}).get("prompt_tokens")
         if not isinstance(tokens, int):
@@ -274,7 +281,7 @@ async def send(
                 return
             streaming = True
             await _read_stream(resp, tracker, clock)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         tracker.fail("timeout", f"no complete response within {cfg.request_timeout_s} s")
     except aiohttp.ClientPayloadError as exc:
         tracker.fail("stream_error", f"payload: {exc}")

@@ -20,8 +20,14 @@ def metric_values(report) -> list[float | None]:
 
 # Where a live request's time goes, from the services' spans (gateway.request, coordinator.route,
 # worker.generate; joined on the server's request id) placed on the load generator's clock.
-PATH_PARTS = ("to_gateway_ms", "gateway_to_coordinator_ms", "coordinator_to_worker_ms", "worker_to_first_token_ms",
-              "worker_span_ms", "last_token_lag_ms")
+PATH_PARTS = (
+    "to_gateway_ms",
+    "gateway_to_coordinator_ms",
+    "coordinator_to_worker_ms",
+    "worker_to_first_token_ms",
+    "worker_span_ms",
+    "last_token_lag_ms",
+)
 
 
 def path_breakdown(logs: list[dict], spans: list[dict], wall0_ms: float) -> list[dict[str, Any]]:
@@ -41,12 +47,15 @@ def path_breakdown(logs: list[dict], spans: list[dict], wall0_ms: float) -> list
         ms = lambda sp, key: sp[key] / 1e6 - wall0_ms  # noqa: E731 (a span time on the client's clock)
         # The coordinator's route span ends when the worker has acknowledged the run, after the worker's span
         # started: the coordinator's part is its span's start to the worker's.
-        row = {"request_id": log["request_id"], "to_gateway_ms": ms(gw, "start_unix_ns") - log["dispatched_ms"],
-               "gateway_to_coordinator_ms": ms(co, "start_unix_ns") - ms(gw, "start_unix_ns"),
-               "coordinator_to_worker_ms": ms(wk, "start_unix_ns") - ms(co, "start_unix_ns"),
-               "worker_to_first_token_ms": log["first_token_ms"] - ms(wk, "start_unix_ns"),
-               "worker_span_ms": ms(wk, "end_unix_ns") - ms(wk, "start_unix_ns"),
-               "last_token_lag_ms": None if log.get("finish_ms") is None else log["finish_ms"] - ms(wk, "end_unix_ns")}
+        row = {
+            "request_id": log["request_id"],
+            "to_gateway_ms": ms(gw, "start_unix_ns") - log["dispatched_ms"],
+            "gateway_to_coordinator_ms": ms(co, "start_unix_ns") - ms(gw, "start_unix_ns"),
+            "coordinator_to_worker_ms": ms(wk, "start_unix_ns") - ms(co, "start_unix_ns"),
+            "worker_to_first_token_ms": log["first_token_ms"] - ms(wk, "start_unix_ns"),
+            "worker_span_ms": ms(wk, "end_unix_ns") - ms(wk, "start_unix_ns"),
+            "last_token_lag_ms": None if log.get("finish_ms") is None else log["finish_ms"] - ms(wk, "end_unix_ns"),
+        }
         out.append(row)
     return out
 
@@ -60,8 +69,11 @@ def format_breakdown(rows: list[dict[str, Any]]) -> str:
     return f"where live time goes (p50/p90 ms over {len(rows)} requests): " + ", ".join(parts)
 
 
-def bootstrap_intervals(records: list[RequestRecord], resamples: int = 200, seed: int = 0,
-                        ) -> list[tuple[float, float] | None]:
+def bootstrap_intervals(
+    records: list[RequestRecord],
+    resamples: int = 200,
+    seed: int = 0,
+) -> list[tuple[float, float] | None]:
     """5th-95th percentile of each metric over resamples (with replacement) of the live evaluation requests: how
     far the live figure itself could move with another draw of as many requests under the same conditions."""
     rng = random.Random(seed)
@@ -73,15 +85,29 @@ def bootstrap_intervals(records: list[RequestRecord], resamples: int = 200, seed
     return out
 
 
-def per_request_rows(live_records: list[RequestRecord], bare: list[RequestRecord], service: list[RequestRecord],
-                     ) -> list[dict[str, Any]]:
+def per_request_rows(
+    live_records: list[RequestRecord],
+    bare: list[RequestRecord],
+    service: list[RequestRecord],
+) -> list[dict[str, Any]]:
     """One row per evaluation request: its TTFT and TPOT live, simulated on the table, and with the service model."""
     rows = []
     for a, b, c in zip(live_records, bare, service):
-        rows.append({"request_id": a.request_id, "send_ms": a.send_ms, "prompt_tokens": a.prompt_tokens,
-                     "output_tokens": a.output_tokens, "ttft_live_ms": a.ttft_ms, "ttft_table_ms": b.ttft_ms,
-                     "ttft_service_ms": c.ttft_ms, "tpot_live_ms": a.tpot_ms, "tpot_table_ms": b.tpot_ms,
-                     "tpot_service_ms": c.tpot_ms, "live_chunks": len(set(a.token_times_ms))})
+        rows.append(
+            {
+                "request_id": a.request_id,
+                "send_ms": a.send_ms,
+                "prompt_tokens": a.prompt_tokens,
+                "output_tokens": a.output_tokens,
+                "ttft_live_ms": a.ttft_ms,
+                "ttft_table_ms": b.ttft_ms,
+                "ttft_service_ms": c.ttft_ms,
+                "tpot_live_ms": a.tpot_ms,
+                "tpot_table_ms": b.tpot_ms,
+                "tpot_service_ms": c.tpot_ms,
+                "live_chunks": len(set(a.token_times_ms)),
+            }
+        )
     return rows
 
 

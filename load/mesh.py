@@ -44,17 +44,33 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> int:
     return int(process.returncode)
 
 
-def start_mesh(run_dir: Path, *, devices: int = 1, extra_args: tuple[str, ...] = (),
-               ready_timeout_s: float = 150.0) -> LocalMesh:
+def start_mesh(
+    run_dir: Path, *, devices: int = 1, extra_args: tuple[str, ...] = (), ready_timeout_s: float = 150.0
+) -> LocalMesh:
     """`nitsum up --devices N` on a free port; returns once it prints that it is ready (raises otherwise)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log_path = run_dir / "up.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "nitsum.cli", "up", "--devices", str(devices), "--port", str(port),
-             "--run-dir", str(run_dir / "run"), "--ready-timeout", str(ready_timeout_s), *extra_args],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "nitsum.cli",
+                "up",
+                "--devices",
+                str(devices),
+                "--port",
+                str(port),
+                "--run-dir",
+                str(run_dir / "run"),
+                "--ready-timeout",
+                str(ready_timeout_s),
+                *extra_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     mesh = LocalMesh(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + ready_timeout_s + 10

@@ -20,8 +20,10 @@ def render(c: Counters, elapsed_s: float, width: int = BAR_WIDTH) -> str:
     frac = min(1.0, frac)
     filled = int(round(frac * width))
     bar = "#" * filled + "-" * (width - filled)
-    return (f"[{bar}] {frac * 100:5.1f}%  sent {c.sent}/{c.planned}  in flight {c.in_flight}  "
-            f"done {c.done}  failed {c.failed}  tokens {c.tokens}  {elapsed_s:6.1f}s")
+    return (
+        f"[{bar}] {frac * 100:5.1f}%  sent {c.sent}/{c.planned}  in flight {c.in_flight}  "
+        f"done {c.done}  failed {c.failed}  tokens {c.tokens}  {elapsed_s:6.1f}s"
+    )
 
 
 class ProgressBar:

@@ -23,9 +23,22 @@ from typing import Any
 from nitsum.metrics import Distribution, Report, RequestRecord, TierSummary
 
 FILES = ("summary.json", "summary.csv", "requests.jsonl", "latency_cdf.png", "timeline.png", "attainment.png")
-SCALARS = ("requests", "succeeded", "failed", "unfinished", "slo_met", "ttft_met", "tpot_met", "slo_attainment",
-           "ttft_attainment", "tpot_attainment", "goodput_rps", "weighted_goodput_rps", "throughput_rps",
-           "output_tokens_per_s")
+SCALARS = (
+    "requests",
+    "succeeded",
+    "failed",
+    "unfinished",
+    "slo_met",
+    "ttft_met",
+    "tpot_met",
+    "slo_attainment",
+    "ttft_attainment",
+    "tpot_attainment",
+    "goodput_rps",
+    "weighted_goodput_rps",
+    "throughput_rps",
+    "output_tokens_per_s",
+)
 DISTS = ("ttft_ms", "tpot_ms", "itl_ms")
 DIST_FIELDS = ("count", "mean", "p50", "p90", "p99", "max")
 CSV_COLUMNS = ("tier",) + SCALARS + tuple(f"{d}_{f}" for d in DISTS for f in DIST_FIELDS) + ("errors",)
@@ -49,13 +62,32 @@ def format_errors(errors: Mapping[str, int]) -> str:
 
 def format_table(report: Report) -> str:
     """A fixed-width table, one row per tier and one for all requests."""
-    header = ("tier", "reqs", "ok", "SLO met", "goodput/s", "w.goodput/s", "TTFT p50/p90/p99 ms",
-              "TPOT p50/p90/p99 ms", "errors")
+    header = (
+        "tier",
+        "reqs",
+        "ok",
+        "SLO met",
+        "goodput/s",
+        "w.goodput/s",
+        "TTFT p50/p90/p99 ms",
+        "TPOT p50/p90/p99 ms",
+        "errors",
+    )
     rows = [header]
     for s in [*report.tiers.values(), report.overall]:
-        rows.append((s.tier, str(s.requests), str(s.succeeded), _pct(s.slo_attainment), _fmt(s.goodput_rps, 2),
-                     _fmt(s.weighted_goodput_rps, 2), _triple(s.ttft_ms), _triple(s.tpot_ms),
-                     format_errors(s.errors)))
+        rows.append(
+            (
+                s.tier,
+                str(s.requests),
+                str(s.succeeded),
+                _pct(s.slo_attainment),
+                _fmt(s.goodput_rps, 2),
+                _fmt(s.weighted_goodput_rps, 2),
+                _triple(s.ttft_ms),
+                _triple(s.tpot_ms),
+                format_errors(s.errors),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = []
     for n, r in enumerate(rows):
@@ -87,8 +119,9 @@ def write_csv(report: Report, path: Path) -> None:
 
 
 def write_json(report: Report, path: Path, meta: Mapping[str, Any]) -> None:
-    path.write_text(json.dumps({"meta": dict(meta), "report": report.to_dict()}, indent=2, sort_keys=False) + "\n",
-                    encoding="utf-8")
+    path.write_text(
+        json.dumps({"meta": dict(meta), "report": report.to_dict()}, indent=2, sort_keys=False) + "\n", encoding="utf-8"
+    )
 
 
 def write_lifecycle_log(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
@@ -139,12 +172,15 @@ def write_plots(records: Sequence[RequestRecord], report: Report, out_dir: Path)
     for tier, recs in groups.items():
         for ax, values, target in (
             (ax_ttft, [r.ttft_ms for r in recs if r.ttft_ms is not None], recs[0].ttft_slo_ms if recs else None),
-            (ax_tpot, [r.tpot_ms for r in recs if r.succeeded and r.tpot_ms is not None],
-             recs[0].tpot_slo_ms if recs else None),
+            (
+                ax_tpot,
+                [r.tpot_ms for r in recs if r.succeeded and r.tpot_ms is not None],
+                recs[0].tpot_slo_ms if recs else None,
+            ),
         ):
             xs = sorted(values)
             if xs:
-                line, = ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=tier)
+                (line,) = ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=tier)
                 if target is not None:
                     ax.axvline(target, color=line.get_color(), linestyle="--", linewidth=0.8)
     for ax, name in ((ax_ttft, "TTFT"), (ax_tpot, "TPOT")):
@@ -194,10 +230,15 @@ def write_plots(records: Sequence[RequestRecord], report: Report, out_dir: Path)
     summaries = [*report.tiers.values(), report.overall]
     names = [s.tier for s in summaries]
     width = 0.27
-    for k, (label, attr) in enumerate((("SLO", "slo_attainment"), ("TTFT", "ttft_attainment"),
-                                       ("TPOT", "tpot_attainment"))):
-        ax.bar([i + (k - 1) * width for i in range(len(names))],
-               [getattr(s, attr) or 0.0 for s in summaries], width, label=label)
+    for k, (label, attr) in enumerate(
+        (("SLO", "slo_attainment"), ("TTFT", "ttft_attainment"), ("TPOT", "tpot_attainment"))
+    ):
+        ax.bar(
+            [i + (k - 1) * width for i in range(len(names))],
+            [getattr(s, attr) or 0.0 for s in summaries],
+            width,
+            label=label,
+        )
     ax.set_xticks(range(len(names)), names)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("fraction of requests meeting target")
@@ -221,7 +262,6 @@ def write_all(
     paths = {name: out_dir / name for name in FILES}
     write_json(report, paths["summary.json"], meta)
     write_csv(report, paths["summary.csv"])
-    write_lifecycle_log(log_rows if log_rows is not None else (r.to_dict() for r in records),
-                        paths["requests.jsonl"])
+    write_lifecycle_log(log_rows if log_rows is not None else (r.to_dict() for r in records), paths["requests.jsonl"])
     write_plots(records, report, out_dir)
     return paths

@@ -50,12 +50,12 @@ class SseParser:
     def _split_line(buf: bytes) -> tuple[bytes, bytes, bool]:
         for i, b in enumerate(buf):
             if b == 0x0A:  # LF
-                return buf[:i], buf[i + 1:], True
+                return buf[:i], buf[i + 1 :], True
             if b == 0x0D:  # CR, maybe followed by LF
                 if i + 1 == len(buf):
                     return b"", buf, False  # wait: the LF may be in the next chunk
                 skip = 2 if buf[i + 1] == 0x0A else 1
-                return buf[:i], buf[i + skip:], True
+                return buf[:i], buf[i + skip :], True
         return b"", buf, False
 
     def _line(self, raw: bytes, out: list[str]) -> None:

@@ -146,14 +146,16 @@ def shape(reqs: Sequence[TraceRequest], s: Shaping) -> list[RequestSpec]:
     width = max(4, len(str(len(out))))
     for i, r in enumerate(out):
         slo = resolve_slo(r.tier, s.slo_ttft_ms, s.slo_tpot_ms)
-        specs.append(RequestSpec(
-            request_id=f"req-{i:0{width}d}",
-            arrival_ms=r.arrival_ms,
-            prompt_tokens=min(r.prompt_tokens, s.max_prompt_tokens or r.prompt_tokens),
-            output_tokens=min(r.output_tokens, s.max_output_tokens or r.output_tokens),
-            tier=slo.tier,
-            ttft_slo_ms=slo.ttft_ms,
-            tpot_slo_ms=slo.tpot_ms,
-            weight=slo.weight,
-        ))
+        specs.append(
+            RequestSpec(
+                request_id=f"req-{i:0{width}d}",
+                arrival_ms=r.arrival_ms,
+                prompt_tokens=min(r.prompt_tokens, s.max_prompt_tokens or r.prompt_tokens),
+                output_tokens=min(r.output_tokens, s.max_output_tokens or r.output_tokens),
+                tier=slo.tier,
+                ttft_slo_ms=slo.ttft_ms,
+                tpot_slo_ms=slo.tpot_ms,
+                weight=slo.weight,
+            )
+        )
     return specs

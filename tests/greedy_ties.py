@@ -58,8 +58,9 @@ def reference_margins(model_dir, prompt: list[int], tokens: list[int]) -> list[f
     return relative_margins(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
 
 
-def check_greedy(model_dir, prompt: list[int], got: list[int], ref: list[int], what: str = "",
-                 near_tie: float = NEAR_TIE) -> int | None:
+def check_greedy(
+    model_dir, prompt: list[int], got: list[int], ref: list[int], what: str = "", near_tie: float = NEAR_TIE
+) -> int | None:
     """Assert that greedy stream `got` equals `ref` (same prompt, same model), except that it may take
     another token at a near-tie of the reference, after which the rest is not compared. Lengths are the
     caller's to check. Returns the near-tie position where they parted, or None when equal. Free when
@@ -71,5 +72,6 @@ def check_greedy(model_dir, prompt: list[int], got: list[int], ref: list[int], w
     margin = reference_margins(model_dir, prompt, ref[: first + 1])[first]
     assert margin < near_tie, (
         f"{what}: first difference at output token {first} ({got[first]} instead of {ref[first]}), where the "
-        f"reference's top-2 logit margin is {margin:.1e} of its scale: not a near-tie (< {near_tie}), a bug")
+        f"reference's top-2 logit margin is {margin:.1e} of its scale: not a near-tie (< {near_tie}), a bug"
+    )
     return first

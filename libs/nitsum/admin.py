@@ -15,11 +15,11 @@ import sys
 import uuid
 
 from nitsum.config import default_home
+from nitsum.wire.subjects import Subjects
 
 DEFAULT_TIMEOUT_S = 2.0
 # A re-formation is answered once every worker joined the new world (each waits at most its world timeout).
 REFORM_TIMEOUT_S = 180.0
-from nitsum.wire.subjects import Subjects
 
 
 def _connection() -> tuple[str, str, str]:
@@ -37,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nitsum admin", description="Operate a running nitsum mesh.")
     p.add_argument("--nats", default="", help="NATS URL (default: NITSUM_NATS_URL or the running `nitsum up`)")
     p.add_argument("--namespace", default=os.environ.get("NITSUM_NAMESPACE", "nitsum"))
-    p.add_argument("--timeout", type=float, default=None, help=f"seconds to wait for the answer (default {DEFAULT_TIMEOUT_S:g}; reform-node {REFORM_TIMEOUT_S:g})")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"seconds to wait for the answer (default {DEFAULT_TIMEOUT_S:g}; reform-node {REFORM_TIMEOUT_S:g})",
+    )
     p.add_argument("--id", default="", help="command id (retries with the same id are answered once)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("status", help="workers, groups, queue depth per tier, active policy")
@@ -52,17 +57,27 @@ def build_parser() -> argparse.ArgumentParser:
     ro = sub.add_parser("role", help="set a worker's role")
     ro.add_argument("worker_id")
     ro.add_argument("role", choices=("prefill", "decode", "hybrid"))
-    rf = sub.add_parser("reform-node", help="re-form a node's world after it lost a member (the coordinator also does it by itself)")
+    rf = sub.add_parser(
+        "reform-node", help="re-form a node's world after it lost a member (the coordinator also does it by itself)"
+    )
     rf.add_argument("--node", default="node0")
     return p
 
 
 async def call(url: str, user: str, password: str, subject: str, body: dict, timeout_s: float) -> dict:
     import nats
-    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
 
     try:
-        nc = await nats.connect(servers=[url], user=user or None, password=password or None, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+        nc = await nats.connect(
+            servers=[url],
+            user=user or None,
+            password=password or None,
+            connect_timeout=2,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+        )
     except Exception as exc:  # nats-py raises several types here
         raise SystemExit(f"nitsum admin: cannot connect to NATS at {url}: {exc}") from None
     try:
@@ -70,7 +85,7 @@ async def call(url: str, user: str, password: str, subject: str, body: dict, tim
         return json.loads(msg.data.decode())
     except NoRespondersError:
         raise SystemExit(f"nitsum admin: no coordinator answers on {subject}") from None
-    except (NatsTimeout, asyncio.TimeoutError):
+    except (TimeoutError, NatsTimeout):
         raise SystemExit(f"nitsum admin: no answer on {subject} within {timeout_s} s") from None
     finally:
         await nc.close()
@@ -92,7 +107,13 @@ def main(argv: list[str]) -> int:
         body.update(worker_id=args.worker_id, role=args.role)
     elif args.command == "reform-node":
         body.update(node_id=args.node)
-    timeout_s = args.timeout if args.timeout is not None else REFORM_TIMEOUT_S if args.command == "reform-node" else DEFAULT_TIMEOUT_S
+    timeout_s = (
+        args.timeout
+        if args.timeout is not None
+        else REFORM_TIMEOUT_S
+        if args.command == "reform-node"
+        else DEFAULT_TIMEOUT_S
+    )
     subject = Subjects(args.namespace).admin(args.command)
     answer = asyncio.run(call(url, user, password, subject, body, timeout_s))
     json.dump(answer, sys.stdout, indent=2)

@@ -21,13 +21,15 @@ import asyncio
 import json
 import logging
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
 
 from nitsum.config import CommonConfig, nats_urls
@@ -99,7 +101,7 @@ class Bus:
         name: str,
         metrics: Metrics | None = None,
         connect_deadline_s: float = 30.0,
-    ) -> "Bus":
+    ) -> Bus:
         """Connect, retrying until `connect_deadline_s` (the server may still be starting)."""
         holder: dict[str, Bus] = {}
 
@@ -148,7 +150,9 @@ class Bus:
             except Exception as exc:  # nats-py raises several types for "cannot connect"
                 last_error = exc
                 if "Authorization" in str(exc) or "authorization" in str(exc):
-                    raise BusError(f"{name}: NATS refused the credentials for user {config.nats_user!r}: {exc}") from None
+                    raise BusError(
+                        f"{name}: NATS refused the credentials for user {config.nats_user!r}: {exc}"
+                    ) from None
                 if loop.time() > deadline:
                     raise BusError(f"{name}: cannot connect to NATS at {config.nats_url}: {last_error}") from None
                 await asyncio.sleep(0.25)
@@ -206,7 +210,7 @@ class Bus:
         try:
             await self.nc.publish(self._echo_subject, token)
             await asyncio.wait_for(waiter, timeout=timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BusTimeout(f"{self.name}: no round trip through NATS within {timeout_s:.3g} s") from None
         except nats.errors.Error as exc:
             raise BusError(f"{self.name}: cannot reach NATS: {exc}") from None
@@ -225,7 +229,7 @@ class Bus:
             msg = await self.nc.request(subject, encode(message), timeout=timeout_s, headers=inject_headers())
         except NoRespondersError:
             raise NoResponders(f"no service listens on {subject}") from None
-        except (NatsTimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, NatsTimeoutError):
             raise BusTimeout(f"no answer on {subject} within {timeout_s:.3g} s") from None
         reply = decode(msg.data)
         if isinstance(reply, ErrorReply):
@@ -299,7 +303,7 @@ class Bus:
             msg = await self.nc.request(subject, json.dumps(body).encode(), timeout=timeout_s)
         except NoRespondersError:
             raise NoResponders(f"no service listens on {subject}") from None
-        except (NatsTimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, NatsTimeoutError):
             raise BusTimeout(f"no answer on {subject} within {timeout_s:.3g} s") from None
         return json.loads(msg.data.decode())
 
@@ -334,6 +338,6 @@ class Bus:
             return
         try:
             await asyncio.wait_for(self.nc.drain(), timeout=timeout_s)
-        except (asyncio.TimeoutError, nats.errors.Error, ConnectionError) as exc:
+        except (TimeoutError, nats.errors.Error, ConnectionError) as exc:
             log.warning("%s: drain incomplete (%s); closing", self.name, exc)
             await self.nc.close()

@@ -45,7 +45,8 @@ BENCHES = {
     "soak": "nitsum_load.bench_soak",
 }
 
-USAGE = """usage: nitsum <verb> ...
+USAGE = (
+    """usage: nitsum <verb> ...
 
 verbs:
   up                 run the whole mesh on this machine (nats-server, services, CPU workers, tiny model)
@@ -54,7 +55,10 @@ verbs:
   model make-tiny DIR  write the deterministic tiny Llama checkpoint (Hugging Face format)
   sim EXPERIMENT     cluster simulator experiments: tiers | flows | reconfig
   load               load generator against any OpenAI-compatible endpoint
-  bench NAME         benchmarks: """ + " | ".join(BENCHES) + "\n"
+  bench NAME         benchmarks: """
+    + " | ".join(BENCHES)
+    + "\n"
+)
 
 
 def _run(module_name: str, argv: list[str]) -> int:

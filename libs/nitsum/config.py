@@ -12,9 +12,10 @@ import argparse
 import dataclasses
 import os
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 C = TypeVar("C")
 
@@ -58,7 +59,11 @@ def port(value: int) -> str | None:
 def node_port(value: int) -> str | None:
     """A node world's base rendezvous port: its re-formed generations use the NODE_PORT_SPAN - 1 ports above."""
     top = 65535 - NODE_PORT_SPAN + 1
-    return port(value) or (None if value <= top else f"must be at most {top}: re-formed node worlds meet at up to {NODE_PORT_SPAN - 1} ports above it")
+    return port(value) or (
+        None
+        if value <= top
+        else f"must be at most {top}: re-formed node worlds meet at up to {NODE_PORT_SPAN - 1} ports above it"
+    )
 
 
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
@@ -103,7 +108,12 @@ def die_at(value: str) -> str | None:
     if not value:
         return None
     parts = value.split(":")
-    if len(parts) != 3 or parts[0] not in ("prepare", "commit") or not all(p.isdigit() and int(p) > 0 for p in parts[1:2]) or not parts[2].isdigit():
+    if (
+        len(parts) != 3
+        or parts[0] not in ("prepare", "commit")
+        or not all(p.isdigit() and int(p) > 0 for p in parts[1:2])
+        or not parts[2].isdigit()
+    ):
         return "must be <prepare|commit>:<epoch >= 1>:<device index>, e.g. prepare:2:3"
     return None
 
@@ -181,7 +191,9 @@ def _fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "env" in f.metadata]
 
 
-def load(cls: type[C], argv: list[str] | None = None, environ: Mapping[str, str] | None = None, prog: str | None = None) -> C:
+def load(
+    cls: type[C], argv: list[str] | None = None, environ: Mapping[str, str] | None = None, prog: str | None = None
+) -> C:
     """Build a frozen config: defaults ← environment ← command-line flags. Raises ConfigError."""
     env = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
@@ -246,15 +258,24 @@ def default_home() -> Path:
 
 @dataclass(frozen=True)
 class CommonConfig:
-    nats_url: str = setting("NITSUM_NATS_URL", "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated: the members of a NATS cluster (a service reconnects to another when its server goes)", check=nats_url_list)
+    nats_url: str = setting(
+        "NITSUM_NATS_URL",
+        "nats://127.0.0.1:4222",
+        "NATS server URL(s), comma-separated: the members of a NATS cluster (a service reconnects to another when its server goes)",
+        check=nats_url_list,
+    )
     nats_user: str = setting("NITSUM_NATS_USER", "", "NATS user name of this service's identity")
     nats_password: str = setting("NITSUM_NATS_PASSWORD", "", "NATS password of this service's identity", secret=True)
     namespace: str = setting("NITSUM_NAMESPACE", "nitsum", "subject namespace shared by one mesh")
     run_dir: str = setting("NITSUM_RUN_DIR", "", "directory for logs and the span file (default: NITSUM_HOME/run)")
     log_level: str = setting("NITSUM_LOG_LEVEL", "INFO", "log level", check=one_of("DEBUG", "INFO", "WARNING", "ERROR"))
-    metrics_port: int = setting("NITSUM_METRICS_PORT", 9090, "Prometheus /metrics port for services without HTTP (0: off)", check=port)
+    metrics_port: int = setting(
+        "NITSUM_METRICS_PORT", 9090, "Prometheus /metrics port for services without HTTP (0: off)", check=port
+    )
     request_timeout_s: float = setting("NITSUM_NATS_TIMEOUT_S", 2.0, "timeout of one NATS request", check=positive)
-    api_keys: tuple[str, ...] = setting("NITSUM_API_KEYS", (), "comma-separated API keys for HTTP routes (empty: no auth)", secret=True)
+    api_keys: tuple[str, ...] = setting(
+        "NITSUM_API_KEYS", (), "comma-separated API keys for HTTP routes (empty: no auth)", secret=True
+    )
     api_key_file: str = setting("NITSUM_API_KEY_FILE", "", "file with one API key per line (joins NITSUM_API_KEYS)")
 
     def resolved_api_keys(self) -> tuple[str, ...]:
@@ -264,7 +285,9 @@ class CommonConfig:
             try:
                 text = Path(self.api_key_file).read_text()
             except OSError as exc:
-                raise ConfigError(f"NITSUM_API_KEY_FILE={self.api_key_file!r}: cannot read it ({exc.strerror})") from None
+                raise ConfigError(
+                    f"NITSUM_API_KEY_FILE={self.api_key_file!r}: cannot read it ({exc.strerror})"
+                ) from None
             keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
         return tuple(keys)
 
@@ -277,16 +300,35 @@ class GatewayConfig(CommonConfig):
     host: str = setting("NITSUM_GATEWAY_HOST", "0.0.0.0", "HTTP listen address")
     port: int = setting("NITSUM_GATEWAY_PORT", 8000, "HTTP listen port", check=port)
     model: str = setting("NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny'")
-    served_model_name: str = setting("NITSUM_SERVED_MODEL_NAME", "", "model name in the API (default: the directory name)")
+    served_model_name: str = setting(
+        "NITSUM_SERVED_MODEL_NAME", "", "model name in the API (default: the directory name)"
+    )
     max_body_bytes: int = setting("NITSUM_MAX_BODY_BYTES", 8 << 20, "largest accepted request body", check=positive)
     max_messages: int = setting("NITSUM_MAX_MESSAGES", 1024, "most chat messages in one request", check=positive)
     default_tier: str = setting("NITSUM_DEFAULT_TIER", "interactive", "tier of requests without x-request-tier")
-    submit_timeout_s: float = setting("NITSUM_SUBMIT_TIMEOUT_S", 15.0, "longest wait for the coordinator to place a request", check=positive)
-    stream_timeout_s: float = setting("NITSUM_STREAM_TIMEOUT_S", 30.0, "longest silence of a worker before the request is re-routed", check=positive)
-    max_reroutes: int = setting("NITSUM_MAX_REROUTES", 2, "re-submissions of a request whose worker was lost", check=non_negative)
-    ready_timeout_s: float = setting("NITSUM_READY_TIMEOUT_S", 5.0, "time budget of the /ready 1-token generation", check=positive)
-    allow_unknown_fields: bool = setting("NITSUM_GATEWAY_ALLOW_UNKNOWN_FIELDS", False, "ignore (rather than refuse with 400) request fields the gateway does not know; listed in x-nitsum-ignored-fields")
-    objectives: str = setting("NITSUM_GATEWAY_OBJECTIVES", "critical=interactive,standard=interactive,sheddable=background", "x-gateway-inference-objective name=tier pairs (each tier name is also an objective)", check=lambda v: objective_map_error(v))
+    submit_timeout_s: float = setting(
+        "NITSUM_SUBMIT_TIMEOUT_S", 15.0, "longest wait for the coordinator to place a request", check=positive
+    )
+    stream_timeout_s: float = setting(
+        "NITSUM_STREAM_TIMEOUT_S", 30.0, "longest silence of a worker before the request is re-routed", check=positive
+    )
+    max_reroutes: int = setting(
+        "NITSUM_MAX_REROUTES", 2, "re-submissions of a request whose worker was lost", check=non_negative
+    )
+    ready_timeout_s: float = setting(
+        "NITSUM_READY_TIMEOUT_S", 5.0, "time budget of the /ready 1-token generation", check=positive
+    )
+    allow_unknown_fields: bool = setting(
+        "NITSUM_GATEWAY_ALLOW_UNKNOWN_FIELDS",
+        False,
+        "ignore (rather than refuse with 400) request fields the gateway does not know; listed in x-nitsum-ignored-fields",
+    )
+    objectives: str = setting(
+        "NITSUM_GATEWAY_OBJECTIVES",
+        "critical=interactive,standard=interactive,sheddable=background",
+        "x-gateway-inference-objective name=tier pairs (each tier name is also an objective)",
+        check=lambda v: objective_map_error(v),
+    )
 
 
 @dataclass(frozen=True)
@@ -295,13 +337,36 @@ class CoordinatorConfig(CommonConfig):
     reconfig_interval_ms: int = setting("NITSUM_RECONFIG_INTERVAL_MS", 1000, "policy epoch", check=positive)
     max_tp: int = setting("NITSUM_MAX_TP", 4, "largest TP level of a group", check=power_of_two)
     min_tp: int = setting("NITSUM_MIN_TP", 1, "smallest TP level of a group", check=power_of_two)
-    heartbeat_timeout_ms: int = setting("NITSUM_HEARTBEAT_TIMEOUT_MS", 3000, "a worker silent this long is lost", check=positive)
-    run_timeout_s: float = setting("NITSUM_RUN_TIMEOUT_S", 3.0, "longest wait for one worker to accept a request before trying the next", check=positive)
-    queue_limit_interactive: int = setting("NITSUM_QUEUE_LIMIT_INTERACTIVE", 256, "queued interactive requests before 429", check=positive)
-    queue_limit_background: int = setting("NITSUM_QUEUE_LIMIT_BACKGROUND", 1024, "queued background requests before 429", check=positive)
-    model: str = setting("NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny': the cost model's shapes")
-    dtype: str = setting("NITSUM_DTYPE", "auto", "weights' dtype on the workers (cost model bytes per parameter); auto: float32 for device kind cpu, bfloat16 otherwise", check=one_of(*DTYPE_CHOICES))
-    device_kind: str = setting("NITSUM_DEVICE_KIND", "cpu", "cost-model table: cpu | h100 | h200 | a100", check=one_of("cpu", "h100", "h200", "a100"))
+    heartbeat_timeout_ms: int = setting(
+        "NITSUM_HEARTBEAT_TIMEOUT_MS", 3000, "a worker silent this long is lost", check=positive
+    )
+    run_timeout_s: float = setting(
+        "NITSUM_RUN_TIMEOUT_S",
+        3.0,
+        "longest wait for one worker to accept a request before trying the next",
+        check=positive,
+    )
+    queue_limit_interactive: int = setting(
+        "NITSUM_QUEUE_LIMIT_INTERACTIVE", 256, "queued interactive requests before 429", check=positive
+    )
+    queue_limit_background: int = setting(
+        "NITSUM_QUEUE_LIMIT_BACKGROUND", 1024, "queued background requests before 429", check=positive
+    )
+    model: str = setting(
+        "NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny': the cost model's shapes"
+    )
+    dtype: str = setting(
+        "NITSUM_DTYPE",
+        "auto",
+        "weights' dtype on the workers (cost model bytes per parameter); auto: float32 for device kind cpu, bfloat16 otherwise",
+        check=one_of(*DTYPE_CHOICES),
+    )
+    device_kind: str = setting(
+        "NITSUM_DEVICE_KIND",
+        "cpu",
+        "cost-model table: cpu | h100 | h200 | a100",
+        check=one_of("cpu", "h100", "h200", "a100"),
+    )
 
 
 @dataclass(frozen=True)
@@ -311,33 +376,106 @@ class WorkerConfig(CommonConfig):
     node_id: str = setting("NITSUM_NODE_ID", "node0", "NVLink domain (host) this worker belongs to")
     device_index: int = setting("NITSUM_DEVICE_INDEX", 0, "device index inside the node", check=non_negative)
     device: str = setting("NITSUM_DEVICE", "cpu", "cpu | cuda", check=one_of("cpu", "cuda"))
-    dtype: str = setting("NITSUM_DTYPE", "auto", "auto | float32 | bfloat16 | float16 (auto: float32 on cpu, bfloat16 on cuda)", check=one_of(*DTYPE_CHOICES))
-    decode_attention: str = setting("NITSUM_DECODE_ATTENTION", "auto", "decode attention over the paged KV: auto (flex on cuda, gather on cpu) | flex (in place, torch flex attention with a block mask) | gather (copy the blocks, then SDPA)", check=one_of("auto", "flex", "gather"))
+    dtype: str = setting(
+        "NITSUM_DTYPE",
+        "auto",
+        "auto | float32 | bfloat16 | float16 (auto: float32 on cpu, bfloat16 on cuda)",
+        check=one_of(*DTYPE_CHOICES),
+    )
+    decode_attention: str = setting(
+        "NITSUM_DECODE_ATTENTION",
+        "auto",
+        "decode attention over the paged KV: auto (flex on cuda, gather on cpu) | flex (in place, torch flex attention with a block mask) | gather (copy the blocks, then SDPA)",
+        check=one_of("auto", "flex", "gather"),
+    )
     kv_cache_mb: int = setting("NITSUM_KV_CACHE_MB", 64, "KV cache size per worker", check=positive)
     block_size: int = setting("NITSUM_BLOCK_SIZE", 16, "tokens per KV block", check=positive)
     max_num_seqs: int = setting("NITSUM_MAX_NUM_SEQS", 64, "most running requests per step", check=positive)
-    max_num_batched_tokens: int = setting("NITSUM_MAX_NUM_BATCHED_TOKENS", 512, "token budget of one step", check=positive)
+    max_num_batched_tokens: int = setting(
+        "NITSUM_MAX_NUM_BATCHED_TOKENS", 512, "token budget of one step", check=positive
+    )
     torch_threads: int = setting("NITSUM_TORCH_THREADS", 1, "torch intra-op threads", check=positive)
     heartbeat_interval_ms: int = setting("NITSUM_HEARTBEAT_INTERVAL_MS", 500, "WorkerStats period", check=positive)
     max_tp: int = setting("NITSUM_MAX_TP", 4, "largest TP level of a group", check=power_of_two)
-    enable_reload_free_weights: bool = setting("NITSUM_ENABLE_RELOAD_FREE_WEIGHTS", True, "cut weights once at max_tp granularity and switch TP on views")
-    nvlink_p2p_migration: bool = setting("NITSUM_NVLINK_P2P_MIGRATION", False, "map peer weight blocks / copy KV peer-to-peer (CUDA)")
+    enable_reload_free_weights: bool = setting(
+        "NITSUM_ENABLE_RELOAD_FREE_WEIGHTS", True, "cut weights once at max_tp granularity and switch TP on views"
+    )
+    nvlink_p2p_migration: bool = setting(
+        "NITSUM_NVLINK_P2P_MIGRATION", False, "map peer weight blocks / copy KV peer-to-peer (CUDA)"
+    )
     role: str = setting("NITSUM_ROLE", "", "starting role: prefill | decode | hybrid (default: from the service name)")
-    node_size: int = setting("NITSUM_NODE_SIZE", 0, "workers in this node's world for run-time TP changes (0: standalone TP=1)", check=non_negative)
-    node_master_addr: str = setting("NITSUM_NODE_MASTER_ADDR", "127.0.0.1", "rendezvous address of the node world (device 0 hosts it)")
-    node_master_port: int = setting("NITSUM_NODE_MASTER_PORT", 29400, "rendezvous port of the node world; a re-formed world of generation g meets at this port + g mod 16", check=node_port)
-    node_standby: bool = setting("NITSUM_NODE_STANDBY", False, "boot standalone (TP=1 on the node's shared weights) and join the node world when the coordinator re-forms it (`nitsum up` sets it on a restarted worker)")
+    node_size: int = setting(
+        "NITSUM_NODE_SIZE",
+        0,
+        "workers in this node's world for run-time TP changes (0: standalone TP=1)",
+        check=non_negative,
+    )
+    node_master_addr: str = setting(
+        "NITSUM_NODE_MASTER_ADDR", "127.0.0.1", "rendezvous address of the node world (device 0 hosts it)"
+    )
+    node_master_port: int = setting(
+        "NITSUM_NODE_MASTER_PORT",
+        29400,
+        "rendezvous port of the node world; a re-formed world of generation g meets at this port + g mod 16",
+        check=node_port,
+    )
+    node_standby: bool = setting(
+        "NITSUM_NODE_STANDBY",
+        False,
+        "boot standalone (TP=1 on the node's shared weights) and join the node world when the coordinator re-forms it (`nitsum up` sets it on a restarted worker)",
+    )
     min_tp: int = setting("NITSUM_MIN_TP", 1, "smallest TP level of a group", check=power_of_two)
-    host_id: str = setting("NITSUM_HOST_ID", "", "host identity for KV migration: workers with the same id share /dev/shm and move KV through it, others over TCP ('': hostname + boot id + /dev/shm device)")
-    kv_advertise_addr: str = setting("NITSUM_KV_ADVERTISE_ADDR", "", "address other hosts' workers reach this worker's KV receiver at ('': 127.0.0.1 when NITSUM_NODE_MASTER_ADDR is loopback, else this host's address on the route to it; port: ephemeral)")
-    kv_path: str = setting("NITSUM_KV_PATH", "auto", "how a TP change moves KV between workers: auto (shared memory on one host, TCP across hosts; gloo p2p on GPUs) | shm | tcp (every pair over TCP) | p2p", check=one_of("auto", "shm", "tcp", "p2p"))
-    fault_prepare_epoch: int = setting("NITSUM_FAULT_PREPARE_EPOCH", 0, "fault injection for tests: fail the prepare of this topology epoch (0: off)", check=non_negative)
-    fault_kv_corrupt: bool = setting("NITSUM_FAULT_KV_CORRUPT", False, "fault injection for tests: corrupt outgoing KV hand-offs")
-    fault_kv_connect_epoch: int = setting("NITSUM_FAULT_KV_CONNECT_EPOCH", 0, "fault injection for tests: this worker's KV receiver drops every connection of this topology epoch unanswered, so sources on other hosts fail to connect in its prepare (0: off)", check=non_negative)
-    fault_die_at: str = setting("NITSUM_FAULT_DIE_AT", "", "fault injection for tests: <prepare|commit>:<epoch>:<device> — that device's worker SIGKILLs itself in that epoch's prepare (before the span's exchange) or when the commit reaches it ('': off)", check=die_at)
-    tp_shm_collectives: bool = setting("NITSUM_TP_SHM_COLLECTIVES", True, "CPU: a TP group whose workers share a host runs its collectives through shared memory (off: gloo over loopback TCP)")
-    world_timeout_s: float = setting("NITSUM_WORLD_TIMEOUT_S", 30.0, "timeout of one collective in the node world", check=positive)
-    tp_migration_budget_ms: float = setting("NITSUM_TP_MIGRATION_BUDGET_MS", 2000.0, "cutover deadline of a TP change's KV migration flows, from prepare start (stage M, for the flow-scheduler)", check=positive)
+    host_id: str = setting(
+        "NITSUM_HOST_ID",
+        "",
+        "host identity for KV migration: workers with the same id share /dev/shm and move KV through it, others over TCP ('': hostname + boot id + /dev/shm device)",
+    )
+    kv_advertise_addr: str = setting(
+        "NITSUM_KV_ADVERTISE_ADDR",
+        "",
+        "address other hosts' workers reach this worker's KV receiver at ('': 127.0.0.1 when NITSUM_NODE_MASTER_ADDR is loopback, else this host's address on the route to it; port: ephemeral)",
+    )
+    kv_path: str = setting(
+        "NITSUM_KV_PATH",
+        "auto",
+        "how a TP change moves KV between workers: auto (shared memory on one host, TCP across hosts; gloo p2p on GPUs) | shm | tcp (every pair over TCP) | p2p",
+        check=one_of("auto", "shm", "tcp", "p2p"),
+    )
+    fault_prepare_epoch: int = setting(
+        "NITSUM_FAULT_PREPARE_EPOCH",
+        0,
+        "fault injection for tests: fail the prepare of this topology epoch (0: off)",
+        check=non_negative,
+    )
+    fault_kv_corrupt: bool = setting(
+        "NITSUM_FAULT_KV_CORRUPT", False, "fault injection for tests: corrupt outgoing KV hand-offs"
+    )
+    fault_kv_connect_epoch: int = setting(
+        "NITSUM_FAULT_KV_CONNECT_EPOCH",
+        0,
+        "fault injection for tests: this worker's KV receiver drops every connection of this topology epoch unanswered, so sources on other hosts fail to connect in its prepare (0: off)",
+        check=non_negative,
+    )
+    fault_die_at: str = setting(
+        "NITSUM_FAULT_DIE_AT",
+        "",
+        "fault injection for tests: <prepare|commit>:<epoch>:<device> — that device's worker SIGKILLs itself in that epoch's prepare (before the span's exchange) or when the commit reaches it ('': off)",
+        check=die_at,
+    )
+    tp_shm_collectives: bool = setting(
+        "NITSUM_TP_SHM_COLLECTIVES",
+        True,
+        "CPU: a TP group whose workers share a host runs its collectives through shared memory (off: gloo over loopback TCP)",
+    )
+    world_timeout_s: float = setting(
+        "NITSUM_WORLD_TIMEOUT_S", 30.0, "timeout of one collective in the node world", check=positive
+    )
+    tp_migration_budget_ms: float = setting(
+        "NITSUM_TP_MIGRATION_BUDGET_MS",
+        2000.0,
+        "cutover deadline of a TP change's KV migration flows, from prepare start (stage M, for the flow-scheduler)",
+        check=positive,
+    )
 
     def resolved_worker_id(self) -> str:
         """NITSUM_WORKER_ID, else <node>-<device>-<host> (unique across compose replicas)."""
@@ -352,12 +490,24 @@ class WorkerConfig(CommonConfig):
 
 @dataclass(frozen=True)
 class FlowSchedulerConfig(CommonConfig):
-    flow_policy: str = setting("NITSUM_FLOW_POLICY", "rmlq", "rmlq | fs | sjf | edf | karuna", check=one_of("rmlq", "fs", "sjf", "edf", "karuna"))
+    flow_policy: str = setting(
+        "NITSUM_FLOW_POLICY",
+        "rmlq",
+        "rmlq | fs | sjf | edf | karuna",
+        check=one_of("rmlq", "fs", "sjf", "edf", "karuna"),
+    )
     flow_levels: int = setting("NITSUM_FLOW_LEVELS", 8, "RMLQ priority levels K", check=positive)
     flow_e: float = setting("NITSUM_FLOW_E", 4.0, "MLU threshold ratio E", check=positive)
     flow_u: float = setting("NITSUM_FLOW_U", 0.5, "MLU top threshold U", check=positive)
-    flow_link_gbps: tuple[str, ...] = setting("NITSUM_FLOW_LINK_GBPS", (), "NIC capacity per host, comma-separated host=Gb/s (e.g. host-a=200,host-b=100): each host's uplink and downlink for RMLQ's MLU and the pruning check", check=lambda v: _link_gbps_error(v))
-    flow_default_gbps: float = setting("NITSUM_FLOW_DEFAULT_GBPS", 100.0, "NIC capacity (Gb/s) of hosts not in NITSUM_FLOW_LINK_GBPS", check=positive)
+    flow_link_gbps: tuple[str, ...] = setting(
+        "NITSUM_FLOW_LINK_GBPS",
+        (),
+        "NIC capacity per host, comma-separated host=Gb/s (e.g. host-a=200,host-b=100): each host's uplink and downlink for RMLQ's MLU and the pruning check",
+        check=lambda v: _link_gbps_error(v),
+    )
+    flow_default_gbps: float = setting(
+        "NITSUM_FLOW_DEFAULT_GBPS", 100.0, "NIC capacity (Gb/s) of hosts not in NITSUM_FLOW_LINK_GBPS", check=positive
+    )
 
     def link_bandwidth_bps(self) -> dict[str, float]:
         """Host id → NIC capacity in bits/s, from NITSUM_FLOW_LINK_GBPS."""

@@ -27,7 +27,9 @@ def error_body(message: str, type_: str, code: str, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def json_error(status: int, message: str, type_: str, code: str, param: str | None = None, headers: dict | None = None) -> web.Response:
+def json_error(
+    status: int, message: str, type_: str, code: str, param: str | None = None, headers: dict | None = None
+) -> web.Response:
     return web.Response(
         status=status,
         text=json.dumps(error_body(message, type_, code, param)),

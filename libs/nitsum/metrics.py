@@ -232,8 +232,14 @@ class Distribution:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean, "p50": self.p50, "p90": self.p90,
-                "p99": self.p99, "max": self.max}
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "p50": self.p50,
+            "p90": self.p90,
+            "p99": self.p99,
+            "max": self.max,
+        }
 
 
 @dataclass(frozen=True)

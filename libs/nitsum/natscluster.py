@@ -20,9 +20,9 @@ import secrets
 import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from nitsum.natsserver import NatsServer, find_binary, free_port, render_config, write_secure
 
@@ -119,10 +119,16 @@ class LocalCluster:
     def url(self) -> str:
         return urls(self.members)
 
-    def start(self, timeout_s: float = 15.0) -> "LocalCluster":
+    def start(self, timeout_s: float = 15.0) -> LocalCluster:
         if not self.members:
             self.members = [
-                Member(f"nats-{i + 1}", self.host, free_port(self.host), free_port(self.host), monitor_port=free_port(self.host))
+                Member(
+                    f"nats-{i + 1}",
+                    self.host,
+                    free_port(self.host),
+                    free_port(self.host),
+                    monitor_port=free_port(self.host),
+                )
                 for i in range(self.size)
             ]
         for member in self.members:
@@ -137,9 +143,14 @@ class LocalCluster:
         """Until every running member has a route to every other running member."""
         deadline = time.monotonic() + timeout_s
         while True:
-            alive = [m for m, s in zip(self.members, self.servers) if s.process is not None and s.process.poll() is None]
+            alive = [
+                m for m, s in zip(self.members, self.servers) if s.process is not None and s.process.poll() is None
+            ]
             try:
-                if all(len({r.get("remote_id") for r in monitor(m, "routez")["routes"] or []}) >= len(alive) - 1 for m in alive):
+                if all(
+                    len({r.get("remote_id") for r in monitor(m, "routez")["routes"] or []}) >= len(alive) - 1
+                    for m in alive
+                ):
                     return
             except OSError:
                 pass
@@ -172,11 +183,19 @@ class LocalCluster:
             server.stop()
 
 
-def start_member_process(config_path: Path, log_path: Path, prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_member_process(
+    config_path: Path, log_path: Path, prefix: Sequence[str] = (), env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """A nats-server for `config_path`, optionally under a command prefix (e.g. `ip netns exec NS`)."""
     out = open(log_path, "ab")
     try:
-        return subprocess.Popen([*prefix, find_binary(), "-c", str(config_path)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        return subprocess.Popen(
+            [*prefix, find_binary(), "-c", str(config_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
     finally:
         out.close()
 

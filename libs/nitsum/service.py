@@ -1,9 +1,9 @@
 """One lifecycle for every nitsum service.
 
-    config (env + CLI, bad value → exit 2 naming the setting)
-    → exit stack: telemetry, bus, /metrics, the service's core
-    → serve until SIGTERM / SIGINT
-    → drain (the core finishes or hands off its work), close the stack in reverse order.
+config (env + CLI, bad value → exit 2 naming the setting)
+→ exit stack: telemetry, bus, /metrics, the service's core
+→ serve until SIGTERM / SIGINT
+→ drain (the core finishes or hands off its work), close the stack in reverse order.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -60,8 +61,14 @@ class ServiceContext:
             if exc is None:  # a standing loop ends only at the stop
                 log.critical("%s: its %s loop ended before the stop; stopping so that it is restarted", self.name, what)
             else:
-                log.critical("%s: its %s loop died (%s: %s); stopping so that it is restarted", self.name, what,
-                             type(exc).__name__, exc, exc_info=exc)
+                log.critical(
+                    "%s: its %s loop died (%s: %s); stopping so that it is restarted",
+                    self.name,
+                    what,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=exc,
+                )
             self.state["loop_failed"] = what
             self.stop.set()
 

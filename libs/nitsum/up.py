@@ -70,7 +70,11 @@ class Child:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nitsum up", description="Run the nitsum mesh on this machine.")
-    p.add_argument("--model", default=os.environ.get("NITSUM_MODEL", "tiny"), help="model directory (Hugging Face format) or 'tiny' (default)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("NITSUM_MODEL", "tiny"),
+        help="model directory (Hugging Face format) or 'tiny' (default)",
+    )
     p.add_argument("--devices", type=int, default=4, help="number of workers (one per device; default 4)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--max-tp", type=int, default=None, help="largest TP level (default: --devices, capped at 4)")
@@ -145,10 +149,21 @@ def main(argv: list[str]) -> int:
         write_secure(config_path, render_config(port, passwords, worker_ids=_worker_ids(args.devices)))
         nats = NatsServer(port=port, config_path=config_path).start(log_path=run_dir / "nats-server.log")
         nats_url = nats.url
-        print(f"nitsum up: nats-server on {nats_url} (one identity per service and per worker, see {config_path})", flush=True)
+        print(
+            f"nitsum up: nats-server on {nats_url} (one identity per service and per worker, see {config_path})",
+            flush=True,
+        )
     write_secure(
         default_home() / "run" / "current.json",
-        json.dumps({"nats_url": nats_url, "admin_user": "admin" if passwords else "", "admin_password": passwords.get("admin", ""), "run_dir": str(run_dir), "gateway": f"http://{args.host}:{args.port}"}),
+        json.dumps(
+            {
+                "nats_url": nats_url,
+                "admin_user": "admin" if passwords else "",
+                "admin_password": passwords.get("admin", ""),
+                "run_dir": str(run_dir),
+                "gateway": f"http://{args.host}:{args.port}",
+            }
+        ),
     )
 
     base_env = dict(os.environ)
@@ -180,12 +195,30 @@ def main(argv: list[str]) -> int:
     # Workers of the node join one process world (pre-built groups, shared weights) so that the
     # coordinator can merge and split them at run time.
     # Re-formed worlds (generation g) meet at the master port + g mod 16: the whole span starts out free.
-    world = {} if args.no_node_world or args.max_tp == 1 else {"NITSUM_NODE_SIZE": str(args.devices), "NITSUM_NODE_MASTER_PORT": str(_free_port_span())}
+    world = (
+        {}
+        if args.no_node_world or args.max_tp == 1
+        else {"NITSUM_NODE_SIZE": str(args.devices), "NITSUM_NODE_MASTER_PORT": str(_free_port_span())}
+    )
     for i in range(args.devices):
         service = "prefill-worker" if i < args.prefill_workers else "decode-worker"
         worker_id = _worker_ids(args.devices)[i]
-        children.append(Child(f"worker-{i}", service, env_for(worker_identity(worker_id), NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=worker_id, **world), run_dir / f"worker-{i}.log"))
-    children.append(Child("gateway", "gateway", env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host), run_dir / "gateway.log"))
+        children.append(
+            Child(
+                f"worker-{i}",
+                service,
+                env_for(worker_identity(worker_id), NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=worker_id, **world),
+                run_dir / f"worker-{i}.log",
+            )
+        )
+    children.append(
+        Child(
+            "gateway",
+            "gateway",
+            env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host),
+            run_dir / "gateway.log",
+        )
+    )
 
     stopping = {"flag": False}
 
@@ -204,7 +237,10 @@ def main(argv: list[str]) -> int:
     try:
         code = _wait_ready(children, url, api_keys[0] if api_keys else "", args.ready_timeout, stopping, run_dir)
         if code == 0:
-            print(f"nitsum up: ready in {time.monotonic() - t0:.1f} s — OpenAI-compatible API at {url}/v1 (Ctrl-C stops everything)", flush=True)
+            print(
+                f"nitsum up: ready in {time.monotonic() - t0:.1f} s — OpenAI-compatible API at {url}/v1 (Ctrl-C stops everything)",
+                flush=True,
+            )
             code = _supervise(children, stopping, run_dir)
     finally:
         _stop_all(children)
@@ -279,8 +315,9 @@ def metrics_port_taken(child: Child) -> bool:
     return port != "0" and "address already in use" in tail and f", {port})" in tail
 
 
-def _wait_ready(children: list[Child], url: str, api_key: str, timeout_s: float, stopping: dict,
-                run_dir: Path | None = None) -> int:
+def _wait_ready(
+    children: list[Child], url: str, api_key: str, timeout_s: float, stopping: dict, run_dir: Path | None = None
+) -> int:
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline and not stopping["flag"]:
@@ -289,13 +326,20 @@ def _wait_ready(children: list[Child], url: str, api_key: str, timeout_s: float,
                 child.port_retries += 1
                 old, new = child.env["NITSUM_METRICS_PORT"], str(free_port())
                 child.env = {**child.env, "NITSUM_METRICS_PORT": new}
-                print(f"nitsum up: {child.name}: another process took its metrics port {old}; starting it again on {new}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"nitsum up: {child.name}: another process took its metrics port {old}; starting it again on {new}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 child.start()
                 if run_dir is not None:
                     write_pids(children, run_dir)
             if child.process.poll() is not None:
-                print(f"nitsum up: {child.name} exited with code {child.process.returncode} while starting; its log ({child.log_path}):\n{child.tail()}", file=sys.stderr, flush=True)
+                print(
+                    f"nitsum up: {child.name} exited with code {child.process.returncode} while starting; its log ({child.log_path}):\n{child.tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
         ok, last = _ready(url, api_key)
         if ok:
@@ -303,7 +347,11 @@ def _wait_ready(children: list[Child], url: str, api_key: str, timeout_s: float,
         time.sleep(0.5)
     if stopping["flag"]:
         return 130
-    print(f"nitsum up: not ready after {timeout_s:.0f} s ({last}); logs in {children[0].log_path.parent}", file=sys.stderr, flush=True)
+    print(
+        f"nitsum up: not ready after {timeout_s:.0f} s ({last}); logs in {children[0].log_path.parent}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 1
 
 
@@ -325,16 +373,28 @@ def _supervise(children: list[Child], stopping: dict, run_dir: Path) -> int:
             now = time.monotonic()
             child.restarts = [t for t in child.restarts if now - t < 60.0]
             if len(child.restarts) >= MAX_RESTARTS_PER_MINUTE:
-                print(f"nitsum up: {child.name} died again ({why}); {MAX_RESTARTS_PER_MINUTE} restarts in a minute — stopping everything. Its log:\n{child.tail()}", file=sys.stderr, flush=True)
+                print(
+                    f"nitsum up: {child.name} died again ({why}); {MAX_RESTARTS_PER_MINUTE} restarts in a minute — stopping everything. Its log:\n{child.tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
-            print(f"nitsum up: {child.name} died ({why}); restarting it. Last lines of {child.log_path}:\n{child.tail()}", file=sys.stderr, flush=True)
+            print(
+                f"nitsum up: {child.name} died ({why}); restarting it. Last lines of {child.log_path}:\n{child.tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
             child.restarts.append(now)
             if child.env.get("NITSUM_NODE_SIZE", "0") != "0":
                 # A process world cannot take a member back: the restarted worker boots in standby (TP=1 on the
                 # node's shared weights) and the coordinator re-forms the node's world (a new generation)
                 # once every worker of the node is back at TP=1; TP changes on the node resume then.
                 child.env = {**child.env, "NITSUM_NODE_STANDBY": "1"}
-                print(f"nitsum up: {child.name} rejoins standalone (TP=1); run-time TP changes on this node resume once the coordinator has re-formed its node world", file=sys.stderr, flush=True)
+                print(
+                    f"nitsum up: {child.name} rejoins standalone (TP=1); run-time TP changes on this node resume once the coordinator has re-formed its node world",
+                    file=sys.stderr,
+                    flush=True,
+                )
             child.start()
             write_pids(children, run_dir)
         time.sleep(0.5)

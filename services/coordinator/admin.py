@@ -69,7 +69,9 @@ class AdminPlane:
                     "generation": s.generation,
                 }
             )
-            group = groups.setdefault(s.group_id, {"group_id": s.group_id, "tp": s.tp, "role": s.role, "node_id": s.node_id, "members": []})
+            group = groups.setdefault(
+                s.group_id, {"group_id": s.group_id, "tp": s.tp, "role": s.role, "node_id": s.node_id, "members": []}
+            )
             group["members"].append(worker_id)
         depth = c.members.outstanding_by_tier()
         return {
@@ -99,7 +101,9 @@ class AdminPlane:
     async def cmd_set_topology(self, body: dict) -> dict:
         topology = body.get("topology")
         if not isinstance(topology, str) or not topology:
-            return _error("bad_request", "set-topology needs 'topology', e.g. '[0-1 TP2 hybrid][2 TP1 decode][3 TP1 decode]'")
+            return _error(
+                "bad_request", "set-topology needs 'topology', e.g. '[0-1 TP2 hybrid][2 TP1 decode][3 TP1 decode]'"
+            )
         from nitsum.policy.decisions import Topology
         from nitsum_services.coordinator.transition import TransitionError
 
@@ -117,7 +121,11 @@ class AdminPlane:
         # A topology set by hand holds: the policy stops changing this node until the next set-policy.
         self.coordinator.pinned_nodes.add(node_id)
         if not report["ok"]:
-            return {"ok": False, "error": {"code": "transition_failed", "message": report.get("error", "")}, "transition": report}
+            return {
+                "ok": False,
+                "error": {"code": "transition_failed", "message": report.get("error", "")},
+                "transition": report,
+            }
         return {"ok": True, "transition": report}
 
     async def cmd_drain(self, body: dict) -> dict:
@@ -140,13 +148,14 @@ class AdminPlane:
 
         bus = self.coordinator.bus
         try:
-            ack = await bus.request(bus.subjects.worker_control(worker_id), RoleChange(worker_id, role), 10.0, expected=TopologyAck)
+            ack = await bus.request(
+                bus.subjects.worker_control(worker_id), RoleChange(worker_id, role), 10.0, expected=TopologyAck
+            )
         except BusError as exc:
             return _error("worker_unreachable", f"{worker_id}: {exc}")
         if not ack.ok:
             return _error("cannot_change", ack.reason)
         return {"ok": True, "worker_id": worker_id, "role": role, "change": ack.reason}
-
 
     async def cmd_reform_node(self, body: dict) -> dict:
         """Re-form a node's world now (what the coordinator also does by itself): every worker at TP=1 joins

@@ -29,10 +29,19 @@ from nitsum.policy.registry import layout_problem, make_policy
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView, RequestView
 from nitsum.service import ServiceContext
 from nitsum.telemetry.tracing import mark_error
-from nitsum.wire.messages import AbortRequest, RunAck, RunRequest, StreamOffset, SubmitReply, SubmitRequest, WorkerLost, WorkerStats
+from nitsum.wire.messages import (
+    AbortRequest,
+    RunAck,
+    RunRequest,
+    StreamOffset,
+    SubmitReply,
+    SubmitRequest,
+    WorkerLost,
+    WorkerStats,
+)
 from nitsum_services.coordinator.membership import Membership, WorkerRecord
-from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp
 from nitsum_services.coordinator.reform import ReformAgent
+from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
 log = logging.getLogger("nitsum.coordinator")
@@ -46,7 +55,9 @@ def _standalone_ready(record: WorkerRecord) -> bool:
     return not record.stats.in_world and record.stats.state == "ready"
 
 
-def pd_plan(req: SubmitRequest, candidates: list[WorkerRecord], preferred_group: str | None) -> list[tuple[WorkerRecord, str]]:
+def pd_plan(
+    req: SubmitRequest, candidates: list[WorkerRecord], preferred_group: str | None
+) -> list[tuple[WorkerRecord, str]]:
     """(worker, decode worker or "") in the order to try them. P/D pairs first (prefill worker, least loaded
     hybrid worker of its node) for fresh requests with more than one token to generate; then hybrid workers.
     Prefill workers never run a request alone."""
@@ -87,7 +98,11 @@ def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[Worker
     mine = leading(chosen)
     best, holder = mine, ""
     for other in candidates:
-        if other.worker_id == chosen.worker_id or not _standalone_ready(other) or other.stats.node_id != chosen.stats.node_id:
+        if (
+            other.worker_id == chosen.worker_id
+            or not _standalone_ready(other)
+            or other.stats.node_id != chosen.stats.node_id
+        ):
             continue
         if other.stats.block_size != bs:
             continue
@@ -155,7 +170,15 @@ class Coordinator:
 
     def snapshot(self) -> ClusterSnapshot:
         now_ms = self.now_ms()
-        return build_snapshot(self.members, now_ms, self.config.max_tp, self.config.min_tp, self.config.device_kind, self.last_reconfig_ms, self.arrivals.stats(now_ms))
+        return build_snapshot(
+            self.members,
+            now_ms,
+            self.config.max_tp,
+            self.config.min_tp,
+            self.config.device_kind,
+            self.last_reconfig_ms,
+            self.arrivals.stats(now_ms),
+        )
 
     def full_nodes(self) -> list[NodeView]:
         """Every known node at its full size (the `node_size` its workers report; a standalone worker: 1), not
@@ -190,12 +213,15 @@ class Coordinator:
     # ---- request path ----------------------------------------------------------------------------
     async def on_submit(self, req: SubmitRequest, _delivery) -> SubmitReply:
         with self.ctx.tracer.start_as_current_span(
-            "coordinator.route", attributes={"nitsum.request_id": req.request_id, "nitsum.tier": req.tier, "nitsum.attempt": req.attempt}
+            "coordinator.route",
+            attributes={"nitsum.request_id": req.request_id, "nitsum.tier": req.tier, "nitsum.attempt": req.attempt},
         ) as span:
             candidates = self.members.routable(exclude=req.exclude_workers)
             if not candidates:
                 mark_error(span, "no_worker")
-                return SubmitReply(req.request_id, False, status=503, retry_after_s=1.0, reason="no worker is ready to serve requests")
+                return SubmitReply(
+                    req.request_id, False, status=503, retry_after_s=1.0, reason="no worker is ready to serve requests"
+                )
             now_ms = self.now_ms()
             view = RequestView(
                 request_id=req.request_id,
@@ -210,17 +236,31 @@ class Coordinator:
             if req.attempt == 0 and req.ttft_ms <= 1000.0 and self.members.outstanding_by_tier().get(req.tier, 0) > 0:
                 self.trigger.set()
             if req.attempt == 0:
-                self.arrivals.add(now_ms, req.tier, req.ttft_ms, req.tpot_ms, req.weight, view.prompt_tokens, view.max_tokens)
+                self.arrivals.add(
+                    now_ms, req.tier, req.ttft_ms, req.tpot_ms, req.weight, view.prompt_tokens, view.max_tokens
+                )
             snap = self.snapshot()
             if req.attempt == 0:
                 outstanding = self.members.outstanding_by_tier().get(req.tier, 0)
                 if outstanding >= self.limit_for(req.tier):
                     mark_error(span, "queue_full")
-                    return SubmitReply(req.request_id, False, status=429, retry_after_s=1.0, reason=f"the {req.tier} queue is full ({outstanding} requests)")
+                    return SubmitReply(
+                        req.request_id,
+                        False,
+                        status=429,
+                        retry_after_s=1.0,
+                        reason=f"the {req.tier} queue is full ({outstanding} requests)",
+                    )
                 admission = self.policy.admit(snap, view)
                 if not admission.admit:
                     mark_error(span, f"rejected: {admission.reason}")
-                    return SubmitReply(req.request_id, False, status=admission.status, retry_after_s=admission.retry_after_s, reason=admission.reason)
+                    return SubmitReply(
+                        req.request_id,
+                        False,
+                        status=admission.status,
+                        retry_after_s=admission.retry_after_s,
+                        reason=admission.reason,
+                    )
             decision = self.policy.route(snap, view)
             span.set_attribute("nitsum.route_reason", decision.reason)
             # The policy's group first; the rest by load, so that a refusal still finds a home. P/D pairs
@@ -243,22 +283,40 @@ class Coordinator:
                 self.members.assign(req.request_id, req.tier, worker_id, time.monotonic(), view)
                 run = RunRequest(req, decode_worker=decode_worker, reuse_from=reuse_from, reuse_hashes=reuse_hashes)
                 try:
-                    ack = await self.bus.request(self.bus.subjects.worker_run(worker_id), run, self.config.run_timeout_s, expected=RunAck)
+                    ack = await self.bus.request(
+                        self.bus.subjects.worker_run(worker_id), run, self.config.run_timeout_s, expected=RunAck
+                    )
                 except (BusError, RemoteError) as exc:
                     self.members.unassign(req.request_id, worker_id)
                     reasons.append(f"{worker_id}: {exc}")
                     continue
                 if ack.accepted:
                     span.set_attribute("nitsum.worker", worker_id)
-                    nodes = {record.stats.node_id} | {r.stats.node_id for w, r in self.members.workers.items() if w == decode_worker}
-                    successors = {w for w, r in self.members.workers.items() if r.stats.node_id in nodes} | ({decode_worker} if decode_worker else set())
-                    return SubmitReply(req.request_id, True, worker_id=worker_id, group_id=record.stats.group_id, successors=tuple(sorted(successors - {worker_id})))
+                    nodes = {record.stats.node_id} | {
+                        r.stats.node_id for w, r in self.members.workers.items() if w == decode_worker
+                    }
+                    successors = {w for w, r in self.members.workers.items() if r.stats.node_id in nodes} | (
+                        {decode_worker} if decode_worker else set()
+                    )
+                    return SubmitReply(
+                        req.request_id,
+                        True,
+                        worker_id=worker_id,
+                        group_id=record.stats.group_id,
+                        successors=tuple(sorted(successors - {worker_id})),
+                    )
                 self.members.unassign(req.request_id, worker_id)
                 reasons.append(f"{worker_id}: {ack.reason}")
                 if "exceeds the model context" in ack.reason or ack.reason == "empty prompt":
                     return SubmitReply(req.request_id, False, status=400, reason=ack.reason)
             mark_error(span, "; ".join(reasons))
-            return SubmitReply(req.request_id, False, status=503, retry_after_s=1.0, reason="no worker accepted the request: " + "; ".join(reasons))
+            return SubmitReply(
+                req.request_id,
+                False,
+                status=503,
+                retry_after_s=1.0,
+                reason="no worker accepted the request: " + "; ".join(reasons),
+            )
 
     async def announce_offset(self, req: SubmitRequest, node_id: str) -> None:
         """A re-submitted request carries its streamed tokens as prompt, so an engine counts its output from
@@ -305,7 +363,10 @@ class Coordinator:
             overslept = now - last - EXPIRE_PERIOD_S
             if overslept > EXPIRE_PERIOD_S:
                 self.members.credit(overslept, now)
-                log.warning("the coordinator did not run for %.2f s (its process or machine stalled): not counted as the workers' silence", overslept)
+                log.warning(
+                    "the coordinator did not run for %.2f s (its process or machine stalled): not counted as the workers' silence",
+                    overslept,
+                )
             await self.expire_silent()
             self.update_metrics()
             last = time.monotonic()
@@ -333,7 +394,9 @@ class Coordinator:
             return
         now = time.monotonic()
         if self.deaf_since is not None:
-            log.warning("NATS answers again after %.1f s: every worker's silence counts from now", now - self.deaf_since)
+            log.warning(
+                "NATS answers again after %.1f s: every worker's silence counts from now", now - self.deaf_since
+            )
             self.deaf_since = None
             self.members.credit(math.inf, now)
             return
@@ -364,7 +427,15 @@ class Coordinator:
                 if where != self.epoch_problem:  # once per distinct problem, not every epoch
                     log.exception("policy %s: epoch failed (the next epoch tries again): %s", self.policy_spec, problem)
                 self.epoch_problem = where
-                self.last_decisions = [{"node_id": None, "target": None, "reason": f"epoch failed: {problem}", "path": "error", "score_gain": 0.0}]
+                self.last_decisions = [
+                    {
+                        "node_id": None,
+                        "target": None,
+                        "reason": f"epoch failed: {problem}",
+                        "path": "error",
+                        "score_gain": 0.0,
+                    }
+                ]
             else:
                 self.epoch_problem = ""
 
@@ -376,7 +447,13 @@ class Coordinator:
         decide_ms = (time.perf_counter() - t0) * 1000.0
         self.ctx.metrics.reconfiguration_duration_ms().labels(phase="decide").observe(decide_ms)
         self.last_decisions = [
-            {"node_id": d.node_id, "target": str(d.target) if d.target is not None else None, "reason": d.reason, "path": d.path, "score_gain": d.score_gain}
+            {
+                "node_id": d.node_id,
+                "target": str(d.target) if d.target is not None else None,
+                "reason": d.reason,
+                "path": d.path,
+                "score_gain": d.score_gain,
+            }
             for d in decisions
         ]
         self.warn_unfit_layouts()
@@ -388,7 +465,9 @@ class Coordinator:
             except TransitionError as exc:
                 log.debug("policy %s wants %s on %s but: %s", self.policy_spec, d.target, d.node_id, exc)
                 continue
-            task = asyncio.create_task(self.transitions.apply(d.node_id, d.target, f"policy {self.policy_spec}: {d.reason}", decide_ms))
+            task = asyncio.create_task(
+                self.transitions.apply(d.node_id, d.target, f"policy {self.policy_spec}: {d.reason}", decide_ms)
+            )
             task.add_done_callback(_log_failure)
         # Only work still waiting at the coordinator is shed; a request a worker has started is never killed
         # (its tokens are already being paid for, and the client is waiting for them).
@@ -411,8 +490,13 @@ class Coordinator:
                 self.policy.initial_topology(node)
             except Exception as exc:  # noqa: BLE001 -- a warning, never the epoch's failure
                 self.unfit_warned.add(key)
-                log.warning("policy %s cannot lay out node %s (%d devices): %s; its topology stays as it is",
-                            self.policy_spec, node.node_id, node.num_devices, exc)
+                log.warning(
+                    "policy %s cannot lay out node %s (%d devices): %s; its topology stays as it is",
+                    self.policy_spec,
+                    node.node_id,
+                    node.num_devices,
+                    exc,
+                )
 
     def update_metrics(self) -> None:
         depth = self.members.outstanding_by_tier()
@@ -432,5 +516,5 @@ def _log_failure(task: asyncio.Task) -> None:
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     try:
         await asyncio.wait_for(stop.wait(), timeout=seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass

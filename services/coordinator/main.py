@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from nitsum.config import CoordinatorConfig, ConfigError
+from nitsum.config import ConfigError, CoordinatorConfig
 from nitsum.policy.registry import make_policy
 from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import SubmitRequest, WorkerStats
@@ -29,19 +29,27 @@ async def body(ctx: ServiceContext) -> None:
     coordinator = Coordinator(ctx)
     bus = ctx.bus
     admin = AdminPlane(coordinator)
-    await bus.subscribe(bus.subjects.submit, coordinator.on_submit, queue="coordinator", expected=SubmitRequest, concurrent=True)
+    await bus.subscribe(
+        bus.subjects.submit, coordinator.on_submit, queue="coordinator", expected=SubmitRequest, concurrent=True
+    )
     await bus.subscribe(bus.subjects.worker_stats, coordinator.on_stats, expected=WorkerStats)
     await admin.subscribe()
     # Ask every worker for its state now, so that a restarted coordinator rebuilds its tables at once.
     await bus.publish_raw(bus.subjects.coordinator_up, b"")
-    tasks = {ctx.spawn(coordinator.watch(), "membership"), ctx.spawn(coordinator.epochs(), "policy epoch"),
-             ctx.spawn(coordinator.reforms.run(ctx.stop), "node re-formation")}
+    tasks = {
+        ctx.spawn(coordinator.watch(), "membership"),
+        ctx.spawn(coordinator.epochs(), "policy epoch"),
+        ctx.spawn(coordinator.reforms.run(ctx.stop), "node re-formation"),
+    }
 
     async def stop_loops() -> None:
         _done, pending = await asyncio.wait(tasks, timeout=STOP_LOOPS_TIMEOUT_S)
         for task in pending:  # a loop that does not watch ctx.stop: a bug, said out loud
-            log.warning("coordinator: %s did not stop within %.0f s of the stop; cancelled",
-                        task.get_coro().__qualname__, STOP_LOOPS_TIMEOUT_S)
+            log.warning(
+                "coordinator: %s did not stop within %.0f s of the stop; cancelled",
+                task.get_coro().__qualname__,
+                STOP_LOOPS_TIMEOUT_S,
+            )
             task.cancel()
 
     ctx.drain_hooks.append(stop_loops)

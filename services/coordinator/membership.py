@@ -23,6 +23,7 @@ class WorkerRecord:
     def __post_init__(self) -> None:
         if self.silence_from_s < 0:
             self.silence_from_s = self.last_seen_s
+
     # request id -> time it was routed here; kept until a later heartbeat no longer lists it
     assigned: dict[str, float] = field(default_factory=dict)
     draining_by_admin: bool = False
@@ -104,7 +105,12 @@ class Membership:
                 del record.assigned[rid]
                 self._forget(rid, stats.worker_id)
         for rid, req in list(self.requests.items()):
-            if req.worker_id == stats.worker_id and rid not in running and rid not in record.assigned and now_s - req.routed_s > grace_s:
+            if (
+                req.worker_id == stats.worker_id
+                and rid not in running
+                and rid not in record.assigned
+                and now_s - req.routed_s > grace_s
+            ):
                 del self.requests[rid]
         return lost
 

@@ -31,7 +31,14 @@ import time
 from nitsum.bus import BusError
 from nitsum.policy.decisions import GroupSpec, Topology
 from nitsum.telemetry.tracing import mark_error
-from nitsum.wire.messages import GroupAssignment, NodeReform, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare
+from nitsum.wire.messages import (
+    GroupAssignment,
+    NodeReform,
+    TopologyAbort,
+    TopologyAck,
+    TopologyCommit,
+    TopologyPrepare,
+)
 from nitsum.wire.node import group_id_of
 from nitsum_services.coordinator.transition import Watch
 
@@ -78,13 +85,17 @@ class ReformAgent:
             raise ReformError(f"no worker of node {node_id!r} is known")
         sizes = {r.stats.node_size for r in records}
         if sizes == {0}:
-            raise ReformError(f"the workers of node {node_id!r} are standalone (NITSUM_NODE_SIZE=0): there is no node world to re-form")
+            raise ReformError(
+                f"the workers of node {node_id!r} are standalone (NITSUM_NODE_SIZE=0): there is no node world to re-form"
+            )
         if len(sizes) != 1:
             raise ReformError(f"the workers of node {node_id!r} disagree on the node's size ({sorted(sizes)})")
         size = sizes.pop()
         devices = [r.stats.device_index for r in records]
         if devices != list(range(size)):
-            raise ReformError(f"node {node_id} is missing workers: have devices {devices}, its world needs 0..{size - 1}")
+            raise ReformError(
+                f"node {node_id} is missing workers: have devices {devices}, its world needs 0..{size - 1}"
+            )
         # A worker that just died is listed until its heartbeat times out: a world formed with it would wait for
         # it at the rendezvous until the workers' world timeout. Only workers heard from just now take part.
         silent = [r.worker_id for r in records if now_s - r.last_seen_s > FRESH_S]
@@ -95,18 +106,26 @@ class ReformAgent:
             raise ReformError(f"workers {not_ready} of node {node_id} are not ready")
         if all(r.stats.in_world for r in records):
             generation = max(r.stats.generation for r in records)
-            raise ReformError(f"every worker of node {node_id} is in its world (generation {generation}): nothing to re-form")
+            raise ReformError(
+                f"every worker of node {node_id} is in its world (generation {generation}): nothing to re-form"
+            )
         broken = sorted({(r.stats.group_id, r.stats.tp) for r in records if r.stats.tp > 1 and not r.stats.in_world})
         if broken:
             groups = ", ".join(f"{g} (TP={tp})" for g, tp in broken)
-            raise ReformError(f"group(s) {groups} of node {node_id} have members outside the world: they cannot be split "
-                              "to TP=1, and only TP=1 workers join a re-formed world")
-        for start, tp in sorted({(r.stats.device_index - r.stats.device_index % r.stats.tp, r.stats.tp) for r in records if r.stats.tp > 1}):
+            raise ReformError(
+                f"group(s) {groups} of node {node_id} have members outside the world: they cannot be split "
+                "to TP=1, and only TP=1 workers join a re-formed world"
+            )
+        for start, tp in sorted(
+            {(r.stats.device_index - r.stats.device_index % r.stats.tp, r.stats.tp) for r in records if r.stats.tp > 1}
+        ):
             group_id = group_id_of(node_id, start, tp)
             members = [r for r in records if start <= r.stats.device_index < start + tp]
             if any(r.stats.group_id != group_id for r in members):
-                raise ReformError(f"the workers of devices {start}-{start + tp - 1} disagree on their group (one may be gone or "
-                                  "falling back): waiting for their reports to settle")
+                raise ReformError(
+                    f"the workers of devices {start}-{start + tp - 1} disagree on their group (one may be gone or "
+                    "falling back): waiting for their reports to settle"
+                )
         if not holding_lock and self.c.transitions.lock.locked():
             raise ReformError("a transition or re-formation is running on the mesh; try again when it is done")
         return records
@@ -129,12 +148,14 @@ class ReformAgent:
                     continue
                 if not report["ok"]:
                     failures = self._failures[node_id] = self._failures.get(node_id, 0) + 1
-                    self._retry_at[node_id] = time.monotonic() + min(MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (failures - 1))
+                    self._retry_at[node_id] = time.monotonic() + min(
+                        MAX_RETRY_AFTER_S, RETRY_AFTER_S * 2 ** (failures - 1)
+                    )
                 else:
                     self._failures.pop(node_id, None)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=CHECK_PERIOD_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def reform(self, node_id: str, reason: str) -> dict:
@@ -148,8 +169,16 @@ class ReformAgent:
             ) as span:
                 splits, problem = await self._split_wide_groups(node_id, records)
                 if problem:
-                    report = {"ok": False, "node_id": node_id, "generation": None, "workers": [r.worker_id for r in records],
-                              "reason": reason, "splits": splits, "error": problem, "ms": round((time.perf_counter() - t0) * 1000.0, 3)}
+                    report = {
+                        "ok": False,
+                        "node_id": node_id,
+                        "generation": None,
+                        "workers": [r.worker_id for r in records],
+                        "reason": reason,
+                        "splits": splits,
+                        "error": problem,
+                        "ms": round((time.perf_counter() - t0) * 1000.0, 3),
+                    }
                     mark_error(span, problem)
                     log.error("node %s: not re-formed: %s", node_id, problem)
                     self._record(report)
@@ -161,19 +190,40 @@ class ReformAgent:
                 self.generation = generation
                 span.set_attribute("nitsum.generation", generation)
                 outside = [r.worker_id for r in records if not r.stats.in_world]
-                log.info("node %s: re-forming its world as generation %d (%d workers; outside it: %s): %s", node_id, generation, size, outside, reason)
-                acks = await asyncio.gather(*(self._ask(r.worker_id, NodeReform(node_id, generation, size)) for r in records))
+                log.info(
+                    "node %s: re-forming its world as generation %d (%d workers; outside it: %s): %s",
+                    node_id,
+                    generation,
+                    size,
+                    outside,
+                    reason,
+                )
+                acks = await asyncio.gather(
+                    *(self._ask(r.worker_id, NodeReform(node_id, generation, size)) for r in records)
+                )
                 ms = (time.perf_counter() - t0) * 1000.0
                 failed = [a for a in acks if not a.ok]
                 report = {
-                    "ok": not failed, "node_id": node_id, "generation": generation, "workers": [r.worker_id for r in records],
-                    "outside": outside, "reason": reason, "ms": round(ms, 3), "splits": splits,
+                    "ok": not failed,
+                    "node_id": node_id,
+                    "generation": generation,
+                    "workers": [r.worker_id for r in records],
+                    "outside": outside,
+                    "reason": reason,
+                    "ms": round(ms, 3),
+                    "splits": splits,
                     "acks": [{"worker_id": a.worker_id, "ok": a.ok, "reason": a.reason} for a in acks],
                 }
                 if failed:
                     report["error"] = "; ".join(f"{a.worker_id}: {a.reason}" for a in failed)
                     mark_error(span, report["error"])
-                    log.error("node %s: re-formation as generation %d failed after %.0f ms: %s", node_id, generation, ms, report["error"])
+                    log.error(
+                        "node %s: re-formation as generation %d failed after %.0f ms: %s",
+                        node_id,
+                        generation,
+                        ms,
+                        report["error"],
+                    )
                 else:
                     span.set_attribute("nitsum.ok", True)
                     # Until fresh heartbeats arrive: every worker is in the new world, at TP=1.
@@ -181,7 +231,12 @@ class ReformAgent:
                         r.stats = type(r.stats)(**{**r.stats.__dict__, "in_world": True, "generation": generation})
                     # Heartbeats sent before the swap may still arrive: do not read them as a new need at once.
                     self._retry_at[node_id] = time.monotonic() + SETTLE_S
-                    log.info("node %s: world generation %d formed in %.0f ms; TP changes are on again", node_id, generation, ms)
+                    log.info(
+                        "node %s: world generation %d formed in %.0f ms; TP changes are on again",
+                        node_id,
+                        generation,
+                        ms,
+                    )
             self._record(report)
             return report
 
@@ -196,7 +251,9 @@ class ReformAgent:
         transitions = self.c.transitions
         splits: list[dict] = []
         by_device = {r.stats.device_index: r.worker_id for r in records}
-        wide = sorted({(r.stats.device_index - r.stats.device_index % r.stats.tp, r.stats.tp) for r in records if r.stats.tp > 1})
+        wide = sorted(
+            {(r.stats.device_index - r.stats.device_index % r.stats.tp, r.stats.tp) for r in records if r.stats.tp > 1}
+        )
         for start, tp in wide:
             group_id = group_id_of(node_id, start, tp)
             current = transitions.current(node_id)
@@ -205,41 +262,74 @@ class ReformAgent:
             members = [r for r in records if start <= r.stats.device_index < start + tp]
             leader = [r for r in members if r.stats.device_index == start]
             epoch = max([transitions.epoch] + [r.stats.epoch for r in records]) + 1
-            groups = tuple(GroupAssignment(group_id_of(node_id, g.start, g.tp), g.start, g.tp, "hybrid",
-                                           tuple(by_device[d] for d in range(g.start, g.start + g.tp))) for g in target.groups)
+            groups = tuple(
+                GroupAssignment(
+                    group_id_of(node_id, g.start, g.tp),
+                    g.start,
+                    g.tp,
+                    "hybrid",
+                    tuple(by_device[d] for d in range(g.start, g.start + g.tp)),
+                )
+                for g in target.groups
+            )
             t0 = time.perf_counter()
             log.info("node %s: splitting %s to TP=1 (epoch %d) before re-forming its world", node_id, group_id, epoch)
             watch = Watch(r.worker_id for r in members)
             transitions.active_watch = watch  # the loss of a member ends the wait (TransitionAgent.worker_lost)
             try:
                 phase = "prepare"
-                _acks, why = await transitions.gather(leader, TopologyPrepare(node_id, epoch, groups, "re-formation: split to TP=1"),
-                                                       SPLIT_TIMEOUT_S, phase, epoch, watch)
+                _acks, why = await transitions.gather(
+                    leader,
+                    TopologyPrepare(node_id, epoch, groups, "re-formation: split to TP=1"),
+                    SPLIT_TIMEOUT_S,
+                    phase,
+                    epoch,
+                    watch,
+                )
                 if not why:
                     phase = "commit"
-                    _acks, why = await transitions.gather(leader, TopologyCommit(node_id, epoch), SPLIT_TIMEOUT_S, phase, epoch, watch)
+                    _acks, why = await transitions.gather(
+                        leader, TopologyCommit(node_id, epoch), SPLIT_TIMEOUT_S, phase, epoch, watch
+                    )
                 if why and not watch.lost:  # whatever the leader prepared goes (a committed leader refuses: stale)
-                    await transitions.gather(leader, TopologyAbort(node_id, epoch, why), SPLIT_TIMEOUT_S, "abort", epoch, Watch(()))
+                    await transitions.gather(
+                        leader, TopologyAbort(node_id, epoch, why), SPLIT_TIMEOUT_S, "abort", epoch, Watch(())
+                    )
             finally:
                 transitions.active_watch = None
             transitions.epoch = max(transitions.epoch, epoch)
-            splits.append({"group": group_id, "epoch": epoch, "ok": not why, "phase": phase, "error": why,
-                           "ms": round((time.perf_counter() - t0) * 1000.0, 3)})
+            splits.append(
+                {
+                    "group": group_id,
+                    "epoch": epoch,
+                    "ok": not why,
+                    "phase": phase,
+                    "error": why,
+                    "ms": round((time.perf_counter() - t0) * 1000.0, 3),
+                }
+            )
             if why:
                 return splits, f"group {group_id} (TP={tp}) could not be split to TP=1 in {phase}: {why}"
             # The leader answered the commit; its peers apply it in their step threads and then report: the
             # re-formation (TP=1 workers only) waits for those reports.
             deadline = time.monotonic() + SPLIT_SETTLE_S
-            while time.monotonic() < deadline and any(r.stats.tp != 1 for r in transitions.node_records(node_id)
-                                                      if start <= r.stats.device_index < start + tp):
+            while time.monotonic() < deadline and any(
+                r.stats.tp != 1 for r in transitions.node_records(node_id) if start <= r.stats.device_index < start + tp
+            ):
                 await asyncio.sleep(0.05)
-            if any(r.stats.tp != 1 for r in transitions.node_records(node_id) if start <= r.stats.device_index < start + tp):
+            if any(
+                r.stats.tp != 1 for r in transitions.node_records(node_id) if start <= r.stats.device_index < start + tp
+            ):
                 return splits, f"group {group_id} was split (epoch {epoch}) but its workers do not report TP=1 yet"
         return splits, ""
 
     async def _ask(self, worker_id: str, message: NodeReform) -> TopologyAck:
         bus = self.c.bus
         try:
-            return await bus.request(bus.subjects.worker_control(worker_id), message, REFORM_TIMEOUT_S, expected=TopologyAck)
+            return await bus.request(
+                bus.subjects.worker_control(worker_id), message, REFORM_TIMEOUT_S, expected=TopologyAck
+            )
         except BusError as exc:
-            return TopologyAck(worker_id, message.generation, False, "reform", f"no answer: {type(exc).__name__}: {exc}")
+            return TopologyAck(
+                worker_id, message.generation, False, "reform", f"no answer: {type(exc).__name__}: {exc}"
+            )

@@ -5,7 +5,15 @@ Times are milliseconds on the coordinator's monotonic clock (the policy only com
 
 from __future__ import annotations
 
-from nitsum.policy.snapshot import ArrivalStats, ArrivalWindow, ClusterSnapshot, GroupView, NodeView, RequestView, assemble_snapshot
+from nitsum.policy.snapshot import (
+    ArrivalStats,
+    ArrivalWindow,
+    ClusterSnapshot,
+    GroupView,
+    NodeView,
+    RequestView,
+    assemble_snapshot,
+)
 from nitsum_services.coordinator.membership import Membership
 
 ROLE_FOR_POLICY = {"prefill": "prefill", "decode": "decode", "hybrid": "hybrid"}
@@ -22,7 +30,15 @@ def fitting_max_tp(num_devices: int, max_tp: int) -> int:
     return max_tp
 
 
-def build_snapshot(members: Membership, now_ms: float, max_tp: int, min_tp: int, device_kind: str, last_reconfig_ms: dict[str, float] | None = None, arrivals: tuple[ArrivalStats, ...] = ()) -> ClusterSnapshot:
+def build_snapshot(
+    members: Membership,
+    now_ms: float,
+    max_tp: int,
+    min_tp: int,
+    device_kind: str,
+    last_reconfig_ms: dict[str, float] | None = None,
+    arrivals: tuple[ArrivalStats, ...] = (),
+) -> ClusterSnapshot:
     nodes: dict[str, list] = {}
     seen_groups: set[str] = set()
     # One view per group, from its leader (it holds the group's queue and KV numbers).

@@ -36,7 +36,6 @@ COMMIT_TIMEOUT_S = 90.0
 ABORT_TIMEOUT_S = 90.0
 
 
-
 class TransitionError(Exception):
     """The change was refused before anything started (bad target, node not able to change)."""
 
@@ -67,7 +66,10 @@ class TransitionAgent:
             watch.event.set()
 
     def node_records(self, node_id: str):
-        return sorted((r for r in self.c.members.workers.values() if r.stats.node_id == node_id), key=lambda r: r.stats.device_index)
+        return sorted(
+            (r for r in self.c.members.workers.values() if r.stats.node_id == node_id),
+            key=lambda r: r.stats.device_index,
+        )
 
     def current(self, node_id: str) -> Topology:
         from nitsum.policy.decisions import GroupSpec
@@ -85,9 +87,11 @@ class TransitionAgent:
             raise TransitionError(f"no worker of node {node_id!r} is known")
         if not all(r.stats.in_world for r in records):
             outside = [r.worker_id for r in records if not r.stats.in_world]
-            raise TransitionError(f"workers {outside} are not in the node world (standalone or restarted): TP cannot change on {node_id} "
-                                  "until its world is re-formed (automatic once every worker of the node is back at TP=1; "
-                                  "`nitsum admin reform-node` asks now)")
+            raise TransitionError(
+                f"workers {outside} are not in the node world (standalone or restarted): TP cannot change on {node_id} "
+                "until its world is re-formed (automatic once every worker of the node is back at TP=1; "
+                "`nitsum admin reform-node` asks now)"
+            )
         devices = [r.stats.device_index for r in records]
         if devices != list(range(len(records))):
             raise TransitionError(f"node {node_id} is missing workers (have devices {devices})")
@@ -111,7 +115,13 @@ class TransitionAgent:
             epoch = max([self.epoch] + [r.stats.epoch for r in records]) + 1
             by_device = {r.stats.device_index: r.worker_id for r in records}
             groups = tuple(
-                GroupAssignment(group_id_of(node_id, g.start, g.tp), g.start, g.tp, "hybrid", tuple(by_device[d] for d in range(g.start, g.start + g.tp)))
+                GroupAssignment(
+                    group_id_of(node_id, g.start, g.tp),
+                    g.start,
+                    g.tp,
+                    "hybrid",
+                    tuple(by_device[d] for d in range(g.start, g.start + g.tp)),
+                )
                 for g in target.groups
             )
             metrics = self.c.ctx.metrics.reconfiguration_duration_ms()
@@ -119,16 +129,32 @@ class TransitionAgent:
             self.active_watch = watch = Watch(r.worker_id for r in records)
             try:
                 with self.c.ctx.tracer.start_as_current_span(
-                    "coordinator.transition", attributes={"nitsum.node": node_id, "nitsum.epoch": epoch, "nitsum.from": str(current), "nitsum.to": str(target), "nitsum.reason": reason}
+                    "coordinator.transition",
+                    attributes={
+                        "nitsum.node": node_id,
+                        "nitsum.epoch": epoch,
+                        "nitsum.from": str(current),
+                        "nitsum.to": str(target),
+                        "nitsum.reason": reason,
+                    },
                 ) as span:
-                    acks, stopped = await self.gather(leaders, TopologyPrepare(node_id, epoch, groups, reason), PREPARE_TIMEOUT_S, "prepare", epoch, watch)
+                    acks, stopped = await self.gather(
+                        leaders,
+                        TopologyPrepare(node_id, epoch, groups, reason),
+                        PREPARE_TIMEOUT_S,
+                        "prepare",
+                        epoch,
+                        watch,
+                    )
                     prepare_ms = (time.perf_counter() - t0) * 1000.0
                     metrics.labels(phase="prepare").observe(prepare_ms)
                     if stopped:
                         self.epoch = epoch
                         return self._abort(node_id, epoch, "prepare", stopped, leaders, watch, span, t0, current)
                     t1 = time.perf_counter()
-                    acks, stopped = await self.gather(leaders, TopologyCommit(node_id, epoch), COMMIT_TIMEOUT_S, "commit", epoch, watch)
+                    acks, stopped = await self.gather(
+                        leaders, TopologyCommit(node_id, epoch), COMMIT_TIMEOUT_S, "commit", epoch, watch
+                    )
                     pause_ms = (time.perf_counter() - t1) * 1000.0
                     total_ms = (time.perf_counter() - t0) * 1000.0 + decide_ms
                     metrics.labels(phase="pause").observe(pause_ms)
@@ -146,12 +172,31 @@ class TransitionAgent:
             # Until fresh heartbeats arrive, route only to the new leaders.
             for r in records:
                 g = next(g for g in target.groups if g.start <= r.stats.device_index < g.start + g.tp)
-                r.stats = type(r.stats)(**{**r.stats.__dict__, "tp": g.tp, "group_id": group_id_of(node_id, g.start, g.tp), "leader": r.stats.device_index == g.start, "epoch": epoch})
+                r.stats = type(r.stats)(
+                    **{
+                        **r.stats.__dict__,
+                        "tp": g.tp,
+                        "group_id": group_id_of(node_id, g.start, g.tp),
+                        "leader": r.stats.device_index == g.start,
+                        "epoch": epoch,
+                    }
+                )
             report = {
-                "ok": True, "changed": True, "node_id": node_id, "epoch": epoch, "from": str(current), "topology": str(target), "reason": reason,
-                "decide_ms": round(decide_ms, 3), "prepare_ms": round(prepare_ms, 3), "pause_ms": round(pause_ms, 3), "total_ms": round(total_ms, 3),
+                "ok": True,
+                "changed": True,
+                "node_id": node_id,
+                "epoch": epoch,
+                "from": str(current),
+                "topology": str(target),
+                "reason": reason,
+                "decide_ms": round(decide_ms, 3),
+                "prepare_ms": round(prepare_ms, 3),
+                "pause_ms": round(pause_ms, 3),
+                "total_ms": round(total_ms, 3),
             }
-            log.info("node %s: %s -> %s in %.1f ms (pause %.1f ms): %s", node_id, current, target, total_ms, pause_ms, reason)
+            log.info(
+                "node %s: %s -> %s in %.1f ms (pause %.1f ms): %s", node_id, current, target, total_ms, pause_ms, reason
+            )
             self._record(report)
             return report
 
@@ -159,7 +204,9 @@ class TransitionAgent:
         self.history.append(report)
         del self.history[:-20]
 
-    async def gather(self, leaders, message, timeout_s: float, phase: str, epoch: int, watch: Watch) -> tuple[list[TopologyAck], str]:
+    async def gather(
+        self, leaders, message, timeout_s: float, phase: str, epoch: int, watch: Watch
+    ) -> tuple[list[TopologyAck], str]:
         """Every leader's ack, or fewer when a worker of the node is lost meanwhile: its peers may sit in a
         collective that cannot complete, so waiting on would only wait out their timeouts. A failed ack does
         not end the phase early: the other span members are still in (or about to enter) the exchange, which
@@ -169,7 +216,9 @@ class TransitionAgent:
 
         async def one(record) -> TopologyAck:
             try:
-                return await bus.request(bus.subjects.worker_control(record.worker_id), message, timeout_s, expected=TopologyAck)
+                return await bus.request(
+                    bus.subjects.worker_control(record.worker_id), message, timeout_s, expected=TopologyAck
+                )
             except BusError as exc:
                 return TopologyAck(record.worker_id, epoch, False, phase, f"{type(exc).__name__}: {exc}")
 
@@ -190,7 +239,9 @@ class TransitionAgent:
                 task.cancel()
         return acks, "; ".join(f"{a.worker_id}: {a.reason}" for a in acks if not a.ok)
 
-    def _abort(self, node_id: str, epoch: int, phase: str, why: str, leaders, watch: Watch, span, t0: float, current: Topology) -> dict:
+    def _abort(
+        self, node_id: str, epoch: int, phase: str, why: str, leaders, watch: Watch, span, t0: float, current: Topology
+    ) -> dict:
         """Record the failed transition and send Abort to the leaders still alive. The report goes back now;
         the abort acks join its history entry when the survivors answer."""
         lost = [w for w, _ in watch.lost]
@@ -199,14 +250,25 @@ class TransitionAgent:
         self.c.ctx.metrics.reconfiguration_duration_ms().labels(phase="abort").observe(abort_ms)
         mark_error(span, f"{phase} aborted: {why}")
         report = {
-            "ok": False, "aborted": True, "node_id": node_id, "epoch": epoch, "phase": phase, "error": why, "lost_workers": lost,
-            "topology": str(current), "abort_ms": round(abort_ms, 3), "abort_sent_to": [r.worker_id for r in survivors], "abort_acks": None,
+            "ok": False,
+            "aborted": True,
+            "node_id": node_id,
+            "epoch": epoch,
+            "phase": phase,
+            "error": why,
+            "lost_workers": lost,
+            "topology": str(current),
+            "abort_ms": round(abort_ms, 3),
+            "abort_sent_to": [r.worker_id for r in survivors],
+            "abort_acks": None,
         }
         log.warning("node %s: epoch %d aborted in %s after %.1f ms: %s", node_id, epoch, phase, abort_ms, why)
         self._record(report)
 
         async def send() -> None:
-            acks, _ = await self.gather(survivors, TopologyAbort(node_id, epoch, why), ABORT_TIMEOUT_S, "abort", epoch, Watch(()))
+            acks, _ = await self.gather(
+                survivors, TopologyAbort(node_id, epoch, why), ABORT_TIMEOUT_S, "abort", epoch, Watch(())
+            )
             report["abort_acks"] = [{"worker_id": a.worker_id, "ok": a.ok, "reason": a.reason} for a in acks]
             log.info("node %s: abort of epoch %d answered: %s", node_id, epoch, report["abort_acks"])
 

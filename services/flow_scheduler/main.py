@@ -31,6 +31,8 @@ import asyncio
 import logging
 import time
 
+from prometheus_client import Counter
+
 from nitsum.config import FlowSchedulerConfig
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, RmlqConfig, RmlqScheduler, Stage, dscp_table
@@ -44,7 +46,6 @@ from nitsum.wire.messages import (
     FlowSubmitBatch,
     LayerProgress,
 )
-from prometheus_client import Counter
 
 log = logging.getLogger("nitsum.flow_scheduler")
 
@@ -66,8 +67,14 @@ class FlowService:
         self.host_bps = config.link_bandwidth_bps()
         self.default_bps = config.flow_default_gbps * 1e9
         if config.flow_policy == "rmlq":
-            self.scheduler = RmlqScheduler(RmlqConfig(num_levels=config.flow_levels, e=config.flow_e, u=config.flow_u,
-                                                      default_bandwidth_bps=self.default_bps))
+            self.scheduler = RmlqScheduler(
+                RmlqConfig(
+                    num_levels=config.flow_levels,
+                    e=config.flow_e,
+                    u=config.flow_u,
+                    default_bandwidth_bps=self.default_bps,
+                )
+            )
         else:
             self.scheduler = make_flow_scheduler(config.flow_policy, config.flow_levels)
         self.dscp = dscp_table(config.flow_levels)
@@ -144,8 +151,14 @@ class FlowService:
         """A permit as it stands after pruning (a flow pruned meanwhile is refused, not permitted)."""
         if not permit.pruned and rid in self.pruned_requests:
             lowest = self.scheduler.num_levels
-            return FlowPermit(permit.flow_id, lowest, self.dscp.get(lowest, 0), pruned=True,
-                              reason=self.pruned_requests[rid], code=PRUNED_CODE)
+            return FlowPermit(
+                permit.flow_id,
+                lowest,
+                self.dscp.get(lowest, 0),
+                pruned=True,
+                reason=self.pruned_requests[rid],
+                code=PRUNED_CODE,
+            )
         return permit
 
     def submit_one(self, msg: FlowSubmit) -> tuple[FlowPermit, bool]:
@@ -166,7 +179,8 @@ class FlowService:
                 target_layer=msg.target_layer,
                 deadline_ms=msg.deadline_unix_ms,
                 request_deadlines_ms=msg.request_deadlines_unix_ms,
-                request_deadline_ms=min(msg.request_deadlines_unix_ms) if msg.request_deadlines_unix_ms
+                request_deadline_ms=min(msg.request_deadlines_unix_ms)
+                if msg.request_deadlines_unix_ms
                 else msg.deadline_unix_ms,
             )
         except ValueError as exc:
@@ -269,8 +283,9 @@ class FlowService:
                     log.warning("pruned permit for %s not sent: %s", fid, exc)
             log.info("pruned request %s (%d flows)", rid, len(fids))
             try:
-                await bus.publish(bus.subjects.flow_pruned, FlowPruned(request_id=rid, code=PRUNED_CODE, reason=reason,
-                                                                       flow_ids=fids))
+                await bus.publish(
+                    bus.subjects.flow_pruned, FlowPruned(request_id=rid, code=PRUNED_CODE, reason=reason, flow_ids=fids)
+                )
             except Exception as exc:
                 log.warning("FlowPruned for %s not sent: %s", rid, exc)
 
@@ -280,7 +295,12 @@ class FlowService:
         for flow_id, level in self.scheduler.priorities(now).items():
             if flow_id in self.levels and level != self.levels[flow_id]:
                 self.levels[flow_id] = level
-                self._count("flow_promotions", "nitsum_flow_promotions_total", "flows moved to a higher level", self.stages[flow_id].value)
+                self._count(
+                    "flow_promotions",
+                    "nitsum_flow_promotions_total",
+                    "flows moved to a higher level",
+                    self.stages[flow_id].value,
+                )
                 try:
                     await bus.publish(bus.subjects.flow_permit(self.sources[flow_id]), self._permit(flow_id, level))
                 except Exception as exc:  # the agent keeps its old level until the next change
@@ -294,14 +314,16 @@ class FlowService:
                 await self._push_changes(now)
             try:
                 await asyncio.wait_for(self.ctx.stop.wait(), timeout=TICK_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
 async def body(ctx: ServiceContext) -> None:
     service = FlowService(ctx)
     bus = ctx.bus
-    await bus.subscribe(bus.subjects.flow_submit, service.on_submit, queue="flow-scheduler", expected=(FlowSubmit, FlowSubmitBatch))
+    await bus.subscribe(
+        bus.subjects.flow_submit, service.on_submit, queue="flow-scheduler", expected=(FlowSubmit, FlowSubmitBatch)
+    )
     await bus.subscribe(bus.subjects.flow_done, service.on_done, expected=FlowCompletion)
     await bus.subscribe(bus.subjects.flow_progress, service.on_layer_progress, expected=LayerProgress)
     task = ctx.spawn(service.tick(), "priority tick")
@@ -313,4 +335,6 @@ async def body(ctx: ServiceContext) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return run_service("flow-scheduler", FlowSchedulerConfig, argv[1:] if argv[:1] == ["flow-scheduler"] else argv, body)
+    return run_service(
+        "flow-scheduler", FlowSchedulerConfig, argv[1:] if argv[:1] == ["flow-scheduler"] else argv, body
+    )

@@ -55,7 +55,7 @@ class Generation:
     stream_timeout_s: float
     max_reroutes: int
     submit_timeout_s: float
-    registry: "GenerationRegistry"
+    registry: GenerationRegistry
     tokens: list[int] = field(default_factory=list)
     worker_id: str = ""
     reroutes: int = 0
@@ -96,9 +96,13 @@ class Generation:
 
     async def _submit(self, request: SubmitRequest) -> None:
         try:
-            reply: SubmitReply = await self.bus.request(self.bus.subjects.submit, request, self.submit_timeout_s, expected=SubmitReply)
+            reply: SubmitReply = await self.bus.request(
+                self.bus.subjects.submit, request, self.submit_timeout_s, expected=SubmitReply
+            )
         except BusError as exc:
-            raise GenerationError(503, "coordinator_unavailable", f"the coordinator did not answer: {exc}", retry_after_s=1.0) from None
+            raise GenerationError(
+                503, "coordinator_unavailable", f"the coordinator did not answer: {exc}", retry_after_s=1.0
+            ) from None
         if not reply.accepted:
             code = {429: "rate_limited", 503: "no_capacity", 400: "invalid_request"}.get(reply.status, "rejected")
             raise GenerationError(reply.status or 503, code, reply.reason, retry_after_s=reply.retry_after_s)
@@ -108,7 +112,9 @@ class Generation:
         self.registry.moved(self)
 
     def _foreign(self, sender: str) -> None:
-        log.warning("%s: dropped a stream frame from %s (not the worker placed on or its successor)", self.request_id, sender)
+        log.warning(
+            "%s: dropped a stream frame from %s (not the worker placed on or its successor)", self.request_id, sender
+        )
         if self.on_foreign_frame is not None:
             self.on_foreign_frame(sender)
 
@@ -120,8 +126,10 @@ class Generation:
         while not self.finished:
             try:
                 item = await asyncio.wait_for(self._queue.get(), timeout=self.stream_timeout_s)
-            except asyncio.TimeoutError:
-                await self._reroute("worker_silent", f"no token from {self.worker_id} for {self.stream_timeout_s:.0f} s")
+            except TimeoutError:
+                await self._reroute(
+                    "worker_silent", f"no token from {self.worker_id} for {self.stream_timeout_s:.0f} s"
+                )
                 continue
             if item == "worker_lost":
                 await self._reroute("worker_lost", f"worker {self.worker_id} was lost")
@@ -140,14 +148,18 @@ class Generation:
                 self.registry.moved(self)
                 if self.last_token_s is not None and self.on_handoff_gap is not None:
                     self.on_handoff_gap((time.monotonic() - self.last_token_s) * 1000.0)
-                trace.get_current_span().add_event("handed_off", {"nitsum.to_worker": chunk.worker_id, "nitsum.tokens_so_far": len(self.tokens)})
+                trace.get_current_span().add_event(
+                    "handed_off", {"nitsum.to_worker": chunk.worker_id, "nitsum.tokens_so_far": len(self.tokens)}
+                )
             if chunk.error_code:
                 if chunk.error_code in RETRYABLE_CODES:
                     await self._reroute(chunk.error_code, chunk.error_message)
                     continue
                 self.finished = True
                 status = {"invalid_request": 400, "shed": 503}.get(chunk.error_code, 500)
-                raise GenerationError(status, chunk.error_code, chunk.error_message, retry_after_s=1.0 if status == 503 else 0.0)
+                raise GenerationError(
+                    status, chunk.error_code, chunk.error_message, retry_after_s=1.0 if status == 503 else 0.0
+                )
             have = len(self.tokens)
             if chunk.index > have:
                 await self._reroute("stream_gap", f"tokens {have}..{chunk.index - 1} were lost in transit")
@@ -178,7 +190,12 @@ class Generation:
         if self.request.sampling.guide and self.tokens:
             # Another worker would start the grammar afresh on prompt + output: the document could not be valid.
             self.finished = True
-            raise GenerationError(503, code, f"{why}; a response_format request cannot resume on another worker after {len(self.tokens)} token(s)", retry_after_s=1.0)
+            raise GenerationError(
+                503,
+                code,
+                f"{why}; a response_format request cannot resume on another worker after {len(self.tokens)} token(s)",
+                retry_after_s=1.0,
+            )
         self.reroutes += 1
         remaining = self.request.sampling.max_tokens - len(self.tokens)
         if remaining <= 0:
@@ -186,10 +203,22 @@ class Generation:
             self.finish_reason = "length"
             return
         log.warning("re-routing %s (%s): %s", self.request_id, code, why)
-        trace.get_current_span().add_event("rerouted", {"nitsum.reason": code, "nitsum.detail": why, "nitsum.from_worker": old, "nitsum.tokens_so_far": len(self.tokens)})
+        trace.get_current_span().add_event(
+            "rerouted",
+            {
+                "nitsum.reason": code,
+                "nitsum.detail": why,
+                "nitsum.from_worker": old,
+                "nitsum.tokens_so_far": len(self.tokens),
+            },
+        )
         resubmit = replace(
             self.request,
-            sampling=replace(self.request.sampling, max_tokens=remaining, min_tokens=max(0, self.request.sampling.min_tokens - len(self.tokens))),
+            sampling=replace(
+                self.request.sampling,
+                max_tokens=remaining,
+                min_tokens=max(0, self.request.sampling.min_tokens - len(self.tokens)),
+            ),
             output_token_ids=tuple(self.tokens),
             attempt=self.reroutes,
             exclude_workers=(old,) if old else (),
@@ -208,7 +237,10 @@ class Generation:
             return
         try:
             # Aimed at the worker we leave, so that it cannot hit the request's new home.
-            await self.bus.publish(self.bus.subjects.abort, AbortRequest(self.request_id, reason, worker_id=worker_id if worker_id != "?" else ""))
+            await self.bus.publish(
+                self.bus.subjects.abort,
+                AbortRequest(self.request_id, reason, worker_id=worker_id if worker_id != "?" else ""),
+            )
         except Exception as exc:  # best effort: the worker also stops when its stream has no reader
             log.debug("abort of %s not sent: %s", self.request_id, exc)
 
@@ -261,7 +293,9 @@ def _logprob_entries(chunk: TokenChunk, skip: int) -> list:
     for i in range(skip, len(chunk.token_ids)):
         logprob = chunk.logprobs[i] if i < len(chunk.logprobs) else None
         if logprob is None:
-            raise GenerationError(500, "engine_error", f"worker {chunk.worker_id} sent tokens without the logprobs asked for")
+            raise GenerationError(
+                500, "engine_error", f"worker {chunk.worker_id} sent tokens without the logprobs asked for"
+            )
         top = tuple(zip(chunk.top_logprob_ids[i * k : (i + 1) * k], chunk.top_logprob_values[i * k : (i + 1) * k]))
         entries.append((chunk.token_ids[i], logprob, top))
     return entries

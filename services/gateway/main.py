@@ -25,7 +25,18 @@ from nitsum.wire.messages import SamplingSpec, SubmitRequest, WorkerLost
 from nitsum_services.gateway.generation import Generation, GenerationError, GenerationRegistry
 from nitsum_services.gateway.model_info import ModelInfo
 from nitsum_services.gateway.openapi import OPENAPI
-from nitsum_services.gateway.protocol import ApiError, chat_logprobs, choice, chunk, completion_logprobs, full_response, parse_chat, parse_completion, usage, usage_chunk
+from nitsum_services.gateway.protocol import (
+    ApiError,
+    chat_logprobs,
+    choice,
+    chunk,
+    completion_logprobs,
+    full_response,
+    parse_chat,
+    parse_completion,
+    usage,
+    usage_chunk,
+)
 from nitsum_services.gateway.slo import SloAccounting
 
 log = logging.getLogger("nitsum.gateway")
@@ -46,13 +57,22 @@ class Gateway:
     # ---- helpers -------------------------------------------------------------------------------
     async def _json_body(self, request: web.Request):
         if request.content_type != "application/json":
-            raise ApiError(400, f"Content-Type must be application/json, got {request.content_type or 'none'}", None, "invalid_content_type")
+            raise ApiError(
+                400,
+                f"Content-Type must be application/json, got {request.content_type or 'none'}",
+                None,
+                "invalid_content_type",
+            )
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
-            raise ApiError(413, f"the request body is over the {self.config.max_body_bytes}-byte limit", None, "body_too_large")
+            raise ApiError(
+                413, f"the request body is over the {self.config.max_body_bytes}-byte limit", None, "body_too_large"
+            )
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"the request body is over the {self.config.max_body_bytes}-byte limit", None, "body_too_large") from None
+            raise ApiError(
+                413, f"the request body is over the {self.config.max_body_bytes}-byte limit", None, "body_too_large"
+            ) from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -68,13 +88,22 @@ class Gateway:
             tier = self.objectives.get(objective.strip())
             if tier is None:
                 known = ", ".join(sorted(self.objectives))
-                raise ApiError(400, f"unknown inference objective {objective!r}; known objectives: {known}", "x-gateway-inference-objective", "unknown_objective")
+                raise ApiError(
+                    400,
+                    f"unknown inference objective {objective!r}; known objectives: {known}",
+                    "x-gateway-inference-objective",
+                    "unknown_objective",
+                )
         if tier is None and priority is not None and priority != 0:
             tier = "interactive" if priority < 0 else "background"
         tier = tier or self.config.default_tier
         fairness = request.headers.get("x-gateway-inference-fairness-id")
         if fairness is not None and not 0 < len(fairness) <= 256:
-            raise ApiError(400, "header x-gateway-inference-fairness-id must be 1..256 characters", "x-gateway-inference-fairness-id")
+            raise ApiError(
+                400,
+                "header x-gateway-inference-fairness-id must be 1..256 characters",
+                "x-gateway-inference-fairness-id",
+            )
         values = {}
         for header in ("x-slo-ttft-ms", "x-slo-tpot-ms"):
             raw = request.headers.get(header)
@@ -95,11 +124,20 @@ class Gateway:
     def _check_bias(self, sampling: SamplingSpec) -> None:
         bad = [t for t in sampling.logit_bias_ids if t >= self.model.vocab_size]
         if bad:
-            raise ApiError(400, f"logit_bias names token id {bad[0]}, outside the vocabulary (size {self.model.vocab_size})", "logit_bias")
+            raise ApiError(
+                400,
+                f"logit_bias names token id {bad[0]}, outside the vocabulary (size {self.model.vocab_size})",
+                "logit_bias",
+            )
 
     def _check_model(self, name: str) -> None:
         if name and name != self.model.name:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model.name}'.", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.model.name}'.",
+                "model",
+                "model_not_found",
+            )
 
     # ---- routes ----------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -113,10 +151,19 @@ class Gateway:
         arrival_s = time.monotonic()
         arrival_unix_ms = time.time() * 1000.0
         tier_name = "unknown"
-        with self.ctx.tracer.start_as_current_span("gateway.request", attributes={"nitsum.request_id": request_id, "nitsum.route": request.path}) as span:
+        with self.ctx.tracer.start_as_current_span(
+            "gateway.request", attributes={"nitsum.request_id": request_id, "nitsum.route": request.path}
+        ) as span:
             try:
                 if self.draining:
-                    raise ApiError(503, "the gateway is shutting down", None, "shutting_down", "service_unavailable", {"Retry-After": "1"})
+                    raise ApiError(
+                        503,
+                        "the gateway is shutting down",
+                        None,
+                        "shutting_down",
+                        "service_unavailable",
+                        {"Retry-After": "1"},
+                    )
                 body = await self._json_body(request)
                 allow = self.config.allow_unknown_fields
                 if kind == "chat":
@@ -131,23 +178,49 @@ class Gateway:
                 if kind == "chat":
                     prompt_ids = self.model.encode_chat(messages)
                 else:
-                    prompt_ids = list(parsed.prompt_token_ids) if parsed.prompt_token_ids is not None else self.model.encode(parsed.prompt_text)
+                    prompt_ids = (
+                        list(parsed.prompt_token_ids)
+                        if parsed.prompt_token_ids is not None
+                        else self.model.encode(parsed.prompt_text)
+                    )
                     if parsed.prompt_token_ids is not None:
                         self.model.check_ids(prompt_ids)
-                sampling = self.model.fit_max_tokens(parsed.sampling, len(prompt_ids), fill_context=(kind == "chat" and not parsed.max_tokens_given))
+                sampling = self.model.fit_max_tokens(
+                    parsed.sampling, len(prompt_ids), fill_context=(kind == "chat" and not parsed.max_tokens_given)
+                )
                 if sampling.min_tokens > sampling.max_tokens:
-                    raise ApiError(400, f"'min_tokens' ({sampling.min_tokens}) exceeds max_tokens ({sampling.max_tokens})", "min_tokens")
+                    raise ApiError(
+                        400,
+                        f"'min_tokens' ({sampling.min_tokens}) exceeds max_tokens ({sampling.max_tokens})",
+                        "min_tokens",
+                    )
             except ApiError as exc:
                 mark_error(span, exc.code)
                 self.slo.outcome(tier_name, "rejected")
-                return json_error(exc.status, exc.message, exc.type, exc.code, exc.param, headers={"x-request-id": request_id, **exc.headers})
+                return json_error(
+                    exc.status,
+                    exc.message,
+                    exc.type,
+                    exc.code,
+                    exc.param,
+                    headers={"x-request-id": request_id, **exc.headers},
+                )
             span.set_attribute("nitsum.prompt_tokens", len(prompt_ids))
             fairness = request.headers.get("x-gateway-inference-fairness-id")
             if fairness:
                 span.set_attribute("nitsum.fairness_id", fairness)
             if parsed.user:
                 span.set_attribute("nitsum.user", parsed.user)
-            gens = [self._generation(request_id if parsed.n == 1 else f"{request_id}-{i}", prompt_ids, _choice_sampling(sampling, i), slo, arrival_unix_ms) for i in range(parsed.n)]
+            gens = [
+                self._generation(
+                    request_id if parsed.n == 1 else f"{request_id}-{i}",
+                    prompt_ids,
+                    _choice_sampling(sampling, i),
+                    slo,
+                    arrival_unix_ms,
+                )
+                for i in range(parsed.n)
+            ]
             headers = {"x-request-id": request_id, "x-request-tier": slo.tier}
             if parsed.ignored_fields:
                 headers["x-nitsum-ignored-fields"] = ",".join(parsed.ignored_fields)
@@ -165,7 +238,9 @@ class Gateway:
                 for gen in gens:
                     await gen.close()
 
-    def _generation(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec, slo, arrival_unix_ms: float) -> Generation:
+    def _generation(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec, slo, arrival_unix_ms: float
+    ) -> Generation:
         submit = SubmitRequest(
             request_id=request_id,
             prompt_token_ids=tuple(prompt_ids),
@@ -177,17 +252,30 @@ class Gateway:
             arrival_unix_ms=arrival_unix_ms,
             stream_subject=self.ctx.bus.subjects.stream(request_id),
         )
-        gen = Generation(self.ctx.bus, submit, self.config.stream_timeout_s, self.config.max_reroutes, self.config.submit_timeout_s, self.registry)
+        gen = Generation(
+            self.ctx.bus,
+            submit,
+            self.config.stream_timeout_s,
+            self.config.max_reroutes,
+            self.config.submit_timeout_s,
+            self.registry,
+        )
         # The decode pause a stream sees when its request moves to another worker (TP change, P/D).
         gen.on_handoff_gap = self.ctx.metrics.reconfiguration_duration_ms().labels(phase="stream_pause").observe
-        gen.on_foreign_frame = lambda _sender: self.ctx.metrics.dropped_frames_total().labels(subject=f"{self.ctx.bus.subjects.namespace}.stream.*.*", code="foreign_stream_frame").inc()
+        gen.on_foreign_frame = lambda _sender: (
+            self.ctx.metrics.dropped_frames_total()
+            .labels(subject=f"{self.ctx.bus.subjects.namespace}.stream.*.*", code="foreign_stream_frame")
+            .inc()
+        )
         return gen
 
     def _refused(self, exc: GenerationError, span, slo, headers: dict) -> web.Response:
         mark_error(span, f"{exc.code}: {exc.message}")
         self.slo.outcome(slo.tier, "rejected" if exc.status in (429, 503) else "error")
         extra = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.status in (429, 503) else {}
-        type_ = {429: "rate_limit_error", 503: "service_unavailable", 400: "invalid_request_error"}.get(exc.status, "server_error")
+        type_ = {429: "rate_limit_error", 503: "service_unavailable", 400: "invalid_request_error"}.get(
+            exc.status, "server_error"
+        )
         return json_error(exc.status, exc.message, type_, exc.code, headers={**headers, **extra})
 
     async def _deltas(self, gens: list[Generation]):
@@ -246,10 +334,18 @@ class Gateway:
     def _usage(self, gens: list[Generation]) -> dict:
         # The prompt is one prompt, computed once, whatever n is; completion tokens add up over the choices;
         # cached tokens: the most any choice found in the prefix cache (choices after the first reuse the prompt).
-        return usage(len(gens[0].request.prompt_token_ids), sum(len(g.tokens) for g in gens), max(g.num_cached_prompt_tokens for g in gens))
+        return usage(
+            len(gens[0].request.prompt_token_ids),
+            sum(len(g.tokens) for g in gens),
+            max(g.num_cached_prompt_tokens for g in gens),
+        )
 
-    async def _stream(self, request, request_id: str, gens: list[Generation], parsed, kind, headers, span, slo, arrival_s) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(
+        self, request, request_id: str, gens: list[Generation], parsed, kind, headers, span, slo, arrival_s
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         created = int(time.time())
         await response.prepare(request)
         first = [True] * len(gens)
@@ -258,7 +354,18 @@ class Gateway:
             async for i, delta in self._deltas(gens):
                 logprobs = self._logprobs(kind, delta, offsets[i])
                 offsets[i] += sum(len(self.model.token_text(t)) for t in delta.token_ids) if logprobs is not None else 0
-                payload = chunk(kind, request_id, self.model.name, created, delta.text, delta.finish_reason, first[i], delta.token_ids if parsed.return_token_ids else None, i, logprobs)
+                payload = chunk(
+                    kind,
+                    request_id,
+                    self.model.name,
+                    created,
+                    delta.text,
+                    delta.finish_reason,
+                    first[i],
+                    delta.token_ids if parsed.return_token_ids else None,
+                    i,
+                    logprobs,
+                )
                 first[i] = False
                 await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
         except GenerationError as exc:
@@ -275,12 +382,18 @@ class Gateway:
                 await gen.abort("client_disconnected")
             raise
         if parsed.include_usage:
-            await response.write(b"data: " + json.dumps(usage_chunk(kind, request_id, self.model.name, created, self._usage(gens))).encode() + b"\n\n")
+            await response.write(
+                b"data: "
+                + json.dumps(usage_chunk(kind, request_id, self.model.name, created, self._usage(gens))).encode()
+                + b"\n\n"
+            )
         await response.write(b"data: [DONE]\n\n")
         self._finished(gens, span, slo, arrival_s)
         return response
 
-    async def _collect(self, request_id: str, gens: list[Generation], parsed, kind, headers, span, slo, arrival_s) -> web.Response:
+    async def _collect(
+        self, request_id: str, gens: list[Generation], parsed, kind, headers, span, slo, arrival_s
+    ) -> web.Response:
         texts: list[list[str]] = [[] for _ in gens]
         entries: list[list] = [[] for _ in gens]
         try:
@@ -302,8 +415,21 @@ class Gateway:
         for i, gen in enumerate(gens):
             logprobs = None
             if gen.request.sampling.logprobs >= 0:
-                logprobs = chat_logprobs(entries[i], self.model.token_text) if kind == "chat" else completion_logprobs(entries[i], self.model.token_text, 0)
-            choices.append(choice(kind, i, "".join(texts[i]), gen.finish_reason, list(gen.tokens) if parsed.return_token_ids else None, logprobs))
+                logprobs = (
+                    chat_logprobs(entries[i], self.model.token_text)
+                    if kind == "chat"
+                    else completion_logprobs(entries[i], self.model.token_text, 0)
+                )
+            choices.append(
+                choice(
+                    kind,
+                    i,
+                    "".join(texts[i]),
+                    gen.finish_reason,
+                    list(gen.tokens) if parsed.return_token_ids else None,
+                    logprobs,
+                )
+            )
         body = full_response(kind, request_id, self.model.name, int(time.time()), choices, self._usage(gens))
         self._finished(gens, span, slo, arrival_s)
         return web.json_response(body, headers=headers)
@@ -317,14 +443,29 @@ class Gateway:
         self.slo.finished(slo, arrival_s, gen.first_token_s, time.monotonic(), len(gen.tokens))
 
     async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model.name, "object": "model", "created": 0, "owned_by": "nitsum", "max_model_len": self.model.max_model_len}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model.name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "nitsum",
+                        "max_model_len": self.model.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def ready(self, _request: web.Request) -> web.Response:
         if self.draining:
-            return web.json_response({"ready": False, "reason": "shutting down"}, status=503, headers={"Retry-After": "1"})
+            return web.json_response(
+                {"ready": False, "reason": "shutting down"}, status=503, headers={"Retry-After": "1"}
+            )
         submit = SubmitRequest(
             request_id="ready-" + uuid.uuid4().hex,
             prompt_token_ids=(self.model.probe_token_id,),
@@ -337,7 +478,9 @@ class Gateway:
             stream_subject="",
         )
         submit = SubmitRequest(**{**submit.__dict__, "stream_subject": self.ctx.bus.subjects.stream(submit.request_id)})
-        gen = Generation(self.ctx.bus, submit, self.config.ready_timeout_s, 0, self.config.ready_timeout_s, GenerationRegistry())
+        gen = Generation(
+            self.ctx.bus, submit, self.config.ready_timeout_s, 0, self.config.ready_timeout_s, GenerationRegistry()
+        )
         try:
             async with asyncio.timeout(self.config.ready_timeout_s):
                 await gen.start()
@@ -345,7 +488,9 @@ class Gateway:
                     pass
         except (GenerationError, TimeoutError) as exc:
             await gen.abort("ready_probe_failed")
-            reason = exc.message if isinstance(exc, GenerationError) else f"no token within {self.config.ready_timeout_s} s"
+            reason = (
+                exc.message if isinstance(exc, GenerationError) else f"no token within {self.config.ready_timeout_s} s"
+            )
             return web.json_response({"ready": False, "reason": reason}, status=503, headers={"Retry-After": "1"})
         finally:
             await gen.close()
@@ -371,7 +516,9 @@ ROUTES = (
 
 
 def build_app(gateway: Gateway, api_keys: tuple[str, ...]) -> web.Application:
-    app = web.Application(middlewares=[auth_middleware(api_keys), _error_middleware], client_max_size=gateway.config.max_body_bytes)
+    app = web.Application(
+        middlewares=[auth_middleware(api_keys), _error_middleware], client_max_size=gateway.config.max_body_bytes
+    )
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, getattr(gateway, handler))
     return app
@@ -382,11 +529,18 @@ async def _error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge as exc:
-        return json_error(413, f"the request body is over the limit ({exc.text})", "invalid_request_error", "body_too_large")
+        return json_error(
+            413, f"the request body is over the limit ({exc.text})", "invalid_request_error", "body_too_large"
+        )
     except web.HTTPNotFound:
         return json_error(404, f"no route {request.method} {request.path}", "invalid_request_error", "not_found")
     except web.HTTPMethodNotAllowed:
-        return json_error(405, f"method {request.method} is not allowed on {request.path}", "invalid_request_error", "method_not_allowed")
+        return json_error(
+            405,
+            f"method {request.method} is not allowed on {request.path}",
+            "invalid_request_error",
+            "method_not_allowed",
+        )
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -426,4 +580,6 @@ def _choice_sampling(spec: SamplingSpec, index: int) -> SamplingSpec:
 
 def main(argv: list[str]) -> int:
     # The gateway serves /metrics on its API port; no separate metrics server.
-    return run_service("gateway", GatewayConfig, argv[1:] if argv[:1] == ["gateway"] else argv, body, metrics_port=lambda _c: 0)
+    return run_service(
+        "gateway", GatewayConfig, argv[1:] if argv[:1] == ["gateway"] else argv, body, metrics_port=lambda _c: 0
+    )

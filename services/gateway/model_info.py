@@ -19,7 +19,7 @@ class ModelInfo:
     tokenizer: Tokenizer
 
     @classmethod
-    def load(cls, model_dir: Path, served_name: str = "") -> "ModelInfo":
+    def load(cls, model_dir: Path, served_name: str = "") -> ModelInfo:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         tokenizer = Tokenizer(model_dir, config)
         return cls(
@@ -59,7 +59,12 @@ class ModelInfo:
     def fit_max_tokens(self, sampling: SamplingSpec, prompt_len: int, fill_context: bool) -> SamplingSpec:
         room = self.max_model_len - prompt_len
         if room <= 0:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len} tokens", "messages" if fill_context else "prompt", "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len} tokens",
+                "messages" if fill_context else "prompt",
+                "context_length_exceeded",
+            )
         if fill_context:
             return replace(sampling, max_tokens=room)
         if sampling.max_tokens > room:

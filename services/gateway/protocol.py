@@ -26,7 +26,15 @@ MIN_TOP_P = 1e-6
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = "invalid_request", type_: str = "invalid_request_error", headers: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str = "invalid_request",
+        type_: str = "invalid_request_error",
+        headers: dict | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -89,7 +97,9 @@ def _boolean(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _token_ids(value: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in value):
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in value
+    ):
         raise _bad(f"'{name}' must be a list of non-negative token ids", name)
     return tuple(value)
 
@@ -102,11 +112,32 @@ PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)
 # Fields each route honours. Anything else is a 400 naming it (unless the operator tolerates unknown vendor
 # fields: NITSUM_GATEWAY_ALLOW_UNKNOWN_FIELDS), and the known-but-unsupported ones below are accepted only
 # with the value that means "off" (so that clients sending their defaults still work).
-COMMON_FIELDS = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-    "stream_options", "ignore_eos", "return_token_ids", "n", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "priority", "user", "response_format", "min_tokens", "min_p",
-})
+COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "stream",
+        "stream_options",
+        "ignore_eos",
+        "return_token_ids",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "priority",
+        "user",
+        "response_format",
+        "min_tokens",
+        "min_p",
+    }
+)
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 # name -> the values that mean "off" (accepted and, being off, honoured); any other value is a 400.
@@ -142,7 +173,9 @@ def _check_fields(body: dict, honoured: frozenset, allow_unknown: bool) -> tuple
         if allow_unknown:
             ignored.append(str(name))
             continue
-        raise _bad(f"unknown field '{name}' (set NITSUM_GATEWAY_ALLOW_UNKNOWN_FIELDS=true to ignore unknown fields)", str(name))
+        raise _bad(
+            f"unknown field '{name}' (set NITSUM_GATEWAY_ALLOW_UNKNOWN_FIELDS=true to ignore unknown fields)", str(name)
+        )
     return tuple(ignored)
 
 
@@ -162,7 +195,12 @@ def _logit_bias(body: dict) -> tuple[tuple[int, ...], tuple[float, ...]]:
             raise _bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
         if not 0 <= token < MAX_TOKEN_ID or str(token) != str(key).strip():
             raise _bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) or not -100 <= bias <= 100:
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, (int, float))
+            or not math.isfinite(bias)
+            or not -100 <= bias <= 100
+        ):
             raise _bad(f"'logit_bias' values must be numbers between -100 and 100, got {bias!r}", "logit_bias")
         pairs.append((token, float(bias)))
     pairs.sort()
@@ -179,9 +217,15 @@ def _guide(body: dict) -> str:
     if value["type"] == "text":
         return ""
     if value["type"] not in ("json_object", "json_schema"):
-        raise _bad(f"'response_format' type {value['type']!r} is not supported (text, json_object, json_schema)", "response_format")
+        raise _bad(
+            f"'response_format' type {value['type']!r} is not supported (text, json_object, json_schema)",
+            "response_format",
+        )
     if _boolean(body, "ignore_eos"):
-        raise _bad("'ignore_eos' cannot be combined with a JSON 'response_format' (the document ends where its grammar ends)", "ignore_eos")
+        raise _bad(
+            "'ignore_eos' cannot be combined with a JSON 'response_format' (the document ends where its grammar ends)",
+            "ignore_eos",
+        )
     from nitsum.engine.guided import GuideError, grammar_for
 
     try:
@@ -202,7 +246,9 @@ def _logprobs(body: dict, kind: str) -> int:
     return -1 if top is None else top
 
 
-def parse_sampling(body: dict, max_tokens_default: int, max_tokens_name: str = "max_tokens", kind: str = "completion") -> tuple[SamplingSpec, bool]:
+def parse_sampling(
+    body: dict, max_tokens_default: int, max_tokens_name: str = "max_tokens", kind: str = "completion"
+) -> tuple[SamplingSpec, bool]:
     given = body.get(max_tokens_name) is not None or body.get("max_tokens") is not None
     max_tokens = _integer(body, max_tokens_name, None, 1, MAX_INT_OPTION)
     if max_tokens is None and max_tokens_name != "max_tokens":
@@ -235,7 +281,10 @@ def parse_sampling(body: dict, max_tokens_default: int, max_tokens_name: str = "
     if max_tokens is not None and min_tokens > max_tokens:
         raise _bad(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     if min_tokens and body.get("response_format") not in (None, {"type": "text"}):
-        raise _bad("'min_tokens' cannot be combined with a JSON 'response_format' (the grammar decides where the document ends)", "min_tokens")
+        raise _bad(
+            "'min_tokens' cannot be combined with a JSON 'response_format' (the grammar decides where the document ends)",
+            "min_tokens",
+        )
     spec = SamplingSpec(
         max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
         temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
@@ -324,10 +373,23 @@ def parse_completion(body: Any, default_max_tokens: int = 16, allow_unknown: boo
         raise _bad("'prompt' must not be empty", "prompt")
     sampling, given = parse_sampling(body, default_max_tokens, kind="completion")
     stream, include_usage = _stream_flags(body)
-    return ParsedRequest("completion", _model(body), text, ids, sampling, given, stream, include_usage, _boolean(body, "return_token_ids"), **common)
+    return ParsedRequest(
+        "completion",
+        _model(body),
+        text,
+        ids,
+        sampling,
+        given,
+        stream,
+        include_usage,
+        _boolean(body, "return_token_ids"),
+        **common,
+    )
 
 
-def parse_chat(body: Any, max_messages: int, default_max_tokens: int = 16, allow_unknown: bool = False) -> tuple[ParsedRequest, list[dict]]:
+def parse_chat(
+    body: Any, max_messages: int, default_max_tokens: int = 16, allow_unknown: bool = False
+) -> tuple[ParsedRequest, list[dict]]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
     common = _common(body, "chat", allow_unknown)
@@ -358,7 +420,18 @@ def parse_chat(body: Any, max_messages: int, default_max_tokens: int = 16, allow
         clean.append({"role": "system" if role == "developer" else role, "content": content})
     sampling, given = parse_sampling(body, default_max_tokens, "max_completion_tokens", kind="chat")
     stream, include_usage = _stream_flags(body)
-    parsed = ParsedRequest("chat", _model(body), None, None, sampling, given, stream, include_usage, _boolean(body, "return_token_ids"), **common)
+    parsed = ParsedRequest(
+        "chat",
+        _model(body),
+        None,
+        None,
+        sampling,
+        given,
+        stream,
+        include_usage,
+        _boolean(body, "return_token_ids"),
+        **common,
+    )
     return parsed, clean
 
 
@@ -366,7 +439,11 @@ def parse_chat(body: Any, max_messages: int, default_max_tokens: int = 16, allow
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if cached_tokens:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
@@ -379,7 +456,10 @@ def chat_logprobs(entries: list, token_text) -> dict:
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, lp, top in entries], "refusal": None}
+    return {
+        "content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, lp, top in entries],
+        "refusal": None,
+    }
 
 
 def completion_logprobs(entries: list, token_text, text_offset: int) -> dict:
@@ -406,7 +486,18 @@ def _by_text(top, token_text) -> dict:
     return out
 
 
-def chunk(kind: str, request_id: str, model: str, created: int, text: str, finish_reason: str | None, first: bool, token_ids: list[int] | None, index: int = 0, logprobs: dict | None = None) -> dict:
+def chunk(
+    kind: str,
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    first: bool,
+    token_ids: list[int] | None,
+    index: int = 0,
+    logprobs: dict | None = None,
+) -> dict:
     if kind == "chat":
         delta: dict[str, Any] = {"content": text}
         if first:
@@ -426,9 +517,16 @@ def usage_chunk(kind: str, request_id: str, model: str, created: int, usage_obj:
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_obj}
 
 
-def choice(kind: str, index: int, text: str, finish_reason: str, token_ids: list[int] | None, logprobs: dict | None = None) -> dict:
+def choice(
+    kind: str, index: int, text: str, finish_reason: str, token_ids: list[int] | None, logprobs: dict | None = None
+) -> dict:
     if kind == "chat":
-        out: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}
+        out: dict[str, Any] = {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     else:
         out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:

@@ -19,7 +19,13 @@ class SloAccounting:
         self.ended_by_tier: dict[str, int] = {}
         self.met_by_tier: dict[str, int] = {}
         # Create the families up front so that /metrics lists them before the first request.
-        for make in (metrics.requests_total, metrics.goodput_requests_total, metrics.ttft_seconds, metrics.tpot_seconds, metrics.slo_compliance_ratio):
+        for make in (
+            metrics.requests_total,
+            metrics.goodput_requests_total,
+            metrics.ttft_seconds,
+            metrics.tpot_seconds,
+            metrics.slo_compliance_ratio,
+        ):
             make()
 
     def outcome(self, tier: str, outcome: str) -> None:
@@ -28,7 +34,9 @@ class SloAccounting:
         self.metrics.requests_total().labels(tier=tier, outcome=outcome).inc()
         self._ended(tier, met=False)
 
-    def finished(self, slo: SloTarget, arrival_s: float, first_token_s: float | None, finish_s: float, output_tokens: int) -> bool:
+    def finished(
+        self, slo: SloTarget, arrival_s: float, first_token_s: float | None, finish_s: float, output_tokens: int
+    ) -> bool:
         """Record one finished request; returns whether it met both its TTFT and TPOT targets."""
         tier = slo.tier
         self.metrics.requests_total().labels(tier=tier, outcome="ok").inc()
@@ -58,4 +66,6 @@ class SloAccounting:
         self.ended_by_tier[tier] = self.ended_by_tier.get(tier, 0) + 1
         if met:
             self.met_by_tier[tier] = self.met_by_tier.get(tier, 0) + 1
-        self.metrics.slo_compliance_ratio().labels(tier=tier).set(self.met_by_tier.get(tier, 0) / self.ended_by_tier[tier])
+        self.metrics.slo_compliance_ratio().labels(tier=tier).set(
+            self.met_by_tier.get(tier, 0) / self.ended_by_tier[tier]
+        )

@@ -20,8 +20,15 @@ log = logging.getLogger("nitsum.worker")
 
 KEEPALIVE_S = 5.0
 _IDLE_STATS = EngineStats(
-    num_running=0, num_waiting=0, num_kv_blocks_total=0, num_kv_blocks_free=0, num_prefill_tokens_computed=0,
-    num_cached_prompt_tokens=0, cached_block_hashes=[], num_preemptions=0, num_pinned=0,
+    num_running=0,
+    num_waiting=0,
+    num_kv_blocks_total=0,
+    num_kv_blocks_free=0,
+    num_prefill_tokens_computed=0,
+    num_cached_prompt_tokens=0,
+    cached_block_hashes=[],
+    num_preemptions=0,
+    num_pinned=0,
 )
 
 

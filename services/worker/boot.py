@@ -25,7 +25,9 @@ def _engine_config(config: WorkerConfig, role: str):
     return EngineConfig(
         model_dir=str(model_dir),
         # Workers of one node beyond the GPUs visible share them (tests on one GPU; their TP groups use gloo).
-        device=config.device if config.device == "cpu" else f"cuda:{config.device_index % max(1, torch.cuda.device_count())}",
+        device=config.device
+        if config.device == "cpu"
+        else f"cuda:{config.device_index % max(1, torch.cuda.device_count())}",
         dtype=config.dtype,
         block_size=config.block_size,
         kv_cache_mb=config.kv_cache_mb,
@@ -41,8 +43,9 @@ def build_engine(config: WorkerConfig, role: str):
 
     torch.set_num_threads(config.torch_threads)
     engine = Engine(_engine_config(config, role))
-    log.info("engine on %s: %s, decode attention %s", engine.runner.device, engine.cfg.dtype,
-             engine.runner.decode_attention)
+    log.info(
+        "engine on %s: %s, decode attention %s", engine.runner.device, engine.cfg.dtype, engine.runner.decode_attention
+    )
     if engine.runner.flex is not None:
         warm_flex(engine)
     return engine
@@ -73,14 +76,22 @@ def build_backend(config: WorkerConfig, role: str):
 
     if config.min_tp != 1:
         # Node workers boot as one TP=1 group each (and a re-formed world adopts TP=1 engines).
-        raise ConfigError(f"NITSUM_MIN_TP={config.min_tp}: a node world's workers boot at TP=1, so it needs "
-                          "NITSUM_MIN_TP=1 (larger groups come from merges)")
+        raise ConfigError(
+            f"NITSUM_MIN_TP={config.min_tp}: a node world's workers boot at TP=1, so it needs "
+            "NITSUM_MIN_TP=1 (larger groups come from merges)"
+        )
     cfg = _engine_config(config, role)
     if config.node_standby:
         return build_standby(config, cfg)
     world = NodeWorld(
-        config.device_index, config.node_size, config.node_master_addr, config.node_master_port,
-        device=config.device, min_tp=config.min_tp, max_tp=config.max_tp, timeout_s=config.world_timeout_s,
+        config.device_index,
+        config.node_size,
+        config.node_master_addr,
+        config.node_master_port,
+        device=config.device,
+        min_tp=config.min_tp,
+        max_tp=config.max_tp,
+        timeout_s=config.world_timeout_s,
     )
     weights = node_weights(config, cfg, world.device)
     runtime = node_runtime(config, world, cfg, weights, Topology.uniform(config.node_size, 1))
@@ -97,8 +108,15 @@ def node_weights(config: WorkerConfig, cfg, device: str):
 
     store = SharedWeightStore.open(cfg.model_dir, cfg.dtype)
     levels = allowed_levels(config.min_tp, config.max_tp or config.node_size)
-    return boot_weights(store, device, config.device_index, levels[0], levels[-1],
-                        config=loader.load_config(cfg.model_dir), node_size=config.node_size)
+    return boot_weights(
+        store,
+        device,
+        config.device_index,
+        levels[0],
+        levels[-1],
+        config=loader.load_config(cfg.model_dir),
+        node_size=config.node_size,
+    )
 
 
 def node_runtime(config: WorkerConfig, world, cfg, weights, topology, engine=None, epoch: int = 0):
@@ -110,9 +128,18 @@ def node_runtime(config: WorkerConfig, world, cfg, weights, topology, engine=Non
         die_if_told(config, phase, epoch)
 
     return NodeRuntime(
-        world, cfg, weights, topology, failure_hook, kv_path=config.kv_path,
-        host_id=config.host_id, kv_advertise_addr=config.kv_advertise_addr, master_addr=config.node_master_addr,
-        kv_fault_epoch=config.fault_kv_connect_epoch, engine=engine, epoch=epoch,
+        world,
+        cfg,
+        weights,
+        topology,
+        failure_hook,
+        kv_path=config.kv_path,
+        host_id=config.host_id,
+        kv_advertise_addr=config.kv_advertise_addr,
+        master_addr=config.node_master_addr,
+        kv_fault_epoch=config.fault_kv_connect_epoch,
+        engine=engine,
+        epoch=epoch,
         shm_collectives=config.tp_shm_collectives,
     )
 
@@ -127,9 +154,18 @@ def build_standby(config: WorkerConfig, cfg) -> StandbyBackend:
     if not 0 <= config.device_index < config.node_size:
         raise ValueError(f"NITSUM_DEVICE_INDEX={config.device_index} is outside the node's {config.node_size} devices")
     weights = node_weights(config, cfg, cfg.device)
-    runner = ModelRunner(cfg.model_dir, TPGroup.single(cfg.device), device=cfg.device, dtype=cfg.dtype,
-                         block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, kv_cache_mb=cfg.kv_cache_mb,
-                         weights=weights, config=loader.load_config(cfg.model_dir), decode_attention=cfg.decode_attention)
+    runner = ModelRunner(
+        cfg.model_dir,
+        TPGroup.single(cfg.device),
+        device=cfg.device,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        num_kv_blocks=cfg.num_kv_blocks,
+        kv_cache_mb=cfg.kv_cache_mb,
+        weights=weights,
+        config=loader.load_config(cfg.model_dir),
+        decode_attention=cfg.decode_attention,
+    )
     log.info("standby: serving standalone at TP=1 until the coordinator re-forms node %s", config.node_id)
     return StandbyBackend(Engine(cfg, runner=runner), config.device_index, weights, cfg)
 
@@ -142,8 +178,14 @@ def join_generation(config: WorkerConfig, backend, generation: int):
 
     def make_world():
         return NodeWorld(
-            config.device_index, config.node_size, config.node_master_addr, config.node_master_port,
-            device=config.device, min_tp=config.min_tp, max_tp=config.max_tp, timeout_s=config.world_timeout_s,
+            config.device_index,
+            config.node_size,
+            config.node_master_addr,
+            config.node_master_port,
+            device=config.device,
+            min_tp=config.min_tp,
+            max_tp=config.max_tp,
+            timeout_s=config.world_timeout_s,
             generation=generation,
         )
 
@@ -161,5 +203,3 @@ def die_if_told(config: WorkerConfig, phase: str, epoch: int) -> None:
         log.error("NITSUM_FAULT_DIE_AT=%s: killing this worker now", config.fault_die_at)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
-
-

@@ -33,7 +33,16 @@ import sys
 
 from nitsum.config import WorkerConfig
 from nitsum.service import ServiceContext, run_service
-from nitsum.wire.messages import AbortRequest, NodeReform, RoleChange, RunRequest, StreamOffset, TopologyAbort, TopologyCommit, TopologyPrepare
+from nitsum.wire.messages import (
+    AbortRequest,
+    NodeReform,
+    RoleChange,
+    RunRequest,
+    StreamOffset,
+    TopologyAbort,
+    TopologyCommit,
+    TopologyPrepare,
+)
 from nitsum_services.worker.boot import build_backend, build_engine  # noqa: F401 (build_engine: nitsum bench gateway)
 from nitsum_services.worker.migration_flows import MigrationDriver
 from nitsum_services.worker.peer_loss import PeerLossGuard
@@ -65,8 +74,9 @@ async def build_service(ctx: ServiceContext, service_name: str) -> WorkerService
     ctx.state["in_world"] = backend.in_world
     bus, worker_id = ctx.bus, config.resolved_worker_id()
     session = WorkerSession(backend, bus, worker_id, ctx.metrics, ctx.tracer)
-    agent = TransferAgent(bus, worker_id, ctx.metrics,
-                          max_in_flight=NODE_MAX_IN_FLIGHT if backend.in_world else MAX_IN_FLIGHT)
+    agent = TransferAgent(
+        bus, worker_id, ctx.metrics, max_in_flight=NODE_MAX_IN_FLIGHT if backend.in_world else MAX_IN_FLIGHT
+    )
     mover = KvMover(session, agent, bus, worker_id, ctx.metrics)
     migrations = MigrationDriver(session, agent, worker_id, ctx.metrics, config.tp_migration_budget_ms)
     mover.corrupt = config.fault_kv_corrupt
@@ -83,8 +93,9 @@ def make_body(service_name: str):
         service = await build_service(ctx, service_name)
         bus, worker_id = ctx.bus, service.worker_id
         await bus.subscribe(bus.subjects.worker_run(worker_id), service.on_run, expected=RunRequest)
-        await bus.subscribe(bus.subjects.worker_control(worker_id), service.on_control, expected=CONTROL_MESSAGES,
-                            concurrent=True)
+        await bus.subscribe(
+            bus.subjects.worker_control(worker_id), service.on_control, expected=CONTROL_MESSAGES, concurrent=True
+        )
         await bus.subscribe(bus.subjects.abort, service.on_abort, expected=AbortRequest)
         await bus.nc.subscribe(bus.subjects.coordinator_up, cb=service.on_coordinator_up)
         await service.agent.start()
@@ -112,7 +123,13 @@ def main(argv: list[str]) -> int:
     service_name = argv[0] if argv and argv[0] in ("prefill-worker", "decode-worker") else "decode-worker"
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     state: dict = {}
-    code = run_service(service_name, WorkerConfig, argv[1:] if argv and argv[0] == service_name else argv, make_body(service_name), state=state)
+    code = run_service(
+        service_name,
+        WorkerConfig,
+        argv[1:] if argv and argv[0] == service_name else argv,
+        make_body(service_name),
+        state=state,
+    )
     if state.get("in_world"):
         # A peer's step thread may sit in a collective that will never complete now; do not wait for it.
         os._exit(code)

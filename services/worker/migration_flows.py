@@ -54,9 +54,13 @@ class MigrationDriver:
     def count_bytes(self, path: str, size_bytes: int) -> None:
         """KV bytes a transition moved into other workers' caches, by path (shm | tcp | p2p)."""
         if size_bytes:
-            _counter(self.metrics, "kvmig_path", "nitsum_kv_migration_path_bytes_total",
-                     "KV bytes TP transitions moved into other workers' caches, by path (shm | tcp | p2p)", ["path"]
-                     ).labels(path=path).inc(size_bytes)
+            _counter(
+                self.metrics,
+                "kvmig_path",
+                "nitsum_kv_migration_path_bytes_total",
+                "KV bytes TP transitions moved into other workers' caches, by path (shm | tcp | p2p)",
+                ["path"],
+            ).labels(path=path).inc(size_bytes)
 
     async def drive(self, msg: TopologyPrepare, pending):
         """Run the pre-copy of a pending prepare to its end; returns the final prepare ack."""
@@ -73,11 +77,16 @@ class MigrationDriver:
         unit = f"tp-migration-{msg.node_id}-e{epoch}"
         submits = [
             FlowSubmit(
-                flow_id=f"{unit}-w{f.src_worker}-w{f.dst_worker}", request_id=unit, unit_id=unit, stage="M",
+                flow_id=f"{unit}-w{f.src_worker}-w{f.dst_worker}",
+                request_id=unit,
+                unit_id=unit,
+                stage="M",
                 # `src` is the agent that holds the flow and gets its promotions (this leader, which runs
                 # its peers' chunks too); the pair itself is in the flow id.
-                size_bytes=f.size_bytes, src=self.worker_id,
-                dst=worker_of.get(f.dst_worker, str(f.dst_worker)), deadline_unix_ms=deadline_unix_ms,
+                size_bytes=f.size_bytes,
+                src=self.worker_id,
+                dst=worker_of.get(f.dst_worker, str(f.dst_worker)),
+                deadline_unix_ms=deadline_unix_ms,
             )
             for f in remote
         ]
@@ -89,11 +98,17 @@ class MigrationDriver:
         for i, permit in enumerate(permits):
             if permit.pruned or permit.reason:  # refused or no scheduler: still runs, at the lowest level
                 self.num_unpermitted += 1
-                _counter(self.metrics, "kvmig_unpermitted", "nitsum_kv_migration_unpermitted_flows_total",
-                         "stage-M flows run without a flow-scheduler permit (silent or pruning)", []).inc()
-                log.info("migration flow %s runs without a permit (%s)", submits[i].flow_id,
-                         permit.reason or "pruned")
-                permits[i] = FlowPermit(permit.flow_id, lowest, self.agent.dscp[lowest], reason=permit.reason or "pruned")
+                _counter(
+                    self.metrics,
+                    "kvmig_unpermitted",
+                    "nitsum_kv_migration_unpermitted_flows_total",
+                    "stage-M flows run without a flow-scheduler permit (silent or pruning)",
+                    [],
+                ).inc()
+                log.info("migration flow %s runs without a permit (%s)", submits[i].flow_id, permit.reason or "pruned")
+                permits[i] = FlowPermit(
+                    permit.flow_id, lowest, self.agent.dscp[lowest], reason=permit.reason or "pruned"
+                )
         acks = []
 
         async def run_flow(flow, dscp: int | None = None) -> int:
@@ -116,6 +131,7 @@ class MigrationDriver:
         def send_of(flow):
             async def send(level: int) -> int:
                 return await run_flow(flow, self.agent.dscp[min(max(level, 1), lowest)])
+
             return send
 
         tasks = [self.agent.run(s.flow_id, p, send_of(f)) for f, s, p in zip(remote, submits, permits)]
@@ -130,12 +146,21 @@ class MigrationDriver:
         span.set_attribute("nitsum.prepare_step_ms", round(pending.duration_ms, 3))
         final = next((a for a in acks if a.epoch == epoch), None)
         by_path = ", ".join(f"{p} {n}" for p, n in final.bytes_by_path) if final is not None else ""
-        log.info("epoch %d: prepare step %.1f ms (%s), then pre-copy of %d flow(s) + %d local copy(ies), %d chunk(s), "
-                 "%d bytes, done %.1f ms after the pending prepare ack (permits %.1f ms)%s%s", epoch, pending.duration_ms,
-                 ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
-                 len(remote), len(local), sum(len(f.chunks) for f in flows), sum(f.size_bytes for f in flows),
-                 time.time() * 1000.0 - drive_start_unix_ms, permits_ms, f"; this worker's bytes by path: {by_path}"
-                 if by_path else "", f"; errors: {errors[:3]}" if errors else "")
+        log.info(
+            "epoch %d: prepare step %.1f ms (%s), then pre-copy of %d flow(s) + %d local copy(ies), %d chunk(s), "
+            "%d bytes, done %.1f ms after the pending prepare ack (permits %.1f ms)%s%s",
+            epoch,
+            pending.duration_ms,
+            ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
+            len(remote),
+            len(local),
+            sum(len(f.chunks) for f in flows),
+            sum(f.size_bytes for f in flows),
+            time.time() * 1000.0 - drive_start_unix_ms,
+            permits_ms,
+            f"; this worker's bytes by path: {by_path}" if by_path else "",
+            f"; errors: {errors[:3]}" if errors else "",
+        )
         if final is None:
             why = "; ".join(f"{type(e).__name__}: {e}" for e in errors[:3]) or "no final ack"
             return dataclasses.replace(pending, ok=False, pending=False, reason=f"pre-copy did not complete: {why}")

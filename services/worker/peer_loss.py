@@ -133,7 +133,9 @@ class PeerLossGuard(NodeBackend):
         runtime.drop_communicators(keep=group if group.tp > 1 else None)
         if in_transition and group.tp > 1 and self._group_answers(group):
             runtime.world_lost = why
-            log.warning("group %s is whole: it keeps serving at TP=%d; no more TP changes on this node", group, group.tp)
+            log.warning(
+                "group %s is whole: it keeps serving at TP=%d; no more TP changes on this node", group, group.tp
+            )
             return
         dropped = runtime.leave_world(why)
         log.warning("left the node world: serving standalone at TP=1; %d request(s) to re-queue", len(dropped))
@@ -189,8 +191,10 @@ def reform_refusal(backend, node_id: str, node_size: int, msg, busy: bool) -> st
         return f"generation {msg.generation} is not newer than this worker's world (generation {backend.generation})"
     start, tp = backend.group
     if tp != 1:
-        return (f"this worker serves in a TP={tp} group (devices {start}-{start + tp - 1}) that kept serving after the "
-                "loss: only TP=1 workers join a re-formed world")
+        return (
+            f"this worker serves in a TP={tp} group (devices {start}-{start + tp - 1}) that kept serving after the "
+            "loss: only TP=1 workers join a re-formed world"
+        )
     if isinstance(backend, NodeBackend) and (backend.runtime.in_transition or backend.precopy_active):
         return "a TP transition is in progress on this worker"
     return ""

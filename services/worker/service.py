@@ -45,10 +45,15 @@ PHASES = {TopologyPrepare: "prepare", TopologyCommit: "commit", TopologyAbort: "
 ROLES = ("prefill", "decode", "hybrid")
 
 
-
 class WorkerService:
-    def __init__(self, ctx: ServiceContext, session: WorkerSession, agent: TransferAgent, mover: KvMover,
-                 migrations: MigrationDriver) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        session: WorkerSession,
+        agent: TransferAgent,
+        mover: KvMover,
+        migrations: MigrationDriver,
+    ) -> None:
         self.ctx = ctx
         self.config: WorkerConfig = ctx.config
         self.worker_id = self.config.resolved_worker_id()
@@ -71,19 +76,37 @@ class WorkerService:
         backend = session.backend  # swapped when the node world is re-formed
         start, tp = backend.group
         return WorkerStats(
-            worker_id=self.worker_id, node_id=config.node_id, device_index=config.device_index, device=config.device,
-            role=self.role, state=self.state, group_id=group_id_of(config.node_id, start, tp), tp=tp,
-            model_name=backend.model_name, max_model_len=backend.max_model_len, num_running=len(session.running),
-            num_waiting=s.num_waiting, kv_blocks_free=s.num_kv_blocks_free, kv_blocks_total=s.num_kv_blocks_total,
+            worker_id=self.worker_id,
+            node_id=config.node_id,
+            device_index=config.device_index,
+            device=config.device,
+            role=self.role,
+            state=self.state,
+            group_id=group_id_of(config.node_id, start, tp),
+            tp=tp,
+            model_name=backend.model_name,
+            max_model_len=backend.max_model_len,
+            num_running=len(session.running),
+            num_waiting=s.num_waiting,
+            kv_blocks_free=s.num_kv_blocks_free,
+            kv_blocks_total=s.num_kv_blocks_total,
             running_request_ids=tuple(session.running),
             cached_block_hashes=tuple(s.cached_block_hashes[-256:]),  # the most recently cached (reuse hints)
-            sent_unix_ms=time.time() * 1000.0, step_ms_ewma=session.step_ms_ewma,
+            sent_unix_ms=time.time() * 1000.0,
+            step_ms_ewma=session.step_ms_ewma,
             num_prefill_tokens_computed=s.num_prefill_tokens_computed,
-            num_cached_prompt_tokens=s.num_cached_prompt_tokens, num_aborted=session.num_aborted,
-            instance_id=self.instance_id, epoch=backend.epoch, in_world=backend.in_world, leader=backend.is_leader,
-            block_size=config.block_size, num_kv_imported=mover.num_imported,
-            num_reused_blocks=mover.num_reused_blocks, num_transfer_failures=mover.num_failures,
-            node_size=config.node_size if config.node_size > 1 else 0, generation=backend.generation,
+            num_cached_prompt_tokens=s.num_cached_prompt_tokens,
+            num_aborted=session.num_aborted,
+            instance_id=self.instance_id,
+            epoch=backend.epoch,
+            in_world=backend.in_world,
+            leader=backend.is_leader,
+            block_size=config.block_size,
+            num_kv_imported=mover.num_imported,
+            num_reused_blocks=mover.num_reused_blocks,
+            num_transfer_failures=mover.num_failures,
+            node_size=config.node_size if config.node_size > 1 else 0,
+            generation=backend.generation,
         )
 
     async def publish_stats(self) -> None:
@@ -101,7 +124,8 @@ class WorkerService:
         retryable `worker_lost`, so the gateway re-submits each with the tokens it has."""
         for rid in request_ids:
             asyncio.run_coroutine_threadsafe(
-                self.session.fail(rid, "worker_lost", f"its TP group lost a worker ({why}); re-queued"), self.loop)
+                self.session.fail(rid, "worker_lost", f"its TP group lost a worker ({why}); re-queued"), self.loop
+            )
         asyncio.run_coroutine_threadsafe(self.publish_stats(), self.loop)
 
     # -- worker.<id>.run ----------------------------------------------------------------------------
@@ -127,8 +151,11 @@ class WorkerService:
 
     async def fetch_then_start(self, run: RunRequest) -> None:
         req = run.request
-        attributes = {"nitsum.request_id": req.request_id, "nitsum.holder": run.reuse_from,
-                      "nitsum.blocks": len(run.reuse_hashes)}
+        attributes = {
+            "nitsum.request_id": req.request_id,
+            "nitsum.holder": run.reuse_from,
+            "nitsum.blocks": len(run.reuse_hashes),
+        }
         with self.ctx.tracer.start_as_current_span("worker.kv_fetch", attributes=attributes) as span:
             try:
                 deadline = req.arrival_unix_ms + req.ttft_ms if req.arrival_unix_ms > 0 else None
@@ -160,8 +187,13 @@ class WorkerService:
         if msg.role not in ROLES:
             return TopologyAck(self.worker_id, 0, False, "role", f"unknown role {msg.role!r}")
         if self.session.backend.in_world:
-            return TopologyAck(self.worker_id, 0, False, "role",
-                               "workers in a node world serve hybrid groups; change the topology instead")
+            return TopologyAck(
+                self.worker_id,
+                0,
+                False,
+                "role",
+                "workers in a node world serve hybrid groups; change the topology instead",
+            )
         previous = self.role
         # At a step boundary: requests already admitted finish under the rules they started with.
         await self.session.call(lambda backend: backend.engine.set_role(msg.role))
@@ -189,16 +221,23 @@ class WorkerService:
                 span.set_attribute("nitsum.error", why)
                 log.error("re-formation of generation %d failed: %s", msg.generation, why)
                 await self.publish_stats()
-                return TopologyAck(self.worker_id, msg.generation, False, "reform",
-                                   f"generation {msg.generation} not formed: {why}")
+                return TopologyAck(
+                    self.worker_id, msg.generation, False, "reform", f"generation {msg.generation} not formed: {why}"
+                )
             finally:
                 self.reforming = 0
         self.ctx.state["in_world"] = True
         if isinstance(backend, NodeBackend):
             await asyncio.to_thread(backend.runtime.close)  # the old world's KV receiver and segments
         ms = (time.perf_counter() - t0) * 1000.0
-        log.info("joined node %s world generation %d (%d workers) in %.0f ms; %d request(s) kept running",
-                 config.node_id, msg.generation, config.node_size, ms, len(session.running))
+        log.info(
+            "joined node %s world generation %d (%d workers) in %.0f ms; %d request(s) kept running",
+            config.node_id,
+            msg.generation,
+            config.node_size,
+            ms,
+            len(session.running),
+        )
         await self.publish_stats()
         return TopologyAck(self.worker_id, msg.generation, True, "reform", f"generation {msg.generation}", ms)
 
@@ -232,8 +271,10 @@ class WorkerService:
         if self.reforming:
             return refuse(f"this worker is joining node world generation {self.reforming}")
         if not isinstance(backend, NodeBackend):
-            return refuse("this worker is not in a node world (NITSUM_NODE_SIZE; a restarted one waits for the "
-                          "node's re-formation)")
+            return refuse(
+                "this worker is not in a node world (NITSUM_NODE_SIZE; a restarted one waits for the "
+                "node's re-formation)"
+            )
         groups = tuple(sorted((g.start, g.tp) for g in msg.groups)) if phase == "prepare" else ()
         refused = backend.refusal(phase, msg.epoch, groups) if isinstance(backend, PeerLossGuard) else ""
         if refused:
@@ -251,11 +292,12 @@ class WorkerService:
         attributes = {"nitsum.epoch": msg.epoch, "nitsum.worker": self.worker_id}
         with self.ctx.tracer.start_as_current_span(f"worker.topology.{phase}", attributes=attributes) as span:
             try:
-                ack = await asyncio.wait_for(self.session.control(NodeCommand(phase, msg.epoch, groups)),
-                                             CONTROL_TIMEOUT_S)
+                ack = await asyncio.wait_for(
+                    self.session.control(NodeCommand(phase, msg.epoch, groups)), CONTROL_TIMEOUT_S
+                )
                 if ack.pending:  # KV pre-copy runs between decode steps, under stage-M flow permits
                     ack = await asyncio.wait_for(self.migrations.drive(msg, ack), CONTROL_TIMEOUT_S)
-            except (asyncio.TimeoutError, RuntimeError) as exc:
+            except (TimeoutError, RuntimeError) as exc:
                 span.set_attribute("nitsum.error", str(exc))
                 return refuse(f"{type(exc).__name__}: {exc}")
             span.set_attribute("nitsum.ok", ack.ok)
@@ -265,8 +307,13 @@ class WorkerService:
                 timings = backend.runtime.last_commit_timings_ms
                 for name, ms in timings.items():
                     span.set_attribute(f"nitsum.commit_{name}_ms", round(ms, 3))
-                log.info("epoch %d: commit %.1f ms (%s), %d bytes moved", msg.epoch, ack.duration_ms,
-                         ", ".join(f"{k} {v:.0f}" for k, v in timings.items()), ack.bytes_moved)
+                log.info(
+                    "epoch %d: commit %.1f ms (%s), %d bytes moved",
+                    msg.epoch,
+                    ack.duration_ms,
+                    ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
+                    ack.bytes_moved,
+                )
         if phase in ("prepare", "commit") and ack.ok:
             self.ctx.metrics.kv_migration_bytes_total().inc(ack.bytes_moved)
             for path, size in ack.bytes_by_path:
@@ -289,7 +336,7 @@ class WorkerService:
             await self.publish_stats()
             try:
                 await asyncio.wait_for(self.ctx.stop.wait(), timeout=period_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def drain(self, engine_stop: asyncio.Event, tasks: set[asyncio.Task], timeout_s: float) -> None:

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from nitsum.bus import Bus
-from nitsum.telemetry.metrics import Metrics
-from nitsum.telemetry.tracing import mark_error
 from nitsum.engine.engine import Engine
 from nitsum.engine.slo import RequestSlo
+from nitsum.telemetry.metrics import Metrics
+from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import RunRequest, SubmitRequest, TokenChunk
 
 log = logging.getLogger("nitsum.worker")
@@ -59,7 +59,9 @@ def request_slo(req: SubmitRequest) -> RequestSlo | None:
     """The request's tier and targets on the engine clock (the gateway stamped its arrival in wall time), so
     the engine schedules it tier-aware; None for a tier the engine does not know (plain order)."""
     try:
-        return RequestSlo.from_unix(req.tier, req.ttft_ms, req.tpot_ms, req.arrival_unix_ms, time.time() * 1000.0, Engine.now_ms())
+        return RequestSlo.from_unix(
+            req.tier, req.ttft_ms, req.tpot_ms, req.arrival_unix_ms, time.time() * 1000.0, Engine.now_ms()
+        )
     except ValueError:
         return None
 
@@ -143,8 +145,14 @@ class WorkerSession:
         )
         self.running[req.request_id] = Running(
             # Frames go out under this worker's id (its NATS identity may publish only there), not req.stream_subject.
-            req.request_id, self.bus.subjects.stream(req.request_id, self.worker_id), len(req.prompt_token_ids), len(req.output_token_ids), span,
-            decode_worker=run.decode_worker, max_tokens=req.sampling.max_tokens, tpot_ms=req.tpot_ms,
+            req.request_id,
+            self.bus.subjects.stream(req.request_id, self.worker_id),
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            span,
+            decode_worker=run.decode_worker,
+            max_tokens=req.sampling.max_tokens,
+            tpot_ms=req.tpot_ms,
         )
         if hold:
             self._held[req.request_id] = req
@@ -176,8 +184,13 @@ class WorkerSession:
 
     def adopt(self, request_id: str, stream_subject: str, prompt_len: int, produced: int) -> None:
         """P/D decode side: stream an imported request from output index `produced` on."""
-        span = self.tracer.start_span("worker.generate", attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.imported": True})
-        self.running[request_id] = Running(request_id, self.bus.subjects.stream(request_id, self.worker_id), prompt_len, produced, span)
+        span = self.tracer.start_span(
+            "worker.generate",
+            attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.imported": True},
+        )
+        self.running[request_id] = Running(
+            request_id, self.bus.subjects.stream(request_id, self.worker_id), prompt_len, produced, span
+        )
 
     def forget(self, request_id: str) -> None:
         state = self.running.pop(request_id, None)
@@ -205,7 +218,16 @@ class WorkerSession:
         if state is None:
             return False
         if reason.split(":")[0] in self.TOLD_REASONS:
-            chunk = TokenChunk(request_id, self.worker_id, state.next_index, (), finished=True, finish_reason="error", error_code=reason, error_message=f"the request was {reason}: it cannot meet its SLO")
+            chunk = TokenChunk(
+                request_id,
+                self.worker_id,
+                state.next_index,
+                (),
+                finished=True,
+                finish_reason="error",
+                error_code=reason,
+                error_message=f"the request was {reason}: it cannot meet its SLO",
+            )
             task = asyncio.ensure_future(self.bus.publish(state.stream_subject, chunk))
             task.add_done_callback(lambda t: t.exception())
         self.running.pop(request_id, None)
@@ -262,14 +284,28 @@ class WorkerSession:
                 s = req.sampling
                 try:
                     params = SamplingParams(
-                        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
-                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                        repetition_penalty=s.repetition_penalty, logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
-                        logprobs=s.logprobs if s.logprobs >= 0 else None, guide=s.guide, min_tokens=s.min_tokens, min_p=s.min_p,
+                        max_tokens=s.max_tokens,
+                        temperature=s.temperature,
+                        top_p=s.top_p,
+                        top_k=s.top_k,
+                        seed=s.seed,
+                        stop=s.stop,
+                        stop_token_ids=s.stop_token_ids,
+                        ignore_eos=s.ignore_eos,
+                        presence_penalty=s.presence_penalty,
+                        frequency_penalty=s.frequency_penalty,
+                        repetition_penalty=s.repetition_penalty,
+                        logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
+                        logprobs=s.logprobs if s.logprobs >= 0 else None,
+                        guide=s.guide,
+                        min_tokens=s.min_tokens,
+                        min_p=s.min_p,
                     )
                     backend.add_request(
-                        req.request_id, list(req.prompt_token_ids) + list(req.output_token_ids), params, request_slo(req)
+                        req.request_id,
+                        list(req.prompt_token_ids) + list(req.output_token_ids),
+                        params,
+                        request_slo(req),
                     )
                 except (ValueError, AssertionError) as exc:
                     rejected.append((req.request_id, str(exc)))
@@ -313,12 +349,16 @@ class WorkerSession:
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
-            if self.backend.is_leader and not self._inbox and not self.backend.has_unfinished() \
-                    and not self.backend.precopy_active:
+            if (
+                self.backend.is_leader
+                and not self._inbox
+                and not self.backend.has_unfinished()
+                and not self.backend.precopy_active
+            ):
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if getattr(self.backend, "in_world", False):
                         await loop.run_in_executor(None, self.backend.idle_tick)
                     continue
@@ -384,7 +424,7 @@ class WorkerSession:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     async def _await_permits(self) -> None:
@@ -405,7 +445,7 @@ class WorkerSession:
             self._wake.clear()  # `allow` wakes it (MigrationDriver); the loop re-reads the inbox anyway
             try:
                 await asyncio.wait_for(self._wake.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     async def _after_commit(self, was_leader: bool) -> None:
@@ -418,9 +458,18 @@ class WorkerSession:
             state.span.end()
         for request_id, produced in held.items():
             if request_id not in self.running:
-                span = self.tracer.start_span("worker.generate", attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.adopted": True})
+                span = self.tracer.start_span(
+                    "worker.generate",
+                    attributes={
+                        "nitsum.request_id": request_id,
+                        "nitsum.worker": self.worker_id,
+                        "nitsum.adopted": True,
+                    },
+                )
                 offset = self.stream_offsets.get(request_id, 0)
-                self.running[request_id] = Running(request_id, self.bus.subjects.stream(request_id, self.worker_id), 0, produced + offset, span)
+                self.running[request_id] = Running(
+                    request_id, self.bus.subjects.stream(request_id, self.worker_id), 0, produced + offset, span
+                )
         if self.on_topology_change is not None:
             await self.on_topology_change()
 
@@ -442,7 +491,9 @@ class WorkerSession:
         # P/D: a prefill worker's run ends at the first token; unless the request itself is done then
         # (a stop token, or max_tokens reached), it continues on the decode worker.
         handoff = bool(
-            state.decode_worker and out.finished and out.finish_reason == "length"
+            state.decode_worker
+            and out.finished
+            and out.finish_reason == "length"
             and state.next_index + len(tokens) < state.max_tokens
         )
         finished = out.finished and not handoff

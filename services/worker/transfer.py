@@ -71,8 +71,15 @@ def _now_unix_ms() -> float:
 
 
 class TransferAgent:
-    def __init__(self, bus: Bus, worker_id: str, metrics: Metrics, num_levels: int = NUM_LEVELS,
-                 max_in_flight: int = MAX_IN_FLIGHT, permit_timeout_s: float = PERMIT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        worker_id: str,
+        metrics: Metrics,
+        num_levels: int = NUM_LEVELS,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        permit_timeout_s: float = PERMIT_TIMEOUT_S,
+    ) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.metrics = metrics
@@ -94,7 +101,12 @@ class TransferAgent:
     async def permits(self, flows: list[FlowSubmit]) -> list[FlowPermit]:
         """Permits for these flows, in order: the flow-scheduler's, or the lowest level if it is silent."""
         try:
-            reply = await self.bus.request(self.bus.subjects.flow_submit, FlowSubmitBatch(tuple(flows)), self.permit_timeout_s, expected=FlowPermitBatch)
+            reply = await self.bus.request(
+                self.bus.subjects.flow_submit,
+                FlowSubmitBatch(tuple(flows)),
+                self.permit_timeout_s,
+                expected=FlowPermitBatch,
+            )
             by_id = {p.flow_id: p for p in reply.permits}
             if all(f.flow_id in by_id for f in flows):
                 return [by_id[f.flow_id] for f in flows]
@@ -102,9 +114,18 @@ class TransferAgent:
         except BusError as exc:
             reason = str(exc)
         self.num_fallbacks += len(flows)
-        _counter(self.metrics, "flow_fallbacks", "nitsum_flow_fallbacks_total", "flows sent at the lowest level because the flow-scheduler did not answer", []).inc(len(flows))
+        _counter(
+            self.metrics,
+            "flow_fallbacks",
+            "nitsum_flow_fallbacks_total",
+            "flows sent at the lowest level because the flow-scheduler did not answer",
+            [],
+        ).inc(len(flows))
         log.info("no permit for %d flow(s) (%s): sending at P%d", len(flows), reason, self.num_levels)
-        return [FlowPermit(f.flow_id, self.num_levels, self.dscp[self.num_levels], reason="no flow-scheduler") for f in flows]
+        return [
+            FlowPermit(f.flow_id, self.num_levels, self.dscp[self.num_levels], reason="no flow-scheduler")
+            for f in flows
+        ]
 
     async def run(self, flow_id: str, permit: FlowPermit, send: Callable[[int], Awaitable[int]]) -> int:
         """Wait for the flow's turn (strict priority), `send(level)` → bytes, report completion."""
@@ -177,7 +198,9 @@ class _Pending:
 
 def _pack_header(export) -> bytes:
     dtype = str(export.kv.dtype).removeprefix("torch.")
-    return msgpack.packb([export.state, export.num_tokens, list(export.heads), dtype, list(export.kv.shape[1:])], use_bin_type=True)
+    return msgpack.packb(
+        [export.state, export.num_tokens, list(export.heads), dtype, list(export.kv.shape[1:])], use_bin_type=True
+    )
 
 
 def _layer_bytes(kv: torch.Tensor, layer: int) -> bytes:
@@ -186,7 +209,10 @@ def _layer_bytes(kv: torch.Tensor, layer: int) -> bytes:
 
 def _stack_layers(layers: dict[int, bytes], dtype: str, layer_shape: list[int]) -> torch.Tensor:
     torch_dtype = getattr(torch, dtype)
-    parts = [torch.frombuffer(bytearray(layers[i]), dtype=torch.uint8).view(torch_dtype).view(layer_shape) for i in range(len(layers))]
+    parts = [
+        torch.frombuffer(bytearray(layers[i]), dtype=torch.uint8).view(torch_dtype).view(layer_shape)
+        for i in range(len(layers))
+    ]
     return torch.stack(parts)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 
 
@@ -207,28 +233,54 @@ class KvMover:
         self.corrupt = False  # fault injection (NITSUM_FAULT_KV_CORRUPT), set by the worker from its config
 
     async def start(self) -> None:
-        await self.bus.subscribe(self.bus.subjects.worker_kv(self.worker_id), self.on_layer, expected=KvLayer, concurrent=True)
-        await self.bus.subscribe(self.bus.subjects.worker_kv_fetch(self.worker_id), self.on_fetch, expected=KvFetch, concurrent=True)
+        await self.bus.subscribe(
+            self.bus.subjects.worker_kv(self.worker_id), self.on_layer, expected=KvLayer, concurrent=True
+        )
+        await self.bus.subscribe(
+            self.bus.subjects.worker_kv_fetch(self.worker_id), self.on_fetch, expected=KvFetch, concurrent=True
+        )
 
     def close(self) -> None:
         self.publisher.close()
 
     def _count(self, purpose: str, outcome: str) -> None:
-        _counter(self.metrics, "kv_transfers", "nitsum_kv_transfers_total", "KV hand-offs (pd) and prefix fetches (reuse) by outcome", ["purpose", "outcome"]).labels(purpose=purpose, outcome=outcome).inc()
+        _counter(
+            self.metrics,
+            "kv_transfers",
+            "nitsum_kv_transfers_total",
+            "KV hand-offs (pd) and prefix fetches (reuse) by outcome",
+            ["purpose", "outcome"],
+        ).labels(purpose=purpose, outcome=outcome).inc()
         if outcome != "ok":
             self.num_failures += 1
 
     # ---- sending ---------------------------------------------------------------------------------
-    async def _send_layers(self, request_id: str, purpose: str, dst: str, kv: torch.Tensor, state: bytes, stream_subject: str,
-                           block_hashes: tuple[int, ...], stage: str, deadline_unix_ms: float | None) -> None:
+    async def _send_layers(
+        self,
+        request_id: str,
+        purpose: str,
+        dst: str,
+        kv: torch.Tensor,
+        state: bytes,
+        stream_subject: str,
+        block_hashes: tuple[int, ...],
+        stage: str,
+        deadline_unix_ms: float | None,
+    ) -> None:
         """Every layer of `kv` to `dst` as one flow each; raises TransferError unless all landed and `dst`
         adopted them (the ack of the last layer says `complete`)."""
         num_layers = int(kv.shape[0])
         payloads = [_layer_bytes(kv, layer) for layer in range(num_layers)]
         flows = [
             FlowSubmit(
-                flow_id=f"{request_id}.{purpose}.{layer}", request_id=request_id, unit_id=request_id, stage=stage,
-                size_bytes=len(payloads[layer]), src=self.worker_id, dst=dst, target_layer=layer,
+                flow_id=f"{request_id}.{purpose}.{layer}",
+                request_id=request_id,
+                unit_id=request_id,
+                stage=stage,
+                size_bytes=len(payloads[layer]),
+                src=self.worker_id,
+                dst=dst,
+                target_layer=layer,
                 deadline_unix_ms=deadline_unix_ms,
                 request_deadlines_unix_ms=(deadline_unix_ms,) if deadline_unix_ms is not None else (),
             )
@@ -244,10 +296,25 @@ class KvMover:
                 handle = self.publisher.publish(flow.flow_id, payloads[layer])
                 crc = handle.crc32 ^ 1 if self.corrupt and purpose == "pd" else handle.crc32
                 try:
-                    ack = await self.bus.request(self.bus.subjects.worker_kv(dst), KvLayer(
-                        request_id, self.worker_id, purpose, layer, num_layers, flow.flow_id, handle.segment, handle.size_bytes, crc,
-                        state=state, stream_subject=stream_subject, block_hashes=block_hashes,
-                    ), LAYER_TIMEOUT_S, expected=KvAck)
+                    ack = await self.bus.request(
+                        self.bus.subjects.worker_kv(dst),
+                        KvLayer(
+                            request_id,
+                            self.worker_id,
+                            purpose,
+                            layer,
+                            num_layers,
+                            flow.flow_id,
+                            handle.segment,
+                            handle.size_bytes,
+                            crc,
+                            state=state,
+                            stream_subject=stream_subject,
+                            block_hashes=block_hashes,
+                        ),
+                        LAYER_TIMEOUT_S,
+                        expected=KvAck,
+                    )
                 finally:
                     self.publisher.release(handle)  # the receiver copied it out, or gave up: either way
                 if not ack.ok:
@@ -275,7 +342,17 @@ class KvMover:
         try:
             export = await self.session.call(lambda backend: backend.engine.export_kv(rid))
             deadline = _now_unix_ms() + max(running.tpot_ms, 1.0) * 4
-            await self._send_layers(rid, "pd", running.decode_worker, export.kv, _pack_header(export), running.stream_subject, (), "3", deadline)
+            await self._send_layers(
+                rid,
+                "pd",
+                running.decode_worker,
+                export.kv,
+                _pack_header(export),
+                running.stream_subject,
+                (),
+                "3",
+                deadline,
+            )
         except (TransferError, BusError, KeyError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
@@ -286,30 +363,45 @@ class KvMover:
             self.session.handed_off(rid)
             return
         self._count("pd", "failed")
-        log.warning("KV hand-off of %s to %s failed: %s; the request is re-run elsewhere", rid, running.decode_worker, reason)
+        log.warning(
+            "KV hand-off of %s to %s failed: %s; the request is re-run elsewhere", rid, running.decode_worker, reason
+        )
         # A retryable code: the gateway re-submits it (with the first token) and the coordinator runs it hybrid.
-        await self.session.fail(rid, "engine_error", f"kv_transfer_failed: hand-off to {running.decode_worker}: {reason}")
+        await self.session.fail(
+            rid, "engine_error", f"kv_transfer_failed: hand-off to {running.decode_worker}: {reason}"
+        )
 
     async def on_fetch(self, msg: KvFetch, _delivery) -> KvFetchReply:
         """Holder side of stage 1: push the cached blocks of this prefix to the asker."""
         try:
-            found, kv = await self.session.call(lambda backend: backend.engine.export_cached_blocks(list(msg.block_hashes)))
+            found, kv = await self.session.call(
+                lambda backend: backend.engine.export_cached_blocks(list(msg.block_hashes))
+            )
         except (AttributeError, AssertionError) as exc:
             return KvFetchReply(msg.request_id, False, reason=f"cannot export blocks here: {exc}")
         if not found:
             return KvFetchReply(msg.request_id, True, 0, reason="no longer cached")
         try:
-            await self._send_layers(msg.request_id, "reuse", msg.dst_worker, kv, b"", "", tuple(found), "1", msg.deadline_unix_ms)
+            await self._send_layers(
+                msg.request_id, "reuse", msg.dst_worker, kv, b"", "", tuple(found), "1", msg.deadline_unix_ms
+            )
         except (TransferError, BusError) as exc:
             self._count("reuse", "failed")
             return KvFetchReply(msg.request_id, False, reason=f"{type(exc).__name__}: {exc}")
         self._count("reuse", "ok")
         return KvFetchReply(msg.request_id, True, len(found))
 
-    async def fetch(self, request_id: str, holder: str, block_hashes: tuple[int, ...], deadline_unix_ms: float | None) -> int:
+    async def fetch(
+        self, request_id: str, holder: str, block_hashes: tuple[int, ...], deadline_unix_ms: float | None
+    ) -> int:
         """Asker side of stage 1: blocks imported (0 when the holder had none or the fetch failed)."""
         try:
-            reply = await self.bus.request(self.bus.subjects.worker_kv_fetch(holder), KvFetch(request_id, self.worker_id, block_hashes, deadline_unix_ms), FETCH_TIMEOUT_S, expected=KvFetchReply)
+            reply = await self.bus.request(
+                self.bus.subjects.worker_kv_fetch(holder),
+                KvFetch(request_id, self.worker_id, block_hashes, deadline_unix_ms),
+                FETCH_TIMEOUT_S,
+                expected=KvFetchReply,
+            )
         except BusError as exc:
             self._count("reuse", "failed")
             log.info("prefix fetch for %s from %s failed (%s): computing it", request_id, holder, exc)
@@ -331,7 +423,9 @@ class KvMover:
             self._count(msg.purpose, "failed")
             log.warning("KV layer %d of %s from %s refused: %s", msg.layer, msg.request_id, msg.src_worker, exc)
             return KvAck(msg.request_id, msg.layer, False, f"{exc.code.value}: {exc.message}")
-        pending = self.pending.setdefault(key, _Pending(msg.num_layers, msg.state, msg.stream_subject, msg.block_hashes))
+        pending = self.pending.setdefault(
+            key, _Pending(msg.num_layers, msg.state, msg.stream_subject, msg.block_hashes)
+        )
         pending.layers[msg.layer] = data
         if len(pending.layers) < pending.num_layers:
             return KvAck(msg.request_id, msg.layer, True)

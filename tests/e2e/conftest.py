@@ -35,7 +35,13 @@ class Mesh:
         return env
 
 
-def start_mesh(tmp: Path, devices: int = 2, extra_args: tuple[str, ...] = (), env_extra: dict | None = None, ready_timeout_s: float = 150.0) -> Mesh:
+def start_mesh(
+    tmp: Path,
+    devices: int = 2,
+    extra_args: tuple[str, ...] = (),
+    env_extra: dict | None = None,
+    ready_timeout_s: float = 150.0,
+) -> Mesh:
     home = tmp / "home"
     run_dir = tmp / "run"
     port = free_port()
@@ -46,7 +52,21 @@ def start_mesh(tmp: Path, devices: int = 2, extra_args: tuple[str, ...] = (), en
     log_path = tmp / "up.log"
     log = open(log_path, "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "nitsum.cli", "up", "--devices", str(devices), "--port", str(port), "--run-dir", str(run_dir), "--ready-timeout", str(ready_timeout_s), *extra_args],
+        [
+            sys.executable,
+            "-m",
+            "nitsum.cli",
+            "up",
+            "--devices",
+            str(devices),
+            "--port",
+            str(port),
+            "--run-dir",
+            str(run_dir),
+            "--ready-timeout",
+            str(ready_timeout_s),
+            *extra_args,
+        ],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -26,12 +26,18 @@ class Service:
     log_path: Path
     process: subprocess.Popen | None = None
 
-    def start(self) -> "Service":
+    def start(self) -> Service:
         log = open(self.log_path, "ab")
         from nitsum.up import _die_with_parent
 
         # Dies with the test process even if the test is killed before its teardown runs.
-        self.process = subprocess.Popen([sys.executable, "-m", "nitsum.cli", "serve", self.service], env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nitsum.cli", "serve", self.service],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
         log.close()
         return self
 
@@ -92,7 +98,7 @@ class ManualMesh:
         self.services[name] = svc
         return svc
 
-    def start(self) -> "ManualMesh":
+    def start(self) -> ManualMesh:
         self.nats_port = free_port()
         self.nats = NatsServer(port=self.nats_port, config_path=None).start(log_path=self.tmp / "nats.log")
         self.port = free_port()
@@ -115,7 +121,11 @@ class ManualMesh:
         last = ""
         while time.monotonic() < deadline:
             for svc in self.services.values():
-                if svc.process is not None and svc.process.poll() is not None and svc.process.returncode not in (0, -9, -15):
+                if (
+                    svc.process is not None
+                    and svc.process.poll() is not None
+                    and svc.process.returncode not in (0, -9, -15)
+                ):
                     raise RuntimeError(f"{svc.name} died: {svc.log_path.read_text()[-3000:]}")
             try:
                 status, body = http_get(self.url + "/ready", timeout_s=5)
@@ -189,9 +199,23 @@ class StreamResult:
     indices_ok: bool = True
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, headers: dict | None = None, on_token=None) -> StreamResult:
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    headers: dict | None = None,
+    on_token=None,
+) -> StreamResult:
     """A greedy streamed completion with token ids; records every token in order."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     async with session.post(url + "/v1/completions", json=body, headers=headers or {}) as resp:
         request_id = resp.headers.get("x-request-id", "")
         if resp.status != 200:
@@ -240,20 +264,25 @@ def counter_total(metrics_text: str, name: str, **labels: str) -> float:
     return total
 
 
-async def stream_across_changes(url: str, batch: list[list[int]], lengths: list[int], changes, change,
-                                timeout_s: float = 300.0):
+async def stream_across_changes(
+    url: str, batch: list[list[int]], lengths: list[int], changes, change, timeout_s: float = 300.0
+):
     """Stream the batch; once every stream has a token, `await change(c)` for each of `changes` in turn, letting
     every stream move on before the next. Returns (stream results, the changes' answers)."""
     counts = [0] * len(batch)
     answers = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+
         def tracker(i):
             def on_token(n):
                 counts[i] = n
+
             return on_token
 
-        tasks = [asyncio.create_task(stream_completion(session, url, p, n, on_token=tracker(i)))
-                 for i, (p, n) in enumerate(zip(batch, lengths))]
+        tasks = [
+            asyncio.create_task(stream_completion(session, url, p, n, on_token=tracker(i)))
+            for i, (p, n) in enumerate(zip(batch, lengths))
+        ]
         for c in changes or []:
             while min(counts) < 1 and not all(t.done() for t in tasks):
                 await asyncio.sleep(0.01)

@@ -26,7 +26,13 @@ SPLIT2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
 
 # A ~27M-parameter random Llama: slow enough per token on CPU that every stream is still running when the
 # topology changes (the tiny model finishes hundreds of tokens before an admin command lands).
-MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}
+MID = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +45,24 @@ def mid_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mesh4(tmp_path_factory, mid_dir):
     tmp = tmp_path_factory.mktemp("adaptive")
-    mesh = start_mesh(tmp, devices=4, extra_args=("--model", str(mid_dir)), env_extra={"NITSUM_FAULT_PREPARE_EPOCH": "4", "NITSUM_RECONFIG_INTERVAL_MS": "600000"})
+    mesh = start_mesh(
+        tmp,
+        devices=4,
+        extra_args=("--model", str(mid_dir)),
+        env_extra={"NITSUM_FAULT_PREPARE_EPOCH": "4", "NITSUM_RECONFIG_INTERVAL_MS": "600000"},
+    )
     yield mesh
     stop_mesh(mesh.process)
 
 
 def admin(mesh, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "nitsum.cli", "admin", "--timeout", "120", *args], env=mesh.env(), capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "nitsum.cli", "admin", "--timeout", "120", *args],
+        env=mesh.env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     return json.loads(out.stdout)
 
 
@@ -74,7 +91,9 @@ def metric(mesh, service: str, name: str, **labels: str) -> float:
     import urllib.request
 
     port = service_env(mesh, service)["NITSUM_METRICS_PORT"]
-    return counter_total(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode(), name, **labels)
+    return counter_total(
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode(), name, **labels
+    )
 
 
 def kv_segments_of(mesh) -> list[str]:
@@ -92,6 +111,7 @@ LENGTHS = [120, 160, 200, 240, 280, 140]
 
 async def _run(mesh, changes: list[str] | None):
     """Stream the batch; when every stream has tokens, apply each topology change in turn."""
+
     async def change(c):
         return await admin_async(mesh, "set-topology", {"topology": c, "id": f"t-{c}-{time.monotonic()}"})
 
@@ -120,7 +140,10 @@ def test_streams_survive_merge_and_split_with_identical_tokens(mesh4, mid_dir):
     deadline = time.monotonic() + 20
     while True:
         status = admin(mesh4, "status")
-        if all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in status["workers"] if w["leader"]) or time.monotonic() > deadline:
+        if (
+            all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in status["workers"] if w["leader"])
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.3)
     assert all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in status["workers"] if w["leader"]), status["workers"]
@@ -130,7 +153,11 @@ def test_streams_survive_merge_and_split_with_identical_tokens(mesh4, mid_dir):
     import urllib.request
 
     metrics = urllib.request.urlopen(mesh4.url + "/metrics", timeout=10).read().decode()
-    count = [line for line in metrics.splitlines() if line.startswith('nitsum_reconfiguration_duration_ms_count{phase="stream_pause"}')]
+    count = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith('nitsum_reconfiguration_duration_ms_count{phase="stream_pause"}')
+    ]
     # Streams that were in flight moved to another worker at least once (a merge leaves 3 of 4 leaders).
     assert count and float(count[0].rsplit(" ", 1)[1]) >= 3
     # The pre-copy went through the flow-scheduler as stage-M flows (one per source -> destination pair),
@@ -160,7 +187,12 @@ def test_failed_prepare_keeps_the_old_topology_serving(mesh4):
 
 def test_bad_topologies_are_refused_and_change_nothing(mesh4):
     before = topology_of(admin(mesh4, "status"))
-    for bad in ("[0-2 TP3 hybrid][3 TP1 hybrid]", "[1-2 TP2 hybrid][0 TP1 hybrid][3 TP1 hybrid]", "nonsense", "[0-7 TP8 hybrid]"):
+    for bad in (
+        "[0-2 TP3 hybrid][3 TP1 hybrid]",
+        "[1-2 TP2 hybrid][0 TP1 hybrid][3 TP1 hybrid]",
+        "nonsense",
+        "[0-7 TP8 hybrid]",
+    ):
         answer = admin(mesh4, "set-topology", bad)
         assert answer["ok"] is False and answer["error"]["code"] in ("bad_topology", "cannot_change"), (bad, answer)
     assert topology_of(admin(mesh4, "status")) == before

@@ -52,7 +52,11 @@ def test_set_policy_is_validated_and_idempotent_by_id(mesh):
 
 
 def test_drain_stops_routing_to_a_worker_and_undo_resumes(mesh):
-    assert admin(mesh, "drain", {"id": "d1", "worker_id": "node0-0"}) == {"ok": True, "worker_id": "node0-0", "draining": True}
+    assert admin(mesh, "drain", {"id": "d1", "worker_id": "node0-0"}) == {
+        "ok": True,
+        "worker_id": "node0-0",
+        "draining": True,
+    }
     workers = {http_get(mesh.url + "/ready")[1]["worker"] for _ in range(8)}
     assert workers == {"node0-1"}
     status = admin(mesh, "status", {})
@@ -101,4 +105,6 @@ def test_role_changes_at_run_time(mesh):
     assert all(r.status == 200 and len(r.token_ids) == 12 for r in after)
     assert admin(mesh, "role", {"id": "r2", "worker_id": "node0-1", "role": "hybrid"})["ok"] is True
     assert admin(mesh, "role", {"id": "r3", "worker_id": "node0-1", "role": "wizard"})["error"]["code"] == "bad_request"
-    assert admin(mesh, "role", {"id": "r4", "worker_id": "ghost", "role": "decode"})["error"]["code"] == "unknown_worker"
+    assert (
+        admin(mesh, "role", {"id": "r4", "worker_id": "ghost", "role": "decode"})["error"]["code"] == "unknown_worker"
+    )

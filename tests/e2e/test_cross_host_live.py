@@ -22,7 +22,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 TP1 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 MERGE4 = "[0-3 TP4 hybrid]"
 # Slow enough per token on CPU that the streams are still running when the topology changes.
-MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}
+MID = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 LENGTHS = [90, 120, 150, 110]
 HOSTS = {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
 
@@ -32,8 +38,12 @@ def mesh(tmp_path_factory):
     from nitsum.model.tiny import make_tiny
 
     tmp = tmp_path_factory.mktemp("cross-host")
-    mesh = ManualMesh(tmp, make_tiny(tmp / "mid", config_overrides=MID), num_workers=4,
-                      env_extra={"NITSUM_RECONFIG_INTERVAL_MS": "600000", "NITSUM_MAX_TP": "4"})
+    mesh = ManualMesh(
+        tmp,
+        make_tiny(tmp / "mid", config_overrides=MID),
+        num_workers=4,
+        env_extra={"NITSUM_RECONFIG_INTERVAL_MS": "600000", "NITSUM_MAX_TP": "4"},
+    )
     mesh.nats = NatsServer(port=free_port(), config_path=None).start(log_path=tmp / "nats.log")
     mesh.port = free_port()
     world = {"NITSUM_NODE_SIZE": "4", "NITSUM_NODE_MASTER_PORT": str(_free_port_span())}
@@ -41,8 +51,14 @@ def mesh(tmp_path_factory):
         mesh.add("coordinator", "coordinator").start()
         mesh.add("flow-scheduler", "flow-scheduler").start()
         for i in range(4):
-            mesh.add(f"worker-{i}", "decode-worker", NITSUM_WORKER_ID=f"node0-{i}", NITSUM_DEVICE_INDEX=str(i),
-                     NITSUM_HOST_ID=HOSTS[i], **world).start()
+            mesh.add(
+                f"worker-{i}",
+                "decode-worker",
+                NITSUM_WORKER_ID=f"node0-{i}",
+                NITSUM_DEVICE_INDEX=str(i),
+                NITSUM_HOST_ID=HOSTS[i],
+                **world,
+            ).start()
         mesh.add("gateway", "gateway", NITSUM_GATEWAY_PORT=str(mesh.port), NITSUM_GATEWAY_HOST="127.0.0.1").start()
         mesh.wait_ready()
         mesh.wait_workers(4)
@@ -64,7 +80,12 @@ async def _run(mesh: ManualMesh, changes: list[str]):
 
 def test_kv_moves_over_tcp_between_hosts_and_shared_memory_inside_one_and_tokens_are_unchanged(mesh):
     status = mesh.admin_status()
-    assert sorted((w["device_index"], w["tp"]) for w in status["workers"] if w["leader"]) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert sorted((w["device_index"], w["tp"]) for w in status["workers"] if w["leader"]) == [
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (3, 1),
+    ]
     reference, _ = asyncio.run(_run(mesh, []))
     assert all(r.status == 200 and len(r.token_ids) == n for r, n in zip(reference, LENGTHS))
     results, answers = asyncio.run(_run(mesh, [MERGE4, TP1]))

@@ -67,9 +67,16 @@ def test_worker_killed_mid_stream_with_a_spare(mesh2):
         # Greedy: exactly the clean run's tokens, none duplicated, none missing.
         assert got.token_ids == ref.token_ids
         assert got.finish_reason == "length"
-    rerouted = [s for s in _spans(mesh2) if s["name"] == "gateway.request" and any(e["name"] == "rerouted" for e in s["events"])]
+    rerouted = [
+        s for s in _spans(mesh2) if s["name"] == "gateway.request" and any(e["name"] == "rerouted" for e in s["events"])
+    ]
     assert rerouted, "re-routed requests must say so in their traces"
-    assert all(e["attributes"]["nitsum.reason"] in ("worker_lost", "worker_silent", "stream_gap") for s in rerouted for e in s["events"] if e["name"] == "rerouted")
+    assert all(
+        e["attributes"]["nitsum.reason"] in ("worker_lost", "worker_silent", "stream_gap")
+        for s in rerouted
+        for e in s["events"]
+        if e["name"] == "rerouted"
+    )
 
 
 def test_no_spare_every_request_ends_with_a_clear_error_then_service_resumes(mesh1):
@@ -96,10 +103,12 @@ def test_no_spare_every_request_ends_with_a_clear_error_then_service_resumes(mes
     # No worker at all: 503 with Retry-After, at once.
     status, body = http_get(mesh1.url + "/ready")
     assert status == 503 and body["ready"] is False
+
     async def one():
         async with aiohttp.ClientSession() as s:
             async with s.post(mesh1.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}) as resp:
                 return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
     status, retry_after, body = asyncio.run(one())
     assert status == 503 and int(retry_after) >= 1 and body["error"]["code"]
     # A worker registers: service resumes.
@@ -116,6 +125,7 @@ def test_client_disconnects_abort_at_the_workers_and_free_kv(mesh2):
 
     async def drop_all():
         async with aiohttp.ClientSession() as session:
+
             async def start_and_drop(p):
                 body = {"prompt": p, "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True}
                 resp = await session.post(mesh2.url + "/v1/completions", json=body)
@@ -128,7 +138,10 @@ def test_client_disconnects_abort_at_the_workers_and_free_kv(mesh2):
     deadline = time.monotonic() + 60  # generous: 100 aborts on a loaded 2-core machine take a while to land
     aborted = 0.0
     while time.monotonic() < deadline:
-        aborted = sum(_metric(mesh2, f"worker-{i}", "nitsum_aborted_requests_total", 'reason="client_disconnected"') for i in range(2))
+        aborted = sum(
+            _metric(mesh2, f"worker-{i}", "nitsum_aborted_requests_total", 'reason="client_disconnected"')
+            for i in range(2)
+        )
         if aborted >= 100:
             break
         time.sleep(0.2)
@@ -141,9 +154,19 @@ def test_client_disconnects_abort_at_the_workers_and_free_kv(mesh2):
     assert all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in status["workers"]), status
     results = asyncio.run(_many(mesh2.url, batch[:1], 5))
     assert results[0].status == 200 and len(results[0].token_ids) == 5
-    cancelled = [s for s in _spans(mesh2) if s["name"] == "gateway.request" and s["attributes"].get("nitsum.error") == "client_disconnected"]
+    cancelled = [
+        s
+        for s in _spans(mesh2)
+        if s["name"] == "gateway.request" and s["attributes"].get("nitsum.error") == "client_disconnected"
+    ]
     assert len(cancelled) == 100 and all(s["status"] == "ERROR" for s in cancelled)
-    aborted_at_worker = [s for s in _spans(mesh2) if s["name"] == "worker.generate" and s["status"] == "ERROR" and "client_disconnected" in s["status_description"]]
+    aborted_at_worker = [
+        s
+        for s in _spans(mesh2)
+        if s["name"] == "worker.generate"
+        and s["status"] == "ERROR"
+        and "client_disconnected" in s["status_description"]
+    ]
     assert len(aborted_at_worker) == 100
 
 
@@ -198,7 +221,9 @@ def test_graceful_drain_of_a_worker_and_of_the_gateway(mesh2):
                 if progress["tokens"] >= 20:
                     going.set()
 
-            tasks = [asyncio.create_task(stream_completion(session, mesh2.url, p, 200, on_token=on_token)) for p in batch]
+            tasks = [
+                asyncio.create_task(stream_completion(session, mesh2.url, p, 200, on_token=on_token)) for p in batch
+            ]
             await asyncio.wait_for(going.wait(), HANG_GUARD_S)
             mesh2.services["worker-0"].signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
@@ -225,7 +250,9 @@ def test_graceful_drain_of_a_worker_and_of_the_gateway(mesh2):
                     if started["n"] == 3:
                         first_tokens.set()
 
-            tasks = [asyncio.create_task(stream_completion(session, mesh2.url, p, 300, on_token=on_token)) for p in batch[:3]]
+            tasks = [
+                asyncio.create_task(stream_completion(session, mesh2.url, p, 300, on_token=on_token)) for p in batch[:3]
+            ]
             await asyncio.wait_for(first_tokens.wait(), HANG_GUARD_S)  # every stream is in flight
             mesh2.services["gateway"].signal(signal.SIGTERM)
             await asyncio.sleep(0.1)
@@ -273,14 +300,30 @@ def test_wedged_worker_turns_ready_503(mesh1):
 
 
 def test_overload_is_429_with_retry_after_background_first(tmp_path, tiny_model_dir):
-    mesh = ManualMesh(tmp_path, tiny_model_dir, num_workers=1, env_extra={"NITSUM_QUEUE_LIMIT_BACKGROUND": "2", "NITSUM_QUEUE_LIMIT_INTERACTIVE": "50"}).start()
+    mesh = ManualMesh(
+        tmp_path,
+        tiny_model_dir,
+        num_workers=1,
+        env_extra={"NITSUM_QUEUE_LIMIT_BACKGROUND": "2", "NITSUM_QUEUE_LIMIT_INTERACTIVE": "50"},
+    ).start()
     try:
+
         async def flood():
             timeout = aiohttp.ClientTimeout(total=HANG_GUARD_S)
             async with aiohttp.ClientSession(timeout=timeout) as session:
-                bg = [asyncio.create_task(stream_completion(session, mesh.url, p, 300, headers={"x-request-tier": "background"})) for p in prompts(8)]
+                bg = [
+                    asyncio.create_task(
+                        stream_completion(session, mesh.url, p, 300, headers={"x-request-tier": "background"})
+                    )
+                    for p in prompts(8)
+                ]
                 await asyncio.sleep(0.5)
-                inter = await asyncio.gather(*(stream_completion(session, mesh.url, p, 4, headers={"x-request-tier": "interactive"}) for p in prompts(3, seed=9)))
+                inter = await asyncio.gather(
+                    *(
+                        stream_completion(session, mesh.url, p, 4, headers={"x-request-tier": "interactive"})
+                        for p in prompts(3, seed=9)
+                    )
+                )
                 return await asyncio.gather(*bg), inter
 
         background, interactive = asyncio.run(flood())
@@ -292,11 +335,18 @@ def test_overload_is_429_with_retry_after_background_first(tmp_path, tiny_model_
         async def hold_queue():
             timeout = aiohttp.ClientTimeout(total=HANG_GUARD_S)
             async with aiohttp.ClientSession(timeout=timeout) as session:
-                held = [asyncio.create_task(stream_completion(session, mesh.url, p, 1900, headers={"x-request-tier": "background"})) for p in prompts(2)]
+                held = [
+                    asyncio.create_task(
+                        stream_completion(session, mesh.url, p, 1900, headers={"x-request-tier": "background"})
+                    )
+                    for p in prompts(2)
+                ]
                 await asyncio.sleep(0.5)
                 client = openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key="x", max_retries=1)
                 try:
-                    await client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_headers={"x-request-tier": "background"})
+                    await client.completions.create(
+                        model="tiny", prompt="hi", max_tokens=2, extra_headers={"x-request-tier": "background"}
+                    )
                 except openai.RateLimitError as exc:
                     error = exc
                 else:

@@ -41,9 +41,16 @@ async def run_on(nats_url: str, request_id: str, prompt: list[int], exclude: tup
         subject = f"nitsum.stream.*.{request_id}"  # from whichever worker runs it
         await nc.subscribe(subject, cb=on_chunk)
         req = SubmitRequest(
-            request_id=request_id, prompt_token_ids=tuple(prompt), sampling=SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-            tier="interactive", ttft_ms=10_000.0, tpot_ms=1_000.0, weight=1.0, arrival_unix_ms=time.time() * 1000.0,
-            stream_subject=subject, exclude_workers=exclude,
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt),
+            sampling=SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+            tier="interactive",
+            ttft_ms=10_000.0,
+            tpot_ms=1_000.0,
+            weight=1.0,
+            arrival_unix_ms=time.time() * 1000.0,
+            stream_subject=subject,
+            exclude_workers=exclude,
         )
         reply = decode((await nc.request("nitsum.req.submit", encode(req), timeout=10)).data, SubmitReply)
         assert reply.accepted, reply
@@ -81,7 +88,10 @@ def test_a_worker_fetches_a_cached_prefix_instead_of_computing_it(mesh2, tiny_mo
     assert (worker, tokens) == (W0, expected[0])
     # The coordinator learns W0's cached hashes from its next heartbeats (every 200 ms here).
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len(asyncio.run(latest_stats(mesh2.nats.url, (W0,)))[W0].cached_block_hashes) < 4:
+    while (
+        time.monotonic() < deadline
+        and len(asyncio.run(latest_stats(mesh2.nats.url, (W0,)))[W0].cached_block_hashes) < 4
+    ):
         time.sleep(0.2)
     time.sleep(0.5)
 
@@ -93,4 +103,8 @@ def test_a_worker_fetches_a_cached_prefix_instead_of_computing_it(mesh2, tiny_mo
     # only the 10 tokens after the fetched prefix were computed (74 without the fetch)
     assert after.num_prefill_tokens_computed - before[W1].num_prefill_tokens_computed == len(second) - 64
     assert metric(mesh2, "worker-0", "nitsum_kv_transfers_total", purpose="reuse", outcome="ok") == 1
-    assert metric(mesh2, "flow-scheduler", "nitsum_flow_permits_total", stage="1") - metric(mesh2, "flow-scheduler", "nitsum_flow_promotions_total", stage="1") == 4
+    assert (
+        metric(mesh2, "flow-scheduler", "nitsum_flow_permits_total", stage="1")
+        - metric(mesh2, "flow-scheduler", "nitsum_flow_promotions_total", stage="1")
+        == 4
+    )

@@ -20,10 +20,32 @@ OUTPUT_TOKENS = 8
 
 def test_load_against_live_mesh_writes_sane_report(live_mesh, tmp_path):
     out = tmp_path / "live"
-    rc = cli.main(["--url", live_mesh, "--poisson", "4", "--max-requests", str(NUM_REQUESTS),
-                   "--tier-mix", "interactive=0.3,background=0.7", "--prompt-tokens", "16",
-                   "--output-tokens", str(OUTPUT_TOKENS), "--request-timeout", "60", "--drain-timeout", "120",
-                   "--out", str(out), "--progress", "off", "--seed", "1"])
+    rc = cli.main(
+        [
+            "--url",
+            live_mesh,
+            "--poisson",
+            "4",
+            "--max-requests",
+            str(NUM_REQUESTS),
+            "--tier-mix",
+            "interactive=0.3,background=0.7",
+            "--prompt-tokens",
+            "16",
+            "--output-tokens",
+            str(OUTPUT_TOKENS),
+            "--request-timeout",
+            "60",
+            "--drain-timeout",
+            "120",
+            "--out",
+            str(out),
+            "--progress",
+            "off",
+            "--seed",
+            "1",
+        ]
+    )
     assert rc == 0
     for name in FILES:
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -53,9 +75,30 @@ def test_load_against_live_mesh_writes_sane_report(live_mesh, tmp_path):
 
 def test_load_completions_token_id_prompts_live(live_mesh, tmp_path):
     out = tmp_path / "live-completions"
-    rc = cli.main(["--url", live_mesh, "--poisson", "4", "--max-requests", "6", "--endpoint", "completions",
-                   "--prompt-format", "token-ids", "--prompt-tokens", "12",
-                   "--output-tokens", "4", "--request-timeout", "60", "--out", str(out), "--progress", "off"])
+    rc = cli.main(
+        [
+            "--url",
+            live_mesh,
+            "--poisson",
+            "4",
+            "--max-requests",
+            "6",
+            "--endpoint",
+            "completions",
+            "--prompt-format",
+            "token-ids",
+            "--prompt-tokens",
+            "12",
+            "--output-tokens",
+            "4",
+            "--request-timeout",
+            "60",
+            "--out",
+            str(out),
+            "--progress",
+            "off",
+        ]
+    )
     assert rc == 0
     records = read_lifecycle_log(out / "requests.jsonl")
     assert [r.outcome for r in records] == ["ok"] * 6

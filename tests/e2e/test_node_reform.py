@@ -38,7 +38,7 @@ TP1 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 MERGE4 = "[0-3 TP4 hybrid]"
 
 
-def assert_exact(results, expected: "Reference", lengths=None) -> None:
+def assert_exact(results, expected: Reference, lengths=None) -> None:
     """Every stream answered 200 with the reference tokens (and, given lengths, that many: no duplicated, no
     missing token); a stream may part from the reference only at a near-tie of its logits (`check_greedy`)."""
     for i, (got, ref) in enumerate(zip(results, expected.tokens)):
@@ -54,7 +54,15 @@ def merge_and_stream(mesh, expected_after) -> None:
     assert merged["ok"] is True and merged["transition"]["changed"] is True, merged
     after, _ = asyncio.run(stream_batch(mesh, prompts(len(AFTER_LENGTHS), seed=8), AFTER_LENGTHS))
     assert_exact(after, expected_after)
-MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+MID = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 LENGTHS = [160, 200, 240, 180, 220, 140]
 AFTER_LENGTHS = [40, 60, 50, 30]
 
@@ -71,7 +79,9 @@ def reference_tokens(model_dir, batch, lengths) -> Reference:
     from nitsum.engine import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=512))
-    return Reference(model_dir, batch, engine.generate(batch, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]))
+    return Reference(
+        model_dir, batch, engine.generate(batch, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +164,17 @@ async def stream_batch(mesh, batch, lengths, during=None):
     streams' token counts and tasks when it takes them)."""
     counts = [0] * len(batch)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG_GUARD_S)) as session:
+
         def tracker(i):
             def on_token(n):
                 counts[i] = n
+
             return on_token
 
-        tasks = [asyncio.create_task(stream_completion(session, mesh.url, p, n, on_token=tracker(i))) for i, (p, n) in enumerate(zip(batch, lengths))]
+        tasks = [
+            asyncio.create_task(stream_completion(session, mesh.url, p, n, on_token=tracker(i)))
+            for i, (p, n) in enumerate(zip(batch, lengths))
+        ]
         extra = None
         if during is not None:
             while min(counts) < 1 and not all(t.done() for t in tasks):
@@ -187,8 +202,11 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     # The supervisor restarted device 0 in standby; the coordinator re-formed the world by itself.
     log = mesh.log_path.read_text()
     assert "worker-0 died (signal 9); restarting it" in log and "rejoins standalone (TP=1)" in log, log[-2000:]
-    st = wait_for(mesh, lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 1 for w in s["workers"]),
-                  "the node world was not re-formed")
+    st = wait_for(
+        mesh,
+        lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 1 for w in s["workers"]),
+        "the node world was not re-formed",
+    )
     assert pids(mesh)["worker-0"] != victim_pid
     formed = [r for r in st["reforms"] if r["ok"]]
     assert formed and formed[-1]["generation"] == 1 and formed[-1]["node_id"] == "node0", st["reforms"]
@@ -196,10 +214,18 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     assert "node0-0" in formed[-1]["outside"] and formed[-1]["reason"].startswith("automatic"), formed[-1]
     assert all(a["ok"] for a in formed[-1]["acks"]), formed[-1]
     # Asked again by hand (the CLI verb, as an operator types it): nothing to do, said clearly.
-    cli = subprocess.run([sys.executable, "-m", "nitsum.cli", "admin", "reform-node", "--node", "node0"], env=mesh.env(),
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [sys.executable, "-m", "nitsum.cli", "admin", "reform-node", "--node", "node0"],
+        env=mesh.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     again = json.loads(cli.stdout)
-    assert cli.returncode == 1 and again["ok"] is False and again["error"]["code"] == "cannot_reform", (cli.stdout, cli.stderr)
+    assert cli.returncode == 1 and again["ok"] is False and again["error"]["code"] == "cannot_reform", (
+        cli.stdout,
+        cli.stderr,
+    )
     assert "nothing to re-form" in again["error"]["message"] and "generation 1" in again["error"]["message"], again
 
     # TP changes work again on the node: merge to TP4, streams started after it give the reference tokens.
@@ -209,9 +235,15 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     # And back: the new world splits as the boot one did; every KV block is free, no segment is left.
     split = asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))
     assert split["ok"] is True, split
-    st = wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"])
-                  and sorted((w["device_index"], w["tp"]) for w in s["workers"] if w["leader"]) == [(0, 1), (1, 1), (2, 1), (3, 1)],
-                  "KV not free after the split")
+    st = wait_for(
+        mesh,
+        lambda s: (
+            all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"])
+            and sorted((w["device_index"], w["tp"]) for w in s["workers"] if w["leader"])
+            == [(0, 1), (1, 1), (2, 1), (3, 1)]
+        ),
+        "KV not free after the split",
+    )
     from nitsum.node import kv_segment
 
     assert kv_segment.leftovers(f"p{port + 1}") == [] and kv_segment.leftovers(f"p{port}") == []
@@ -235,8 +267,11 @@ def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed
     results, _ = asyncio.run(stream_batch(mesh, prompts(len(LENGTHS), seed=3), LENGTHS, during=kill_device_3))
     assert_exact(results, expected, LENGTHS)
 
-    st = wait_for(mesh, lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 2 for w in s["workers"]),
-                  "the node world was not re-formed as generation 2")
+    st = wait_for(
+        mesh,
+        lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 2 for w in s["workers"]),
+        "the node world was not re-formed as generation 2",
+    )
     assert pids(mesh)["worker-3"] != victim_pid
     formed = [r for r in st["reforms"] if r["ok"]][-1]
     assert formed["generation"] == 2 and "node0-3" in formed["outside"], formed
@@ -244,7 +279,11 @@ def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed
     merge_and_stream(mesh, expected_after)
     from nitsum.node import kv_segment
 
-    st = wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
+    st = wait_for(
+        mesh,
+        lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]),
+        "KV not free",
+    )
     assert [kv_segment.leftovers(f"p{port + g}") for g in range(3)] == [[], [], []]
 
 
@@ -267,8 +306,11 @@ def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp
         results, answer = asyncio.run(stream_batch(mesh, prompts(len(LENGTHS), seed=3), LENGTHS, during=failing_merge))
         assert answer["ok"] is False and answer["transition"]["aborted"] is True, answer
         assert_exact(results, expected, LENGTHS)
-        st = wait_for(mesh, lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 1 for w in s["workers"]),
-                      "the node world was not re-formed")
+        st = wait_for(
+            mesh,
+            lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 1 for w in s["workers"]),
+            "the node world was not re-formed",
+        )
         assert pids(mesh)["worker-3"] != victim_pid
         formed = [r for r in st["reforms"] if r["ok"]][-1]
         assert [(s["group"], s["ok"]) for s in formed["splits"]] == [("node0-g0-tp2", True)], formed
@@ -278,7 +320,11 @@ def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp
         merge_and_stream(mesh, expected_after)
         from nitsum.node import kv_segment
 
-        wait_for(mesh, lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]), "KV not free")
+        wait_for(
+            mesh,
+            lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]),
+            "KV not free",
+        )
         assert [kv_segment.leftovers(f"p{port + g}") for g in range(2)] == [[], []]
 
 
@@ -319,8 +365,13 @@ def test_streams_rerouted_by_the_loss_keep_their_tokens_across_a_merge_after_the
         for prompt, got, ref, n, at_merge in zip(batch, results, expected.tokens, LONG, seen["at_merge"]):
             assert got.status == 200 and got.error is None, got
             assert len(got.token_ids) == n  # no duplicated, no missing token
-            check_greedy(model, prompt, got.token_ids, ref,
-                         f"{got.request_id} ({at_merge} tokens at the merge, re-routed with {rerouted.get(got.request_id)})")
+            check_greedy(
+                model,
+                prompt,
+                got.token_ids,
+                ref,
+                f"{got.request_id} ({at_merge} tokens at the merge, re-routed with {rerouted.get(got.request_id)})",
+            )
         # The case this test is for happened: a stream re-routed from the victim was still running at the merge.
         ids = [r.request_id for r in results]
         moving = [i for i, rid in enumerate(ids) if rid in rerouted and seen["at_merge"][i] < LONG[i]]
@@ -334,6 +385,8 @@ def rerouted_streams(mesh) -> dict[str, int]:
     spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return {
         s["attributes"]["nitsum.request_id"]: e["attributes"]["nitsum.tokens_so_far"]
-        for s in spans if s["name"] == "gateway.request"
-        for e in s["events"] if e["name"] == "rerouted" and e["attributes"].get("nitsum.from_worker") == "node0-1"
+        for s in spans
+        if s["name"] == "gateway.request"
+        for e in s["events"]
+        if e["name"] == "rerouted" and e["attributes"].get("nitsum.from_worker") == "node0-1"
     }

@@ -51,7 +51,9 @@ def _reference_logits(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
     return logits[len(prompt) - 1 :]
 
 
-def _process(logits: torch.Tensor, history: list[int], num_prompt: int, bias=None, freq=0.0, pres=0.0, rep=1.0, temperature=1.0) -> torch.Tensor:
+def _process(
+    logits: torch.Tensor, history: list[int], num_prompt: int, bias=None, freq=0.0, pres=0.0, rep=1.0, temperature=1.0
+) -> torch.Tensor:
     out = logits.clone()
     for token, b in (bias or {}).items():
         out[int(token)] += b
@@ -72,7 +74,11 @@ def _check_completion_logprobs(hf, choice, prompt, top: int, **processing) -> No
     ref = _reference_logits(hf, prompt, tokens)
     for j, token in enumerate(tokens):
         expected = _process(ref[j], prompt + tokens[:j], len(prompt), **processing)
-        assert math.isclose(lp.token_logprobs[j], float(expected[token]), abs_tol=ATOL), (j, lp.token_logprobs[j], float(expected[token]))
+        assert math.isclose(lp.token_logprobs[j], float(expected[token]), abs_tol=ATOL), (
+            j,
+            lp.token_logprobs[j],
+            float(expected[token]),
+        )
         want = torch.topk(expected, top).values.tolist()
         got = sorted(lp.top_logprobs[j].values(), reverse=True)
         # Tokens whose texts coincide share a key; every reported value is one of the top ones.
@@ -81,8 +87,15 @@ def _check_completion_logprobs(hf, choice, prompt, top: int, **processing) -> No
 
 
 def test_completion_logprobs_are_the_sampled_distribution(client, hf):
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.7, seed=5, logprobs=5,
-                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0.7,
+        seed=5,
+        logprobs=5,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     choice = out.choices[0]
     _check_completion_logprobs(hf, choice, PROMPT, 5, temperature=0.7)
     assert choice.logprobs.text_offset[0] == 0
@@ -96,8 +109,15 @@ def test_chat_logprobs_streamed_and_not(client, hf, tiny_model_dir):
     messages = [{"role": "user", "content": "Say something long."}]
     tok = Tokenizer(tiny_model_dir, read_raw_config(tiny_model_dir))
     prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
-    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+    full = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     tokens = full.choices[0].model_extra["token_ids"]
     content = full.choices[0].logprobs.content
     assert len(content) == len(tokens) == 5
@@ -108,20 +128,37 @@ def test_chat_logprobs_streamed_and_not(client, hf, tiny_model_dir):
         assert len(entry.top_logprobs) == 3
         assert math.isclose(entry.top_logprobs[0].logprob, float(expected.max()), abs_tol=ATOL)
         assert entry.bytes == list(entry.token.encode())
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     streamed = [e.logprob for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
     assert streamed == pytest.approx([e.logprob for e in content], abs=ATOL)
 
 
 def test_logit_bias_shifts_the_logits(client, hf):
-    base = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, extra_body={"return_token_ids": True})
+    base = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, extra_body={"return_token_ids": True}
+    )
     first = base.choices[0].model_extra["token_ids"][0]
     ref = _reference_logits(hf, PROMPT, [first])[0]
     boosted = int(torch.topk(ref, 5).indices[4])  # the 5th most likely token
     bias = {str(first): -100, str(boosted): 3.5}
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3, logit_bias=bias,
-                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=3,
+        logit_bias=bias,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     tokens = out.choices[0].model_extra["token_ids"]
     assert first not in tokens
     _check_completion_logprobs(hf, out.choices[0], PROMPT, 3, bias={first: -100.0, boosted: 3.5})
@@ -129,18 +166,42 @@ def test_logit_bias_shifts_the_logits(client, hf):
 
 def test_penalties_change_the_logits_as_defined(client, hf):
     processing = {"freq": 0.8, "pres": 0.6, "rep": 1.4}
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3, frequency_penalty=0.8, presence_penalty=0.6,
-                                    extra_body={"return_token_ids": True, "ignore_eos": True, "repetition_penalty": 1.4})
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        logprobs=3,
+        frequency_penalty=0.8,
+        presence_penalty=0.6,
+        extra_body={"return_token_ids": True, "ignore_eos": True, "repetition_penalty": 1.4},
+    )
     _check_completion_logprobs(hf, out.choices[0], PROMPT, 3, **processing)
     # Sampled (temperature 0.9, top_k 20) with penalties: the logprobs are still those of the distribution drawn from.
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.9, seed=3, logprobs=2, frequency_penalty=1.5,
-                                    extra_body={"return_token_ids": True, "ignore_eos": True})
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0.9,
+        seed=3,
+        logprobs=2,
+        frequency_penalty=1.5,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     _check_completion_logprobs(hf, out.choices[0], PROMPT, 2, freq=1.5, temperature=0.9)
 
 
 def test_n_choices_with_a_seed_are_reproducible_and_share_the_prompt(client):
     prompt = PROMPT * 3  # 60 tokens: 3 whole KV blocks of 16 to share
-    kwargs = dict(model="tiny", prompt=prompt, n=3, max_tokens=8, temperature=1.0, seed=42, extra_body={"return_token_ids": True, "ignore_eos": True})
+    kwargs = dict(
+        model="tiny",
+        prompt=prompt,
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
+        seed=42,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     a = client.completions.create(**kwargs)
     b = client.completions.create(**kwargs)
     assert [c.index for c in a.choices] == [0, 1, 2]
@@ -162,7 +223,11 @@ def test_n_choices_with_a_seed_are_reproducible_and_share_the_prompt(client):
 
 def test_include_usage_only_when_asked(client):
     def chunks(**extra):
-        return list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True, **extra))
+        return list(
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True, **extra
+            )
+        )
 
     assert all(c.usage is None for c in chunks())
     assert all(c.usage is None for c in chunks(stream_options={"include_usage": False}))
@@ -172,25 +237,43 @@ def test_include_usage_only_when_asked(client):
 
 
 def test_priority_and_objective_pick_the_tier(client):
-    raw = client.completions.with_raw_response.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 5})
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 5}
+    )
     assert raw.headers["x-request-tier"] == "background"
-    raw = client.completions.with_raw_response.create(model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": -1})
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": -1}
+    )
     assert raw.headers["x-request-tier"] == "interactive"
-    raw = client.completions.with_raw_response.create(model="tiny", prompt="hi", max_tokens=1, extra_headers={"x-gateway-inference-objective": "sheddable"})
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt="hi", max_tokens=1, extra_headers={"x-gateway-inference-objective": "sheddable"}
+    )
     assert raw.headers["x-request-tier"] == "background"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny", prompt="hi", max_tokens=1, extra_headers={"x-gateway-inference-objective": "gold"})
+        client.completions.create(
+            model="tiny", prompt="hi", max_tokens=1, extra_headers={"x-gateway-inference-objective": "gold"}
+        )
     assert info.value.body["code"] == "unknown_objective"
 
 
 def test_refused_fields_through_the_client(client):
     for kwargs, param in (
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "no-such-type"}},
+                }
+            },
+            "response_format",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"extra_body": {"some_vendor_field": True}}, "some_vendor_field"),
     ):
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **kwargs)
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **kwargs
+            )
         assert info.value.body["param"] == param
 
 
@@ -211,26 +294,52 @@ def test_json_schema_output_parses_and_validates(client, seed):
     import jsonschema_rs
 
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A person, as JSON."}], max_tokens=400,
-                                         temperature=1.0, seed=seed, response_format=fmt)
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "A person, as JSON."}],
+        max_tokens=400,
+        temperature=1.0,
+        seed=seed,
+        response_format=fmt,
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema_rs.validate(SCHEMA, json.loads(choice.message.content))
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A person, as JSON."}], max_tokens=400,
-                                            temperature=1.0, seed=seed, response_format=fmt, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "A person, as JSON."}],
+        max_tokens=400,
+        temperature=1.0,
+        seed=seed,
+        response_format=fmt,
+        stream=True,
+    )
     text = "".join(c.delta.content or "" for chunk in stream for c in chunk.choices)
     assert text == choice.message.content  # same seed, same constrained draws
 
 
 def test_json_object_output_parses(client):
     # The random model needs luck to close strings, so the completion gets room; "stop" means the grammar's end.
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON please"}], max_tokens=1500, temperature=0.7, seed=4,
-                                         response_format={"type": "json_object"})
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=1500,
+        temperature=0.7,
+        seed=4,
+        response_format={"type": "json_object"},
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "stop", choice.message.content[:200]
     assert isinstance(json.loads(choice.message.content), dict)
     # The legacy completions route takes it too (as an extra body field: the client does not type it there).
-    out = client.completions.create(model="tiny", prompt="{", max_tokens=1500, temperature=0.7, seed=5, extra_body={"response_format": {"type": "json_object"}})
+    out = client.completions.create(
+        model="tiny",
+        prompt="{",
+        max_tokens=1500,
+        temperature=0.7,
+        seed=5,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].text), dict)
 
@@ -240,8 +349,22 @@ def test_min_tokens_holds_eos_back(client, tiny_model_dir):
 
     eos = _json.loads((tiny_model_dir / "config.json").read_text()).get("eos_token_id")
     bias = {str(eos): 100}  # EOS would be the next token every time
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logit_bias=bias, extra_body={"return_token_ids": True})
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"return_token_ids": True},
+    )
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logit_bias=bias, extra_body={"min_tokens": 5, "return_token_ids": True})
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"min_tokens": 5, "return_token_ids": True},
+    )
     assert out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == 6 and eos not in out.choices[0].model_extra["token_ids"][:5]

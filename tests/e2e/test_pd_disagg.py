@@ -32,7 +32,9 @@ def start_pd_mesh(tmp, model_dir, prefill_env: dict[str, str] | None = None, flo
         mesh.add("coordinator", "coordinator").start()
         if flow_scheduler:
             mesh.add("flow-scheduler", "flow-scheduler").start()
-        mesh.add("worker-p", "prefill-worker", NITSUM_WORKER_ID=PREFILL, NITSUM_DEVICE_INDEX="0", **(prefill_env or {})).start()
+        mesh.add(
+            "worker-p", "prefill-worker", NITSUM_WORKER_ID=PREFILL, NITSUM_DEVICE_INDEX="0", **(prefill_env or {})
+        ).start()
         mesh.add("worker-d", "decode-worker", NITSUM_WORKER_ID=DECODE, NITSUM_DEVICE_INDEX="1").start()
         mesh.add("gateway", "gateway", NITSUM_GATEWAY_PORT=str(mesh.port), NITSUM_GATEWAY_HOST="127.0.0.1").start()
         mesh.wait_ready()

@@ -22,11 +22,23 @@ from tests.e2e.harness import prompts, stream_completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}
+MID = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 
 
 def _status(mesh) -> dict:
-    out = subprocess.run([sys.executable, "-m", "nitsum.cli", "admin", "status"], env=mesh.env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "nitsum.cli", "admin", "status"],
+        env=mesh.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return json.loads(out.stdout)
 
 
@@ -40,11 +52,19 @@ def test_burst_moves_tp_up_and_background_brings_it_down(tmp_path):
     from nitsum.model.tiny import make_tiny
 
     model = make_tiny(tmp_path / "mid", config_overrides=MID)
-    mesh = start_mesh(tmp_path, devices=4, extra_args=("--model", str(model)), env_extra={"NITSUM_RECONFIG_INTERVAL_MS": "500"})
+    mesh = start_mesh(
+        tmp_path, devices=4, extra_args=("--model", str(model)), env_extra={"NITSUM_RECONFIG_INTERVAL_MS": "500"}
+    )
     try:
+
         async def scenario():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-                bg = [asyncio.create_task(stream_completion(s, mesh.url, p, 400, headers={"x-request-tier": "background"})) for p in prompts(8)]
+                bg = [
+                    asyncio.create_task(
+                        stream_completion(s, mesh.url, p, 400, headers={"x-request-tier": "background"})
+                    )
+                    for p in prompts(8)
+                ]
                 await asyncio.sleep(2.0)
                 inter = []
                 for k in range(16):
@@ -53,11 +73,18 @@ def test_burst_moves_tp_up_and_background_brings_it_down(tmp_path):
                     inter.append(asyncio.create_task(stream_completion(s, mesh.url, prompt, 16, headers=headers)))
                     await asyncio.sleep(0.25)
                 inter_results = await asyncio.gather(*inter)
-                bg2 = [asyncio.create_task(stream_completion(s, mesh.url, p, 400, headers={"x-request-tier": "background"})) for p in prompts(8, seed=3)]
+                bg2 = [
+                    asyncio.create_task(
+                        stream_completion(s, mesh.url, p, 400, headers={"x-request-tier": "background"})
+                    )
+                    for p in prompts(8, seed=3)
+                ]
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline:
                     transitions = (await asyncio.to_thread(_status, mesh))["transitions"]
-                    if len(transitions) >= 2 and _mean_tp(transitions[-1]["topology"]) < _mean_tp(transitions[0]["topology"]):
+                    if len(transitions) >= 2 and _mean_tp(transitions[-1]["topology"]) < _mean_tp(
+                        transitions[0]["topology"]
+                    ):
                         break
                     await asyncio.sleep(0.5)
                 return inter_results, await asyncio.gather(*bg), await asyncio.gather(*bg2)

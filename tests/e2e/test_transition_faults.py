@@ -34,7 +34,13 @@ SETTLE_S = 60.0
 TP1 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 SPLIT2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
 MERGE4 = "[0-3 TP4 hybrid]"
-MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}
+MID = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 LENGTHS = [240, 320, 400, 480, 560, 280]
 
 
@@ -95,12 +101,17 @@ async def run_batch(mesh: ManualMesh, change: str | None = None, before_change=N
     counts = [0] * len(batch)
     answer = None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG_GUARD_S)) as session:
+
         def tracker(i):
             def on_token(n):
                 counts[i] = n
+
             return on_token
 
-        tasks = [asyncio.create_task(stream_completion(session, mesh.url, p, n, on_token=tracker(i))) for i, (p, n) in enumerate(zip(batch, LENGTHS))]
+        tasks = [
+            asyncio.create_task(stream_completion(session, mesh.url, p, n, on_token=tracker(i)))
+            for i, (p, n) in enumerate(zip(batch, LENGTHS))
+        ]
         if change is not None:
             while min(counts) < 1 and not all(t.done() for t in tasks):
                 await asyncio.sleep(0.01)
@@ -128,8 +139,10 @@ def rerouted_from(mesh: ManualMesh) -> list[str]:
     spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return [
         e["attributes"]["nitsum.from_worker"]
-        for s in spans if s["name"] == "gateway.request"
-        for e in s["events"] if e["name"] == "rerouted"
+        for s in spans
+        if s["name"] == "gateway.request"
+        for e in s["events"]
+        if e["name"] == "rerouted"
     ]
 
 
@@ -194,8 +207,14 @@ def test_peer_dies_in_prepare_of_a_merge(tmp_path, mid_model):
         assert set(moved) <= {"node0-2"} and bool(moved) == (seen["node0-2"] > 0), (moved, seen)
 
         # The coordinator's view is what the survivors report: 0-1 still TP2, 2 standalone TP1, 3 gone.
-        st = wait_for(mesh, lambda s: sorted(w["worker_id"] for w in s["workers"]) == ["node0-0", "node0-1", "node0-2"]
-                      and leaders(s) == [(0, 2), (2, 1)], "survivors did not settle")
+        st = wait_for(
+            mesh,
+            lambda s: (
+                sorted(w["worker_id"] for w in s["workers"]) == ["node0-0", "node0-1", "node0-2"]
+                and leaders(s) == [(0, 2), (2, 1)]
+            ),
+            "survivors did not settle",
+        )
         by_id = {w["worker_id"]: w for w in st["workers"]}
         assert by_id["node0-0"]["in_world"] and by_id["node0-1"]["in_world"] and not by_id["node0-1"]["leader"]
         assert by_id["node0-2"]["in_world"] is False and by_id["node0-2"]["state"] == "ready"
@@ -243,8 +262,14 @@ def test_leader_dies_in_a_merge(tmp_path, mid_model, phase):
         moved = rerouted_from(mesh)
         assert set(moved) <= {"node0-2"} and bool(moved) == (seen["node0-2"] > 0), (moved, seen)
 
-        st = wait_for(mesh, lambda s: sorted(w["worker_id"] for w in s["workers"]) == ["node0-0", "node0-1", "node0-3"]
-                      and not any(w["in_world"] for w in s["workers"]), "survivors did not settle")
+        st = wait_for(
+            mesh,
+            lambda s: (
+                sorted(w["worker_id"] for w in s["workers"]) == ["node0-0", "node0-1", "node0-3"]
+                and not any(w["in_world"] for w in s["workers"])
+            ),
+            "survivors did not settle",
+        )
         assert leaders(st) == [(0, 1), (1, 1), (3, 1)]
         st = wait_for(mesh, lambda s: s["transitions"][-1]["abort_acks"] is not None, "abort not answered")
         entry = st["transitions"][-1]
@@ -284,7 +309,9 @@ def test_frozen_leader_is_lost_during_a_merge(tmp_path, mid_model):
         victim = frozen["id"]
         report = check_aborted(answer, epoch=1)
         # The loss ended the phase, not a survivor's failed exchange (that comes only at the world timeout).
-        assert report["lost_workers"] == [victim] and report["error"].startswith(f"worker {victim} lost (heartbeat timeout)"), report
+        assert report["lost_workers"] == [victim] and report["error"].startswith(
+            f"worker {victim} lost (heartbeat timeout)"
+        ), report
         assert victim not in report["abort_sent_to"]
         for prompt, ref, got, n in zip(prompts(len(LENGTHS), seed=11), reference, results, LENGTHS):
             assert got.status == 200 and got.error is None, got
@@ -295,8 +322,14 @@ def test_frozen_leader_is_lost_during_a_merge(tmp_path, mid_model):
         st = wait_for(mesh, lambda s: s["transitions"][-1]["abort_acks"] is not None, "abort not answered")
         assert all(a["ok"] for a in st["transitions"][-1]["abort_acks"]), st["transitions"][-1]
         survivors = sorted({"node0-0", "node0-1", "node0-2", "node0-3"} - {victim})
-        st = wait_for(mesh, lambda s: sorted(w["worker_id"] for w in s["workers"]) == survivors
-                      and not any(w["in_world"] for w in s["workers"]), "survivors did not settle")
+        st = wait_for(
+            mesh,
+            lambda s: (
+                sorted(w["worker_id"] for w in s["workers"]) == survivors
+                and not any(w["in_world"] for w in s["workers"])
+            ),
+            "survivors did not settle",
+        )
         assert leaders(st) == [(int(w.rsplit("-", 1)[1]), 1) for w in survivors]
         wait_for(mesh, kv_all_free, "KV blocks still held after every stream finished")
         assert kv_segments(mesh) == []

@@ -26,7 +26,14 @@ def test_chat_streamed_and_not(mesh_process):
     assert full.choices[0].finish_reason in ("stop", "length")
     assert full.usage.completion_tokens >= 1
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, usage, finish = [], None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -42,7 +49,13 @@ def test_chat_streamed_and_not(mesh_process):
 
 def test_completions_with_token_ids_and_errors(mesh_process):
     client = _client(mesh_process.url)
-    out = client.completions.create(model="tiny", prompt=[1, 5, 9, 12], max_tokens=5, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    out = client.completions.create(
+        model="tiny",
+        prompt=[1, 5, 9, 12],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert out.usage.completion_tokens == 5
     assert out.choices[0].finish_reason == "length"
     assert len(out.choices[0].model_extra["token_ids"]) == 5
@@ -56,7 +69,9 @@ def test_completions_with_token_ids_and_errors(mesh_process):
 
 def test_spans_of_three_services_share_a_trace(mesh_process):
     client = _client(mesh_process.url)
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "trace me"}], max_tokens=3, temperature=0)
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "trace me"}], max_tokens=3, temperature=0
+    )
     spans_path = mesh_process.run_dir / "spans.jsonl"
     deadline = time.monotonic() + 15
     found = None
@@ -79,7 +94,13 @@ def test_admin_status_and_ready(mesh_process):
 
     status, body = get_json(mesh_process.url + "/ready")
     assert status == 200 and body["ready"] is True
-    out = subprocess.run([sys.executable, "-m", "nitsum.cli", "admin", "status"], env=mesh_process.env(), capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "nitsum.cli", "admin", "status"],
+        env=mesh_process.env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["ok"] is True and answer["policy"] == "adaptive"

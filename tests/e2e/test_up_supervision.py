@@ -96,9 +96,27 @@ def test_bad_flags_fail_clearly(tmp_path):
     import sys
 
     env = dict(os.environ, NITSUM_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "nitsum.cli", "up", "--devices", "3", "--max-tp", "4"], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "nitsum.cli", "up", "--devices", "3", "--max-tp", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--max-tp" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "nitsum.cli", "up", "--model", str(tmp_path / "nope")], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "nitsum.cli", "up", "--model", str(tmp_path / "nope")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "does not exist" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "nitsum.cli", "serve", "gateway"], env={**env, "NITSUM_GATEWAY_PORT": "http"}, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "nitsum.cli", "serve", "gateway"],
+        env={**env, "NITSUM_GATEWAY_PORT": "http"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "NITSUM_GATEWAY_PORT" in out.stderr

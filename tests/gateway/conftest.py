@@ -29,7 +29,9 @@ def _start_gateway(tmp_path, nats_url: str, model_dir, extra_env: dict | None = 
     )
     env.update(extra_env or {})
     log = open(tmp_path / f"gateway-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "nitsum.cli", "serve", "gateway"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nitsum.cli", "serve", "gateway"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -61,7 +63,9 @@ def gateway_url(tmp_path_factory, bare_nats, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def keyed_gateway_url(tmp_path_factory, bare_nats, tiny_model_dir):
-    proc, url = _start_gateway(tmp_path_factory.mktemp("gwk"), bare_nats.url, tiny_model_dir, {"NITSUM_API_KEYS": "sk-test-1,sk-test-2"})
+    proc, url = _start_gateway(
+        tmp_path_factory.mktemp("gwk"), bare_nats.url, tiny_model_dir, {"NITSUM_API_KEYS": "sk-test-1,sk-test-2"}
+    )
     yield url
     proc.terminate()
     proc.wait(10)

@@ -20,10 +20,22 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, example, given, settings
 from schemathesis import GenerationMode
-from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance, status_code_conformance
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from nitsum_services.gateway.openapi import OPENAPI
-from nitsum_services.gateway.protocol import GREEDY_BELOW_TEMPERATURE, MAX_INT_OPTION, MIN_TOP_P, ApiError, parse_chat, parse_completion
+from nitsum_services.gateway.protocol import (
+    GREEDY_BELOW_TEMPERATURE,
+    MAX_INT_OPTION,
+    MIN_TOP_P,
+    ApiError,
+    parse_chat,
+    parse_completion,
+)
 from tests.e2e.conftest import start_mesh, stop_mesh
 
 API_KEY = "sk-schemathesis"
@@ -45,11 +57,23 @@ CASES = [pytest.param(m, p, "positive", id=f"{m} {p} positive") for m, p in OPER
 PINNED = {
     "/v1/completions": [
         {"prompt": "Hello", "max_tokens": 4, "return_token_ids": True},
-        {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7, "seed": 1},
+        {
+            "prompt": [1, 2, 3],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.7,
+            "seed": 1,
+        },
     ],
     "/v1/chat/completions": [
         {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True, "temperature": 0},
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "temperature": 0,
+        },
     ],
 }
 
@@ -63,7 +87,12 @@ def mesh(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api_schema(mesh):
-    return schemathesis.openapi.from_url(mesh.url + "/openapi.json", config=schemathesis.Config(), headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    return schemathesis.openapi.from_url(
+        mesh.url + "/openapi.json",
+        config=schemathesis.Config(),
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
 
 
 def _fold(value):
@@ -79,7 +108,11 @@ def cap_generation(case):
         for name in ("max_tokens", "max_completion_tokens"):
             if name in body:
                 body[name] = _fold(body[name])
-        if case.operation.path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if (
+            case.operation.path == "/v1/chat/completions"
+            and body.get("max_tokens") is None
+            and body.get("max_completion_tokens") is None
+        ):
             body["max_completion_tokens"] = TOKEN_CAP  # without one, chat fills the context
     return case
 
@@ -92,7 +125,14 @@ def test_operation_conforms_to_openapi(api_schema, method, path, mode):
     session = requests.Session()
     seen: list[tuple[int, str]] = []
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink])
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    )
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)).map(cap_generation))
     def run(case):
         response = case.call(session=session, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
@@ -136,7 +176,9 @@ def test_top_p_zero_is_still_rejected(top_p):
 
 
 def test_document_bounds_match_the_parser():
-    sampling = OPENAPI["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    sampling = OPENAPI["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"][
+        "properties"
+    ]
     assert sampling["max_tokens"]["maximum"] == MAX_INT_OPTION
     parse_completion({"prompt": "x", "max_tokens": MAX_INT_OPTION})
     with pytest.raises(ApiError):
@@ -147,7 +189,15 @@ def test_document_bounds_match_the_parser():
     # Every prompt shape the document offers is one the parser accepts.
     for prompt in ("x", [1, 2], ["x"], [[1, 2]]):
         assert parse_completion({"prompt": prompt}).kind == "completion"
-    parse_chat({"messages": [{"role": "tool", "content": [{"type": "text", "text": "t"}]}, {"role": "assistant", "content": None}]}, 8)
+    parse_chat(
+        {
+            "messages": [
+                {"role": "tool", "content": [{"type": "text", "text": "t"}]},
+                {"role": "assistant", "content": None},
+            ]
+        },
+        8,
+    )
 
 
 def test_fold_keeps_invalid_limits_and_caps_valid_ones():

@@ -92,7 +92,11 @@ REFUSED = [
     (CHAT, {"function_call": "auto"}, "function_call"),
     (CHAT, {"response_format": {"type": "yaml"}}, "response_format"),
     (CHAT, {"response_format": "json"}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        "response_format",
+    ),
     (CHAT, {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     (CHAT, {"store": True}, "store"),
     (CHAT, {"metadata": {"a": "b"}}, "metadata"),
@@ -128,13 +132,71 @@ async def test_unsupported_fields_are_400_naming_them(gateway_url, path, extra, 
     "path, extra",
     [
         (COMP, {"echo": False, "best_of": 1, "suffix": None, "logprobs": None, "n": 1}),
-        (CHAT, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "store": False, "service_tier": "auto", "logprobs": False, "user": "u1"}),
-        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+        (
+            CHAT,
+            {
+                "tools": [],
+                "tool_choice": "none",
+                "response_format": {"type": "text"},
+                "store": False,
+                "service_tier": "auto",
+                "logprobs": False,
+                "user": "u1",
+            },
+        ),
+        (
+            CHAT,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                    },
+                }
+            },
+        ),
         (COMP, {"response_format": {"type": "json_object"}}),
         # vLLM's benchmark_serving completions body, as it sends it.
-        (COMP, {"model": None, "temperature": 0.0, "best_of": 1, "max_tokens": 8, "min_tokens": 8, "logprobs": None, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}),
-        (CHAT, {"temperature": 0.0, "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "min_p": 0.1, "top_k": 5}),
-        (CHAT, {"n": 2, "best_of": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 1, "frequency_penalty": -1, "logit_bias": {"5": -100}, "priority": -1}),
+        (
+            COMP,
+            {
+                "model": None,
+                "temperature": 0.0,
+                "best_of": 1,
+                "max_tokens": 8,
+                "min_tokens": 8,
+                "logprobs": None,
+                "stream": True,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+        (
+            CHAT,
+            {
+                "temperature": 0.0,
+                "max_completion_tokens": 8,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+                "min_p": 0.1,
+                "top_k": 5,
+            },
+        ),
+        (
+            CHAT,
+            {
+                "n": 2,
+                "best_of": 2,
+                "logprobs": True,
+                "top_logprobs": 3,
+                "presence_penalty": 1,
+                "frequency_penalty": -1,
+                "logit_bias": {"5": -100},
+                "priority": -1,
+            },
+        ),
     ],
 )
 async def test_off_values_and_honoured_fields_pass_validation(gateway_url, path, extra):
@@ -144,11 +206,18 @@ async def test_off_values_and_honoured_fields_pass_validation(gateway_url, path,
 
 
 async def test_unknown_objective_is_400_and_known_ones_pass(gateway_url):
-    status, _, answer = await _post(gateway_url, COMP, _with_base(COMP, {}), headers={"x-gateway-inference-objective": "no-such"})
+    status, _, answer = await _post(
+        gateway_url, COMP, _with_base(COMP, {}), headers={"x-gateway-inference-objective": "no-such"}
+    )
     assert status == 400
     _assert_openai_error(answer, code="unknown_objective", param="x-gateway-inference-objective")
     for objective in ("critical", "sheddable", "interactive"):
-        status, _, answer = await _post(gateway_url, COMP, _with_base(COMP, {}), headers={"x-gateway-inference-objective": objective, "x-gateway-inference-fairness-id": "tenant-a"})
+        status, _, answer = await _post(
+            gateway_url,
+            COMP,
+            _with_base(COMP, {}),
+            headers={"x-gateway-inference-objective": objective, "x-gateway-inference-fairness-id": "tenant-a"},
+        )
         assert status == 503, answer
 
 
@@ -229,7 +298,9 @@ async def test_unknown_model_and_route(gateway_url):
 
 
 async def test_no_worker_is_503_with_retry_after(gateway_url):
-    status, headers, body = await _post(gateway_url, CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    status, headers, body = await _post(
+        gateway_url, CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    )
     assert status == 503
     assert int(headers["Retry-After"]) >= 1
     _assert_openai_error(body)

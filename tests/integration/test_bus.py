@@ -35,6 +35,7 @@ async def test_request_reply_and_errors(nats_server):
     a = await Bus.connect(_config(nats_server.url), "a")
     b = await Bus.connect(_config(nats_server.url), "b", metrics=Metrics("b"))
     try:
+
         async def answer(msg: AbortRequest, _d):
             if msg.request_id == "boom":
                 raise RuntimeError("handler bug")
@@ -71,6 +72,7 @@ async def test_request_reply_and_errors(nats_server):
 async def test_timeout_is_typed(nats_server):
     a = await Bus.connect(_config(nats_server.url), "a")
     try:
+
         async def slow(_m, _d):
             await asyncio.sleep(1.0)
 
@@ -87,6 +89,7 @@ async def test_queue_group_spreads_work(nats_server):
     seen = {0: 0, 1: 0}
     try:
         for i, w in enumerate(workers):
+
             async def handler(msg, _d, i=i):
                 seen[i] += 1
                 return RunAck(msg.request_id, f"w{i}", True)
@@ -111,8 +114,11 @@ async def test_trace_context_rides_in_headers(nats_server):
     b = await Bus.connect(_config(nats_server.url), "b")
     got = asyncio.get_running_loop().create_future()
     try:
+
         async def handler(msg, delivery):
-            got.set_result((delivery.headers.get("traceparent", ""), trace.get_current_span().get_span_context().trace_id))
+            got.set_result(
+                (delivery.headers.get("traceparent", ""), trace.get_current_span().get_span_context().trace_id)
+            )
 
         await b.subscribe("t.trace", handler)
         await b.flush()
@@ -139,6 +145,7 @@ async def test_reconnects_after_server_restart(tmp_path):
     a = await Bus.connect(_config(server.url), "a")
     b = await Bus.connect(_config(server.url), "b")
     try:
+
         async def echo(msg, _d):
             return RunAck(msg.request_id, "b", True)
 
@@ -174,6 +181,7 @@ async def test_round_trip_hears_what_came_before_and_survives_a_stalled_server(n
     b = await Bus.connect(_config(nats_server.url), "b")
     seen: list[str] = []
     try:
+
         async def record(msg: AbortRequest, _d):
             seen.append(msg.request_id)
 

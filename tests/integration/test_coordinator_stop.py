@@ -12,8 +12,13 @@ from nitsum.up import Child
 
 
 def test_a_coordinator_with_a_long_policy_period_stops_its_loops_on_sigterm(nats_server, tmp_path):
-    env = {**os.environ, "NITSUM_NATS_URL": nats_server.url, "NITSUM_METRICS_PORT": str(free_port()),
-           "NITSUM_RECONFIG_INTERVAL_MS": "600000", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "NITSUM_NATS_URL": nats_server.url,
+        "NITSUM_METRICS_PORT": str(free_port()),
+        "NITSUM_RECONFIG_INTERVAL_MS": "600000",
+        "PYTHONUNBUFFERED": "1",
+    }
     child = Child("coordinator", "coordinator", env, tmp_path / "coordinator.log")
     child.start()
     try:

@@ -26,7 +26,23 @@ VICTIM = "node0-2"
 
 
 def _stats(worker_id: str, device: int) -> WorkerStats:
-    return WorkerStats(worker_id, "node0", device, "cpu", "hybrid", "ready", worker_id, 1, "tiny", 2048, 0, 0, 10, 10, instance_id=f"{worker_id}-i")
+    return WorkerStats(
+        worker_id,
+        "node0",
+        device,
+        "cpu",
+        "hybrid",
+        "ready",
+        worker_id,
+        1,
+        "tiny",
+        2048,
+        0,
+        0,
+        10,
+        10,
+        instance_id=f"{worker_id}-i",
+    )
 
 
 async def _heartbeats(bus: Bus, stats: WorkerStats, running: asyncio.Event) -> None:
@@ -54,7 +70,12 @@ async def _known_workers(bus: Bus) -> list[str]:
 
 @pytest.mark.parametrize("frozen", ["coordinator", "nats-server", "machine"])
 async def test_a_stall_is_not_taken_for_silent_workers(nats_server, tmp_path, tiny_model_dir, frozen):
-    mesh = ManualMesh(tmp_path, tiny_model_dir, num_workers=0, env_extra={"NITSUM_HEARTBEAT_TIMEOUT_MS": str(TIMEOUT_MS), "NITSUM_POLICY": "static-hybrid"})
+    mesh = ManualMesh(
+        tmp_path,
+        tiny_model_dir,
+        num_workers=0,
+        env_extra={"NITSUM_HEARTBEAT_TIMEOUT_MS": str(TIMEOUT_MS), "NITSUM_POLICY": "static-hybrid"},
+    )
     mesh.nats = nats_server
     coordinator = mesh.add("coordinator", "coordinator").start()
     bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "test-workers")
@@ -66,7 +87,11 @@ async def test_a_stall_is_not_taken_for_silent_workers(nats_server, tmp_path, ti
     running = asyncio.Event()
     running.set()
     beats = {w: asyncio.create_task(_heartbeats(bus, _stats(w, i), running)) for i, w in enumerate(WORKERS)}
-    targets = {"coordinator": [coordinator.process], "nats-server": [nats_server.process], "machine": [coordinator.process, nats_server.process]}[frozen]
+    targets = {
+        "coordinator": [coordinator.process],
+        "nats-server": [nats_server.process],
+        "machine": [coordinator.process, nats_server.process],
+    }[frozen]
 
     def freeze(sig: int) -> None:
         for process in targets:
@@ -75,6 +100,7 @@ async def test_a_stall_is_not_taken_for_silent_workers(nats_server, tmp_path, ti
             running.clear()
         elif frozen == "machine":  # the workers' next beats come an interval after the coordinator is back
             asyncio.get_running_loop().call_later(INTERVAL_S, running.set)
+
     try:
         await bus.subscribe(bus.subjects.worker_lost, on_lost, expected=WorkerLost)
         known: list[str] = []

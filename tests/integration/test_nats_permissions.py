@@ -16,7 +16,15 @@ async def _connect(url, user=None, password=None, errors=None):
         if errors is not None:
             errors.append(str(exc))
 
-    return await nats.connect(servers=[url], user=user, password=password, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, error_cb=on_error)
+    return await nats.connect(
+        servers=[url],
+        user=user,
+        password=password,
+        allow_reconnect=False,
+        max_reconnect_attempts=0,
+        connect_timeout=2,
+        error_cb=on_error,
+    )
 
 
 async def test_anonymous_and_wrong_password_are_refused(secured_nats):
@@ -24,7 +32,7 @@ async def test_anonymous_and_wrong_password_are_refused(secured_nats):
     with pytest.raises((NatsError, OSError, Exception)) as info:
         await _connect(server.url)
     assert "Authorization" in str(info.value) or "authorization" in str(info.value).lower()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 -- nats-py raises different types per version for a refused login
         await _connect(server.url, "gateway", "wrong-password")
 
 
@@ -63,9 +71,21 @@ async def test_admin_may_publish_admin_but_not_request_path(secured_nats):
 @pytest.mark.parametrize(
     "identity, allowed, denied",
     [
-        ("gateway", ["nitsum.req.submit", "nitsum.req.abort"], ["nitsum.stream.x", "nitsum.stats.worker", "nitsum.worker.w.run"]),
-        ("worker", ["nitsum.stream.x", "nitsum.stats.worker"], ["nitsum.req.submit", "nitsum.worker.w.run", "nitsum.event.worker_lost"]),
-        ("coordinator", ["nitsum.worker.w.run", "nitsum.event.worker_lost"], ["nitsum.stream.x", "nitsum.stats.worker"]),
+        (
+            "gateway",
+            ["nitsum.req.submit", "nitsum.req.abort"],
+            ["nitsum.stream.x", "nitsum.stats.worker", "nitsum.worker.w.run"],
+        ),
+        (
+            "worker",
+            ["nitsum.stream.x", "nitsum.stats.worker"],
+            ["nitsum.req.submit", "nitsum.worker.w.run", "nitsum.event.worker_lost"],
+        ),
+        (
+            "coordinator",
+            ["nitsum.worker.w.run", "nitsum.event.worker_lost"],
+            ["nitsum.stream.x", "nitsum.stats.worker"],
+        ),
         ("flow-scheduler", ["nitsum.flow.permit.w"], ["nitsum.req.submit", "nitsum.stream.x"]),
     ],
 )
@@ -98,7 +118,9 @@ async def test_subscribe_permissions(secured_nats):
 def test_every_identity_has_rules():
     perms = permissions("nitsum")
     assert set(perms) == set(IDENTITIES)
-    assert all(not any(s.startswith("nitsum.admin") for s in p["publish"]) for name, p in perms.items() if name != "admin")
+    assert all(
+        not any(s.startswith("nitsum.admin") for s in p["publish"]) for name, p in perms.items() if name != "admin"
+    )
 
 
 # ---- one identity per worker ----------------------------------------------------------------------------
@@ -137,19 +159,49 @@ async def test_a_worker_identity_reads_and_writes_only_its_own_subjects(worker_n
     nc = await _connect(server.url, worker_identity(me), passwords[worker_identity(me)], errors)
     try:
         # Its own command subjects, the broadcasts and its own reply inbox: allowed.
-        for subject in (f"nitsum.worker.{me}.run", f"nitsum.worker.{me}.control", f"nitsum.worker.{me}.kv", "nitsum.req.abort",
-                        f"nitsum.flow.permit.{me}", inbox_prefix(worker_identity(me)) + ".x"):
+        for subject in (
+            f"nitsum.worker.{me}.run",
+            f"nitsum.worker.{me}.control",
+            f"nitsum.worker.{me}.kv",
+            "nitsum.req.abort",
+            f"nitsum.flow.permit.{me}",
+            inbox_prefix(worker_identity(me)) + ".x",
+        ):
             assert not await _subscribe_denied(nc, errors, subject), subject
         # Another worker's commands, KV and permits, every stream, other identities' replies: denied.
-        for subject in (f"nitsum.worker.{other}.run", f"nitsum.worker.{other}.control", f"nitsum.worker.{other}.kv", "nitsum.worker.>",
-                        "nitsum.stream.>", f"nitsum.stream.{other}.r1", f"nitsum.flow.permit.{other}", "_INBOX.>", inbox_prefix(worker_identity(other)) + ".>",
-                        "nitsum.req.submit", "nitsum.stats.worker"):
+        for subject in (
+            f"nitsum.worker.{other}.run",
+            f"nitsum.worker.{other}.control",
+            f"nitsum.worker.{other}.kv",
+            "nitsum.worker.>",
+            "nitsum.stream.>",
+            f"nitsum.stream.{other}.r1",
+            f"nitsum.flow.permit.{other}",
+            "_INBOX.>",
+            inbox_prefix(worker_identity(other)) + ".>",
+            "nitsum.req.submit",
+            "nitsum.stats.worker",
+        ):
             assert await _subscribe_denied(nc, errors, subject), subject
         # Frames only under its own id; its role's subjects; nothing of the control plane.
-        for subject in (f"nitsum.stream.{me}.r1", "nitsum.stats.worker", "nitsum.flow.submit", f"nitsum.worker.{other}.kv", f"nitsum.worker.{other}.kvfetch"):
+        for subject in (
+            f"nitsum.stream.{me}.r1",
+            "nitsum.stats.worker",
+            "nitsum.flow.submit",
+            f"nitsum.worker.{other}.kv",
+            f"nitsum.worker.{other}.kvfetch",
+        ):
             assert not await _publish_denied(nc, errors, subject), subject
-        for subject in (f"nitsum.stream.{other}.r1", "nitsum.stream.r1", f"nitsum.worker.{other}.run", f"nitsum.worker.{other}.control",
-                        "nitsum.req.submit", "nitsum.req.abort", "nitsum.event.worker_lost", f"nitsum.flow.permit.{other}"):
+        for subject in (
+            f"nitsum.stream.{other}.r1",
+            "nitsum.stream.r1",
+            f"nitsum.worker.{other}.run",
+            f"nitsum.worker.{other}.control",
+            "nitsum.req.submit",
+            "nitsum.req.abort",
+            "nitsum.event.worker_lost",
+            f"nitsum.flow.permit.{other}",
+        ):
             assert await _publish_denied(nc, errors, subject), subject
     finally:
         await nc.close()
@@ -182,7 +234,17 @@ async def test_a_worker_cannot_get_a_frame_into_another_requests_stream(worker_n
         await coordinator.subscribe(coordinator.subjects.submit, on_submit, expected=SubmitRequest, concurrent=True)
         await coordinator.flush()
         rid = "cmpl-victim"
-        request = SubmitRequest(rid, (1, 2, 3), SamplingSpec(max_tokens=3), "interactive", 200.0, 25.0, 10.0, 0.0, gateway.subjects.stream(rid))
+        request = SubmitRequest(
+            rid,
+            (1, 2, 3),
+            SamplingSpec(max_tokens=3),
+            "interactive",
+            200.0,
+            25.0,
+            10.0,
+            0.0,
+            gateway.subjects.stream(rid),
+        )
         gen = Generation(gateway, request, 10.0, 0, 5.0, GenerationRegistry())
         gen.on_foreign_frame = dropped.append
         await gen.start()
@@ -196,7 +258,10 @@ async def test_a_worker_cannot_get_a_frame_into_another_requests_stream(worker_n
         await bad.flush()
         await asyncio.sleep(0.3)
         await good.publish(good.subjects.stream(rid, placed), TokenChunk(rid, placed, 0, (7, 8), "ok"))
-        await good.publish(good.subjects.stream(rid, placed), TokenChunk(rid, placed, 2, (9,), "!", finished=True, finish_reason="length"))
+        await good.publish(
+            good.subjects.stream(rid, placed),
+            TokenChunk(rid, placed, 2, (9,), "!", finished=True, finish_reason="length"),
+        )
         await good.flush()
         deltas = [d async for d in gen.deltas()]
         assert [t for d in deltas for t in d.token_ids] == [7, 8, 9]

@@ -19,8 +19,7 @@ def test_a_child_whose_metrics_port_was_taken_starts_again_on_another(nats_serve
     squatter.bind(("0.0.0.0", 0))
     squatter.listen(1)
     taken = squatter.getsockname()[1]
-    env = {**os.environ, "NITSUM_NATS_URL": nats_server.url, "NITSUM_METRICS_PORT": str(taken),
-           "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "NITSUM_NATS_URL": nats_server.url, "NITSUM_METRICS_PORT": str(taken), "PYTHONUNBUFFERED": "1"}
     child = Child("coordinator", "coordinator", env, tmp_path / "coordinator.log")
     child.start()
     try:
@@ -52,8 +51,12 @@ def test_a_child_whose_metrics_port_was_taken_starts_again_on_another(nats_serve
 
 
 def test_a_failure_that_is_not_a_port_clash_is_not_retried(nats_server, tmp_path):
-    env = {**os.environ, "NITSUM_NATS_URL": nats_server.url, "NITSUM_METRICS_PORT": str(free_port()),
-           "NITSUM_HEARTBEAT_TIMEOUT_MS": "-5"}  # a bad setting: the child exits at once, with a clear error
+    env = {
+        **os.environ,
+        "NITSUM_NATS_URL": nats_server.url,
+        "NITSUM_METRICS_PORT": str(free_port()),
+        "NITSUM_HEARTBEAT_TIMEOUT_MS": "-5",
+    }  # a bad setting: the child exits at once, with a clear error
     child = Child("coordinator", "coordinator", env, tmp_path / "coordinator.log")
     child.start()
     try:

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fake_openai import FakeOpenAI  # tests/load is on sys.path (rootdir-relative "prepend" imports)
 
 

@@ -71,8 +71,9 @@ class FakeOpenAI:
         chat = request.path.endswith("/chat/completions")
         if mode.startswith("fail-"):
             status = int(mode.split("-")[1])
-            return web.json_response({"error": {"message": "nope", "type": "x", "param": None, "code": status}},
-                                     status=status)
+            return web.json_response(
+                {"error": {"message": "nope", "type": "x", "param": None, "code": status}}, status=status
+            )
         if mode == "slow":
             await asyncio.sleep(1.0)
         if mode == "hang":
@@ -83,10 +84,16 @@ class FakeOpenAI:
         prompt_tokens = len(prompt) if isinstance(prompt, list) else 3 * len(prompt.split()) + (5 if chat else 0)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         if not body.get("stream"):
-            return web.json_response({"choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],
-                                      "usage": usage})
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-request-id": "srv-1",
-                                                "x-request-tier": request.headers.get("x-request-tier", "")})
+            return web.json_response(
+                {"choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}], "usage": usage}
+            )
+        resp = web.StreamResponse(
+            headers={
+                "content-type": "text/event-stream",
+                "x-request-id": "srv-1",
+                "x-request-tier": request.headers.get("x-request-tier", ""),
+            }
+        )
         await resp.prepare(request)
 
         async def event(obj) -> None:

@@ -24,8 +24,15 @@ def test_simulate_serves_every_request():
 
 
 def rec(i, first, finish, out):
-    return make_record(request_id=str(i), tier="interactive", send_ms=0.0, first_token_ms=first, finish_ms=finish,
-                       output_tokens=out, prompt_tokens=4)
+    return make_record(
+        request_id=str(i),
+        tier="interactive",
+        send_ms=0.0,
+        first_token_ms=first,
+        finish_ms=finish,
+        output_tokens=out,
+        prompt_tokens=4,
+    )
 
 
 def test_side_by_side_relative_error():

@@ -20,8 +20,23 @@ def test_live_policy_bench_writes_a_comparison(tmp_path):
     rows += [f"2023-11-16 18:15:{i:02d}.0000000,{40 + 7 * i},{8 + i % 5}" for i in range(10)]
     trace.write_text("\r\n".join(rows) + "\r\n")
     out = tmp_path / "out"
-    code = main(["--live", "--trace", str(trace), "--requests", "10", "--target-rate", "4", "--model", "tiny",
-                 "--policies", "adaptive,static-tp:2", "--out", str(out)])
+    code = main(
+        [
+            "--live",
+            "--trace",
+            str(trace),
+            "--requests",
+            "10",
+            "--target-rate",
+            "4",
+            "--model",
+            "tiny",
+            "--policies",
+            "adaptive,static-tp:2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     assert list(report["policies"]) == ["adaptive", "static-tp:2"]

@@ -16,8 +16,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def test_live_reconfigure_writes_a_report(tmp_path):
     out = tmp_path / "out"
-    code = main(["--model", "tiny", "--requests", "2", "--steady-tokens", "3", "--stream-timeout-s", "2",
-                 "--advance-timeout-s", "5", "--out", str(out)])
+    code = main(
+        [
+            "--model",
+            "tiny",
+            "--requests",
+            "2",
+            "--steady-tokens",
+            "3",
+            "--stream-timeout-s",
+            "2",
+            "--advance-timeout-s",
+            "5",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     assert report["mode"] == "live"

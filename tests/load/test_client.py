@@ -19,8 +19,16 @@ from nitsum_load.client import (
     synth_prompt,
 )
 
-SPEC = RequestSpec(request_id="r1", arrival_ms=0.0, prompt_tokens=6, output_tokens=5, tier="background",
-                   ttft_slo_ms=10_000.0, tpot_slo_ms=100.0, weight=1.0)
+SPEC = RequestSpec(
+    request_id="r1",
+    arrival_ms=0.0,
+    prompt_tokens=6,
+    output_tokens=5,
+    tier="background",
+    ttft_slo_ms=10_000.0,
+    tpot_slo_ms=100.0,
+    weight=1.0,
+)
 
 
 async def run_one(url: str, model: str, spec: RequestSpec = SPEC, **cfg_kw) -> RequestTracker:
@@ -53,12 +61,17 @@ async def test_streamed_lifecycle(fake_server, endpoint):
     assert (h["x-request-tier"], h["x-slo-ttft-ms"], h["x-slo-tpot-ms"]) == ("background", "10000", "100")
     b = seen["body"]
     assert (b["stream"], b["stream_options"], b["max_tokens"], b["ignore_eos"]) == (
-        True, {"include_usage": True}, 5, True)
+        True,
+        {"include_usage": True},
+        5,
+        True,
+    )
 
 
 async def test_token_ids_count_multi_token_chunks(fake_server):
-    tracker = await run_one(fake_server.url, "multi", endpoint="completions", prompt_format="token-ids",
-                            return_token_ids=True)
+    tracker = await run_one(
+        fake_server.url, "multi", endpoint="completions", prompt_format="token-ids", return_token_ids=True
+    )
     rec = tracker.to_record()
     assert rec.output_tokens == 5 and len(set(rec.token_times_ms)) == 1  # five tokens, one arrival time
     assert fake_server.seen[-1]["body"]["prompt"] == [100, 101, 102, 103, 104, 105]
@@ -71,8 +84,10 @@ async def test_api_key_header(fake_server):
     assert h["authorization"] == "Bearer sekret"
 
 
-@pytest.mark.parametrize(("model", "kind"), [("fail-429", "http_429"), ("fail-503", "http_503"),
-                                             ("fail-400", "http_4xx"), ("fail-500", "http_5xx")])
+@pytest.mark.parametrize(
+    ("model", "kind"),
+    [("fail-429", "http_429"), ("fail-503", "http_503"), ("fail-400", "http_4xx"), ("fail-500", "http_5xx")],
+)
 async def test_http_errors(fake_server, model, kind):
     tracker = await run_one(fake_server.url, model)
     rec = tracker.to_record()

@@ -59,11 +59,31 @@ def test_over_seeds_median_and_range():
 def test_bootstrap_intervals_bracket_the_figure_and_collapse_for_identical_requests():
     from nitsum.metrics import make_record
 
-    same = [make_record(request_id=str(i), tier="interactive", send_ms=0.0, first_token_ms=10.0, finish_ms=20.0,
-                        output_tokens=11, prompt_tokens=4) for i in range(10)]
+    same = [
+        make_record(
+            request_id=str(i),
+            tier="interactive",
+            send_ms=0.0,
+            first_token_ms=10.0,
+            finish_ms=20.0,
+            output_tokens=11,
+            prompt_tokens=4,
+        )
+        for i in range(10)
+    ]
     assert bf.bootstrap_intervals(same, resamples=20) == [(10.0, 10.0), (10.0, 10.0), (1.0, 1.0), (1.0, 1.0)]
-    spread = [make_record(request_id=str(i), tier="interactive", send_ms=0.0, first_token_ms=float(i + 1),
-                          finish_ms=float(i + 1) + 10.0, output_tokens=11, prompt_tokens=4) for i in range(20)]
+    spread = [
+        make_record(
+            request_id=str(i),
+            tier="interactive",
+            send_ms=0.0,
+            first_token_ms=float(i + 1),
+            finish_ms=float(i + 1) + 10.0,
+            output_tokens=11,
+            prompt_tokens=4,
+        )
+        for i in range(20)
+    ]
     (lo, hi), *_ = bf.bootstrap_intervals(spread, resamples=100)
     assert lo < 10.5 < hi  # the TTFT p50 of 1..20 ms
     assert bf.bootstrap_intervals(spread, resamples=100) == bf.bootstrap_intervals(spread, resamples=100)  # seeded
@@ -74,8 +94,16 @@ def test_per_request_rows_pair_live_and_simulated():
 
     def r(first, chunks):
         times = tuple(first + i * 2.0 for i in range(chunks)) + (first + 2.0 * (chunks - 1),) * (3 - chunks)
-        return make_record(request_id="x", tier="interactive", send_ms=0.0, first_token_ms=first,
-                           finish_ms=times[-1], output_tokens=3, prompt_tokens=8, token_times_ms=times)
+        return make_record(
+            request_id="x",
+            tier="interactive",
+            send_ms=0.0,
+            first_token_ms=first,
+            finish_ms=times[-1],
+            output_tokens=3,
+            prompt_tokens=8,
+            token_times_ms=times,
+        )
 
     (row,) = bf.per_request_rows([r(5.0, 2)], [r(3.0, 3)], [r(6.0, 3)])
     assert (row["ttft_live_ms"], row["ttft_table_ms"], row["ttft_service_ms"]) == (5.0, 3.0, 6.0)
@@ -92,8 +120,15 @@ def test_replay_of_a_mesh_that_behaves_like_the_table_finds_no_service_cost(tmp_
     # step ratio of 1, and the simulator with that service model must reproduce the live figures exactly.
     import json
 
-    settings = {"trace": "azure-conv", "requests": 3, "sessions": 2, "rate": 4.0, "max_prompt_tokens": 64,
-                "max_output_tokens": 8, "policy": "static-tp:1"}
+    settings = {
+        "trace": "azure-conv",
+        "requests": 3,
+        "sessions": 2,
+        "rate": 4.0,
+        "max_prompt_tokens": 64,
+        "max_output_tokens": 8,
+        "policy": "static-tp:1",
+    }
     for k in range(2):
         workload = bf.build_workload("azure-conv", 6, 4.0, 64, 8, first_row=6 * k)
         evaluation, calibration = bf.split_rows(bf.simulate(workload, "static-tp:1")[0].records)
@@ -131,29 +166,58 @@ def test_path_breakdown_places_spans_on_the_client_clock():
     wall0 = 1_000_000.0  # unix ms of the load generator's time 0
 
     def span(name, rid, start_ms, end_ms):
-        return {"name": name, "start_unix_ns": int((wall0 + start_ms) * 1e6), "end_unix_ns": int((wall0 + end_ms) * 1e6),
-                "attributes": {"nitsum.request_id": rid}}
+        return {
+            "name": name,
+            "start_unix_ns": int((wall0 + start_ms) * 1e6),
+            "end_unix_ns": int((wall0 + end_ms) * 1e6),
+            "attributes": {"nitsum.request_id": rid},
+        }
 
-    spans = [span("gateway.request", "cmpl-1", 1.0, 40.0), span("coordinator.route", "cmpl-1", 2.5, 3.0),
-             span("worker.generate", "cmpl-1", 4.0, 30.0), span("coordinator.route", "ready-x", 0.0, 1.0)]
-    logs = [{"request_id": "req-0", "server_request_id": "cmpl-1", "dispatched_ms": 0.5, "first_token_ms": 12.0,
-             "finish_ms": 31.5},
-            {"request_id": "req-1", "server_request_id": "cmpl-2", "dispatched_ms": 0.5, "first_token_ms": 9.0,
-             "finish_ms": 20.0}]  # no spans: left out
+    spans = [
+        span("gateway.request", "cmpl-1", 1.0, 40.0),
+        span("coordinator.route", "cmpl-1", 2.5, 3.0),
+        span("worker.generate", "cmpl-1", 4.0, 30.0),
+        span("coordinator.route", "ready-x", 0.0, 1.0),
+    ]
+    logs = [
+        {
+            "request_id": "req-0",
+            "server_request_id": "cmpl-1",
+            "dispatched_ms": 0.5,
+            "first_token_ms": 12.0,
+            "finish_ms": 31.5,
+        },
+        {
+            "request_id": "req-1",
+            "server_request_id": "cmpl-2",
+            "dispatched_ms": 0.5,
+            "first_token_ms": 9.0,
+            "finish_ms": 20.0,
+        },
+    ]  # no spans: left out
     (row,) = bf.path_breakdown(logs, spans, wall0)
-    expected = {"to_gateway_ms": 0.5, "gateway_to_coordinator_ms": 1.5, "coordinator_to_worker_ms": 1.5,
-                "worker_to_first_token_ms": 8.0, "worker_span_ms": 26.0, "last_token_lag_ms": 1.5}
+    expected = {
+        "to_gateway_ms": 0.5,
+        "gateway_to_coordinator_ms": 1.5,
+        "coordinator_to_worker_ms": 1.5,
+        "worker_to_first_token_ms": 8.0,
+        "worker_span_ms": 26.0,
+        "last_token_lag_ms": 1.5,
+    }
     assert row["request_id"] == "req-0"
     assert {k: row[k] for k in expected} == pytest.approx(expected, abs=1e-6)
     assert "worker_to_first_token 8.00/8.00" in bf.format_breakdown([row])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--requests", "60"], "--requests at most 50"),
-    (["--sessions", "2", "--url", "http://127.0.0.1:1"], "1 with --url"),
-    (["--seeds", "0"], "--seeds must be >= 1"),
-    (["--device-table", "/nonexistent.json"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--requests", "60"], "--requests at most 50"),
+        (["--sessions", "2", "--url", "http://127.0.0.1:1"], "1 with --url"),
+        (["--seeds", "0"], "--seeds must be >= 1"),
+        (["--device-table", "/nonexistent.json"], "no such file"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit):
         bf.main(argv)

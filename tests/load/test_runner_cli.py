@@ -12,22 +12,31 @@ from nitsum.metrics import summarize
 from nitsum.workloads import TraceRequest
 from nitsum_load import cli
 from nitsum_load.client import ClientConfig, RequestSpec
+from nitsum_load.progress import render
 from nitsum_load.report import FILES, format_table, read_lifecycle_log
 from nitsum_load.runner import Counters, run_open_loop
-from nitsum_load.progress import render
 from nitsum_load.workload import Shaping, parse_tier_mix, shape
 
 
 def spec(i: int, arrival_ms: float, out: int = 3, tier: str = "interactive") -> RequestSpec:
-    return RequestSpec(request_id=f"r{i}", arrival_ms=arrival_ms, prompt_tokens=4, output_tokens=out, tier=tier,
-                       ttft_slo_ms=10_000.0, tpot_slo_ms=1_000.0, weight=1.0)
+    return RequestSpec(
+        request_id=f"r{i}",
+        arrival_ms=arrival_ms,
+        prompt_tokens=4,
+        output_tokens=out,
+        tier=tier,
+        ttft_slo_ms=10_000.0,
+        tpot_slo_ms=1_000.0,
+        weight=1.0,
+    )
 
 
 async def test_open_loop_fires_on_schedule_and_cuts_at_duration(fake_server):
     specs = [spec(i, 40.0 * i) for i in range(6)]  # 0, 40, ..., 200 ms
     counters = Counters()
-    result = await run_open_loop(specs, ClientConfig(base_url=fake_server.url, model="ok"),
-                                 duration_s=0.15, counters=counters)
+    result = await run_open_loop(
+        specs, ClientConfig(base_url=fake_server.url, model="ok"), duration_s=0.15, counters=counters
+    )
     # Arrivals at 0, 40, 80, 120 ms are inside the 150 ms window; 160 and 200 are not sent.
     assert [t.spec.request_id for t in result.trackers] == ["r0", "r1", "r2", "r3"]
     for t in result.trackers:
@@ -79,19 +88,31 @@ async def test_concurrency_limit_queues_and_counts_wait(fake_server):
 def test_parse_tier_mix():
     assert parse_tier_mix("interactive=0.3,background=0.7") == {"interactive": 0.3, "background": 0.7}
     assert parse_tier_mix("interactive=1,background=3") == {"interactive": 0.25, "background": 0.75}
-    for bad, msg in (("gold=1", "unknown tier"), ("interactive", "NAME=FRACTION"),
-                     ("interactive=x", "not a number"), ("interactive=0", "positive"),
-                     ("interactive=-1", ">= 0")):
+    for bad, msg in (
+        ("gold=1", "unknown tier"),
+        ("interactive", "NAME=FRACTION"),
+        ("interactive=x", "not a number"),
+        ("interactive=0", "positive"),
+        ("interactive=-1", ">= 0"),
+    ):
         with pytest.raises(ValueError, match=msg):
             parse_tier_mix(bad)
 
 
 def test_shape_order_caps_and_slos():
-    reqs = [TraceRequest(arrival_ms=1000.0 + 100.0 * i, prompt_tokens=900 + i, output_tokens=5 + i)
-            for i in range(10)]
-    specs = shape(reqs, Shaping(tier_mix={"interactive": 0.5, "background": 0.5}, time_scale=0.5,
-                                max_requests=4, max_prompt_tokens=901, max_output_tokens=6, slo_tpot_ms=40.0,
-                                seed=3))
+    reqs = [TraceRequest(arrival_ms=1000.0 + 100.0 * i, prompt_tokens=900 + i, output_tokens=5 + i) for i in range(10)]
+    specs = shape(
+        reqs,
+        Shaping(
+            tier_mix={"interactive": 0.5, "background": 0.5},
+            time_scale=0.5,
+            max_requests=4,
+            max_prompt_tokens=901,
+            max_output_tokens=6,
+            slo_tpot_ms=40.0,
+            seed=3,
+        ),
+    )
     assert [s.arrival_ms for s in specs] == [0.0, 50.0, 100.0, 150.0]  # rebased, then halved
     assert [s.prompt_tokens for s in specs] == [900, 901, 901, 901]
     assert [s.output_tokens for s in specs] == [5, 6, 6, 6]
@@ -112,9 +133,28 @@ def test_progress_render():
 
 def test_cli_poisson_writes_every_report_file(fake_server, tmp_path, capsys):
     out = tmp_path / "run"
-    rc = cli.main(["--url", fake_server.url, "--poisson", "200", "--max-requests", "24",
-                   "--tier-mix", "interactive=0.5,background=0.5", "--prompt-tokens", "8", "--output-tokens", "4",
-                   "--out", str(out), "--progress", "off", "--seed", "7"])
+    rc = cli.main(
+        [
+            "--url",
+            fake_server.url,
+            "--poisson",
+            "200",
+            "--max-requests",
+            "24",
+            "--tier-mix",
+            "interactive=0.5,background=0.5",
+            "--prompt-tokens",
+            "8",
+            "--output-tokens",
+            "4",
+            "--out",
+            str(out),
+            "--progress",
+            "off",
+            "--seed",
+            "7",
+        ]
+    )
     assert rc == 0
     for name in FILES:
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -144,8 +184,22 @@ def test_cli_poisson_writes_every_report_file(fake_server, tmp_path, capsys):
 
 def test_cli_errors_are_reported_not_raised(fake_server, tmp_path, capsys):
     out = tmp_path / "fail"
-    rc = cli.main(["--url", fake_server.url, "--model", "fail-429", "--gamma", "100,2", "--max-requests", "5",
-                   "--out", str(out), "--progress", "off"])
+    rc = cli.main(
+        [
+            "--url",
+            fake_server.url,
+            "--model",
+            "fail-429",
+            "--gamma",
+            "100,2",
+            "--max-requests",
+            "5",
+            "--out",
+            str(out),
+            "--progress",
+            "off",
+        ]
+    )
     assert rc == 0
     rep = json.loads((out / "summary.json").read_text())["report"]
     assert fake_server.seen[-1]["body"]["return_token_ids"] is True  # on by default
@@ -178,8 +232,9 @@ def test_read_trace_names_and_paths(monkeypatch):
     assert [r.arrival_ms for r in spread] != [r.arrival_ms for r in moon]
     assert all(r.arrival_ms >= m.arrival_ms for r, m in zip(spread, moon))
     calls = []
-    monkeypatch.setattr(workload, "servegen_arrivals",
-                        lambda path, **kw: calls.append((path.name, kw)) or [TraceRequest(0.0, 1, 1)] * 5)
+    monkeypatch.setattr(
+        workload, "servegen_arrivals", lambda path, **kw: calls.append((path.name, kw)) or [TraceRequest(0.0, 1, 1)] * 5
+    )
     assert len(workload.read_trace("servegen:mm-image", limit=2, duration_s=30.0, seed=4)) == 2
     assert calls == [("servegen_mm-image.tar.gz", {"duration_s": 30.0, "seed": 4})]
     with pytest.raises(FileNotFoundError):
@@ -196,9 +251,29 @@ def test_ctrl_c_writes_partial_report(fake_server, tmp_path):
     out = tmp_path / "partial"
     before = len(fake_server.seen)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nitsum.cli", "load", "--url", fake_server.url, "--model", "hang",
-         "--poisson", "50", "--max-requests", "400", "--no-calibrate", "--out", str(out), "--progress", "off"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "nitsum.cli",
+            "load",
+            "--url",
+            fake_server.url,
+            "--model",
+            "hang",
+            "--poisson",
+            "50",
+            "--max-requests",
+            "400",
+            "--no-calibrate",
+            "--out",
+            str(out),
+            "--progress",
+            "off",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # The SIGINT handler is installed before the first request goes out, so wait for one to arrive.
         deadline = time.monotonic() + 60
@@ -238,8 +313,24 @@ async def test_progress_bar_draws_and_finishes_with_newline():
 
 
 def test_cli_strict_openai_flags_drop_extensions(fake_server, tmp_path):
-    rc = cli.main(["--url", fake_server.url, "--model", "ok", "--poisson", "100", "--max-requests", "1",
-                   "--no-ignore-eos", "--no-token-ids", "--out", str(tmp_path / "strict"), "--progress", "off"])
+    rc = cli.main(
+        [
+            "--url",
+            fake_server.url,
+            "--model",
+            "ok",
+            "--poisson",
+            "100",
+            "--max-requests",
+            "1",
+            "--no-ignore-eos",
+            "--no-token-ids",
+            "--out",
+            str(tmp_path / "strict"),
+            "--progress",
+            "off",
+        ]
+    )
     assert rc == 0
     body = fake_server.seen[-1]["body"]
     assert "ignore_eos" not in body and "return_token_ids" not in body

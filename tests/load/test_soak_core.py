@@ -44,13 +44,17 @@ def test_plan_quick_one_kill_and_the_restart_in_the_larger_gap():
     # No kill fits before the tail: only the restart, in the middle of the run.
     assert plan_faults(30.0, 25.0, 1, tail_s=10.0) == [PlannedFault(15.0, NATS_RESTART, "nats-server")]
     assert plan_faults(60.0, 20.0, 3, nats_restart=False) == [
-        PlannedFault(20.0, WORKER_KILL, "worker-0"), PlannedFault(40.0, WORKER_KILL, "worker-1")]
+        PlannedFault(20.0, WORKER_KILL, "worker-0"),
+        PlannedFault(40.0, WORKER_KILL, "worker-1"),
+    ]
 
 
 def test_windows_run_from_the_fault_to_grace_after_recovery_or_to_the_end():
     faults = [FaultRecord(WORKER_KILL, "worker-0", 10.0, 14.0), FaultRecord(NATS_RESTART, "nats-server", 50.0, None)]
-    assert fault_windows(faults, 15.0, 80.0) == [FaultWindow(10.0, 29.0, WORKER_KILL),
-                                                 FaultWindow(50.0, 80.0, NATS_RESTART)]
+    assert fault_windows(faults, 15.0, 80.0) == [
+        FaultWindow(10.0, 29.0, WORKER_KILL),
+        FaultWindow(50.0, 80.0, NATS_RESTART),
+    ]
 
 
 def test_overlap_includes_touching_edges():
@@ -64,8 +68,16 @@ def test_overlap_includes_touching_edges():
 
 
 def _tracker(i: int, *, done: bool = False, error: str | None = None) -> RequestTracker:
-    spec = RequestSpec(f"req-{i}", arrival_ms=1000.0 * i, prompt_tokens=4, output_tokens=2, tier="interactive",
-                       ttft_slo_ms=100.0, tpot_slo_ms=10.0, weight=1.0)
+    spec = RequestSpec(
+        f"req-{i}",
+        arrival_ms=1000.0 * i,
+        prompt_tokens=4,
+        output_tokens=2,
+        tier="interactive",
+        ttft_slo_ms=100.0,
+        tpot_slo_ms=10.0,
+        weight=1.0,
+    )
     t = RequestTracker(spec)
     if done:
         t.token_times_ms.extend([1000.0 * i + 5, 1000.0 * i + 6])
@@ -92,8 +104,13 @@ def test_counts_split_failures_by_fault_window():
         Outcome("e", 40.0, None, "lost", None),
     ]
     counts = count_outcomes(outcomes, [FaultWindow(10.0, 20.0, WORKER_KILL)], run_end_s=50.0)
-    assert (counts.sent, counts.completed, counts.failed_in_windows, counts.failed_outside_windows, counts.lost) \
-        == (5, 1, 2, 1, 1)
+    assert (counts.sent, counts.completed, counts.failed_in_windows, counts.failed_outside_windows, counts.lost) == (
+        5,
+        1,
+        2,
+        1,
+        1,
+    )
     assert counts.errors_in_windows == {"http_503": 1, "stream_error": 1}
     assert counts.errors_outside_windows == {"http_503": 1}
 
@@ -109,8 +126,10 @@ def test_series_after_warmup_and_a_restarted_worker_gets_its_own_warmup():
     samples = [Sample(float(t), "gateway", 10, 50.0 + t, 9.0) for t in range(0, 50, 10)]
     samples += [Sample(float(t), "worker-0", 20, 300.0, 13.0) for t in (0, 10)]
     # Restarted at 20 s: its RSS climbs while it loads, then stays flat.
-    samples += [Sample(float(t), "worker-0", 21, rss, 13.0) for t, rss in ((20, 100.0), (30, 300.0), (40, 300.0),
-                                                                            (50, 300.0), (60, 300.0))]
+    samples += [
+        Sample(float(t), "worker-0", 21, rss, 13.0)
+        for t, rss in ((20, 100.0), (30, 300.0), (40, 300.0), (50, 300.0), (60, 300.0))
+    ]
     samples += [Sample(float(t), "nats-server", 30, 15.0, None) for t in range(0, 50, 10)]
     got = {(s.process, s.metric): s for s in summarize_series(samples, warmup_s=10.0)}
     assert ("nats-server", "asyncio_tasks") not in got

@@ -10,7 +10,7 @@ from nitsum_load.sse import SseParser, parse_chunk
 
 STREAM = (
     b": keep-alive comment\r\n\r\n"
-    b"data: {\"a\": 1}\r\n\r\n"
+    b'data: {"a": 1}\r\n\r\n'
     b"event: message\nid: 7\ndata: line1\ndata: line2\n\n"
     b"data:no-space\r\r"
     b"data: caf\xc3\xa9\n\n"
@@ -30,7 +30,7 @@ def test_any_split_gives_the_same_events(size):
     p = SseParser()
     out = []
     for i in range(0, len(STREAM), size):
-        out += p.feed(STREAM[i:i + size])
+        out += p.feed(STREAM[i : i + size])
     assert out == EXPECTED
 
 

@@ -17,4 +17,3 @@ def hf_model(tiny_dir):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
-

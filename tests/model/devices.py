@@ -19,8 +19,11 @@ ACCEL_MISSING = ON_CUDA and not torch.cuda.is_available()
 
 def accel_param(*extra_marks) -> object:
     """The accelerator as one pytest parameter (id `accel`), gpu-marked, skipped where it is missing."""
-    marks = [pytest.mark.gpu, pytest.mark.skipif(ACCEL_MISSING, reason="needs a CUDA device (none visible to torch)"),
-             *extra_marks]
+    marks = [
+        pytest.mark.gpu,
+        pytest.mark.skipif(ACCEL_MISSING, reason="needs a CUDA device (none visible to torch)"),
+        *extra_marks,
+    ]
     return pytest.param(ACCEL, marks=marks, id="accel")
 
 

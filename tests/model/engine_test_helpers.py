@@ -34,8 +34,9 @@ def run_workers(argvs, timeout_s: float = 180.0) -> list[str]:
     return logs
 
 
-def run_node_script(model_dir, script: dict, tmp_path, world: int, extra_args=None, timeout_s: float = 150.0,
-                    **options) -> list[dict]:
+def run_node_script(
+    model_dir, script: dict, tmp_path, world: int, extra_args=None, timeout_s: float = 150.0, **options
+) -> list[dict]:
     """Run a scripted node (`nitsum.bench.node_run`, one process per worker) and return every worker's report.
     `options` become flags (block_size=8 -> --block-size 8; a shm_dir option defaults to tmp_path/shm);
     `extra_args` maps a rank to more argv of its own, or is a function of the rank."""
@@ -48,10 +49,29 @@ def run_node_script(model_dir, script: dict, tmp_path, world: int, extra_args=No
     common = [arg for name, value in flags.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
     own = extra_args if callable(extra_args) else (lambda rank: (extra_args or {}).get(rank, []))
     port = free_port()
-    run_workers([
-        [sys.executable, "-m", "nitsum.bench.node_run", "--model-dir", str(model_dir), "--rank", str(rank),
-         "--world-size", str(world), "--master-port", str(port), "--script", str(script_path),
-         "--out", str(tmp_path / f"out{rank}.json"), *common, *own(rank)]
-        for rank in range(world)
-    ], timeout_s)
+    run_workers(
+        [
+            [
+                sys.executable,
+                "-m",
+                "nitsum.bench.node_run",
+                "--model-dir",
+                str(model_dir),
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(world),
+                "--master-port",
+                str(port),
+                "--script",
+                str(script_path),
+                "--out",
+                str(tmp_path / f"out{rank}.json"),
+                *common,
+                *own(rank),
+            ]
+            for rank in range(world)
+        ],
+        timeout_s,
+    )
     return [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(world)]

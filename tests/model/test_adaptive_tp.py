@@ -24,19 +24,33 @@ TP4 = [[0, 4]]
 MIXED = [[0, 2], [2, 1], [3, 1]]
 # (request id, leader it arrives at, tick, prompt length, max tokens)
 REQUESTS = [
-    ("a", 0, 0, 5, 70), ("b", 1, 0, 23, 30), ("c", 2, 0, 40, 45), ("d", 3, 0, 11, 60),
-    ("e", 0, 7, 17, 50), ("f", 0, 12, 9, 24), ("g", 0, 25, 30, 20), ("h", 3, 36, 6, 10),
+    ("a", 0, 0, 5, 70),
+    ("b", 1, 0, 23, 30),
+    ("c", 2, 0, 40, 45),
+    ("d", 3, 0, 11, 60),
+    ("e", 0, 7, 17, 50),
+    ("f", 0, 12, 9, 24),
+    ("g", 0, 25, 30, 20),
+    ("h", 3, 36, 6, 10),
 ]
 TOPOLOGY_EVENTS = [
-    (4, "prepare", 1, TP4), (6, "commit", 1, None),  # merge 4xTP1 -> TP4 (f arrives between the two)
-    (10, "prepare", 2, TP2), (13, "commit", 2, None),  # split TP4 -> 2xTP2
-    (16, "prepare", 3, TP4), (17, "abort", 3, None),  # worker 3 fails during prepare
+    (4, "prepare", 1, TP4),
+    (6, "commit", 1, None),  # merge 4xTP1 -> TP4 (f arrives between the two)
+    (10, "prepare", 2, TP2),
+    (13, "commit", 2, None),  # split TP4 -> 2xTP2
+    (16, "prepare", 3, TP4),
+    (17, "abort", 3, None),  # worker 3 fails during prepare
     (18, "prepare", 2, TP4),  # stale epoch: refused
-    (20, "prepare", 4, TP4), (22, "commit", 4, None),  # merge 2xTP2 -> TP4
-    (24, "prepare", 5, TP1), (26, "abort", 5, None),  # aborted while its pre-copy still runs
-    (27, "prepare", 6, TP2), (29, "commit", 6, None),  # split TP4 -> 2xTP2
-    (32, "prepare", 7, TP1), (34, "commit", 7, None),  # split 2xTP2 -> 4xTP1
-    (38, "prepare", 8, MIXED), (40, "commit", 8, None),  # merge 0+1 only: workers 2, 3 stand by
+    (20, "prepare", 4, TP4),
+    (22, "commit", 4, None),  # merge 2xTP2 -> TP4
+    (24, "prepare", 5, TP1),
+    (26, "abort", 5, None),  # aborted while its pre-copy still runs
+    (27, "prepare", 6, TP2),
+    (29, "commit", 6, None),  # split TP4 -> 2xTP2
+    (32, "prepare", 7, TP1),
+    (34, "commit", 7, None),  # split 2xTP2 -> 4xTP1
+    (38, "prepare", 8, MIXED),
+    (40, "commit", 8, None),  # merge 0+1 only: workers 2, 3 stand by
 ]
 FAILING_WORKER, FAILING_EPOCH = 3, 3
 BLOCK_SIZE = 8
@@ -60,8 +74,16 @@ def make_script(prompts):
 
 def run_node(model_dir, script, tmp_path, shm_dir, kv_path="shm"):
     return run_node_script(
-        model_dir, script, tmp_path, WORLD, {FAILING_WORKER: ["--fail-prepare-epoch", str(FAILING_EPOCH)]},
-        shm_dir=shm_dir, block_size=BLOCK_SIZE, num_kv_blocks=64, kv_path=kv_path, precopy_chunk_bytes=CHUNK_BYTES,
+        model_dir,
+        script,
+        tmp_path,
+        WORLD,
+        {FAILING_WORKER: ["--fail-prepare-epoch", str(FAILING_EPOCH)]},
+        shm_dir=shm_dir,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=64,
+        kv_path=kv_path,
+        precopy_chunk_bytes=CHUNK_BYTES,
     )
 
 
@@ -105,11 +127,23 @@ def test_acks_prepare_failure_aborts_and_stale_epoch_is_refused(node_run):
     _, reports = node_run
     leader0 = [(kind, epoch, ok) for _, kind, epoch, ok, *_ in reports[0]["acks"]]
     assert leader0 == [
-        ("prepare", 1, True), ("commit", 1, True), ("prepare", 2, True), ("commit", 2, True),
-        ("prepare", 3, False), ("abort", 3, True), ("prepare", 2, False),
-        ("prepare", 4, True), ("commit", 4, True), ("prepare", 5, False), ("abort", 5, True),
-        ("prepare", 6, True), ("commit", 6, True), ("prepare", 7, True), ("commit", 7, True),
-        ("prepare", 8, True), ("commit", 8, True),
+        ("prepare", 1, True),
+        ("commit", 1, True),
+        ("prepare", 2, True),
+        ("commit", 2, True),
+        ("prepare", 3, False),
+        ("abort", 3, True),
+        ("prepare", 2, False),
+        ("prepare", 4, True),
+        ("commit", 4, True),
+        ("prepare", 5, False),
+        ("abort", 5, True),
+        ("prepare", 6, True),
+        ("commit", 6, True),
+        ("prepare", 7, True),
+        ("commit", 7, True),
+        ("prepare", 8, True),
+        ("commit", 8, True),
     ]
     failed = next(a for a in reports[0]["acks"] if a[1] == "prepare" and a[2] == 3)
     assert "worker 3" in failed[4] and "injected failure" in failed[4]
@@ -119,10 +153,14 @@ def test_acks_prepare_failure_aborts_and_stale_epoch_is_refused(node_run):
     # Every merge and split moved KV between workers both at prepare (full blocks, while the old groups
     # kept decoding) and at commit (the delta); the failed epoch moved nothing, the aborted one only
     # part of its pre-copy (into caches that the abort dropped).
-    moved = {(phase, e): sum(a[6] for rep in reports for a in rep["acks"] if a[1] == phase and a[2] == e)
-             for phase in ("prepare", "commit") for e in range(1, 9)}
-    assert sorted(k for k, n in moved.items() if n > 0) == [
-        ("commit", e) for e in (1, 2, 4, 6, 7, 8)] + [("prepare", e) for e in (1, 2, 4, 5, 6, 7, 8)]
+    moved = {
+        (phase, e): sum(a[6] for rep in reports for a in rep["acks"] if a[1] == phase and a[2] == e)
+        for phase in ("prepare", "commit")
+        for e in range(1, 9)
+    }
+    assert sorted(k for k, n in moved.items() if n > 0) == [("commit", e) for e in (1, 2, 4, 6, 7, 8)] + [
+        ("prepare", e) for e in (1, 2, 4, 5, 6, 7, 8)
+    ]
     # Bystanders of epoch 8 (outside the span) took no part in its collectives, yet follow its epoch.
     assert [a[4] for rep in reports[2:] for a in rep["acks"] if a[2] == 8] == ["not affected", ""] * 2
     assert [rep["epoch"] for rep in reports] == [8] * WORLD
@@ -167,8 +205,7 @@ def test_every_kv_block_is_free_afterwards(node_run):
     _, reports = node_run
     # check_integrity() ran in every final leader (it raises on a broken invariant: exit code != 0).
     finals = {rep["rank"]: rep.get("final") for rep in reports}
-    assert finals == {0: {"free": 64, "total": 64}, 1: None, 2: {"free": 64, "total": 64},
-                      3: {"free": 64, "total": 64}}
+    assert finals == {0: {"free": 64, "total": 64}, 1: None, 2: {"free": 64, "total": 64}, 3: {"free": 64, "total": 64}}
 
 
 def test_prefill_export_then_decode_import_equals_the_hybrid_path(tiny_dir):
@@ -229,6 +266,7 @@ def test_kv_moved_through_shared_memory_and_no_segment_is_left(node_run):
     assert all(rep["bytes_by_path"]["shm"] > 0 and rep["bytes_by_path"]["p2p"] == 0 for rep in reports)
     # The bytes the acks report are exactly what went through shared memory.
     assert [rep["bytes_by_path"]["shm"] for rep in reports] == [sum(a[6] for a in rep["acks"]) for rep in reports]
+
     # Segment names go once every source mapped them (in prepare): none of an epoch is left once a worker
     # has committed or aborted it. (Workers are not in lockstep: another may already be preparing the next.)
     def up_to(epoch, names):
@@ -256,8 +294,10 @@ P2P_EVENTS = [(4, "prepare", 1, TP4), (6, "commit", 1, None), (10, "prepare", 2,
 def test_gloo_point_to_point_fallback_moves_the_same_tokens(tiny_dir, tmp_path):
     """The fallback path (no shared memory): full blocks move inside the prepare step over gloo."""
     prompts = prompts_of_lengths([r[3] for r in P2P_REQUESTS], seed=11)
-    events = [{"tick": t, "kind": "add", "leader": leader, "request_id": rid, "prompt": p, "max_tokens": n}
-              for (rid, leader, t, _, n), p in zip(P2P_REQUESTS, prompts)]
+    events = [
+        {"tick": t, "kind": "add", "leader": leader, "request_id": rid, "prompt": p, "max_tokens": n}
+        for (rid, leader, t, _, n), p in zip(P2P_REQUESTS, prompts)
+    ]
     events += [{"tick": t, "kind": k, "epoch": e, **({"groups": g} if g else {})} for t, k, e, g in P2P_EVENTS]
     shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
@@ -266,9 +306,14 @@ def test_gloo_point_to_point_fallback_moves_the_same_tokens(tiny_dir, tmp_path):
     expected = engine.generate(prompts, [SamplingParams(max_tokens=r[4], ignore_eos=True) for r in P2P_REQUESTS])
     records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
     assert {rid: [r[3] for r in records if r[1] == rid] for rid, *_ in P2P_REQUESTS} == dict(
-        zip([r[0] for r in P2P_REQUESTS], expected))
+        zip([r[0] for r in P2P_REQUESTS], expected)
+    )
     assert [(k, e, ok) for _, k, e, ok, *_ in reports[0]["acks"]] == [
-        ("prepare", 1, True), ("commit", 1, True), ("prepare", 2, True), ("commit", 2, True)]
+        ("prepare", 1, True),
+        ("commit", 1, True),
+        ("prepare", 2, True),
+        ("commit", 2, True),
+    ]
     assert all(rep["kv_path"] == "p2p" and rep["precopy_rounds"] == [] for rep in reports)
     assert all(rep["bytes_by_path"]["p2p"] > 0 and rep["bytes_by_path"]["shm"] == 0 for rep in reports)
     assert sum(a[6] for rep in reports for a in rep["acks"] if a[1] == "prepare") > 0
@@ -291,8 +336,10 @@ LOST_ABORT_EVENTS = [
 
 def test_a_prepare_refused_for_an_epoch_in_progress_still_joins_the_exchange(tiny_dir, tmp_path):
     prompts = prompts_of_lengths([r[3] for r in LOST_ABORT_REQUESTS], seed=13)
-    events = [{"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
-              for (rid, leader, tick, _, n), prompt in zip(LOST_ABORT_REQUESTS, prompts)]
+    events = [
+        {"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
+        for (rid, leader, tick, _, n), prompt in zip(LOST_ABORT_REQUESTS, prompts)
+    ]
     shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
         reports = run_node(tiny_dir, {"topology": TP1, "events": events + LOST_ABORT_EVENTS}, tmp_path, Path(shm_dir))

@@ -7,8 +7,24 @@ from nitsum.cli import main
 
 
 def test_bench_engine_device_dry_run_writes_rows(tmp_path, capsys):
-    code = main(["bench", "engine", "--device", "cpu", "--size", "tiny", "--concurrency", "1,3", "--prompt-len", "8",
-                 "--max-tokens", "4", "--out", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "engine",
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--concurrency",
+            "1,3",
+            "--prompt-len",
+            "8",
+            "--max-tokens",
+            "4",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     report = json.loads((tmp_path / "bench_engine_cpu.json").read_text())
     assert [r["concurrency"] for r in report["rows"]] == [1, 3]

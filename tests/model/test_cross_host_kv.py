@@ -20,8 +20,8 @@ import pytest
 from engine_test_helpers import prompts_of_lengths, run_node_script
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
-from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP
 from nitsum.policy.flows import tos_for_dscp
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP
 
 WORLD = 4
 HOSTS = ["host-a", "host-a", "host-b", "host-b"]
@@ -30,16 +30,27 @@ TP2 = [[0, 2], [2, 2]]
 TP4 = [[0, 4]]
 # (request id, leader it arrives at, tick, prompt length, max tokens)
 REQUESTS = [
-    ("a", 0, 0, 5, 60), ("b", 1, 0, 23, 30), ("c", 2, 0, 40, 45), ("d", 3, 0, 11, 52),
-    ("e", 0, 7, 17, 40), ("f", 0, 11, 9, 30), ("g", 2, 18, 30, 20), ("h", 0, 24, 6, 14),
+    ("a", 0, 0, 5, 60),
+    ("b", 1, 0, 23, 30),
+    ("c", 2, 0, 40, 45),
+    ("d", 3, 0, 11, 52),
+    ("e", 0, 7, 17, 40),
+    ("f", 0, 11, 9, 30),
+    ("g", 2, 18, 30, 20),
+    ("h", 0, 24, 6, 14),
 ]
 FAILING_EPOCH, REFUSING_WORKER = 3, 0
 TOPOLOGY_EVENTS = [
-    (4, "prepare", 1, TP4), (6, "commit", 1, None),  # 4xTP1 -> TP4
-    (10, "prepare", 2, TP2), (13, "commit", 2, None),  # TP4 -> 2xTP2
-    (16, "prepare", 3, TP4), (17, "abort", 3, None),  # worker 0's receiver drops epoch 3's connections
-    (20, "prepare", 4, TP4), (22, "commit", 4, None),  # 2xTP2 -> TP4
-    (26, "prepare", 5, TP1), (29, "commit", 5, None),  # TP4 -> 4xTP1
+    (4, "prepare", 1, TP4),
+    (6, "commit", 1, None),  # 4xTP1 -> TP4
+    (10, "prepare", 2, TP2),
+    (13, "commit", 2, None),  # TP4 -> 2xTP2
+    (16, "prepare", 3, TP4),
+    (17, "abort", 3, None),  # worker 0's receiver drops epoch 3's connections
+    (20, "prepare", 4, TP4),
+    (22, "commit", 4, None),  # 2xTP2 -> TP4
+    (26, "prepare", 5, TP1),
+    (29, "commit", 5, None),  # TP4 -> 4xTP1
 ]
 COMMITTED = (1, 2, 4, 5)
 BLOCK_SIZE = 8
@@ -70,8 +81,15 @@ def reference_tokens(tiny_dir, prompts, requests):
 
 def run_node(model_dir, script, tmp_path, shm_dir, extra_args):
     return run_node_script(
-        model_dir, script, tmp_path, WORLD, lambda rank: ["--host-id", HOSTS[rank], *extra_args.get(rank, [])],
-        shm_dir=shm_dir, block_size=BLOCK_SIZE, num_kv_blocks=64, precopy_chunk_bytes=CHUNK_BYTES,
+        model_dir,
+        script,
+        tmp_path,
+        WORLD,
+        lambda rank: ["--host-id", HOSTS[rank], *extra_args.get(rank, [])],
+        shm_dir=shm_dir,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=64,
+        precopy_chunk_bytes=CHUNK_BYTES,
     )
 
 
@@ -80,8 +98,13 @@ def cross_host_run(tiny_dir, tmp_path_factory):
     prompts = prompts_of_lengths([r[3] for r in REQUESTS], seed=23)
     shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
-        reports = run_node(tiny_dir, make_script(prompts), tmp_path_factory.mktemp("cross"), Path(shm_dir),
-                           {REFUSING_WORKER: ["--fail-kv-connect-epoch", str(FAILING_EPOCH)]})
+        reports = run_node(
+            tiny_dir,
+            make_script(prompts),
+            tmp_path_factory.mktemp("cross"),
+            Path(shm_dir),
+            {REFUSING_WORKER: ["--fail-kv-connect-epoch", str(FAILING_EPOCH)]},
+        )
     return prompts, reports
 
 
@@ -102,9 +125,16 @@ def test_acks_and_a_refused_connection_keeps_the_old_topology(cross_host_run):
     _, reports = cross_host_run
     leader0 = [(kind, epoch, ok) for _, kind, epoch, ok, *_ in reports[0]["acks"]]
     assert leader0 == [
-        ("prepare", 1, True), ("commit", 1, True), ("prepare", 2, True), ("commit", 2, True),
-        ("prepare", 3, False), ("abort", 3, True), ("prepare", 4, True), ("commit", 4, True),
-        ("prepare", 5, True), ("commit", 5, True),
+        ("prepare", 1, True),
+        ("commit", 1, True),
+        ("prepare", 2, True),
+        ("commit", 2, True),
+        ("prepare", 3, False),
+        ("abort", 3, True),
+        ("prepare", 4, True),
+        ("commit", 4, True),
+        ("prepare", 5, True),
+        ("commit", 5, True),
     ]
     # Epoch 3: sources 2 and 3 (host b) could not reach worker 0's new cache; every member refused it.
     for rep in reports:
@@ -174,8 +204,14 @@ def test_every_block_free_and_nothing_outlives_a_transition(cross_host_run):
 # their *pre-copy* chunks to worker 0 fail, their final prepare acks fail, and the scripted commit is refused by
 # every worker. The old TP1 groups keep serving throughout; epoch 3 merges.
 BROKEN_REQUESTS = [("a", 0, 0, 7, 50), ("b", 1, 0, 23, 44), ("c", 2, 4, 40, 34), ("d", 3, 8, 18, 30)]
-BROKEN_EVENTS = [(3, "prepare", 1, TP4), (6, "commit", 1, None), (9, "prepare", 2, TP4), (12, "commit", 2, None),
-                 (14, "prepare", 3, TP4), (16, "commit", 3, None)]
+BROKEN_EVENTS = [
+    (3, "prepare", 1, TP4),
+    (6, "commit", 1, None),
+    (9, "prepare", 2, TP4),
+    (12, "commit", 2, None),
+    (14, "prepare", 3, TP4),
+    (16, "commit", 3, None),
+]
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +219,13 @@ def broken_link_run(tiny_dir, tmp_path_factory):
     prompts = prompts_of_lengths([r[3] for r in BROKEN_REQUESTS], seed=29)
     shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=shm_root) as shm_dir:
-        reports = run_node(tiny_dir, make_script(prompts, BROKEN_REQUESTS, BROKEN_EVENTS),
-                           tmp_path_factory.mktemp("broken"), Path(shm_dir),
-                           {0: ["--fail-kv-chunk-epoch", "1", "--fail-kv-chunk-epoch", "2"]})
+        reports = run_node(
+            tiny_dir,
+            make_script(prompts, BROKEN_REQUESTS, BROKEN_EVENTS),
+            tmp_path_factory.mktemp("broken"),
+            Path(shm_dir),
+            {0: ["--fail-kv-chunk-epoch", "1", "--fail-kv-chunk-epoch", "2"]},
+        )
     return prompts, reports
 
 

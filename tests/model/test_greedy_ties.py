@@ -10,7 +10,13 @@ from nitsum.engine import Engine, EngineConfig, SamplingParams
 from tests.e2e.harness import prompts
 from tests.greedy_ties import NEAR_TIE, check_greedy, reference_margins
 
-MID = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4}
+MID = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 TOKENS = 170  # past the near-tie at 165; every stream still runs there in both compositions
 TIE = 165
 
@@ -53,7 +59,9 @@ def test_a_stream_parts_from_its_reference_only_at_a_near_tie(mid_dir):
 
 def test_a_difference_away_from_a_near_tie_fails(mid_dir):
     [prompt] = prompts(1, seed=21)
-    [tokens] = Engine(EngineConfig(model_dir=str(mid_dir))).generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))
+    [tokens] = Engine(EngineConfig(model_dir=str(mid_dir))).generate(
+        [prompt], SamplingParams(max_tokens=20, ignore_eos=True)
+    )
     margins = reference_margins(mid_dir, prompt, tokens)
     at = max(range(20), key=margins.__getitem__)  # the clearest choice of the 20
     assert margins[at] > 100 * NEAR_TIE

@@ -14,7 +14,11 @@ from nitsum.engine.params import EngineConfig, SamplingParams
 
 SCHEMA = {
     "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}, "tag": {"type": "string", "maxLength": 4}},
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "tag": {"type": "string", "maxLength": 4},
+    },
     "required": ["id", "ok", "tag"],
     "additionalProperties": False,
 }

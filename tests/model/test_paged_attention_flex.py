@@ -63,8 +63,17 @@ def test_flex_decode_equals_the_gather_path(tiny_dir, device):
     [late] = prompts_of_lengths([23], seed=4)
     results = {}
     for path in ("gather", "flex"):
-        engine = Engine(EngineConfig(model_dir=str(tiny_dir), device=device, dtype="float32", block_size=16,
-                                     num_kv_blocks=64, decode_attention=path, enable_prefix_caching=False))
+        engine = Engine(
+            EngineConfig(
+                model_dir=str(tiny_dir),
+                device=device,
+                dtype="float32",
+                block_size=16,
+                num_kv_blocks=64,
+                decode_attention=path,
+                enable_prefix_caching=False,
+            )
+        )
         assert engine.runner.decode_attention == path
         results[path] = run(engine, prompts, late)
         if path == "flex":

@@ -45,8 +45,10 @@ def test_bf16_logits_and_greedy_tokens_match_transformers(tiny_dir, hf_model, de
     dtype = "auto" if device.startswith("cuda") else "bfloat16"
     engine = Engine(EngineConfig(model_dir=str(tiny_dir), device=device, dtype=dtype))
     assert engine.runner.dtype == torch.bfloat16 and engine.runner.kv_cache.dtype == torch.bfloat16
-    assert all(p.dtype == torch.bfloat16 and p.device.type == torch.device(device).type
-               for p in engine.runner.model.parameters())
+    assert all(
+        p.dtype == torch.bfloat16 and p.device.type == torch.device(device).type
+        for p in engine.runner.model.parameters()
+    )
     hf_bf16 = LlamaForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.bfloat16).to(device).eval()
     for prompt in prompts_of_lengths([37, 21], seed=5):
         recorded = record_logits(engine)
@@ -57,9 +59,14 @@ def test_bf16_logits_and_greedy_tokens_match_transformers(tiny_dir, hf_model, de
         n = len(prompt)
         with torch.no_grad():
             ids = torch.tensor([prompt])
-            hf_tokens = hf_bf16.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                                         max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
-                                         pad_token_id=0)[0, n:].tolist()
+            hf_tokens = hf_bf16.generate(
+                ids.to(device),
+                attention_mask=torch.ones_like(ids).to(device),
+                max_new_tokens=NUM_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, n:].tolist()
             forced = torch.tensor([prompt + tokens])
             ref32 = hf_model(forced).logits[0, n - 1 : n - 1 + NUM_TOKENS]
             hf16 = hf_bf16(forced.to(device)).logits[0, n - 1 : n - 1 + NUM_TOKENS].float().cpu()

@@ -18,13 +18,34 @@ NUM_TOKENS = 64
 
 def run_group(model_dir, world_size, prompt, out_path, device="cpu"):
     port = free_port()
-    run_workers([
-        [sys.executable, "-m", "nitsum.bench.tp_run", "--model-dir", str(model_dir), "--rank", str(rank),
-         "--world-size", str(world_size), "--master-port", str(port), "--device", device,
-         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(NUM_TOKENS), "--out", str(out_path),
-         "--decode-attention", "gather"]
-        for rank in range(world_size)
-    ])
+    run_workers(
+        [
+            [
+                sys.executable,
+                "-m",
+                "nitsum.bench.tp_run",
+                "--model-dir",
+                str(model_dir),
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(world_size),
+                "--master-port",
+                str(port),
+                "--device",
+                device,
+                "--prompt-ids",
+                ",".join(map(str, prompt)),
+                "--max-tokens",
+                str(NUM_TOKENS),
+                "--out",
+                str(out_path),
+                "--decode-attention",
+                "gather",
+            ]
+            for rank in range(world_size)
+        ]
+    )
     return json.loads(out_path.read_text())
 
 
@@ -38,9 +59,13 @@ def test_tp_logits_and_greedy_tokens_match_transformers(tiny_dir, hf_model, tmp_
         assert result["host_staging"] == (torch.cuda.device_count() < world_size)
     with torch.no_grad():
         hf_tokens = hf_model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0, len(prompt):].tolist()
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         hf_logits = hf_model(torch.tensor([prompt + result["tokens"]])).logits[0]
     assert result["tokens"] == hf_tokens
     ours = torch.tensor(result["logits"])

@@ -14,10 +14,13 @@ def hf_reference(hf_model, prompt, tokens):
     """Logits at every position of prompt + tokens; greedy tokens from HF generate."""
     with torch.no_grad():
         generated = hf_model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
             pad_token_id=0,
-        )[0, len(prompt):].tolist()
+        )[0, len(prompt) :].tolist()
         logits = hf_model(torch.tensor([prompt + tokens])).logits[0]
     return generated, logits
 

@@ -56,8 +56,9 @@ def test_runner_on_separate_weight_tensors_does_not_fuse(tiny_dir):
     cfg = loader.load_config(tiny_dir)
     weights = loader.load_weights(tiny_dir, torch.float32)  # one tensor per weight: not adjacent
     unfused = ModelRunner(str(tiny_dir), TPGroup.single("cpu"), num_kv_blocks=8, weights=weights, config=cfg)
-    assert all(layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is None
-               for layer in unfused.model.model.layers)
+    assert all(
+        layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is None for layer in unfused.model.model.layers
+    )
 
 
 def two_step_plans():
@@ -66,19 +67,27 @@ def two_step_plans():
     masked path), and e's next 10 tokens over its cached prefix."""
     seqs = {"a": tokens(1, 21), "b": tokens(2, 38), "c": tokens(3, 12), "d": tokens(4, 12), "e": tokens(5, 26)}
     blocks = {name: table(1 + 4 * i) for i, name in enumerate(seqs)}
-    step1 = StepPlan("step", 1, (
-        ChunkPlan(tuple(seqs["a"][:20]), 0, blocks["a"], True),
-        ChunkPlan(tuple(seqs["b"][:37]), 0, blocks["b"], True),
-        ChunkPlan(tuple(seqs["e"][:16]), 0, blocks["e"], False),
-    ))
+    step1 = StepPlan(
+        "step",
+        1,
+        (
+            ChunkPlan(tuple(seqs["a"][:20]), 0, blocks["a"], True),
+            ChunkPlan(tuple(seqs["b"][:37]), 0, blocks["b"], True),
+            ChunkPlan(tuple(seqs["e"][:16]), 0, blocks["e"], False),
+        ),
+    )
     order = ["c", "a", "e", "d", "b"]
-    step2 = StepPlan("step", 2, (
-        ChunkPlan(tuple(seqs["c"]), 0, blocks["c"], True),
-        ChunkPlan((seqs["a"][20],), 20, blocks["a"], True),
-        ChunkPlan(tuple(seqs["e"][16:]), 16, blocks["e"], True),
-        ChunkPlan(tuple(seqs["d"]), 0, blocks["d"], True),
-        ChunkPlan((seqs["b"][37],), 37, blocks["b"], True),
-    ))
+    step2 = StepPlan(
+        "step",
+        2,
+        (
+            ChunkPlan(tuple(seqs["c"]), 0, blocks["c"], True),
+            ChunkPlan((seqs["a"][20],), 20, blocks["a"], True),
+            ChunkPlan(tuple(seqs["e"][16:]), 16, blocks["e"], True),
+            ChunkPlan(tuple(seqs["d"]), 0, blocks["d"], True),
+            ChunkPlan((seqs["b"][37],), 37, blocks["b"], True),
+        ),
+    )
     return seqs, order, step1, step2
 
 
@@ -125,8 +134,7 @@ def test_decode_batch_equals_each_sequence_alone(runner):
     matmul rounding, which depends on the batch size: the parity tolerance)."""
     seqs = [tokens(10 + i, n) for i, n in enumerate((30, 30, 7, 45))]
     tables = [table(1 + 4 * i) for i in range(len(seqs))]
-    runner.execute(StepPlan("step", 1, tuple(
-        ChunkPlan(tuple(s[:-1]), 0, t, False) for s, t in zip(seqs, tables))))
+    runner.execute(StepPlan("step", 1, tuple(ChunkPlan(tuple(s[:-1]), 0, t, False) for s, t in zip(seqs, tables))))
     decodes = [ChunkPlan((s[-1],), len(s) - 1, t, True) for s, t in zip(seqs, tables)]
     together = runner.execute(StepPlan("step", 2, tuple(decodes)))
     equal_pair = runner.execute(StepPlan("step", 3, tuple(decodes[:2])))  # equal contexts: no mask
@@ -202,7 +210,10 @@ def test_workspace_reuses_its_buffers_until_a_larger_one_is_needed():
 def test_engine_bench_quick_runs_and_outputs_agree(capsys):
     from nitsum.bench import engine as bench
 
-    assert bench.main(["--quick", "--workload", "equal", "--max-tokens", "3", "--concurrency", "1,2", "--repeat", "2"]) == 0
+    assert (
+        bench.main(["--quick", "--workload", "equal", "--max-tokens", "3", "--concurrency", "1,2", "--repeat", "2"])
+        == 0
+    )
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
     assert [row.split("|")[2].strip() for row in rows] == ["1", "2"]
@@ -214,7 +225,9 @@ def test_trace_lengths_are_seeded_scaled_draws_of_the_trace():
     from nitsum.bench import engine_trace as bench_trace
     from nitsum.workloads import default_trace_path, read_azure
 
-    rows = {(r.prompt_tokens, r.output_tokens) for r in read_azure(default_trace_path("azure-conv", prefer_excerpt=True))}
+    rows = {
+        (r.prompt_tokens, r.output_tokens) for r in read_azure(default_trace_path("azure-conv", prefer_excerpt=True))
+    }
     lengths = bench_trace.trace_lengths("azure-conv", 50, 1.0, 100_000, seed=4)
     assert set(lengths) <= rows and len(set(lengths)) > 10  # real rows, pairs kept, varied
     assert lengths == bench_trace.trace_lengths("azure-conv", 50, 1.0, 100_000, seed=4)
@@ -273,7 +286,9 @@ def test_engine_bench_decode_step_mode(capsys):
     assert bench.main(["--models", "tiny", "--decode-contexts", "20,40", "--decode-batch", "2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode step")]
     assert [line.split(":")[0] for line in lines] == [
-        "decode step, tiny, batch 2, context 20", "decode step, tiny, batch 2, context 40"]
+        "decode step, tiny, batch 2, context 20",
+        "decode step, tiny, batch 2, context 40",
+    ]
     assert bench.main(["--models", "tiny", "--decode-contexts", "40", "--decode-batch", "3", "--decode-varied"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode step")]
     assert [line.split(":")[0] for line in lines] == ["decode step, tiny, batch 3, context 16..40"]

@@ -43,12 +43,29 @@ def test_tp2_group_on_resident_copies_generates_the_store_groups_tokens(tiny_dir
     [prompt] = prompts_of_lengths([23], seed=11)
     port = free_port()
     try:
-        run_workers([
-            [sys.executable, __file__, "--model-dir", str(tiny_dir), "--shm-dir", str(shm), "--rank", str(rank),
-             "--master-port", str(port), "--prompt-ids", ",".join(map(str, prompt)), "--device", device,
-             "--out", str(tmp_path / f"rank{rank}.json")]
-            for rank in range(2)
-        ])
+        run_workers(
+            [
+                [
+                    sys.executable,
+                    __file__,
+                    "--model-dir",
+                    str(tiny_dir),
+                    "--shm-dir",
+                    str(shm),
+                    "--rank",
+                    str(rank),
+                    "--master-port",
+                    str(port),
+                    "--prompt-ids",
+                    ",".join(map(str, prompt)),
+                    "--device",
+                    device,
+                    "--out",
+                    str(tmp_path / f"rank{rank}.json"),
+                ]
+                for rank in range(2)
+            ]
+        )
     finally:
         store.remove()
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -97,22 +114,40 @@ def main(argv: list[str] | None = None) -> int:
     store = SharedWeightStore.open(args.model_dir, "float32", args.shm_dir)
     cfg = loader.load_config(args.model_dir)
     device = group.device
-    resident = boot_weights(store, device, FIRST_DEVICE + args.rank, MIN_TP, MAX_TP, config=cfg, node_size=NODE,
-                            resident=True)
+    resident = boot_weights(
+        store, device, FIRST_DEVICE + args.rank, MIN_TP, MAX_TP, config=cfg, node_size=NODE, resident=True
+    )
     engine_cfg = EngineConfig(model_dir=args.model_dir, device=device, dtype="float32", num_kv_blocks=16)
     # The store lives in host memory: on a GPU its reference group computes on device copies of it.
     store_weights = store.tensors if device == "cpu" else {n: t.to(device) for n, t in store.tensors.items()}
     prompt = [int(t) for t in args.prompt_ids.split(",")]
-    report: dict = {"tokens": {}, "logits": {}, "views": {}, "fused": {}, "resident_bytes": resident.tensor_bytes,
-                    "full_bytes": sum(t.numel() * t.element_size() for t in store.tensors.values()),
-                    "device": str(device), "resident_device": str(resident.device)}
+    report: dict = {
+        "tokens": {},
+        "logits": {},
+        "views": {},
+        "fused": {},
+        "resident_bytes": resident.tensor_bytes,
+        "full_bytes": sum(t.numel() * t.element_size() for t in store.tensors.values()),
+        "device": str(device),
+        "resident_device": str(resident.device),
+    }
     try:
         for mode, weights, holder in (("store", store_weights, store), ("resident", resident, resident)):
-            runner = ModelRunner(args.model_dir, group, device=device, dtype="float32", num_kv_blocks=16,
-                                 weights=weights, config=cfg, decode_attention="gather")
+            runner = ModelRunner(
+                args.model_dir,
+                group,
+                device=device,
+                dtype="float32",
+                num_kv_blocks=16,
+                weights=weights,
+                config=cfg,
+                decode_attention="gather",
+            )
             report["views"][mode] = all(holder.contains(p) for p in runner.model.parameters())
-            report["fused"][mode] = all(layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
-                                        for layer in runner.model.model.layers)
+            report["fused"][mode] = all(
+                layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
+                for layer in runner.model.model.layers
+            )
             if not group.is_leader:
                 run_peer(engine_cfg, group, runner)
                 continue
@@ -155,8 +190,10 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
     from nitsum.parallel.weights import SharedWeightStore
 
     prompts = prompts_of_lengths([r[3] for r in NODE_REQUESTS], seed=13)
-    events = [{"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
-              for (rid, leader, tick, _, n), prompt in zip(NODE_REQUESTS, prompts)]
+    events = [
+        {"tick": tick, "kind": "add", "leader": leader, "request_id": rid, "prompt": prompt, "max_tokens": n}
+        for (rid, leader, tick, _, n), prompt in zip(NODE_REQUESTS, prompts)
+    ]
     for tick, kind, epoch, groups in NODE_EVENTS:
         events.append({"tick": tick, "kind": kind, "epoch": epoch, **({"groups": groups} if groups else {})})
     script = tmp_path / "script.json"
@@ -165,14 +202,43 @@ def test_node_transitions_on_resident_copies_read_and_allocate_no_weight(tiny_di
     store = SharedWeightStore.open(tiny_dir, "float32", shm)  # written here: the workers only map it
     port = free_port()
     try:
-        run_workers([
-            [sys.executable, "-m", "nitsum.bench.node_run", "--resident-weights", "--model-dir", str(tiny_dir),
-             "--rank", str(rank), "--world-size", str(NODE), "--min-tp", str(MIN_TP), "--max-tp", str(MAX_TP),
-             "--master-port", str(port), "--script", str(script), "--out", str(tmp_path / f"out{rank}.json"),
-             "--shm-dir", str(shm), "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--device", device,
-             "--decode-attention", "gather"]
-            for rank in range(NODE)
-        ])
+        run_workers(
+            [
+                [
+                    sys.executable,
+                    "-m",
+                    "nitsum.bench.node_run",
+                    "--resident-weights",
+                    "--model-dir",
+                    str(tiny_dir),
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(NODE),
+                    "--min-tp",
+                    str(MIN_TP),
+                    "--max-tp",
+                    str(MAX_TP),
+                    "--master-port",
+                    str(port),
+                    "--script",
+                    str(script),
+                    "--out",
+                    str(tmp_path / f"out{rank}.json"),
+                    "--shm-dir",
+                    str(shm),
+                    "--block-size",
+                    str(BLOCK_SIZE),
+                    "--num-kv-blocks",
+                    "64",
+                    "--device",
+                    device,
+                    "--decode-attention",
+                    "gather",
+                ]
+                for rank in range(NODE)
+            ]
+        )
     finally:
         store.remove()
     reports = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(NODE)]

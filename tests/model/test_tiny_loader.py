@@ -48,7 +48,9 @@ def test_transformers_tokenizer_agrees(tiny_dir):
     assert ours.encode("hi", add_bos=True) == [256, 104, 105]
     assert (ours.bos_token_id, ours.eos_token_id) == (256, 257)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert ours.apply_chat_template(messages) == "<|system|>\nbe brief<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n"
 
 
@@ -69,7 +71,9 @@ def test_loader_counts_bytes_and_shards_are_views(tiny_dir):
     q = shards["model.layers.0.self_attn.q_proj.weight"]
     o = shards["model.layers.0.self_attn.o_proj.weight"]
     assert q.shape == (64, 128) and o.shape == (128, 64)
-    assert q.untyped_storage().data_ptr() == weights["model.layers.0.self_attn.q_proj.weight"].untyped_storage().data_ptr()
+    assert (
+        q.untyped_storage().data_ptr() == weights["model.layers.0.self_attn.q_proj.weight"].untyped_storage().data_ptr()
+    )
     assert torch.equal(o, weights["model.layers.0.self_attn.o_proj.weight"][:, 64:])
     assert loader.bytes_read - before == total  # sharding read nothing
 

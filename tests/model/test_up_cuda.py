@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 @pytest.mark.parametrize("device", [accel_param()])
 def test_up_on_one_device_serves_the_openai_client(tiny_dir, tmp_path, device):
     up_device = "cuda" if ON_CUDA else "cpu"
-    mesh = start_mesh(tmp_path, devices=1, extra_args=("--device", up_device, "--model", str(tiny_dir)),
-                      ready_timeout_s=240.0)
+    mesh = start_mesh(
+        tmp_path, devices=1, extra_args=("--device", up_device, "--model", str(tiny_dir)), ready_timeout_s=240.0
+    )
     try:
         log = (mesh.run_dir / "worker-0.log").read_text()
         dtype = default_dtype(up_device)
@@ -36,19 +37,31 @@ def test_up_on_one_device_serves_the_openai_client(tiny_dir, tmp_path, device):
         messages = [{"role": "user", "content": "Say something."}]
         full = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
         assert full.usage.completion_tokens >= 1
-        streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                                  stream=True)
+        streamed = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0, stream=True
+        )
         text = "".join(choice.delta.content or "" for chunk in streamed for choice in chunk.choices)
         assert text == full.choices[0].message.content
         engine = Engine(EngineConfig(model_dir=str(tiny_dir), device=device))
         for prompt in prompts_of_lengths([9, 30], seed=8):
-            out = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
-                                            extra_body={"return_token_ids": True, "ignore_eos": True})
+            out = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
             [expected] = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
             got = out.choices[0].model_extra["token_ids"]
             assert len(got) == 16
             # Equal; on CUDA a near-tie may still part them (two processes compile their own kernels).
-            check_greedy(tiny_dir, prompt, got, expected, "mesh vs in-process engine",
-                         near_tie=NEAR_TIE_BF16 if ON_CUDA else NEAR_TIE)
+            check_greedy(
+                tiny_dir,
+                prompt,
+                got,
+                expected,
+                "mesh vs in-process engine",
+                near_tie=NEAR_TIE_BF16 if ON_CUDA else NEAR_TIE,
+            )
     finally:
         stop_mesh(mesh.process)

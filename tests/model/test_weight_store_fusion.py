@@ -37,7 +37,11 @@ def test_store_writes_fusable_groups_back_to_back_and_the_rest_aligned(store, ti
                 size = entry["numel"] * loader.DTYPES[entry["dtype"]].itemsize
                 assert manifest[after]["offset"] == entry["offset"] + size, (before, after)
     assert len(grouped) == cfg.num_layers * 5  # q, k, v, gate, up of every layer (no biases here)
-    starts = [e["offset"] for n, e in manifest.items() if n not in grouped or n.endswith(("q_proj.weight", "gate_proj.weight"))]
+    starts = [
+        e["offset"]
+        for n, e in manifest.items()
+        if n not in grouped or n.endswith(("q_proj.weight", "gate_proj.weight"))
+    ]
     assert all(offset % ALIGN_BYTES == 0 for offset in starts)
     # Values are the checkpoint's, whatever the layout.
     checkpoint = loader.load_weights(tiny_dir, torch.float32)
@@ -55,13 +59,20 @@ def test_tp1_runner_on_the_store_fuses_on_views_and_matches_the_checkpoint(store
     assert all(store.contains(p) for p in on_store.model.parameters())
 
     # Against separate tensors (no fusion): same logits, prefill and decode.
-    unfused = ModelRunner(str(tiny_dir), TPGroup.single("cpu"), num_kv_blocks=16,
-                          weights=loader.load_weights(tiny_dir, torch.float32), config=cfg)
+    unfused = ModelRunner(
+        str(tiny_dir),
+        TPGroup.single("cpu"),
+        num_kv_blocks=16,
+        weights=loader.load_weights(tiny_dir, torch.float32),
+        config=cfg,
+    )
     assert all(layer.self_attn.qkv_weight is None for layer in unfused.model.model.layers)
     prompt = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(3)).tolist()
     table = (1, 2)
-    plans = [StepPlan("step", 1, (ChunkPlan(tuple(prompt[:-1]), 0, table, True),)),
-             StepPlan("step", 2, (ChunkPlan((prompt[-1],), 20, table, True),))]
+    plans = [
+        StepPlan("step", 1, (ChunkPlan(tuple(prompt[:-1]), 0, table, True),)),
+        StepPlan("step", 2, (ChunkPlan((prompt[-1],), 20, table, True),)),
+    ]
     for plan in plans:
         assert torch.allclose(on_store.execute(plan), unfused.execute(plan), atol=1e-5, rtol=0)
 

@@ -41,9 +41,28 @@ def free_port() -> int:
 
 
 def spawn(tiny_dir, rank, port, sync, out, shm_dir, requests, fresh=False):
-    argv = [sys.executable, str(SCRIPT), "--model-dir", str(tiny_dir), "--rank", str(rank), "--size", str(SIZE),
-            "--port", str(port), "--sync", str(sync), "--out", str(out), "--shm-dir", str(shm_dir),
-            "--requests", json.dumps(requests), "--block-size", str(BLOCK_SIZE)]
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        "--model-dir",
+        str(tiny_dir),
+        "--rank",
+        str(rank),
+        "--size",
+        str(SIZE),
+        "--port",
+        str(port),
+        "--sync",
+        str(sync),
+        "--out",
+        str(out),
+        "--shm-dir",
+        str(shm_dir),
+        "--requests",
+        json.dumps(requests),
+        "--block-size",
+        str(BLOCK_SIZE),
+    ]
     if fresh:
         argv.append("--fresh")
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -56,8 +75,11 @@ def generation_run(tiny_dir, tmp_path_factory):
     sync = tmp / "sync"
     sync.mkdir()
     prompts = prompts_of_lengths([r[2] for r in REQUESTS] + [r[1] for r in FRESH_REQUESTS], seed=5)
-    mine = {rank: [[rid, prompt, n] for (rid, r, _, n), prompt in zip(REQUESTS, prompts) if r == rank] for rank in range(SIZE)}
-    fresh_requests = [[rid, prompt, n] for (rid, _, n), prompt in zip(FRESH_REQUESTS, prompts[len(REQUESTS):])]
+    mine = {
+        rank: [[rid, prompt, n] for (rid, r, _, n), prompt in zip(REQUESTS, prompts) if r == rank]
+        for rank in range(SIZE)
+    }
+    fresh_requests = [[rid, prompt, n] for (rid, _, n), prompt in zip(FRESH_REQUESTS, prompts[len(REQUESTS) :])]
     port = free_port()
     procs: dict = {}
     shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -68,7 +90,10 @@ def generation_run(tiny_dir, tmp_path_factory):
             deadline = time.monotonic() + HANG_GUARD_S
             while not all((sync / f"ready-{r}").exists() for r in range(SIZE)):
                 dead = {r: p.poll() for r, p in procs.items() if p.poll() is not None}
-                assert not dead, f"a worker exited before the kill: {dead}: " + procs[next(iter(dead))].communicate()[0].decode()[-3000:]
+                assert not dead, (
+                    f"a worker exited before the kill: {dead}: "
+                    + procs[next(iter(dead))].communicate()[0].decode()[-3000:]
+                )
                 assert time.monotonic() < deadline, "workers not ready"
                 time.sleep(0.05)
             victim = procs.pop(VICTIM)
@@ -80,7 +105,9 @@ def generation_run(tiny_dir, tmp_path_factory):
                 assert all(p.poll() is None for p in procs.values()), "a survivor exited after its failed attempt"
                 assert time.monotonic() < deadline + HANG_GUARD_S, "the failed attempt did not end"
                 time.sleep(0.05)
-            procs[VICTIM] = spawn(tiny_dir, VICTIM, port, sync, tmp / f"out{VICTIM}.json", shm_dir, fresh_requests, fresh=True)
+            procs[VICTIM] = spawn(
+                tiny_dir, VICTIM, port, sync, tmp / f"out{VICTIM}.json", shm_dir, fresh_requests, fresh=True
+            )
             (sync / "go2").write_text("")
             logs = {}
             for rank, proc in sorted(procs.items()):
@@ -101,7 +128,7 @@ def test_new_generation_adopts_engines_and_merges_with_exact_tokens(tiny_dir, ge
     prompts, reports, port = generation_run
     survivors = [r for r in REQUESTS if r[1] != VICTIM]
     runs = [(rid, n) for rid, _, _, n in survivors] + [(rid, n) for rid, _, n in FRESH_REQUESTS]
-    run_prompts = [p for (rid, r, _, _), p in zip(REQUESTS, prompts) if r != VICTIM] + prompts[len(REQUESTS):]
+    run_prompts = [p for (rid, r, _, _), p in zip(REQUESTS, prompts) if r != VICTIM] + prompts[len(REQUESTS) :]
     engine = Engine(EngineConfig(model_dir=str(tiny_dir), block_size=BLOCK_SIZE, num_kv_blocks=256))
     expected = engine.generate(run_prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in runs])
     records = sorted((tuple(rec) for rep in reports.values() for rec in rep["records"]), key=lambda r: (r[0], r[1]))
@@ -126,7 +153,7 @@ def test_a_failed_attempt_leaves_the_survivors_serving_as_before(generation_run)
 
 def test_the_new_world_is_generation_2_at_its_port_and_runs_tp4(generation_run):
     _, reports, port = generation_run
-    for rank, rep in reports.items():
+    for _rank, rep in reports.items():
         assert rep["generation"] == 2 and rep["rendezvous_port"] == port + 2, rep
         assert rep["adopted"] is True  # the runtime kept the engine it served with
         assert rep["acks"] == [["prepare", 1, True, ""], ["commit", 1, True, ""]], rep["acks"]

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
-from nitsum.node.runtime import NodeCommand, NodeRuntime
 from nitsum.engine.runner import ModelRunner
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader
+from nitsum.node.runtime import NodeCommand, NodeRuntime
 from nitsum.parallel.group import TPGroup
 from nitsum.parallel.weights import SharedWeightStore, boot_weights
 from nitsum.parallel.world import NodeWorld
@@ -78,8 +78,14 @@ def main() -> int:
                 report["records"].append([out.request_id, emitted[out.request_id] + i, token])
 
     if args.fresh:
-        runner = ModelRunner(args.model_dir, TPGroup.single("cpu"), block_size=cfg.block_size,
-                             num_kv_blocks=cfg.num_kv_blocks, weights=weights, config=config)
+        runner = ModelRunner(
+            args.model_dir,
+            TPGroup.single("cpu"),
+            block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks,
+            weights=weights,
+            config=config,
+        )
         backend = StandbyBackend(Engine(cfg, runner=runner), args.rank, weights, cfg)
     else:
         world0 = NodeWorld(args.rank, args.size, "127.0.0.1", args.port, timeout_s=WORLD_TIMEOUT_S)
@@ -100,7 +106,9 @@ def main() -> int:
             return NodeWorld(args.rank, args.size, "127.0.0.1", args.port, timeout_s=timeout_s, generation=generation)
 
         def make_runtime(world, cfg, weights, engine, epoch):
-            return NodeRuntime(world, cfg, weights, Topology.uniform(args.size, 1), kv_path="p2p", engine=engine, epoch=epoch)
+            return NodeRuntime(
+                world, cfg, weights, Topology.uniform(args.size, 1), kv_path="p2p", engine=engine, epoch=epoch
+            )
 
         return form_generation(backend, make_world, make_runtime)
 
@@ -115,9 +123,13 @@ def main() -> int:
             attempt(1, FAILING_TIMEOUT_S)
             report["failed_attempt"] = None
         except Exception as exc:  # expected: device 0 is not back, nobody hosts generation 1's rendezvous
-            report["failed_attempt"] = {"error": f"{type(exc).__name__}: {exc}"[:300], "in_world": backend.in_world,
-                                        "same_engine": backend.engine is engine, "group": list(backend.group),
-                                        "world_lost": backend.runtime.world_lost[:300]}
+            report["failed_attempt"] = {
+                "error": f"{type(exc).__name__}: {exc}"[:300],
+                "in_world": backend.in_world,
+                "same_engine": backend.engine is engine,
+                "group": list(backend.group),
+                "world_lost": backend.runtime.world_lost[:300],
+            }
         (sync / f"failed-{args.rank}").write_text("")
         for _ in range(ALONE_STEPS):
             step(backend.engine)  # serving on as before

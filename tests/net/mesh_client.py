@@ -58,8 +58,21 @@ async def main(args) -> None:
         return on_token
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        results = await asyncio.gather(*(stream_completion(session, args.url, p, args.max_tokens, on_token=tracker(i)) for i, p in enumerate(batch)))
-    print(json.dumps({"event": "done", "results": [{"status": r.status, "tokens": r.token_ids, "error": r.error} for r in results]}), flush=True)
+        results = await asyncio.gather(
+            *(
+                stream_completion(session, args.url, p, args.max_tokens, on_token=tracker(i))
+                for i, p in enumerate(batch)
+            )
+        )
+    print(
+        json.dumps(
+            {
+                "event": "done",
+                "results": [{"status": r.status, "tokens": r.token_ids, "error": r.error} for r in results],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,14 @@ async def publish(bus: Bus, count: int, interval_s: float, mark: int, on_mark=No
     while not bus.connected and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await bus.flush(5.0)
-    return {"first_server": first_server, "server": bus.server, "reconnects": bus.reconnects, "disconnects": bus.disconnects, "published_disconnected": noticed, "first_after_notice": first_after_notice}
+    return {
+        "first_server": first_server,
+        "server": bus.server,
+        "reconnects": bus.reconnects,
+        "disconnects": bus.disconnects,
+        "published_disconnected": noticed,
+        "first_after_notice": first_after_notice,
+    }
 
 
 async def collect(bus: Bus, count: int, timeout_s: float, ready=None) -> list[int]:
@@ -70,7 +77,7 @@ async def collect(bus: Bus, count: int, timeout_s: float, ready=None) -> list[in
         ready()
     try:
         await asyncio.wait_for(done.wait(), timeout=timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     await asyncio.sleep(0.3)  # frames after a lost "finished" one would still come in
     return got

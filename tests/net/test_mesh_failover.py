@@ -27,15 +27,27 @@ class ClusterMesh(ManualMesh):
 
     cluster: LocalCluster | None = None
 
-    def start_on(self, cluster: LocalCluster, lists: dict[str, str]) -> "ClusterMesh":
+    def start_on(self, cluster: LocalCluster, lists: dict[str, str]) -> ClusterMesh:
         self.cluster = cluster
         first = cluster.members[1]  # admin calls go to the member that stays up
         self.nats = NatsServer(port=first.client_port, config_path=None)
         self.port = free_port()
         self.add("coordinator", "coordinator", NITSUM_NATS_URL=lists["coordinator"]).start()
         for i, urls in enumerate(lists["workers"]):
-            self.add(f"worker-{i}", "decode-worker", NITSUM_WORKER_ID=f"node0-{i}", NITSUM_DEVICE_INDEX=str(i), NITSUM_NATS_URL=urls).start()
-        self.add("gateway", "gateway", NITSUM_GATEWAY_PORT=str(self.port), NITSUM_GATEWAY_HOST="127.0.0.1", NITSUM_NATS_URL=lists["gateway"]).start()
+            self.add(
+                f"worker-{i}",
+                "decode-worker",
+                NITSUM_WORKER_ID=f"node0-{i}",
+                NITSUM_DEVICE_INDEX=str(i),
+                NITSUM_NATS_URL=urls,
+            ).start()
+        self.add(
+            "gateway",
+            "gateway",
+            NITSUM_GATEWAY_PORT=str(self.port),
+            NITSUM_GATEWAY_HOST="127.0.0.1",
+            NITSUM_NATS_URL=lists["gateway"],
+        ).start()
         self.wait_ready()
         self.wait_workers(len(lists["workers"]))
         return self
@@ -52,7 +64,9 @@ async def _streams(url: str, batch, on_token=None):
         return None if on_token is None else (lambda n: on_token(i, n))
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        return await asyncio.gather(*(stream_completion(session, url, p, MAX_TOKENS, on_token=tracker(i)) for i, p in enumerate(batch)))
+        return await asyncio.gather(
+            *(stream_completion(session, url, p, MAX_TOKENS, on_token=tracker(i)) for i, p in enumerate(batch))
+        )
 
 
 def test_mesh_streams_through_the_loss_of_the_gateways_nats_server(tmp_path, tiny_model_dir):
@@ -61,7 +75,11 @@ def test_mesh_streams_through_the_loss_of_the_gateways_nats_server(tmp_path, tin
     mesh = ClusterMesh(tmp_path, tiny_model_dir, num_workers=2, env_extra={"NITSUM_STREAM_TIMEOUT_S": "5"})
     try:
         # The gateway and worker-0 on member a (killed below), the coordinator and worker-1 on member b.
-        lists = {"gateway": f"{a.url},{b.url}", "coordinator": f"{b.url},{a.url}", "workers": [f"{a.url},{b.url}", f"{b.url},{a.url}"]}
+        lists = {
+            "gateway": f"{a.url},{b.url}",
+            "coordinator": f"{b.url},{a.url}",
+            "workers": [f"{a.url},{b.url}", f"{b.url},{a.url}"],
+        }
         mesh.start_on(cluster, lists)
         assert (cluster.server_of("gateway"), cluster.server_of("coordinator")) == (0, 1)
         batch = prompts(3, seed=5)

@@ -21,7 +21,16 @@ from pathlib import Path
 import pytest
 
 from nitsum.bus import Bus
-from nitsum.natscluster import ROUTE_PASSWORD_ENV, ROUTES_ENV, LocalCluster, Member, deploy_config, deploy_members, render_member_config, start_member_process
+from nitsum.natscluster import (
+    ROUTE_PASSWORD_ENV,
+    ROUTES_ENV,
+    LocalCluster,
+    Member,
+    deploy_config,
+    deploy_members,
+    render_member_config,
+    start_member_process,
+)
 from nitsum.natsserver import IDENTITIES, free_port, new_passwords, wait_for_port
 from nitsum.transfer import netns
 
@@ -37,7 +46,9 @@ def check_stream(got: list[int], pub: dict, delivered_before_kill: int) -> None:
     assert got == sorted(set(got)), f"out of order or duplicated: {got}"
     lost = sorted(set(range(COUNT)) - set(got))
     assert pub["disconnects"] == 1 and pub["reconnects"] == 1, pub
-    print(f"failover: {len(lost)} of {COUNT} frames lost {lost}; loss noticed at frame {pub['first_after_notice']}, published while disconnected: {pub['published_disconnected']}")
+    print(
+        f"failover: {len(lost)} of {COUNT} frames lost {lost}; loss noticed at frame {pub['first_after_notice']}, published while disconnected: {pub['published_disconnected']}"
+    )
     first_after_notice = pub["first_after_notice"]
     assert MARK <= first_after_notice < COUNT, pub
     # Lost frames, if any, were published between the kill and the moment the publisher noticed it.
@@ -49,7 +60,9 @@ def test_deploy_cluster_configs_are_generated_and_form_a_cluster(tmp_path):
     members = deploy_members(3)
     texts = {m.name: (ROOT / "deploy/nats/cluster" / f"{m.name}.conf").read_text() for m in members}
     for m in members:
-        assert texts[m.name] == deploy_config(m, members), f"deploy/nats/cluster/{m.name}.conf drifted: run python -m nitsum.natscluster --out deploy/nats/cluster"
+        assert texts[m.name] == deploy_config(m, members), (
+            f"deploy/nats/cluster/{m.name}.conf drifted: run python -m nitsum.natscluster --out deploy/nats/cluster"
+        )
     # Real servers accept them: the same files, on free loopback ports, passwords and routes from the environment.
     ports = {m.name: (free_port(), free_port()) for m in members}
     route_pw = "route-pw"
@@ -59,11 +72,19 @@ def test_deploy_cluster_configs_are_generated_and_form_a_cluster(tmp_path):
     try:
         for m in members:
             client, cluster = ports[m.name]
-            text = texts[m.name].replace("0.0.0.0:4222", f"127.0.0.1:{client}").replace("0.0.0.0:6222", f"127.0.0.1:{cluster}")
+            text = (
+                texts[m.name]
+                .replace("0.0.0.0:4222", f"127.0.0.1:{client}")
+                .replace("0.0.0.0:6222", f"127.0.0.1:{cluster}")
+            )
             conf = tmp_path / f"{m.name}.conf"
             conf.write_text(text)
-            routes = [f"nats-route://route:{route_pw}@127.0.0.1:{ports[p.name][1]}" for p in members if p.name != m.name]
-            procs.append(start_member_process(conf, tmp_path / f"{m.name}.log", env={**env, ROUTES_ENV: json.dumps(routes)}))
+            routes = [
+                f"nats-route://route:{route_pw}@127.0.0.1:{ports[p.name][1]}" for p in members if p.name != m.name
+            ]
+            procs.append(
+                start_member_process(conf, tmp_path / f"{m.name}.log", env={**env, ROUTES_ENV: json.dumps(routes)})
+            )
         urls = [f"nats://127.0.0.1:{ports[m.name][0]}" for m in members]
         assert all(wait_for_port("127.0.0.1", ports[m.name][0], 15) for m in members)
 
@@ -101,7 +122,9 @@ async def _stream_through_a_kill(cluster: LocalCluster, victim: int) -> tuple[li
     order = [cluster.members[victim]] + [m for i, m in enumerate(cluster.members) if i != victim]
     pub = await Bus.connect(config(",".join(m.url for m in order), "worker", passwords["worker"]), "worker-pub")
     others = [m for i, m in enumerate(cluster.members) if i != victim]
-    sub = await Bus.connect(config(",".join(m.url for m in reversed(others)), "gateway", passwords["gateway"]), "gateway-sub")
+    sub = await Bus.connect(
+        config(",".join(m.url for m in reversed(others)), "gateway", passwords["gateway"]), "gateway-sub"
+    )
     try:
         assert pub.server == f"{order[0].host}:{order[0].client_port}"  # the first URL of its list
         ready = asyncio.Event()
@@ -121,6 +144,7 @@ async def _stream_through_a_kill(cluster: LocalCluster, victim: int) -> tuple[li
         def kill() -> None:
             marks["delivered"] = len(seen)
             cluster.kill(victim)
+
         result = await publish(pub, COUNT, INTERVAL_S, MARK, on_mark=kill)
         got = await collecting
         assert sub.reconnects == 0
@@ -150,7 +174,9 @@ def _wait_log(path: Path, needle: str, timeout_s: float) -> None:
         if path.exists() and needle in path.read_text(errors="replace"):
             return
         time.sleep(0.05)
-    raise RuntimeError(f"{needle!r} not in {path}: {path.read_text(errors='replace')[-2000:] if path.exists() else 'no log'}")
+    raise RuntimeError(
+        f"{needle!r} not in {path}: {path.read_text(errors='replace')[-2000:] if path.exists() else 'no log'}"
+    )
 
 
 @pytest.mark.netns
@@ -174,15 +200,50 @@ def test_two_hosts_in_namespaces_host_a_nats_killed_mid_stream(tmp_path):
             script = str(ROOT / "tests/net/stream_peer.py")
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             sub = subprocess.Popen(
-                [*bed.exec_prefix(bed.ns_b), sys.executable, script, "collect", "--count", str(COUNT), "--timeout", "40"],
-                env={**env, "NITSUM_NATS_URL": b.url, "NITSUM_NATS_USER": "gateway", "NITSUM_NATS_PASSWORD": passwords["gateway"]},
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                [
+                    *bed.exec_prefix(bed.ns_b),
+                    sys.executable,
+                    script,
+                    "collect",
+                    "--count",
+                    str(COUNT),
+                    "--timeout",
+                    "40",
+                ],
+                env={
+                    **env,
+                    "NITSUM_NATS_URL": b.url,
+                    "NITSUM_NATS_USER": "gateway",
+                    "NITSUM_NATS_PASSWORD": passwords["gateway"],
+                },
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
             assert json.loads(sub.stdout.readline())["event"] == "ready"
             pub = subprocess.Popen(
-                [*bed.exec_prefix(bed.ns_a), sys.executable, script, "publish", "--count", str(COUNT), "--interval", str(INTERVAL_S), "--mark", str(MARK)],
-                env={**env, "NITSUM_NATS_URL": f"{a.url},{b.url}", "NITSUM_NATS_USER": "worker", "NITSUM_NATS_PASSWORD": passwords["worker"]},
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                [
+                    *bed.exec_prefix(bed.ns_a),
+                    sys.executable,
+                    script,
+                    "publish",
+                    "--count",
+                    str(COUNT),
+                    "--interval",
+                    str(INTERVAL_S),
+                    "--mark",
+                    str(MARK),
+                ],
+                env={
+                    **env,
+                    "NITSUM_NATS_URL": f"{a.url},{b.url}",
+                    "NITSUM_NATS_USER": "worker",
+                    "NITSUM_NATS_PASSWORD": passwords["worker"],
+                },
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
             first = json.loads(pub.stdout.readline())
             assert first == {"event": "connected", "server": f"{a.host}:4222"}, first

@@ -35,8 +35,10 @@ def plan_for(name: str) -> list[dict[str, object]]:
     for f in (BULK, URGENT):
         sched.on_arrival(f, 0.0)
     levels = sched.priorities(0.0)
-    return [{"flow_id": f.flow_id, "size_bytes": f.size_bytes, "level": levels[f.flow_id], "start_ms": 0.0}
-            for f in (BULK, URGENT)]
+    return [
+        {"flow_id": f.flow_id, "size_bytes": f.size_bytes, "level": levels[f.flow_id], "start_ms": 0.0}
+        for f in (BULK, URGENT)
+    ]
 
 
 @pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
@@ -69,10 +71,24 @@ def test_testbed_namespaces_are_removed_even_when_the_body_fails() -> None:
 # tight interactive one. Its scheduler must see every flow: when it did not (the replay never called
 # on_arrival), every scheduler sent at the lowest level and all gave the same TTFTs.
 REPLAY_REQUESTS = [
-    {"id": "bg", "tier": "background", "arrival_ms": 0.0, "reuse_bytes": 20_000, "p2d_bytes": 1_500_000,
-     "compute_ms": 20.0, "slo_ms": 20_000.0},
-    {"id": "ia", "tier": "interactive", "arrival_ms": 150.0, "reuse_bytes": 10_000, "p2d_bytes": 250_000,
-     "compute_ms": 20.0, "slo_ms": 400.0},
+    {
+        "id": "bg",
+        "tier": "background",
+        "arrival_ms": 0.0,
+        "reuse_bytes": 20_000,
+        "p2d_bytes": 1_500_000,
+        "compute_ms": 20.0,
+        "slo_ms": 20_000.0,
+    },
+    {
+        "id": "ia",
+        "tier": "interactive",
+        "arrival_ms": 150.0,
+        "reuse_bytes": 10_000,
+        "p2d_bytes": 250_000,
+        "compute_ms": 20.0,
+        "slo_ms": 400.0,
+    },
 ]
 
 
@@ -81,8 +97,13 @@ def test_replay_rmlq_serves_the_tight_request_ahead_of_the_loose_transfer_and_fa
     # Thresholds spread over this link's MLU range (Q_i = 2^-i * 2: 1, 0.5, 0.25, ...): the background P2D
     # (12 Mbit over ~20 s: MLU ~0.03) is deferred, the interactive one (2 Mbit over ~0.3 s: MLU ~0.3) is not.
     def load(name: str) -> dict[str, object]:
-        return {"scheduler": name, "rate_mbit": RATE_MBIT, "layers": 4, "requests": REPLAY_REQUESTS,
-                "rmlq": {"e": 2.0, "u": 2.0}}
+        return {
+            "scheduler": name,
+            "rate_mbit": RATE_MBIT,
+            "layers": 4,
+            "requests": REPLAY_REQUESTS,
+            "rmlq": {"e": 2.0, "u": 2.0},
+        }
 
     with netns.veth_testbed(RATE_MBIT, tag=f"{os.getpid()}r") as bed:
         rmlq = netns.run_plan(bed, load("rmlq"), port=47010, mode="replay")["ttft_ms"]

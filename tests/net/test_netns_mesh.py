@@ -26,20 +26,46 @@ from .test_nats_cluster import _wait_log
 ROOT = Path(__file__).resolve().parents[2]
 _NETNS = netns.unavailable_reason()
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.skipif(_NETNS is not None, reason=str(_NETNS))]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(_NETNS is not None, reason=str(_NETNS)),
+]
 
 
 def _serve(prefix: list[str], service: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     from nitsum.up import _die_with_parent
 
     with open(log, "ab") as out:
-        return subprocess.Popen([*prefix, sys.executable, "-m", "nitsum.cli", "serve", service], env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        return subprocess.Popen(
+            [*prefix, sys.executable, "-m", "nitsum.cli", "serve", service],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
 
 
 def _client(bed, url: str, nats_url: str, mid: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [*bed.exec_prefix(bed.ns_a), sys.executable, str(ROOT / "tests/net/mesh_client.py"), "--url", url, "--nats", nats_url, "--workers", "2", "--mid", str(mid)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *bed.exec_prefix(bed.ns_a),
+            sys.executable,
+            str(ROOT / "tests/net/mesh_client.py"),
+            "--url",
+            url,
+            "--nats",
+            nats_url,
+            "--workers",
+            "2",
+            "--mid",
+            str(mid),
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -58,11 +84,17 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
                 _wait_log(tmp_path / f"{m.name}.log", "Server is ready", 15)
             _wait_log(tmp_path / "nats-a.log", "Route connection created", 15)
             base = {k: v for k, v in os.environ.items() if k != "OTEL_EXPORTER_OTLP_ENDPOINT"}
-            base.update({
-                "NITSUM_MODEL": str(tiny_model_dir), "NITSUM_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1",
-                "NITSUM_HEARTBEAT_INTERVAL_MS": "200", "NITSUM_HEARTBEAT_TIMEOUT_MS": "1500", "NITSUM_STREAM_TIMEOUT_S": "5",
-                "NITSUM_READY_TIMEOUT_S": "2",
-            })
+            base.update(
+                {
+                    "NITSUM_MODEL": str(tiny_model_dir),
+                    "NITSUM_RUN_DIR": str(tmp_path),
+                    "PYTHONUNBUFFERED": "1",
+                    "NITSUM_HEARTBEAT_INTERVAL_MS": "200",
+                    "NITSUM_HEARTBEAT_TIMEOUT_MS": "1500",
+                    "NITSUM_STREAM_TIMEOUT_S": "5",
+                    "NITSUM_READY_TIMEOUT_S": "2",
+                }
+            )
             on_a, on_b = f"{a.url},{b.url}", f"{b.url},{a.url}"
             port = free_port()
             pa, pb = bed.exec_prefix(bed.ns_a), bed.exec_prefix(bed.ns_b)
@@ -71,16 +103,45 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
                 return {**base, "NITSUM_METRICS_PORT": str(free_port()), **extra}
 
             procs["coordinator"] = _serve(pa, "coordinator", env(NITSUM_NATS_URL=on_a), tmp_path / "coordinator.log")
-            procs["worker-a"] = _serve(pa, "decode-worker", env(NITSUM_NATS_URL=on_a, NITSUM_WORKER_ID="host-a-0", NITSUM_NODE_ID="node-a", NITSUM_HOST_ID="host-a", NITSUM_KV_ADVERTISE_ADDR=bed.addr_a), tmp_path / "worker-a.log")
-            procs["worker-b"] = _serve(pb, "decode-worker", env(NITSUM_NATS_URL=on_b, NITSUM_WORKER_ID="host-b-0", NITSUM_NODE_ID="node-b", NITSUM_HOST_ID="host-b", NITSUM_KV_ADVERTISE_ADDR=bed.addr_b), tmp_path / "worker-b.log")
-            procs["gateway"] = _serve(pa, "gateway", env(NITSUM_NATS_URL=on_a, NITSUM_GATEWAY_PORT=str(port), NITSUM_GATEWAY_HOST="127.0.0.1"), tmp_path / "gateway.log")
+            procs["worker-a"] = _serve(
+                pa,
+                "decode-worker",
+                env(
+                    NITSUM_NATS_URL=on_a,
+                    NITSUM_WORKER_ID="host-a-0",
+                    NITSUM_NODE_ID="node-a",
+                    NITSUM_HOST_ID="host-a",
+                    NITSUM_KV_ADVERTISE_ADDR=bed.addr_a,
+                ),
+                tmp_path / "worker-a.log",
+            )
+            procs["worker-b"] = _serve(
+                pb,
+                "decode-worker",
+                env(
+                    NITSUM_NATS_URL=on_b,
+                    NITSUM_WORKER_ID="host-b-0",
+                    NITSUM_NODE_ID="node-b",
+                    NITSUM_HOST_ID="host-b",
+                    NITSUM_KV_ADVERTISE_ADDR=bed.addr_b,
+                ),
+                tmp_path / "worker-b.log",
+            )
+            procs["gateway"] = _serve(
+                pa,
+                "gateway",
+                env(NITSUM_NATS_URL=on_a, NITSUM_GATEWAY_PORT=str(port), NITSUM_GATEWAY_HOST="127.0.0.1"),
+                tmp_path / "gateway.log",
+            )
             url = f"http://127.0.0.1:{port}"
 
             ref = _client(bed, url, on_a, mid=10**6)
             out, err = ref.communicate(timeout=200)
             assert ref.returncode == 0, err[-3000:]
             reference = json.loads(out.strip().splitlines()[-1])["results"]
-            assert all(r["status"] == 200 and r["error"] is None and len(r["tokens"]) == 120 for r in reference), reference
+            assert all(r["status"] == 200 and r["error"] is None and len(r["tokens"]) == 120 for r in reference), (
+                reference
+            )
 
             run = _client(bed, url, on_a, mid=10)
             mid = json.loads(run.stdout.readline())
@@ -92,7 +153,7 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
             results = json.loads(out.strip().splitlines()[-1])["results"]
             alive = {name: p.poll() is None for name, p in procs.items() if name != "nats-a"}
         finally:
-            for name, p in reversed(list(procs.items())):
+            for _name, p in reversed(list(procs.items())):
                 if p.poll() is None:
                     p.terminate()
                     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, RmlqConfig, RmlqScheduler, Stage
 from nitsum.sim.engine import Simulator
@@ -80,8 +81,7 @@ def _contention(sched):
 
     d.on_done = next_collective
     next_collective()
-    d.add(FlowSpec("p2d", "r0", "u0", Stage.P2D, GB, "a", "c", ("l",), deadline_ms=2000.0,
-                   request_deadline_ms=2000.0))
+    d.add(FlowSpec("p2d", "r0", "u0", Stage.P2D, GB, "a", "c", ("l",), deadline_ms=2000.0, request_deadline_ms=2000.0))
     d.start(until_ms=4000.0)
     cct = {f: d.done[f] - starts[f] for f in starts if f in d.done}
     return d.done["p2d"], cct
@@ -110,12 +110,16 @@ def _overload(prune: bool):
     """One big transfer whose deadline is first, four small ones after it: the link cannot carry all five."""
     sched = _rmlq()
     d = _Driver(sched)
-    specs = [FlowSpec("big", "rb", "ub", Stage.P2D, 2 * GB, "a", "b", ("l",), deadline_ms=170.0,
-                      request_deadline_ms=170.0)]
+    specs = [
+        FlowSpec("big", "rb", "ub", Stage.P2D, 2 * GB, "a", "b", ("l",), deadline_ms=170.0, request_deadline_ms=170.0)
+    ]
     for i in range(4):
         dl = 200.0 + 5 * i
-        specs.append(FlowSpec(f"s{i}", f"r{i}", f"u{i}", Stage.P2D, GB // 2, "a", "b", ("l",), deadline_ms=dl,
-                              request_deadline_ms=dl))
+        specs.append(
+            FlowSpec(
+                f"s{i}", f"r{i}", f"u{i}", Stage.P2D, GB // 2, "a", "b", ("l",), deadline_ms=dl, request_deadline_ms=dl
+            )
+        )
     for s in specs:
         d.add(s)
     pruned: list[str] = []
@@ -141,7 +145,10 @@ def test_pruning_restores_feasibility_on_a_crafted_overload():
 
 def test_paper_setups_are_32_gpu_instances_with_the_stated_parallelism():
     assert {(s.model, s.tp, s.ep) for s in PAPER_SETUPS.values()} == {
-        ("mixtral-8x22b", 4, 8), ("dbrx", 2, 16), ("qwen3-coder", 1, 32)}
+        ("mixtral-8x22b", 4, 8),
+        ("dbrx", 2, 16),
+        ("qwen3-coder", 1, 32),
+    }
     for s in PAPER_SETUPS.values():
         assert s.gpus == 32
         assert FlowClusterConfig(model=s.model, tp=s.tp, ep=s.ep).instance_servers == 4
@@ -212,14 +219,14 @@ def test_a_trace_window_with_a_warm_cache_keeps_the_traces_reuse():
     trace = read_mooncake(default_trace_path("mooncake-conv", prefer_excerpt=True))
     start = len(trace) // 2
     reqs = windowed(trace, start, 20.0, 3.0, seed=1)
-    assert [r.prefix_hash_ids for r in reqs] == [t.prefix_hash_ids for t in trace[start:start + len(reqs)]]
+    assert [r.prefix_hash_ids for r in reqs] == [t.prefix_hash_ids for t in trace[start : start + len(reqs)]]
     assert all(b.arrival_ms > a.arrival_ms for a, b in zip(reqs, reqs[1:]))
     c = FlowClusterConfig(num_servers=16, prune=False)
     sim = FlowClusterSim("fs", c, reqs, warm=trace[:start])
     res = sim.run()
     seen: set[int] = set()
     cached = prompt = 0
-    for i, t in enumerate(trace[:start + len(reqs)]):
+    for i, t in enumerate(trace[: start + len(reqs)]):
         p = min(t.prompt_tokens, c.max_prompt_tokens)
         hashes = t.prefix_hash_ids[: -(-p // 512)]
         lead = 0

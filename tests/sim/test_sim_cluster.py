@@ -113,7 +113,9 @@ def test_tiers_compares_every_fitting_static_layout_and_the_best_static_column_i
     rows = result["rows"]
     statics = sorted({r["policy"] for r in rows if r["policy"].startswith("static:")})
     # Llama-3-70B on 80 GB H100s: TP1 cannot hold the weights; every layout of TP2/TP4/TP8 groups is there.
-    assert "static:8" in statics and "static:4+4" in statics and "static:4+2+2" in statics and "static:2+2+2+2" in statics
+    assert (
+        "static:8" in statics and "static:4+4" in statics and "static:4+2+2" in statics and "static:2+2+2+2" in statics
+    )
     assert "static:4p+4d" in statics and "static:4p+2d+2d" in statics and "static:2p+2p+4d" in statics
     assert not any("1" in s.split(":")[1].replace("+", " ").split() for s in statics)
     for rate in {r["rate_rps"] for r in rows}:
@@ -127,5 +129,5 @@ def test_tiers_compares_every_fitting_static_layout_and_the_best_static_column_i
     assert ph["best_static"]["weighted_goodput_rps"] == max(r["weighted_goodput_rps"] for r in statics_ph)
     # The oracle takes the best static layout of each phase: never below the best single static layout.
     assert ph["oracle"] >= ph["best_static"]["weighted_goodput_rps"] - 1e-9
-    for name, (policy, wg) in ph["oracle_parts"].items():
+    for name, (_policy, wg) in ph["oracle_parts"].items():
         assert wg == max(r[f"{name}_wg"] for r in statics_ph)

@@ -71,12 +71,29 @@ def test_engine_budget_pays_for_decode_tokens_too(in_budget, ttft_ms):
     """nitsum's engine scheduler: running decodes take their token out of the step budget first. Flat 1 ms
     steps; A decodes from t=1; B (16 tokens) arrives at 1.5 and prefills from t=2 in chunks of 8 - 1 (7, 7, 2:
     first token at 5) or of 8 (8, 8: at 4)."""
-    flat = DeviceSpec("flat", peak_flops=1e30, mem_bandwidth_bytes_per_s=1e30, link_bandwidth_bytes_per_s=1.0,
-                      memory_bytes=1e12, step_overhead_ms=1.0)
-    config = ClusterConfig(model="tiny", device_kind=flat, num_nodes=1, devices_per_node=1, min_tp=1, max_tp=1,
-                           chunk_tokens=8, tpot_aware_chunks=False, decode_tokens_in_budget=in_budget)
-    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=4, output_tokens=50),
-         TraceRequest(arrival_ms=1.5, prompt_tokens=16, output_tokens=2)]
+    flat = DeviceSpec(
+        "flat",
+        peak_flops=1e30,
+        mem_bandwidth_bytes_per_s=1e30,
+        link_bandwidth_bytes_per_s=1.0,
+        memory_bytes=1e12,
+        step_overhead_ms=1.0,
+    )
+    config = ClusterConfig(
+        model="tiny",
+        device_kind=flat,
+        num_nodes=1,
+        devices_per_node=1,
+        min_tp=1,
+        max_tp=1,
+        chunk_tokens=8,
+        tpot_aware_chunks=False,
+        decode_tokens_in_budget=in_budget,
+    )
+    w = [
+        TraceRequest(arrival_ms=0.0, prompt_tokens=4, output_tokens=50),
+        TraceRequest(arrival_ms=1.5, prompt_tokens=16, output_tokens=2),
+    ]
     a, b = run_cluster("static-tp:1", config, w).records
     assert a.ttft_ms == pytest.approx(1.0)
     assert b.ttft_ms == pytest.approx(ttft_ms)

@@ -50,11 +50,14 @@ def test_device_kind_preset_names_are_kept():
     assert ClusterConfig(device_kind="h200").device.name == "h200"
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("tpu", "unknown device kind 'tpu'; known: cpu, a100, h100, h200, or a path"),
-    ("/nonexistent/table.json", "no such file"),
-    (3, "not int"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("tpu", "unknown device kind 'tpu'; known: cpu, a100, h100, h200, or a path"),
+        ("/nonexistent/table.json", "no such file"),
+        (3, "not int"),
+    ],
+)
 def test_unknown_device_kind_is_a_clear_error(kind, message):
     with pytest.raises(ValueError, match=message):
         cpu_config(device_kind=kind)
@@ -68,12 +71,15 @@ def test_cost_model_of_another_model_is_refused():
 # -- the service model -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(path_ms=()), "at least one"),
-    (dict(path_ms=(-1.0,)), "path samples"),
-    (dict(step_ratios=(0.0,)), "step ratios"),
-    (dict(noise_window_ms=-5.0), "noise_window_ms"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(path_ms=()), "at least one"),
+        (dict(path_ms=(-1.0,)), "path samples"),
+        (dict(step_ratios=(0.0,)), "step ratios"),
+        (dict(noise_window_ms=-5.0), "noise_window_ms"),
+    ],
+)
 def test_service_model_rejects_bad_samples(kw, message):
     with pytest.raises(ValueError, match=message):
         ServiceModel(**kw)
@@ -92,8 +98,10 @@ def test_service_model_adds_the_path_to_ttft_and_scales_decode_steps_only():
 def test_the_path_delays_what_the_client_sees_not_admission():
     # A 500 ms path is longer than the interactive TTFT target (200 ms): the request is still admitted and served
     # (the path is observed after the engine), its TTFT includes it and its TPOT does not.
-    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=16, output_tokens=2),
-         TraceRequest(arrival_ms=10.0, prompt_tokens=16, output_tokens=2)]
+    w = [
+        TraceRequest(arrival_ms=0.0, prompt_tokens=16, output_tokens=2),
+        TraceRequest(arrival_ms=10.0, prompt_tokens=16, output_tokens=2),
+    ]
     bare = run_cluster("static-tp:1", cpu_config(epoch_ms=1.0), w).records
     res = run_cluster("static-tp:1", cpu_config(epoch_ms=1.0, service=ServiceModel(path_ms=(500.0,))), w)
     assert [r.succeeded for r in res.records] == [True, True]
@@ -104,8 +112,10 @@ def test_the_path_delays_what_the_client_sees_not_admission():
 def test_stalled_samples_give_all_tokens_at_once():
     # Path samples 0 and 50 ms, the 50 ms one stalled. Seed 5's draws (from Random(10)) put the first request
     # near 50 (stalled: TPOT 0) and the second near 0 (its tokens as simulated, shifted by its path).
-    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=16, output_tokens=4),
-         TraceRequest(arrival_ms=10.0, prompt_tokens=16, output_tokens=4)]
+    w = [
+        TraceRequest(arrival_ms=0.0, prompt_tokens=16, output_tokens=4),
+        TraceRequest(arrival_ms=10.0, prompt_tokens=16, output_tokens=4),
+    ]
     model = ServiceModel(path_ms=(0.0, 50.0), stalled=(False, True), seed=5)
     u = random.Random(10)
     (p1, n1), (p2, n2) = draw([0.0, 50.0], u.random()), draw([0.0, 50.0], u.random())
@@ -128,8 +138,9 @@ def test_draws_interpolate_the_empirical_distribution():
 
 
 def test_sampler_draws_one_ratio_per_window_in_order():
-    model = ServiceModel(path_ms=(4.0, 1.0, 2.0), stalled=(True, False, False), step_ratios=(3.0, 1.0, 2.0),
-                         noise_window_ms=10.0, seed=7)
+    model = ServiceModel(
+        path_ms=(4.0, 1.0, 2.0), stalled=(True, False, False), step_ratios=(3.0, 1.0, 2.0), noise_window_ms=10.0, seed=7
+    )
     s = ServiceSampler(model)
     ratios = random.Random(15)
     draws = [draw([1.0, 2.0, 3.0], ratios.random())[0] for _ in range(4)]
@@ -150,8 +161,10 @@ def test_sampler_draws_one_ratio_per_window_in_order():
 
 def test_one_step_ratio_per_window_for_every_decode_step_in_it():
     # Two requests 500 ms apart, windows of 400 ms: each decodes inside one window, with that window's draw.
-    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=32, output_tokens=6),
-         TraceRequest(arrival_ms=500.0, prompt_tokens=32, output_tokens=6)]
+    w = [
+        TraceRequest(arrival_ms=0.0, prompt_tokens=32, output_tokens=6),
+        TraceRequest(arrival_ms=500.0, prompt_tokens=32, output_tokens=6),
+    ]
     bare = run_cluster("static-tp:1", cpu_config(), w).records
     model = ServiceModel(step_ratios=(2.0, 5.0, 7.0), noise_window_ms=400.0, seed=4)
     u = random.Random(9)
@@ -180,10 +193,18 @@ def test_a_decode_step_is_slowed_by_the_mean_ratio_of_its_requests():
     # prefill tokens is not scaled); from t = 2 both decode: A started in window 0, B in window 1.
     from nitsum.policy.costmodel import DeviceSpec
 
-    flat = DeviceSpec("flat", peak_flops=1e30, mem_bandwidth_bytes_per_s=1e30, link_bandwidth_bytes_per_s=1.0,
-                      memory_bytes=1e12, step_overhead_ms=1.0)
-    w = [TraceRequest(arrival_ms=0.0, prompt_tokens=4, output_tokens=3),
-         TraceRequest(arrival_ms=0.5, prompt_tokens=4, output_tokens=3)]
+    flat = DeviceSpec(
+        "flat",
+        peak_flops=1e30,
+        mem_bandwidth_bytes_per_s=1e30,
+        link_bandwidth_bytes_per_s=1.0,
+        memory_bytes=1e12,
+        step_overhead_ms=1.0,
+    )
+    w = [
+        TraceRequest(arrival_ms=0.0, prompt_tokens=4, output_tokens=3),
+        TraceRequest(arrival_ms=0.5, prompt_tokens=4, output_tokens=3),
+    ]
     model = ServiceModel(step_ratios=(2.0, 4.0), noise_window_ms=1.5, seed=3)
     s = ServiceSampler(model)
     ra, rb = s.step_ratio(1.0), s.step_ratio(2.0)  # A's decode starts at 1 ms, B's at 2 ms
@@ -209,17 +230,30 @@ def test_service_runs_are_seeded():
 
 
 def rec(i, send, first, finish, out, prompt=32):
-    return make_record(request_id=f"r{i}", tier="interactive", send_ms=send, first_token_ms=first,
-                       finish_ms=finish, output_tokens=out, prompt_tokens=prompt)
+    return make_record(
+        request_id=f"r{i}",
+        tier="interactive",
+        send_ms=send,
+        first_token_ms=first,
+        finish_ms=finish,
+        output_tokens=out,
+        prompt_tokens=prompt,
+    )
 
 
 def test_calibration_measures_paths_ratios_and_window_exactly():
-    live = [rec(0, 0.0, 12.0, 42.0, 11),   # TTFT 12, TPOT 3, decode span 30
-            rec(1, 100.0, 105.0, 125.0, 11),  # TTFT 5 (below the simulated 7: path 0), TPOT 2, span 20
-            rec(2, 200.0, 210.0, 210.0, 11),  # all tokens in one chunk: TPOT 0, no ratio
-            rec(3, 300.0, 309.0, None, 0)]    # unfinished: a path, no ratio
-    sim = [rec(0, 0.0, 7.0, 22.0, 11), rec(1, 100.0, 107.0, 117.0, 11), rec(2, 200.0, 207.0, 217.0, 11),
-           rec(3, 300.0, 306.0, 316.0, 11)]
+    live = [
+        rec(0, 0.0, 12.0, 42.0, 11),  # TTFT 12, TPOT 3, decode span 30
+        rec(1, 100.0, 105.0, 125.0, 11),  # TTFT 5 (below the simulated 7: path 0), TPOT 2, span 20
+        rec(2, 200.0, 210.0, 210.0, 11),  # all tokens in one chunk: TPOT 0, no ratio
+        rec(3, 300.0, 309.0, None, 0),
+    ]  # unfinished: a path, no ratio
+    sim = [
+        rec(0, 0.0, 7.0, 22.0, 11),
+        rec(1, 100.0, 107.0, 117.0, 11),
+        rec(2, 200.0, 207.0, 217.0, 11),
+        rec(3, 300.0, 306.0, 316.0, 11),
+    ]
     cal = calibrate_service(live, sim, seed=3, source="test")
     assert cal.model.path_ms == (0.0, 3.0, 3.0, 5.0)
     assert cal.model.step_ratios == (pytest.approx(2.0), pytest.approx(2.0))  # 3/1.5 and 2/1

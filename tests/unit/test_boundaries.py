@@ -128,8 +128,11 @@ def test_benchmarks_are_imported_by_no_service_or_library_package():
             if "bench" in path.relative_to(ROOT).parts:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                    [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                names = (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                )
                 if any(n == "nitsum.bench" or n.startswith("nitsum.bench.") for n in names):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert bad == [], f"imports of nitsum.bench: {bad}"

@@ -45,7 +45,9 @@ def test_every_nitsum_service_is_a_real_serve_target():
     assert 'ENTRYPOINT ["nitsum"]' in dockerfile
     # Both profiles run every role; only the CPU profile runs without a GPU.
     for profile in ("gpu", "cpu"):
-        assert {s["command"][1] for s in profile_services(profile).values() if s.get("command", [""])[0] == "serve"} >= {"coordinator", "flow-scheduler", "gateway", "decode-worker"}
+        assert {
+            s["command"][1] for s in profile_services(profile).values() if s.get("command", [""])[0] == "serve"
+        } >= {"coordinator", "flow-scheduler", "gateway", "decode-worker"}
     assert all("deploy" not in s for n, s in profile_services("cpu").items()), "the CPU profile reserves no device"
 
 
@@ -63,14 +65,20 @@ def test_host_networking_only_and_distinct_ports():
     assert COMPOSE["x-nitsum"]["build"]["network"] == "host"
     gateway = load(GatewayConfig, [], {})
     for profile in ("gpu", "cpu"):
-        ports = [int(interpolate(s["environment"]["NITSUM_METRICS_PORT"])) for s in profile_services(profile).values() if "NITSUM_METRICS_PORT" in s.get("environment", {})]
+        ports = [
+            int(interpolate(s["environment"]["NITSUM_METRICS_PORT"]))
+            for s in profile_services(profile).values()
+            if "NITSUM_METRICS_PORT" in s.get("environment", {})
+        ]
         ports.append(int(interpolate(NITSUM_SERVICES["gateway"]["environment"]["NITSUM_GATEWAY_PORT"])))
         assert len(ports) == len(set(ports)), f"{profile}: services share a host port {sorted(ports)}"
     assert int(interpolate(NITSUM_SERVICES["gateway"]["environment"]["NITSUM_GATEWAY_PORT"])) == gateway.port
     targets = (ROOT / "deploy/prometheus/prometheus.yml").read_text()
     for name, svc in profile_services("gpu").items():
         if name in NITSUM_SERVICES:
-            port = interpolate(svc["environment"].get("NITSUM_METRICS_PORT") or svc["environment"]["NITSUM_GATEWAY_PORT"])
+            port = interpolate(
+                svc["environment"].get("NITSUM_METRICS_PORT") or svc["environment"]["NITSUM_GATEWAY_PORT"]
+            )
             assert f'"127.0.0.1:{port}"' in targets, name
 
 
@@ -123,7 +131,9 @@ def test_gpu_workers_reserve_gpus_as_compose_documents():
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         assert devices[0]["count"] == "all" or int(devices[0]["count"]) >= 1
     nats = COMPOSE["services"]["nats"]
-    assert nats["image"].startswith("nitsum") and nats["entrypoint"] == ["nats-server"], "NATS runs from the nitsum image"
+    assert nats["image"].startswith("nitsum") and nats["entrypoint"] == ["nats-server"], (
+        "NATS runs from the nitsum image"
+    )
     images = {svc.get("image", "") for svc in COMPOSE["services"].values()}
     assert any("jaeger" in i for i in images) and any("prometheus" in i for i in images)
 

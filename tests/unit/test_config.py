@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nitsum.config import ConfigError, CoordinatorConfig, GatewayConfig, WorkerConfig, all_settings, describe, load
@@ -35,7 +37,7 @@ def test_bad_values_name_the_setting(cls, env, argv, named):
 
 def test_configs_are_frozen():
     cfg = load(WorkerConfig, [], {})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.kv_cache_mb = 1  # type: ignore[misc]
 
 
@@ -55,6 +57,12 @@ def test_secrets_are_masked_everywhere(tmp_path):
 
 def test_architecture_names_are_settings():
     names = all_settings()
-    for name in ("NITSUM_MAX_TP", "NITSUM_ENABLE_RELOAD_FREE_WEIGHTS", "NITSUM_NVLINK_P2P_MIGRATION", "NITSUM_RECONFIG_INTERVAL_MS", "NITSUM_NATS_URL"):
+    for name in (
+        "NITSUM_MAX_TP",
+        "NITSUM_ENABLE_RELOAD_FREE_WEIGHTS",
+        "NITSUM_NVLINK_P2P_MIGRATION",
+        "NITSUM_RECONFIG_INTERVAL_MS",
+        "NITSUM_NATS_URL",
+    ):
         assert name in names
     assert load(CoordinatorConfig, [], {}).reconfig_interval_ms == 1000

@@ -36,9 +36,14 @@ def test_the_epoch_loop_goes_on_after_an_epoch_raises(caplog):
     async def scenario():
         calls = []
         fake = SimpleNamespace(
-            config=SimpleNamespace(reconfig_interval_ms=1), ctx=SimpleNamespace(stop=asyncio.Event()),
-            trigger=asyncio.Event(), members=SimpleNamespace(workers={"node0-0": object()}),
-            policy_spec="static-tp:2", epoch_problem="", last_decisions=[])
+            config=SimpleNamespace(reconfig_interval_ms=1),
+            ctx=SimpleNamespace(stop=asyncio.Event()),
+            trigger=asyncio.Event(),
+            members=SimpleNamespace(workers={"node0-0": object()}),
+            policy_spec="static-tp:2",
+            epoch_problem="",
+            last_decisions=[],
+        )
 
         async def run_epoch():
             calls.append(len(calls))
@@ -65,9 +70,29 @@ def _members(*devices: int, node_size: int = 4):
 
     members = Membership(60.0)
     for d in devices:
-        members.on_stats(WorkerStats(f"node0-{d}", "node0", d, "cpu", "hybrid", "ready", f"node0-g{d}-tp1", 1, "tiny",
-                                     2048, 0, 0, 10, 10, instance_id="a", in_world=True, leader=True,
-                                     node_size=node_size), 0.0)
+        members.on_stats(
+            WorkerStats(
+                f"node0-{d}",
+                "node0",
+                d,
+                "cpu",
+                "hybrid",
+                "ready",
+                f"node0-g{d}-tp1",
+                1,
+                "tiny",
+                2048,
+                0,
+                0,
+                10,
+                10,
+                instance_id="a",
+                in_world=True,
+                leader=True,
+                node_size=node_size,
+            ),
+            0.0,
+        )
     return members
 
 
@@ -84,8 +109,13 @@ def test_nodes_are_judged_at_their_full_size_not_by_who_registered_yet():
 
 
 def test_a_layout_a_full_node_cannot_hold_is_warned_about_once(caplog):
-    fake = SimpleNamespace(members=_members(0, 1, 2, 3), config=SimpleNamespace(max_tp=4, min_tp=1, device_kind="cpu"),
-                           policy=make_policy("static-tp:8"), policy_spec="static-tp:8", unfit_warned=set())
+    fake = SimpleNamespace(
+        members=_members(0, 1, 2, 3),
+        config=SimpleNamespace(max_tp=4, min_tp=1, device_kind="cpu"),
+        policy=make_policy("static-tp:8"),
+        policy_spec="static-tp:8",
+        unfit_warned=set(),
+    )
     fake.full_nodes = lambda: Coordinator.full_nodes(fake)
     with caplog.at_level(logging.WARNING, logger="nitsum.coordinator"):
         for _ in range(3):
@@ -98,8 +128,13 @@ def test_a_layout_a_full_node_cannot_hold_is_warned_about_once(caplog):
 
 
 def test_set_policy_refuses_a_layout_the_nodes_cannot_hold():
-    fake = SimpleNamespace(config=SimpleNamespace(), pinned_nodes=set(), policy=None, policy_spec="adaptive",
-                           full_nodes=lambda: [_node(2, 2)])
+    fake = SimpleNamespace(
+        config=SimpleNamespace(),
+        pinned_nodes=set(),
+        policy=None,
+        policy_spec="adaptive",
+        full_nodes=lambda: [_node(2, 2)],
+    )
     import nitsum_services.coordinator.core as core
 
     real = core.policy_config

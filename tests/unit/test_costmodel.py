@@ -7,8 +7,15 @@ import sys
 
 import pytest
 
-from nitsum.policy.costmodel import (DEVICE_PRESETS, DeviceSpec, cost_model, device_spec, load_device_table,
-                                     model_spec, resolve_device)
+from nitsum.policy.costmodel import (
+    DEVICE_PRESETS,
+    DeviceSpec,
+    cost_model,
+    device_spec,
+    load_device_table,
+    model_spec,
+    resolve_device,
+)
 
 
 def test_llama70b_tp8_h100_decode_step_between_memory_floor_and_twice_it():
@@ -101,12 +108,31 @@ def test_unknown_presets_name_themselves(fn, arg):
 
 
 def test_policy_package_imports_only_the_standard_library():
-    mods = ["nitsum.policy." + m for m in ("tiers", "snapshot", "decisions", "costmodel", "estimate", "phases",
-                                          "topology", "routing", "admission", "baselines", "registry", "goodput",
-                                          "base", "bench")]
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in mods) +
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'numpy', 'nats', 'asyncio', 'msgpack'))\nprint(','.join(bad))")
+    mods = [
+        "nitsum.policy." + m
+        for m in (
+            "tiers",
+            "snapshot",
+            "decisions",
+            "costmodel",
+            "estimate",
+            "phases",
+            "topology",
+            "routing",
+            "admission",
+            "baselines",
+            "registry",
+            "goodput",
+            "base",
+            "steptable",
+        )
+    ] + ["nitsum.bench.policy"]  # the decision benchmark times the same stdlib-only objects
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in mods)
+        + "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'numpy', 'nats', 'asyncio', 'msgpack'))\nprint(','.join(bad))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
 
@@ -115,10 +141,23 @@ def test_tiny_preset_matches_the_tiny_checkpoint_config():
     from nitsum.model.tiny import TINY_CONFIG
 
     m = model_spec("tiny")
-    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, m.vocab_size,
-            m.head_dim) == (TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["hidden_size"],
-                            TINY_CONFIG["num_attention_heads"], TINY_CONFIG["num_key_value_heads"],
-                            TINY_CONFIG["intermediate_size"], TINY_CONFIG["vocab_size"], TINY_CONFIG["head_dim"])
+    assert (
+        m.num_layers,
+        m.hidden_size,
+        m.num_heads,
+        m.num_kv_heads,
+        m.intermediate_size,
+        m.vocab_size,
+        m.head_dim,
+    ) == (
+        TINY_CONFIG["num_hidden_layers"],
+        TINY_CONFIG["hidden_size"],
+        TINY_CONFIG["num_attention_heads"],
+        TINY_CONFIG["num_key_value_heads"],
+        TINY_CONFIG["intermediate_size"],
+        TINY_CONFIG["vocab_size"],
+        TINY_CONFIG["head_dim"],
+    )
     assert m.bytes_per_param == 4.0 and TINY_CONFIG["torch_dtype"] == "float32"
 
 

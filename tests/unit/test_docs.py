@@ -48,7 +48,15 @@ def test_subjects_metrics_routes_verbs_documented():
         assert command in README
     for metric in METRICS:
         assert metric in README, metric
-    for route in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics", "/openapi.json"):
+    for route in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+        "/openapi.json",
+    ):
         assert route in README
     for header in ("x-request-tier", "x-slo-ttft-ms", "x-slo-tpot-ms", "x-request-id"):
         assert header in README
@@ -62,7 +70,18 @@ def test_metric_names_exist_in_code():
     from nitsum.telemetry.metrics import Metrics
 
     m = Metrics("t")
-    for factory in ("requests_total", "goodput_requests_total", "ttft_seconds", "tpot_seconds", "slo_compliance_ratio", "queue_depth", "current_tp_level", "reconfiguration_duration_ms", "kv_migration_bytes_total", "flow_permits_total"):
+    for factory in (
+        "requests_total",
+        "goodput_requests_total",
+        "ttft_seconds",
+        "tpot_seconds",
+        "slo_compliance_ratio",
+        "queue_depth",
+        "current_tp_level",
+        "reconfiguration_duration_ms",
+        "kv_migration_bytes_total",
+        "flow_permits_total",
+    ):
         getattr(m, factory)()
     text = m.render()[0].decode()
     for metric in METRICS:

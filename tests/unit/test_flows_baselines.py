@@ -14,8 +14,18 @@ MIB = 1 << 20
 
 
 def f(fid: str, stage: Stage, size: int, deadline: float | None = None, unit: str = "u") -> FlowSpec:
-    return FlowSpec(fid, f"r-{fid}", unit, stage, size, "a", "b", ("l0",),
-                    target_layer=None if stage.explicit else 0, deadline_ms=deadline)
+    return FlowSpec(
+        fid,
+        f"r-{fid}",
+        unit,
+        stage,
+        size,
+        "a",
+        "b",
+        ("l0",),
+        target_layer=None if stage.explicit else 0,
+        deadline_ms=deadline,
+    )
 
 
 def order_by_keys(s, now: float = 0.0) -> list[str]:  # type: ignore[no-untyped-def]

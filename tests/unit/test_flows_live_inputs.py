@@ -10,6 +10,7 @@ import time
 from contextlib import AsyncExitStack
 
 import pytest
+
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig, ConfigError, FlowSchedulerConfig, load
 from nitsum.policy.flows import DSCP_TABLE
@@ -38,8 +39,9 @@ class _Live:
 
     async def __aenter__(self):
         self.fs_bus = await Bus.connect(CommonConfig(nats_url=self.url), "flow-scheduler")
-        self.ctx = ServiceContext("flow-scheduler", self.config, Metrics("flow-scheduler"), AsyncExitStack(),
-                                  asyncio.Event(), bus=self.fs_bus)
+        self.ctx = ServiceContext(
+            "flow-scheduler", self.config, Metrics("flow-scheduler"), AsyncExitStack(), asyncio.Event(), bus=self.fs_bus
+        )
         await body(self.ctx)
         self.bus = await Bus.connect(CommonConfig(nats_url=self.url), "w0")
         self.permits: list[FlowPermit] = []
@@ -51,8 +53,10 @@ class _Live:
         async def on_pruned(msg) -> None:
             self.pruned.append(decode(msg.data, FlowPruned))
 
-        self.subs = [await self.bus.nc.subscribe("nitsum.flow.permit.w0", cb=on_permit),
-                     await self.bus.nc.subscribe("nitsum.flow.pruned", cb=on_pruned)]
+        self.subs = [
+            await self.bus.nc.subscribe("nitsum.flow.permit.w0", cb=on_permit),
+            await self.bus.nc.subscribe("nitsum.flow.pruned", cb=on_pruned),
+        ]
         await self.bus.flush()
         return self
 
@@ -66,7 +70,9 @@ class _Live:
         await self.fs_bus.drain()
 
     async def submit(self, *flows: FlowSubmit) -> tuple[FlowPermit, ...]:
-        reply = await self.bus.request("nitsum.flow.submit", FlowSubmitBatch(tuple(flows)), 5.0, expected=FlowPermitBatch)
+        reply = await self.bus.request(
+            "nitsum.flow.submit", FlowSubmitBatch(tuple(flows)), 5.0, expected=FlowPermitBatch
+        )
         return reply.permits
 
     @property
@@ -99,7 +105,8 @@ async def test_mlu_uses_the_configured_nic_of_each_host(nats_server):
         dl = _now() + 1000.0
         fast, slow = await live.submit(
             FlowSubmit("f", "r1", "u1", "3", GB, "w0", "w1", deadline_unix_ms=dl, src_host="fast", dst_host="fast2"),
-            FlowSubmit("s", "r2", "u2", "3", GB, "w0", "w1", deadline_unix_ms=dl, src_host="fast", dst_host="slow"))
+            FlowSubmit("s", "r2", "u2", "3", GB, "w0", "w1", deadline_unix_ms=dl, src_host="fast", dst_host="slow"),
+        )
         assert (fast.level, fast.dscp) == (2, DSCP_TABLE[2])
         assert (slow.level, slow.dscp) == (1, DSCP_TABLE[1])
 
@@ -107,15 +114,32 @@ async def test_mlu_uses_the_configured_nic_of_each_host(nats_server):
 async def test_layer_progress_promotes_a_reuse_fetch_and_pushes_the_permit(nats_server):
     async with _Live(nats_server.url) as live:
         dl = _now() + 5000.0
-        (p,) = await live.submit(FlowSubmit("fetch", "r1", "u1", "1", 1 << 20, "w0", "w1", target_layer=4,
-                                            request_deadlines_unix_ms=(dl,), src_host="a", dst_host="b"))
+        (p,) = await live.submit(
+            FlowSubmit(
+                "fetch",
+                "r1",
+                "u1",
+                "1",
+                1 << 20,
+                "w0",
+                "w1",
+                target_layer=4,
+                request_deadlines_unix_ms=(dl,),
+                src_host="a",
+                dst_host="b",
+            )
+        )
         assert p.level == 2 + 4  # RLI 4 before the unit's first layer
         for layer, level in ((1, 5), (3, 3), (4, 2)):
-            await live.bus.publish("nitsum.flow.progress", LayerProgress("u1", layer, (dl,),
-                                                                         (FlowProgress("fetch", 1 << 19),)))
+            await live.bus.publish(
+                "nitsum.flow.progress", LayerProgress("u1", layer, (dl,), (FlowProgress("fetch", 1 << 19),))
+            )
             await live.wait_for(lambda level=level: any(q.level == level for q in live.permits))
         assert [(q.flow_id, q.level, q.dscp) for q in live.permits] == [
-            ("fetch", 5, DSCP_TABLE[5]), ("fetch", 3, DSCP_TABLE[3]), ("fetch", 2, DSCP_TABLE[2])]
+            ("fetch", 5, DSCP_TABLE[5]),
+            ("fetch", 3, DSCP_TABLE[3]),
+            ("fetch", 2, DSCP_TABLE[2]),
+        ]
         # a report of more bytes than the flow has left is ignored (never a demotion, never an error)
         await live.bus.publish("nitsum.flow.progress", LayerProgress("u1", 4, (), (FlowProgress("fetch", 1 << 30),)))
         await live.bus.flush()
@@ -129,11 +153,13 @@ async def test_link_load_from_permitted_flows_raises_the_mlu(nats_server):
     async with _Live(nats_server.url, flow_link_gbps=("a=100", "b=100", "c=100")) as live:
         dl = _now() + 1000.0
         size = int(0.1 * 100e9 / 8)  # MLU 0.1 with 1 s left at 100 Gb/s
-        (p,) = await live.submit(FlowSubmit("kv", "r1", "u1", "3", size, "w0", "w1", deadline_unix_ms=dl,
-                                            src_host="a", dst_host="b"))
+        (p,) = await live.submit(
+            FlowSubmit("kv", "r1", "u1", "3", size, "w0", "w1", deadline_unix_ms=dl, src_host="a", dst_host="b")
+        )
         assert p.level == 2
-        (c,) = await live.submit(FlowSubmit("a2a", "u2-a2a", "u2", "2", GB, "w0", "w2", target_layer=0,
-                                            src_host="a", dst_host="c"))
+        (c,) = await live.submit(
+            FlowSubmit("a2a", "u2-a2a", "u2", "2", GB, "w0", "w2", target_layer=0, src_host="a", dst_host="c")
+        )
         assert c.level == 2
         await live.wait_for(lambda: any(q.flow_id == "kv" and q.level == 1 for q in live.permits))
 
@@ -144,11 +170,37 @@ async def test_overload_pruning_answers_a_coded_retryable_message_and_refuses_la
     code overload_pruned, and a later flow of it is refused with the same code. The other goes on."""
     async with _Live(nats_server.url, flow_link_gbps=("a=10",)) as live:
         dl = _now() + 1000.0
-        (p1,) = await live.submit(FlowSubmit("k1", "r1", "u1", "3", GB, "w0", "w1", deadline_unix_ms=dl,
-                                             request_deadlines_unix_ms=(dl,), src_host="a", dst_host="d1"))
+        (p1,) = await live.submit(
+            FlowSubmit(
+                "k1",
+                "r1",
+                "u1",
+                "3",
+                GB,
+                "w0",
+                "w1",
+                deadline_unix_ms=dl,
+                request_deadlines_unix_ms=(dl,),
+                src_host="a",
+                dst_host="d1",
+            )
+        )
         assert not p1.pruned
-        (p2,) = await live.submit(FlowSubmit("k2", "r2", "u2", "3", GB, "w0", "w1", deadline_unix_ms=dl + 1,
-                                             request_deadlines_unix_ms=(dl + 1,), src_host="a", dst_host="d2"))
+        (p2,) = await live.submit(
+            FlowSubmit(
+                "k2",
+                "r2",
+                "u2",
+                "3",
+                GB,
+                "w0",
+                "w1",
+                deadline_unix_ms=dl + 1,
+                request_deadlines_unix_ms=(dl + 1,),
+                src_host="a",
+                dst_host="d2",
+            )
+        )
         await live.wait_for(lambda: live.pruned)
         (note,) = live.pruned
         assert note.code == PRUNED_CODE and note.retryable and note.reason
@@ -163,8 +215,11 @@ async def test_overload_pruning_answers_a_coded_retryable_message_and_refuses_la
             await live.wait_for(lambda: any(q.flow_id == victim and q.pruned for q in live.permits))
             (q,) = [q for q in live.permits if q.flow_id == victim]
             assert (q.level, q.dscp, q.code) == (*lowest, PRUNED_CODE)
-        (later,) = await live.submit(FlowSubmit("k9", note.request_id, "u9", "3", 1, "w0", "w1", deadline_unix_ms=dl,
-                                                src_host="a", dst_host="d1"))
+        (later,) = await live.submit(
+            FlowSubmit(
+                "k9", note.request_id, "u9", "3", 1, "w0", "w1", deadline_unix_ms=dl, src_host="a", dst_host="d1"
+            )
+        )
         assert later.pruned and later.code == PRUNED_CODE and (later.level, later.dscp) == lowest
         survivor = "k1" if victim == "k2" else "k2"
         await live.bus.publish("nitsum.flow.done", FlowCompletion(survivor, True, GB))
@@ -184,16 +239,42 @@ async def test_a_batch_that_cannot_make_its_deadline_is_answered_pruned_in_its_o
     submit's own reply says so (lowest class, code overload_pruned); the gateways get the FlowPruned."""
     async with _Live(nats_server.url) as live:
         late = _now() - 100.0
-        permits = await live.submit(*(FlowSubmit(f"late.reuse.{layer}", "late", "late", "1", 4096, "w0", "w1",
-                                                 target_layer=layer, deadline_unix_ms=late,
-                                                 request_deadlines_unix_ms=(late,)) for layer in range(4)))
+        permits = await live.submit(
+            *(
+                FlowSubmit(
+                    f"late.reuse.{layer}",
+                    "late",
+                    "late",
+                    "1",
+                    4096,
+                    "w0",
+                    "w1",
+                    target_layer=layer,
+                    deadline_unix_ms=late,
+                    request_deadlines_unix_ms=(late,),
+                )
+                for layer in range(4)
+            )
+        )
         assert [(p.flow_id, p.pruned, p.code, p.level) for p in permits] == [
-            (f"late.reuse.{layer}", True, PRUNED_CODE, 8) for layer in range(4)]
+            (f"late.reuse.{layer}", True, PRUNED_CODE, 8) for layer in range(4)
+        ]
         await live.wait_for(lambda: live.pruned)
         assert [(n.request_id, n.code, len(n.flow_ids)) for n in live.pruned] == [("late", PRUNED_CODE, 4)]
         # an on-time request next to it is permitted as usual
-        (ok,) = await live.submit(FlowSubmit("ok.reuse.0", "ok", "ok", "1", 4096, "w0", "w1", target_layer=0,
-                                             request_deadlines_unix_ms=(_now() + 5000.0,)))
+        (ok,) = await live.submit(
+            FlowSubmit(
+                "ok.reuse.0",
+                "ok",
+                "ok",
+                "1",
+                4096,
+                "w0",
+                "w1",
+                target_layer=0,
+                request_deadlines_unix_ms=(_now() + 5000.0,),
+            )
+        )
         assert not ok.pruned and ok.level == 2
 
 
@@ -202,8 +283,21 @@ async def test_flows_on_different_uplinks_do_not_queue_behind_each_other_in_the_
     async with _Live(nats_server.url, flow_link_gbps=("a=10", "b=10")) as live:
         dl = _now() + 1000.0
         for i, host in ((1, "a"), (2, "b")):
-            (p,) = await live.submit(FlowSubmit(f"k{i}", f"r{i}", f"u{i}", "3", GB, "w0", "w1", deadline_unix_ms=dl,
-                                                request_deadlines_unix_ms=(dl,), src_host=host, dst_host=f"d{i}"))
+            (p,) = await live.submit(
+                FlowSubmit(
+                    f"k{i}",
+                    f"r{i}",
+                    f"u{i}",
+                    "3",
+                    GB,
+                    "w0",
+                    "w1",
+                    deadline_unix_ms=dl,
+                    request_deadlines_unix_ms=(dl,),
+                    src_host=host,
+                    dst_host=f"d{i}",
+                )
+            )
             assert not p.pruned
         await asyncio.sleep(0.2)
         assert live.pruned == [] and not any(q.pruned for q in live.permits)

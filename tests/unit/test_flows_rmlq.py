@@ -24,13 +24,33 @@ LINK_BPS = LINK_BYTES_PER_MS * 8 * 1000.0
 
 
 def reuse(fid: str, unit: str, target: int, size: int = 1000, deadlines: tuple[float, ...] = ()) -> FlowSpec:
-    return FlowSpec(fid, f"r-{fid}", unit, Stage.KV_REUSE, size, "a", "b", (LINK,), target_layer=target,
-                    request_deadlines_ms=deadlines)
+    return FlowSpec(
+        fid,
+        f"r-{fid}",
+        unit,
+        Stage.KV_REUSE,
+        size,
+        "a",
+        "b",
+        (LINK,),
+        target_layer=target,
+        request_deadlines_ms=deadlines,
+    )
 
 
 def collective(fid: str, unit: str, layer: int, size: int = 1000, deadlines: tuple[float, ...] = ()) -> FlowSpec:
-    return FlowSpec(fid, f"r-{fid}", unit, Stage.COLLECTIVE, size, "a", "b", (LINK,), target_layer=layer,
-                    request_deadlines_ms=deadlines)
+    return FlowSpec(
+        fid,
+        f"r-{fid}",
+        unit,
+        Stage.COLLECTIVE,
+        size,
+        "a",
+        "b",
+        (LINK,),
+        target_layer=layer,
+        request_deadlines_ms=deadlines,
+    )
 
 
 def p2d(fid: str, unit: str, size: int, deadline_ms: float) -> FlowSpec:
@@ -87,7 +107,15 @@ def test_thresholds_are_geometric_and_map_mlu_to_levels() -> None:
     q = cfg.thresholds()
     assert q == (0.125, 0.03125, 0.0078125)
     assert [level_for_mlu(m, q) for m in (2.0, 0.125, 0.1, 0.03125, 0.01, 0.0078125, 0.001, 0.0)] == [
-        1, 1, 2, 2, 3, 3, 4, 4]
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+        4,
+        4,
+    ]
     # 10 MB with 1 s left on 8 Gbit/s needs 1 % of the link.
     assert minimal_link_utilization(10_000_000, 1000.0, 8e9, 0.0) == 0.01
     assert minimal_link_utilization(10_000_000, 1000.0, 8e9, 0.5) == 0.02
@@ -248,8 +276,19 @@ def test_pruning_removes_the_largest_contributor_and_restores_feasibility() -> N
     s = rmlq()
 
     def flow(fid: str, rid: str, unit: str, deadline: float, unit_deadlines: tuple[float, ...]) -> FlowSpec:
-        return FlowSpec(fid, rid, unit, Stage.COLLECTIVE, 100, "a", "b", (LINK,), target_layer=0,
-                        request_deadlines_ms=unit_deadlines, request_deadline_ms=deadline)
+        return FlowSpec(
+            fid,
+            rid,
+            unit,
+            Stage.COLLECTIVE,
+            100,
+            "a",
+            "b",
+            (LINK,),
+            target_layer=0,
+            request_deadlines_ms=unit_deadlines,
+            request_deadline_ms=deadline,
+        )
 
     s.on_arrival(flow("f1", "r1", "u1", 100.0, (100.0,)), 0.0)
     s.on_arrival(flow("f2", "r2", "u2", 150.0, (150.0, 150.0)), 0.0)

@@ -14,7 +14,9 @@ def ratio(acc: SloAccounting) -> float:
 
 def test_failed_and_rejected_requests_are_misses():
     acc = SloAccounting(Metrics("gateway"))
-    assert acc.finished(SLO, arrival_s=10.0, first_token_s=10.1, finish_s=10.3, output_tokens=11) is True  # 100 ms, 20 ms
+    assert (
+        acc.finished(SLO, arrival_s=10.0, first_token_s=10.1, finish_s=10.3, output_tokens=11) is True
+    )  # 100 ms, 20 ms
     assert ratio(acc) == 1.0
     acc.outcome("interactive", "rejected")
     acc.outcome("interactive", "error")
@@ -41,10 +43,14 @@ def test_gauge_equals_the_load_generators_attainment_for_the_same_history():
             acc.outcome("interactive", "rejected")
         records.append(
             make_record(
-                request_id=str(i), tier="interactive", send_ms=10_000.0,
+                request_id=str(i),
+                tier="interactive",
+                send_ms=10_000.0,
                 first_token_ms=None if first is None else first * 1000.0,
                 finish_ms=None if finish is None else finish * 1000.0,
-                output_tokens=tokens, prompt_tokens=4, error=error,
+                output_tokens=tokens,
+                prompt_tokens=4,
+                error=error,
             )
         )
     assert ratio(acc) == summarize_tier("interactive", records, 1.0).slo_attainment == 2 / 5

@@ -18,12 +18,20 @@ from nitsum.config import all_settings
 from nitsum.natscluster import K8S_SERVER_NAME_ENV, ROUTE_PASSWORD_ENV, ROUTES_ENV, k8s_config, start_member_process
 from nitsum.natsserver import IDENTITIES, free_port, wait_for_port
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (the test extra)")
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="pip install kubernetes-validate (the test extra)"
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"
 KUBE_VERSION = "1.30.0"
-DOCS = [(path.name, doc) for path in sorted(K8S.glob("*.yaml")) if path.name != "kustomization.yaml" for doc in yaml.safe_load_all(path.read_text()) if doc]
+DOCS = [
+    (path.name, doc)
+    for path in sorted(K8S.glob("*.yaml"))
+    if path.name != "kustomization.yaml"
+    for doc in yaml.safe_load_all(path.read_text())
+    if doc
+]
 
 
 def pod_specs():
@@ -47,15 +55,20 @@ def test_the_validator_rejects_a_broken_manifest():
 
 def test_kustomization_lists_every_manifest_but_the_secret_example():
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert set(kust["resources"]) == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "secret.example.yaml"}
+    assert set(kust["resources"]) == {p.name for p in K8S.glob("*.yaml")} - {
+        "kustomization.yaml",
+        "secret.example.yaml",
+    }
 
 
 def test_nitsum_containers_run_real_services_with_known_settings():
     known = set(all_settings()) | {"POD_NAME", "POD_IP"}
-    settings = next(d for _, d in DOCS if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nitsum-settings")["data"]
+    settings = next(d for _, d in DOCS if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nitsum-settings")[
+        "data"
+    ]
     assert set(settings) <= known
     roles = set()
-    for name, doc, spec in pod_specs():
+    for _name, doc, spec in pod_specs():
         for c in spec["containers"]:
             if c.get("args", [""])[0] != "serve":
                 continue
@@ -81,7 +94,9 @@ def test_one_node_world_per_host():
     envs = [{e["name"]: e.get("value") for e in c["env"]} for c in workers]
     assert {e["NITSUM_NODE_SIZE"] for e in envs} == {str(len(workers))}
     assert sorted(int(e["NITSUM_DEVICE_INDEX"]) for e in envs) == list(range(len(workers)))
-    assert {e["NITSUM_HOST_ID"] for e in envs} == {"$(POD_NAME)"} and {e["NITSUM_NODE_ID"] for e in envs} == {"$(POD_NAME)"}
+    assert {e["NITSUM_HOST_ID"] for e in envs} == {"$(POD_NAME)"} and {e["NITSUM_NODE_ID"] for e in envs} == {
+        "$(POD_NAME)"
+    }
     assert len({e["NITSUM_WORKER_ID"] for e in envs}) == len(workers)
     assert len({e["NITSUM_METRICS_PORT"] for e in envs}) == len(workers), "a pod's containers share its ports"
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
@@ -96,7 +111,9 @@ def test_nats_configmap_is_generated_and_forms_a_cluster(tmp_path):
     assert text == k8s_config(), "deploy/k8s/nats.yaml's config drifted from nitsum.natscluster.k8s_config()"
     nats = next(d for _, d in DOCS if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nats")
     env_names = {e["name"] for e in nats["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert {K8S_SERVER_NAME_ENV, ROUTE_PASSWORD_ENV, ROUTES_ENV} | {f"NITSUM_NATS_PASSWORD_{i.upper().replace('-', '_')}" for i in IDENTITIES} <= env_names
+    assert {K8S_SERVER_NAME_ENV, ROUTE_PASSWORD_ENV, ROUTES_ENV} | {
+        f"NITSUM_NATS_PASSWORD_{i.upper().replace('-', '_')}" for i in IDENTITIES
+    } <= env_names
     # Three real servers run this very config (loopback ports), each routed to all three (itself included).
     ports = [(free_port(), free_port()) for _ in range(3)]
     routes = json.dumps([f"nats-route://route:rpw@127.0.0.1:{cluster}" for _, cluster in ports])
@@ -106,8 +123,12 @@ def test_nats_configmap_is_generated_and_forms_a_cluster(tmp_path):
     try:
         for k, (client, cluster) in enumerate(ports):
             conf = tmp_path / f"nats-{k}.conf"
-            conf.write_text(text.replace("0.0.0.0:4222", f"127.0.0.1:{client}").replace("0.0.0.0:6222", f"127.0.0.1:{cluster}"))
-            procs.append(start_member_process(conf, tmp_path / f"nats-{k}.log", env={**env, K8S_SERVER_NAME_ENV: f"nats-{k}"}))
+            conf.write_text(
+                text.replace("0.0.0.0:4222", f"127.0.0.1:{client}").replace("0.0.0.0:6222", f"127.0.0.1:{cluster}")
+            )
+            procs.append(
+                start_member_process(conf, tmp_path / f"nats-{k}.log", env={**env, K8S_SERVER_NAME_ENV: f"nats-{k}"})
+            )
         assert all(wait_for_port("127.0.0.1", client, 15) for client, _ in ports)
         deadline = time.monotonic() + 15
         logs = [tmp_path / f"nats-{k}.log" for k in range(3)]

@@ -28,9 +28,11 @@ def test_an_arena_leaves_no_name_and_another_process_maps_it_by_its_handle():
         assert name not in kv_segment.leftovers()  # unlinked at once: only the descriptor holds it
         cache = arena.view((4, 8, 16), torch.float32)
         cache[1, 2, 3] = 5.0
-        code = (f"import torch; from nitsum.node import kv_segment; "
-                f"t = kv_segment.attach_handle({arena.handle!r}, (4, 8, 16), torch.float32, {os.getpid()}); "
-                f"assert t[1, 2, 3].item() == 5.0; t[3, 7, 15] = 9.0")
+        code = (
+            f"import torch; from nitsum.node import kv_segment; "
+            f"t = kv_segment.attach_handle({arena.handle!r}, (4, 8, 16), torch.float32, {os.getpid()}); "
+            f"assert t[1, 2, 3].item() == 5.0; t[3, 7, 15] = 9.0"
+        )
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
         assert cache[3, 7, 15].item() == 9.0  # one-sided: the other process wrote straight into it
         # A later change's cache of another shape reuses the same memory (what was there stays).

@@ -6,11 +6,11 @@ which counts the bytes it wrote by the TOS each connection's handshake arrived w
 
 import torch
 
-from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP, KvLinks, KvReceiver, handshake_tos, tos_of
-from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
-from nitsum.node.messages import NodeCommand
 from nitsum.kv.reshard import Transfer
+from nitsum.node.messages import NodeCommand
+from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
 from nitsum.policy.flows import DSCP_TABLE, dscp_table, tos_for_dscp
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP, KvLinks, KvReceiver, handshake_tos, tos_of
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 8, 4, 2, 8
 EPOCH = 11
@@ -67,7 +67,9 @@ def test_precopy_chunks_go_in_their_permits_class_the_unpermitted_at_the_lowest_
     opened: list[int] = []
     links = KvLinks(on_open=opened.append)
     try:
-        links.connect(EPOCH, 0, {dst: ("127.0.0.1", r.port, r.token) for dst, (r, _) in receivers.items()})  # as in prepare
+        links.connect(
+            EPOCH, 0, {dst: ("127.0.0.1", r.port, r.token) for dst, (r, _) in receivers.items()}
+        )  # as in prepare
         assert opened == [TOS_M] * 3 and links.tos == [TOS_M] * 3
         pre = PreCopy(0, [0], transfers, flows, old, (0, HEADS), {}, links)
         chunk = 2 * per_block()
@@ -102,7 +104,9 @@ def test_precopy_chunks_go_in_their_permits_class_the_unpermitted_at_the_lowest_
         assert error == "" and by_path == {"shm": 0, "tcp": 2 * per_block()}
         assert receivers[1][0].bytes_by_tos[TOS_M] == per_block()
         assert receivers[2][0].bytes_by_tos == {tos(LOWEST_DSCP): 2 * chunk, TOS_M: per_block()}
-        assert torch.equal(receivers[1][1][:, :, 0], old[:, :, 0]) and torch.equal(receivers[2][1][:, :, 1], old[:, :, 5])
+        assert torch.equal(receivers[1][1][:, :, 0], old[:, :, 0]) and torch.equal(
+            receivers[2][1][:, :, 1], old[:, :, 5]
+        )
         assert links.open_connections == 6  # the delta reused the pairs' stage-M connections
         assert all(r.errors == [] for r, _ in receivers.values())
     finally:

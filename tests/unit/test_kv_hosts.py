@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from nitsum.node import kv_hosts
-from nitsum.transfer import kv_tcp
-from nitsum.node.kv_hosts import Member, hosts_of, pair_path, resolve_mode
-from nitsum.transfer.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver, read_frame, write_frame
 from nitsum.kv.reshard import Transfer
+from nitsum.node import kv_hosts
+from nitsum.node.kv_hosts import Member, hosts_of, pair_path, resolve_mode
 from nitsum.policy.flows import tos_for_dscp
+from nitsum.transfer import kv_tcp
 from nitsum.transfer.framing import MAGIC, PREFIX, FrameHeader, FrameKind, TransferError
+from nitsum.transfer.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver, read_frame, write_frame
 
 
 def members(hosts, kv_path="auto", shm=True, device="cpu"):
@@ -50,7 +50,8 @@ def test_workers_grouped_into_hosts_and_a_path_per_pair():
     assert {k for k, p in paths.items() if p == "local"} == {(i, i) for i in range(4)}
     assert {k for k, p in paths.items() if p == "shm"} == {(0, 1), (1, 0), (2, 3), (3, 2)}
     assert {k for k, p in paths.items() if p == "tcp"} == {(s, d) for s in (0, 1) for d in (2, 3)} | {
-        (s, d) for s in (2, 3) for d in (0, 1)}
+        (s, d) for s in (2, 3) for d in (0, 1)
+    }
 
 
 def test_mode_resolution():
@@ -331,12 +332,17 @@ def test_the_ack_follows_the_write_even_when_the_write_is_slow(monkeypatch):
 def test_a_loopback_receiver_that_another_host_would_reach_is_refused_at_boot():
     one_machine = members(["a", "a", "b", "b"])  # every address loopback: one machine, host ids apart
     assert resolve_mode(one_machine) == "shm"
-    routable = tuple(Member(r, h, True, "cpu", "auto", f"10.0.0.{r + 1}", 5000 + r)
-                     for r, h in enumerate(["a", "a", "b", "b"]))
+    routable = tuple(
+        Member(r, h, True, "cpu", "auto", f"10.0.0.{r + 1}", 5000 + r) for r, h in enumerate(["a", "a", "b", "b"])
+    )
     assert resolve_mode(routable) == "shm"
     bad = routable[:3] + (Member(3, "b", True, "cpu", "auto", "127.0.0.1", 5003),)
     with pytest.raises(ValueError, match=r"workers \[3\] advertise a loopback address"):
         resolve_mode(bad)
     with pytest.raises(ValueError, match=r"workers \[0, 1\] advertise"):  # and as sources' targets from b
-        resolve_mode(tuple(Member(r, m.host, True, "cpu", "auto", "127.0.0.1" if r < 2 else m.addr, m.port)
-                           for r, m in enumerate(routable)))
+        resolve_mode(
+            tuple(
+                Member(r, m.host, True, "cpu", "auto", "127.0.0.1" if r < 2 else m.addr, m.port)
+                for r, m in enumerate(routable)
+            )
+        )

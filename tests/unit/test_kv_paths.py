@@ -48,13 +48,22 @@ def _node(mode: str, shm: bool = True, recycle: bool = True, spare: bool = True,
     if spare:
         arenas.reserve_at_boot(with_in_use=False)
     layout = SimpleNamespace(cache_shape=lambda tp: SHAPE, dtype=torch.float32)
-    return SimpleNamespace(kv_path=mode, rank=0, members=[SimpleNamespace(shm=shm)], arenas=arenas, layout=layout,
-                           node_tag=arenas.node_tag, pool=_Pool(pooled), reaper=reaper)
+    return SimpleNamespace(
+        kv_path=mode,
+        rank=0,
+        members=[SimpleNamespace(shm=shm)],
+        arenas=arenas,
+        layout=layout,
+        node_tag=arenas.node_tag,
+        pool=_Pool(pooled),
+        reaper=reaper,
+    )
 
 
 def _transition(node, epoch: int = 3):
-    t = SimpleNamespace(node=node, epoch=epoch, my_new=Group(0, 1), new_cache=None, build=None, arena=None,
-                        segment=None, runner=None)
+    t = SimpleNamespace(
+        node=node, epoch=epoch, my_new=Group(0, 1), new_cache=None, build=None, arena=None, segment=None, runner=None
+    )
     t.adopt_runner = lambda: Transition.adopt_runner(t)
     return t
 

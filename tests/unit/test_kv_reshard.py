@@ -45,8 +45,9 @@ def test_head_ranges_split_and_replicate():
 def test_span_is_smallest_aligned_group_over_changed_workers():
     assert transition_span(Topology.uniform(4, 1), Topology.of(4, [(0, 2), (2, 1), (3, 1)])) == Group(0, 2)
     assert transition_span(Topology.of(8, [(0, 4), (4, 2), (6, 2)]), Topology.uniform(8, 4)) == Group(4, 4)
-    assert transition_span(Topology.of(4, [(0, 1), (1, 1), (2, 2)]), Topology.of(4, [(0, 2), (2, 1), (3, 1)])) \
-        == Group(0, 4)
+    assert transition_span(Topology.of(4, [(0, 1), (1, 1), (2, 2)]), Topology.of(4, [(0, 2), (2, 1), (3, 1)])) == Group(
+        0, 4
+    )
     assert transition_span(Topology.uniform(4, 2), Topology.uniform(4, 2)) is None
 
 
@@ -60,10 +61,14 @@ def test_merge_two_tp2_into_tp4_precopy_then_delta():
     )
     # Only full blocks move at prepare: a's partial block 7 waits for the delta.
     assert plan.transfers == (
-        T(0, 0, 0, 1, [5, 6], [0, 1]), T(0, 1, 1, 2, [5, 6], [0, 1]),
-        T(1, 2, 2, 3, [5, 6], [0, 1]), T(1, 3, 3, 4, [5, 6], [0, 1]),
-        T(2, 0, 0, 1, [0, 1], [2, 3]), T(2, 1, 1, 2, [0, 1], [2, 3]),
-        T(3, 2, 2, 3, [0, 1], [2, 3]), T(3, 3, 3, 4, [0, 1], [2, 3]),
+        T(0, 0, 0, 1, [5, 6], [0, 1]),
+        T(0, 1, 1, 2, [5, 6], [0, 1]),
+        T(1, 2, 2, 3, [5, 6], [0, 1]),
+        T(1, 3, 3, 4, [5, 6], [0, 1]),
+        T(2, 0, 0, 1, [0, 1], [2, 3]),
+        T(2, 1, 1, 2, [0, 1], [2, 3]),
+        T(3, 2, 2, 3, [0, 1], [2, 3]),
+        T(3, 3, 3, 4, [0, 1], [2, 3]),
     )
     assert plan.num_moved_blocks == {"a": 2, "b": 2}
 
@@ -76,10 +81,14 @@ def test_merge_two_tp2_into_tp4_precopy_then_delta():
         Placement("c", Group(2, 2), Group(0, 4), (6,), 3),
     )
     assert delta.transfers == (
-        T(0, 0, 0, 1, [7, 8], [4, 5]), T(0, 1, 1, 2, [7, 8], [4, 5]),
-        T(1, 2, 2, 3, [7, 8], [4, 5]), T(1, 3, 3, 4, [7, 8], [4, 5]),
-        T(2, 0, 0, 1, [4], [6]), T(2, 1, 1, 2, [4], [6]),
-        T(3, 2, 2, 3, [4], [6]), T(3, 3, 3, 4, [4], [6]),
+        T(0, 0, 0, 1, [7, 8], [4, 5]),
+        T(0, 1, 1, 2, [7, 8], [4, 5]),
+        T(1, 2, 2, 3, [7, 8], [4, 5]),
+        T(1, 3, 3, 4, [7, 8], [4, 5]),
+        T(2, 0, 0, 1, [4], [6]),
+        T(2, 1, 1, 2, [4], [6]),
+        T(3, 2, 2, 3, [4], [6]),
+        T(3, 3, 3, 4, [4], [6]),
     )
     # Cross-worker bytes: 2 of the 8 transfers per request are local copies (0->0, 3->3).
     per_block_head = 2 * GEO.num_layers * GEO.block_size * 16 * 4
@@ -88,18 +97,29 @@ def test_merge_two_tp2_into_tp4_precopy_then_delta():
 
 def test_split_tp4_into_two_tp2_balances_tokens():
     old, new = Topology.uniform(4, 4), Topology.uniform(4, 2)
-    reqs = [RequestKV("r1", Group(0, 4), 20, (0, 1, 2, 3, 4)), RequestKV("r2", Group(0, 4), 5, (5, 6)),
-            RequestKV("r3", Group(0, 4), 9, (7, 8, 9))]
+    reqs = [
+        RequestKV("r1", Group(0, 4), 20, (0, 1, 2, 3, 4)),
+        RequestKV("r2", Group(0, 4), 5, (5, 6)),
+        RequestKV("r3", Group(0, 4), 9, (7, 8, 9)),
+    ]
     assert place_requests(reqs, old, new) == {"r1": Group(0, 2), "r2": Group(2, 2), "r3": Group(2, 2)}
     plan = plan_prepare(old, new, reqs, GEO, POOL)
     assert [(p.request_id, p.dst_group, p.dst_block_ids) for p in plan.placements] == [
-        ("r1", Group(0, 2), (0, 1, 2, 3, 4)), ("r2", Group(2, 2), (0,)), ("r3", Group(2, 2), (1, 2)),
+        ("r1", Group(0, 2), (0, 1, 2, 3, 4)),
+        ("r2", Group(2, 2), (0,)),
+        ("r3", Group(2, 2), (1, 2)),
     ]
     r1 = ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4])
     r23 = ([5, 7, 8], [0, 1, 2])
     assert plan.transfers == (
-        T(0, 0, 0, 1, *r1), T(0, 2, 0, 1, *r23), T(1, 0, 1, 2, *r1), T(1, 2, 1, 2, *r23),
-        T(2, 1, 2, 3, *r1), T(2, 3, 2, 3, *r23), T(3, 1, 3, 4, *r1), T(3, 3, 3, 4, *r23),
+        T(0, 0, 0, 1, *r1),
+        T(0, 2, 0, 1, *r23),
+        T(1, 0, 1, 2, *r1),
+        T(1, 2, 1, 2, *r23),
+        T(2, 1, 2, 3, *r1),
+        T(2, 3, 2, 3, *r23),
+        T(3, 1, 3, 4, *r1),
+        T(3, 3, 3, 4, *r23),
     )
 
 
@@ -108,29 +128,36 @@ def test_four_tp1_merge_into_tp4_and_back():
     reqs = [RequestKV(f"q{w}", Group(w, 1), 4, (w,)) for w in range(4)]
     merge = plan_prepare(tp1, tp4, reqs, GEO, POOL)
     # Worker w keeps head w of its own request and receives head w of the three others.
-    assert merge.transfers == tuple(
-        T(src, dst, dst, dst + 1, [src], [src]) for src in range(4) for dst in range(4)
-    )
+    assert merge.transfers == tuple(T(src, dst, dst, dst + 1, [src], [src]) for src in range(4) for dst in range(4))
     back = [RequestKV(f"q{w}", Group(0, 4), 4, (w,)) for w in range(4)]
     split = plan_prepare(tp4, tp1, back, GEO, POOL)
     assert {p.request_id: p.dst_group for p in split.placements} == {f"q{w}": Group(w, 1) for w in range(4)}
     # A TP1 worker gathers all four heads, one from each former peer.
-    assert split.transfers == tuple(
-        T(src, dst, src, src + 1, [dst], [0]) for src in range(4) for dst in range(4)
-    )
+    assert split.transfers == tuple(T(src, dst, src, src + 1, [dst], [0]) for src in range(4) for dst in range(4))
 
 
 def test_gqa_replicated_heads_come_from_self_when_possible():
     geo = KVGeometry(num_layers=1, num_kv_heads=2, block_size=4)
-    merge = plan_prepare(Topology.uniform(4, 2), Topology.uniform(4, 4),
-                         [RequestKV("a", Group(0, 2), 4, (3,)), RequestKV("b", Group(2, 2), 4, (3,))], geo, POOL)
-    assert merge.transfers == (
-        T(0, 0, 0, 1, [3], [0], 1), T(0, 1, 0, 1, [3], [0], 1), T(1, 2, 1, 2, [3], [0], 1),
-        T(1, 3, 1, 2, [3], [0], 1), T(2, 0, 0, 1, [3], [1], 1), T(2, 1, 0, 1, [3], [1], 1),
-        T(3, 2, 1, 2, [3], [1], 1), T(3, 3, 1, 2, [3], [1], 1),
+    merge = plan_prepare(
+        Topology.uniform(4, 2),
+        Topology.uniform(4, 4),
+        [RequestKV("a", Group(0, 2), 4, (3,)), RequestKV("b", Group(2, 2), 4, (3,))],
+        geo,
+        POOL,
     )
-    split = plan_prepare(Topology.uniform(4, 4), Topology.uniform(4, 2),
-                         [RequestKV("a", Group(0, 4), 4, (2,))], geo, POOL)
+    assert merge.transfers == (
+        T(0, 0, 0, 1, [3], [0], 1),
+        T(0, 1, 0, 1, [3], [0], 1),
+        T(1, 2, 1, 2, [3], [0], 1),
+        T(1, 3, 1, 2, [3], [0], 1),
+        T(2, 0, 0, 1, [3], [1], 1),
+        T(2, 1, 0, 1, [3], [1], 1),
+        T(3, 2, 1, 2, [3], [1], 1),
+        T(3, 3, 1, 2, [3], [1], 1),
+    )
+    split = plan_prepare(
+        Topology.uniform(4, 4), Topology.uniform(4, 2), [RequestKV("a", Group(0, 4), 4, (2,))], geo, POOL
+    )
     # Head 0 lives on workers 0 and 1, head 1 on 2 and 3 (replicated at TP4): worker 0 and 3 copy
     # locally, worker 1 takes head 1 from worker 3 (its position 1 picks the second holder).
     assert split.transfers == (T(0, 0, 0, 1, [2], [0], 1), T(3, 1, 1, 2, [2], [0], 1))
@@ -138,8 +165,7 @@ def test_gqa_replicated_heads_come_from_self_when_possible():
 
 def test_shared_prefix_blocks_move_once_and_stay_shared():
     reqs = [RequestKV("a", Group(0, 1), 9, (3, 4, 5)), RequestKV("b", Group(0, 1), 8, (3, 7))]
-    plan = plan_prepare(Topology.of(2, [(0, 1), (1, 1)]), Topology.uniform(2, 2), reqs,
-                        KVGeometry(1, 2, 4), {2: 8})
+    plan = plan_prepare(Topology.of(2, [(0, 1), (1, 1)]), Topology.uniform(2, 2), reqs, KVGeometry(1, 2, 4), {2: 8})
     assert [p.dst_block_ids for p in plan.placements] == [(0, 1), (0, 2)]
     assert plan.transfers == (T(0, 0, 0, 1, [3, 4, 7], [0, 1, 2], 1), T(0, 1, 1, 2, [3, 4, 7], [0, 1, 2], 1))
 

@@ -9,7 +9,24 @@ from nitsum_services.coordinator.membership import Membership
 
 
 def _stats(worker="w0", running=(), state="ready", instance="a", device=0):
-    return WorkerStats(worker, "node0", device, "cpu", "hybrid", state, worker, 1, "tiny", 2048, len(running), 0, 10, 10, tuple(running), instance_id=instance)
+    return WorkerStats(
+        worker,
+        "node0",
+        device,
+        "cpu",
+        "hybrid",
+        state,
+        worker,
+        1,
+        "tiny",
+        2048,
+        len(running),
+        0,
+        10,
+        10,
+        tuple(running),
+        instance_id=instance,
+    )
 
 
 def test_rebuild_from_heartbeats_after_a_restart():

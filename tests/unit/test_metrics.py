@@ -25,8 +25,15 @@ from nitsum.policy.tiers import UnknownTierError
 
 def rec(rid, tier, send, first, finish, out, *, error=None, times=(), prompt=10):
     return make_record(
-        request_id=rid, tier=tier, send_ms=send, first_token_ms=first, finish_ms=finish,
-        output_tokens=out, prompt_tokens=prompt, token_times_ms=times, error=error,
+        request_id=rid,
+        tier=tier,
+        send_ms=send,
+        first_token_ms=first,
+        finish_ms=finish,
+        output_tokens=out,
+        prompt_tokens=prompt,
+        token_times_ms=times,
+        error=error,
     )
 
 
@@ -137,10 +144,30 @@ def test_empty_and_zero_window():
 
 
 def test_unknown_tiers_sorted_after_known():
-    r1 = RequestRecord(request_id="z", tier="zeta", ttft_slo_ms=1, tpot_slo_ms=1, weight=2, send_ms=0,
-                       first_token_ms=1, finish_ms=1, output_tokens=1, prompt_tokens=1)
-    r0 = RequestRecord(request_id="a", tier="alpha", ttft_slo_ms=1, tpot_slo_ms=1, weight=2, send_ms=0,
-                       first_token_ms=2, finish_ms=2, output_tokens=1, prompt_tokens=1)
+    r1 = RequestRecord(
+        request_id="z",
+        tier="zeta",
+        ttft_slo_ms=1,
+        tpot_slo_ms=1,
+        weight=2,
+        send_ms=0,
+        first_token_ms=1,
+        finish_ms=1,
+        output_tokens=1,
+        prompt_tokens=1,
+    )
+    r0 = RequestRecord(
+        request_id="a",
+        tier="alpha",
+        ttft_slo_ms=1,
+        tpot_slo_ms=1,
+        weight=2,
+        send_ms=0,
+        first_token_ms=2,
+        finish_ms=2,
+        output_tokens=1,
+        prompt_tokens=1,
+    )
     report = summarize([r1, r0, LOG[4]])
     assert list(report.tiers) == ["background", "alpha", "zeta"]
     assert (report.tiers["alpha"].slo_met, report.tiers["zeta"].slo_met) == (0, 1)
@@ -149,14 +176,34 @@ def test_unknown_tiers_sorted_after_known():
 def test_record_roundtrip_and_make_record_overrides():
     for r in LOG:
         assert RequestRecord.from_dict(json.loads(json.dumps(r.to_dict()))) == r
-    r = make_record(request_id="q", tier="background", send_ms=0, first_token_ms=1, finish_ms=2,
-                    output_tokens=2, prompt_tokens=3, ttft_slo_ms=50, tpot_slo_ms=None)
+    r = make_record(
+        request_id="q",
+        tier="background",
+        send_ms=0,
+        first_token_ms=1,
+        finish_ms=2,
+        output_tokens=2,
+        prompt_tokens=3,
+        ttft_slo_ms=50,
+        tpot_slo_ms=None,
+    )
     assert (r.ttft_slo_ms, r.tpot_slo_ms, r.weight) == (50.0, 100.0, 1.0)
-    assert make_record(request_id="n", tier=None, send_ms=0, first_token_ms=None, finish_ms=None,
-                       output_tokens=0, prompt_tokens=0).tier == "interactive"
+    assert (
+        make_record(
+            request_id="n", tier=None, send_ms=0, first_token_ms=None, finish_ms=None, output_tokens=0, prompt_tokens=0
+        ).tier
+        == "interactive"
+    )
     with pytest.raises(UnknownTierError):
-        make_record(request_id="u", tier="gold", send_ms=0, first_token_ms=None, finish_ms=None,
-                    output_tokens=0, prompt_tokens=0)
+        make_record(
+            request_id="u",
+            tier="gold",
+            send_ms=0,
+            first_token_ms=None,
+            finish_ms=None,
+            output_tokens=0,
+            prompt_tokens=0,
+        )
 
 
 def test_record_rejects_time_travel():
@@ -176,8 +223,7 @@ def test_percentile_linear_interpolation_by_hand():
 
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=60), st.floats(0, 100))
 def test_percentile_matches_numpy_linear(xs, q):
-    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q, method="linear")),
-                                              rel=1e-9, abs=1e-6)
+    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q, method="linear")), rel=1e-9, abs=1e-6)
 
 
 def test_window_s():

@@ -19,13 +19,13 @@ from opentelemetry import trace
 
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig, FlowSchedulerConfig
-from nitsum.transfer.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
-from nitsum.node.runtime import TransitionAck
-from nitsum.node.precopy import PreCopy, plan_flows, transfer_block_bytes
 from nitsum.kv.reshard import Transfer
+from nitsum.node.precopy import PreCopy, plan_flows, transfer_block_bytes
+from nitsum.node.runtime import TransitionAck
 from nitsum.policy.flows import DSCP_TABLE, tos_for_dscp
 from nitsum.service import ServiceContext
 from nitsum.telemetry.metrics import Metrics
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
 from nitsum.wire.messages import FlowPermit, FlowPermitBatch, FlowSubmitBatch, GroupAssignment, TopologyPrepare
 from nitsum_services.flow_scheduler.main import body
 from nitsum_services.worker.backend import NodeBackend
@@ -45,8 +45,10 @@ class _LeaderRuntime:
         shape = (LAYERS, 2, 8, BLOCK, HEADS, DIM)
         self.old = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
         self.new = {0: torch.zeros(shape), 1: torch.zeros(shape)}
-        transfers = [Transfer(0, 0, 0, LAYERS, 0, HEADS, (1,), (0,)),  # local
-                     Transfer(0, 1, 0, LAYERS, 0, HEADS, (2, 3, 4), (5, 6, 7))]
+        transfers = [
+            Transfer(0, 0, 0, LAYERS, 0, HEADS, (1,), (0,)),  # local
+            Transfer(0, 1, 0, LAYERS, 0, HEADS, (2, 3, 4), (5, 6, 7)),
+        ]
         per_block = transfer_block_bytes(transfers[1], BLOCK, DIM, 4)
         flows = plan_flows(transfers, lambda t: transfer_block_bytes(t, BLOCK, DIM, 4), chunk_bytes=per_block)
         self.receiver, self.links = None, None
@@ -56,8 +58,16 @@ class _LeaderRuntime:
             self.receiver.open(EPOCH, 1, mapped.pop(1), (0, HEADS), sources={0})
             self.links = KvLinks()
             self.links.connect(EPOCH, 0, {1: ("127.0.0.1", self.receiver.port, self.receiver.token)})
-        self.pc = PreCopy(0, [0], transfers, flows, self.old, (0, HEADS),
-                          {w: (cache, (0, HEADS)) for w, cache in mapped.items()}, self.links)
+        self.pc = PreCopy(
+            0,
+            [0],
+            transfers,
+            flows,
+            self.old,
+            (0, HEADS),
+            {w: (cache, (0, HEADS)) for w, cache in mapped.items()},
+            self.links,
+        )
         self.classes: list[dict[int, int]] = []  # the classes of each round, as the backend passed them
         self.final: TransitionAck | None = None
         self.is_leader, self.engine, self.epoch = True, None, 0
@@ -105,8 +115,9 @@ class _LeaderRuntime:
 PREPARE = TopologyPrepare("node0", EPOCH, (GroupAssignment("node0-g0-tp2", 0, 2, "hybrid", ("w0", "w1")),))
 
 
-async def _drive(nats_url: str, permit_timeout_s: float,
-                 across_hosts: bool = False) -> tuple[TransitionAck, _LeaderRuntime, TransferAgent, Metrics]:
+async def _drive(
+    nats_url: str, permit_timeout_s: float, across_hosts: bool = False
+) -> tuple[TransitionAck, _LeaderRuntime, TransferAgent, Metrics]:
     bus = await Bus.connect(CommonConfig(nats_url=nats_url), "w0")
     metrics = Metrics("w0")
     runtime = _LeaderRuntime(across_hosts)
@@ -136,8 +147,14 @@ def _check_copied(runtime: _LeaderRuntime) -> None:
 
 async def test_precopy_flows_run_under_flow_scheduler_permits(nats_server):
     fs_bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "flow-scheduler")
-    ctx = ServiceContext("flow-scheduler", FlowSchedulerConfig(nats_url=nats_server.url), Metrics("flow-scheduler"),
-                         AsyncExitStack(), asyncio.Event(), bus=fs_bus)
+    ctx = ServiceContext(
+        "flow-scheduler",
+        FlowSchedulerConfig(nats_url=nats_server.url),
+        Metrics("flow-scheduler"),
+        AsyncExitStack(),
+        asyncio.Event(),
+        bus=fs_bus,
+    )
     await body(ctx)
     try:
         ack, runtime, agent, _ = await _drive(nats_server.url, permit_timeout_s=5.0)
@@ -147,7 +164,9 @@ async def test_precopy_flows_run_under_flow_scheduler_permits(nats_server):
         _check_copied(runtime)
         assert agent.num_fallbacks == 0 and agent.sent_order == [f"tp-migration-node0-e{EPOCH}-w0-w1"]
         text = ctx.metrics.render()[0].decode()
-        permits = [line for line in text.splitlines() if line.startswith('nitsum_flow_permits_total{') and 'stage="M"' in line]
+        permits = [
+            line for line in text.splitlines() if line.startswith("nitsum_flow_permits_total{") and 'stage="M"' in line
+        ]
         assert len(permits) == 1 and permits[0].endswith(" 1.0")
         for _ in range(100):  # the completion frees the flow at the scheduler and counts its bytes
             text = ctx.metrics.render()[0].decode()
@@ -181,7 +200,9 @@ async def test_a_flow_across_hosts_goes_on_the_connection_of_its_permits_class(n
     fs_bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "flow-scheduler")
 
     async def grant(batch: FlowSubmitBatch, _delivery) -> FlowPermitBatch:
-        return FlowPermitBatch(tuple(FlowPermit(f.flow_id, PERMIT_LEVEL, DSCP_TABLE[PERMIT_LEVEL]) for f in batch.flows))
+        return FlowPermitBatch(
+            tuple(FlowPermit(f.flow_id, PERMIT_LEVEL, DSCP_TABLE[PERMIT_LEVEL]) for f in batch.flows)
+        )
 
     await fs_bus.subscribe(fs_bus.subjects.flow_submit, grant, expected=FlowSubmitBatch)
     try:
@@ -254,8 +275,14 @@ async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats
 
     monkeypatch.setattr(session_module, "PRECOPY_HOLD_MAX_S", 30.0)
     fs_bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "flow-scheduler")
-    ctx = ServiceContext("flow-scheduler", FlowSchedulerConfig(nats_url=nats_server.url), Metrics("flow-scheduler"),
-                         AsyncExitStack(), asyncio.Event(), bus=fs_bus)
+    ctx = ServiceContext(
+        "flow-scheduler",
+        FlowSchedulerConfig(nats_url=nats_server.url),
+        Metrics("flow-scheduler"),
+        AsyncExitStack(),
+        asyncio.Event(),
+        bus=fs_bus,
+    )
     await body(ctx)
     bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "w0")
     runtime = _SteppingLeader()
@@ -274,14 +301,16 @@ async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats
         assert (ack.ok, ack.pending) == (True, False)
         assert agent.num_fallbacks == 0  # the flow ran under its permit
         first = runtime.events.index("prepare")
-        assert runtime.events[first + 1] == "round", runtime.events[:first + 5]  # not "step"
+        assert runtime.events[first + 1] == "round", runtime.events[: first + 5]  # not "step"
         _check_copied(runtime)
         # The last round sent the final prepare ack: the old group's next step waits (at most its hold) for the
         # commit, which then comes at that same step boundary, not after another step.
         commit = await asyncio.wait_for(session.control(NodeCommand("commit", EPOCH)), 30)
         assert (commit.phase, commit.ok) == ("commit", True)
         at = runtime.events.index("commit")
-        assert runtime.events[at - 1] == "round" and runtime.events.count("round") == len(runtime.rounds), runtime.events
+        assert runtime.events[at - 1] == "round" and runtime.events.count("round") == len(runtime.rounds), (
+            runtime.events
+        )
     finally:
         stop.set()
         await asyncio.wait({loop_task}, timeout=5)

@@ -19,9 +19,27 @@ from nitsum_services.coordinator.transition import TransitionAgent
 
 def _stats(device: int, in_world=True, tp=1, state="ready", node_size=4, generation=0, node="node0") -> WorkerStats:
     start = device - device % tp
-    return WorkerStats(f"{node}-{device}", node, device, "cpu", "hybrid", state, f"{node}-g{start}-tp{tp}", tp, "tiny", 2048,
-                       0, 0, 10, 10, instance_id="a", in_world=in_world, leader=device == start, node_size=node_size,
-                       generation=generation)
+    return WorkerStats(
+        f"{node}-{device}",
+        node,
+        device,
+        "cpu",
+        "hybrid",
+        state,
+        f"{node}-g{start}-tp{tp}",
+        tp,
+        "tiny",
+        2048,
+        0,
+        0,
+        10,
+        10,
+        instance_id="a",
+        in_world=in_world,
+        leader=device == start,
+        node_size=node_size,
+        generation=generation,
+    )
 
 
 def _agent(*stats: WorkerStats) -> ReformAgent:
@@ -45,14 +63,18 @@ def test_a_node_with_every_device_back_at_tp1_and_one_outside_its_world_is_refor
 
 
 def test_why_a_node_cannot_be_reformed():
-    assert "missing workers: have devices [0, 1, 3]" in _refused(_agent(_stats(0, in_world=False), _stats(1), _stats(3)))
+    assert "missing workers: have devices [0, 1, 3]" in _refused(
+        _agent(_stats(0, in_world=False), _stats(1), _stats(3))
+    )
     # The last device gone: the node's size (from the heartbeats) still says who is missing.
     assert "needs 0..3" in _refused(_agent(_stats(0, in_world=False), _stats(1), _stats(2)))
     assert "not ready" in _refused(_agent(_stats(0, in_world=False, state="draining"), _stats(1), _stats(2), _stats(3)))
     nothing = _refused(_agent(*(_stats(d, generation=2) for d in range(4))))
     assert "nothing to re-form" in nothing and "generation 2" in nothing
     # A TP>1 group with a member outside the world cannot be split (its communicator has no use now).
-    blocked = _refused(_agent(_stats(0, tp=2, in_world=True), _stats(1, tp=2, in_world=False), _stats(2, in_world=False), _stats(3)))
+    blocked = _refused(
+        _agent(_stats(0, tp=2, in_world=True), _stats(1, tp=2, in_world=False), _stats(2, in_world=False), _stats(3))
+    )
     assert "node0-g0-tp2 (TP=2)" in blocked and "members outside the world" in blocked
     assert "standalone" in _refused(_agent(*(_stats(d, in_world=False, node_size=0) for d in range(2))))
     assert "no worker of node 'node9'" in _refused(_agent(_stats(0)), "node9")
@@ -111,7 +133,13 @@ def test_generations_meet_at_ports_above_the_base_in_a_small_range():
     from nitsum.parallel.world import PORT_SPAN, rendezvous_port
 
     assert [rendezvous_port(29400, g) for g in (0, 1, 2, PORT_SPAN - 1, PORT_SPAN, PORT_SPAN + 3)] == [
-        29400, 29401, 29402, 29400 + PORT_SPAN - 1, 29400, 29403]
+        29400,
+        29401,
+        29402,
+        29400 + PORT_SPAN - 1,
+        29400,
+        29403,
+    ]
     with pytest.raises(ValueError, match="NITSUM_NODE_MASTER_PORT must be at most"):
         rendezvous_port(65530, 7)
 
@@ -144,8 +172,13 @@ def standby(tiny_model_dir):
     from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
     from nitsum_services.worker.boot import build_backend
 
-    env = {"NITSUM_MODEL": str(tiny_model_dir), "NITSUM_NODE_SIZE": "4", "NITSUM_NODE_STANDBY": "1",
-           "NITSUM_DEVICE_INDEX": "2", "NITSUM_KV_CACHE_MB": "4"}
+    env = {
+        "NITSUM_MODEL": str(tiny_model_dir),
+        "NITSUM_NODE_SIZE": "4",
+        "NITSUM_NODE_STANDBY": "1",
+        "NITSUM_DEVICE_INDEX": "2",
+        "NITSUM_KV_CACHE_MB": "4",
+    }
     config = load(WorkerConfig, [], env)
     base = Path(DEFAULT_SHM_DIR) / store_key(Path(tiny_model_dir).resolve(), "float32")
     try:

@@ -19,8 +19,10 @@ NOW = 100_000.0
 
 def node_of(top, min_tp=1, last=None, unhealthy=()):
     t = top if isinstance(top, Topology) else Topology.parse(top)
-    groups = tuple(GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role,
-                             healthy=g.start not in unhealthy) for g in t.groups)
+    groups = tuple(
+        GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role, healthy=g.start not in unhealthy)
+        for g in t.groups
+    )
     return NodeView("n0", 8, min_tp, 8, groups, "h100", last)
 
 
@@ -74,10 +76,13 @@ def test_interactive_work_present_blocks_the_split_fast_path():
     assert d.path == "scored"
 
 
-@pytest.mark.parametrize("top, requests, kw, reason", [
-    (TP4X2, [], {}, "idle"),
-    (TP4X2, [inter(0)], {"last": NOW - 1000.0}, "dwell"),
-])
+@pytest.mark.parametrize(
+    "top, requests, kw, reason",
+    [
+        (TP4X2, [], {}, "idle"),
+        (TP4X2, [inter(0)], {"last": NOW - 1000.0}, "dwell"),
+    ],
+)
 def test_keep_cases(top, requests, kw, reason):
     d = decide(policy(), top, requests, min_tp=2, **kw)
     assert (d.target, d.path) == (None, "fast")
@@ -122,7 +127,9 @@ def test_margin_prevents_flapping_under_a_mild_oscillation():
 
 def test_dwell_bounds_changes_under_a_strong_oscillation():
     base = PolicyConfig(model=model_spec("llama-3-8b"))
-    flapping = _oscillate(replace(base, min_dwell_ms=0.0, hysteresis_margin=0.0, hysteresis_fraction=0.0), SURGE, BACKLOG, TP1X8, min_tp=1)
+    flapping = _oscillate(
+        replace(base, min_dwell_ms=0.0, hysteresis_margin=0.0, hysteresis_fraction=0.0), SURGE, BACKLOG, TP1X8, min_tp=1
+    )
     assert flapping == list(range(20))  # every epoch: consolidate, split, consolidate, ...
     changes = _oscillate(replace(base, hysteresis_fraction=0.0), SURGE, BACKLOG, TP1X8, min_tp=1)
     assert changes == [0, 3, 6, 9, 12, 15, 18]  # at most one change per 3 s dwell
@@ -144,8 +151,9 @@ def test_candidates_are_valid_aligned_partitions(start):
     assert shapes and len(set(shapes)) == len(shapes)
     assert Topology.parse(start).shape() not in shapes
     for sh in shapes:
-        Topology(tuple(__import__("nitsum.policy.decisions").policy.decisions.GroupSpec(s, k, "hybrid")
-                       for s, k in sh)).validate(8, 1, 8)
+        Topology(
+            tuple(__import__("nitsum.policy.decisions").policy.decisions.GroupSpec(s, k, "hybrid") for s, k in sh)
+        ).validate(8, 1, 8)
 
 
 def test_candidates_respect_min_tp():
@@ -164,6 +172,8 @@ def test_role_variants_of_equal_tp_groups_include_quarter_and_three_quarter_pref
     variants = role_variants(shape, prefill_pending=True)
     prefill_counts = sorted(sum(g.role == "prefill" for g in v) for v in variants)
     assert prefill_counts == [0, 2, 4, 6]  # all hybrid, then 2 / 4 / 6 prefill groups, the rest decode
-    assert all(g.role in ("prefill", "hybrid") for g in variants[0]) and all(v[0].role in ("prefill", "hybrid") for v in variants)
+    assert all(g.role in ("prefill", "hybrid") for g in variants[0]) and all(
+        v[0].role in ("prefill", "hybrid") for v in variants
+    )
     assert role_variants(shape, prefill_pending=False) == variants[:1]
     assert len(role_variants(((0, 4), (4, 2), (6, 2)), True)) == 2  # mixed TPs: the highest-TP prefill split only

@@ -23,8 +23,12 @@ def test_both_targets_must_be_met():
 
 
 def test_weighted_goodput_per_second_and_per_tier():
-    outs = [outcome("i1"), outcome("i2", first=300.0, finish=400.0),
-            outcome("b1", tier="background", weight=1.0), outcome("b2", tier="background", weight=1.0)]
+    outs = [
+        outcome("i1"),
+        outcome("i2", first=300.0, finish=400.0),
+        outcome("b1", tier="background", weight=1.0),
+        outcome("b2", tier="background", weight=1.0),
+    ]
     s = summarize_goodput(outs, window_s=2.0)
     assert (s.met, s.finished) == (3, 4)
     assert s.goodput_rps == 1.5

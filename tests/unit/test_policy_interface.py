@@ -21,12 +21,15 @@ def test_topology_round_trips_through_text():
     t.validate(8, 1, 8)
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("[0-3 TP4 hybrid][4-5 TP2 decode]", "node has 8"),
-    ("[0-3 TP4 hybrid][4-7 TP4 decode][6-7 TP2 decode]", "gap or overlap"),
-    ("[0-1 TP2 hybrid][2-5 TP4 hybrid][6-7 TP2 hybrid]", "not aligned"),
-    ("[0-7 TP8 hybrid]", "between 1 and 4"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("[0-3 TP4 hybrid][4-5 TP2 decode]", "node has 8"),
+        ("[0-3 TP4 hybrid][4-7 TP4 decode][6-7 TP2 decode]", "gap or overlap"),
+        ("[0-1 TP2 hybrid][2-5 TP4 hybrid][6-7 TP2 hybrid]", "not aligned"),
+        ("[0-7 TP8 hybrid]", "between 1 and 4"),
+    ],
+)
 def test_topology_validate_names_the_problem(text, fragment):
     with pytest.raises(ValueError, match=fragment):
         Topology.parse(text).validate(8, 1, 4)
@@ -38,13 +41,16 @@ def test_topology_parse_rejects_garbage(text):
         Topology.parse(text)
 
 
-@pytest.mark.parametrize("spec, layout", [
-    ("static-tp:2", "[0-1 TP2 hybrid][2-3 TP2 hybrid][4-5 TP2 hybrid][6-7 TP2 hybrid]"),
-    ("static-tp:8", "[0-7 TP8 hybrid]"),
-    ("disagg", "[0-3 TP4 prefill][4-5 TP2 decode][6-7 TP2 decode]"),
-    ("disagg:4/1", "[0-3 TP4 prefill][4 TP1 decode][5 TP1 decode][6 TP1 decode][7 TP1 decode]"),
-    ("static-hybrid:4/2", "[0-3 TP4 hybrid][4-5 TP2 hybrid][6-7 TP2 hybrid]"),
-])
+@pytest.mark.parametrize(
+    "spec, layout",
+    [
+        ("static-tp:2", "[0-1 TP2 hybrid][2-3 TP2 hybrid][4-5 TP2 hybrid][6-7 TP2 hybrid]"),
+        ("static-tp:8", "[0-7 TP8 hybrid]"),
+        ("disagg", "[0-3 TP4 prefill][4-5 TP2 decode][6-7 TP2 decode]"),
+        ("disagg:4/1", "[0-3 TP4 prefill][4 TP1 decode][5 TP1 decode][6 TP1 decode][7 TP1 decode]"),
+        ("static-hybrid:4/2", "[0-3 TP4 hybrid][4-5 TP2 hybrid][6-7 TP2 hybrid]"),
+    ],
+)
 def test_baseline_layouts(spec, layout):
     p = make_policy(spec)
     assert isinstance(p, Policy)

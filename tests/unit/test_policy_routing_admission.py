@@ -65,8 +65,11 @@ def test_routing_when_nothing_meets_slack_picks_least_late():
 
 
 def test_prefilled_request_routes_to_a_decode_capable_group():
-    groups = (GroupView("p", (0, 1, 2, 3), 4, "prefill"), GroupView("d1", (4, 5), 2, "decode"),
-              GroupView("d2", (6, 7), 2, "decode"))
+    groups = (
+        GroupView("p", (0, 1, 2, 3), 4, "prefill"),
+        GroupView("d1", (4, 5), 2, "decode"),
+        GroupView("d2", (6, 7), 2, "decode"),
+    )
     r = bg("b", first_token_ms=NOW - 1.0, output_tokens=1)
     assert pol("disagg").route(snap(groups=groups), r).group_id == "d1"
     assert pol("disagg").route(snap(groups=groups), bg("b2")).group_id == "p"

@@ -17,14 +17,17 @@ PROMPTS = (400, 1000, 1200, 2000)  # Azure-conv-like quartile midpoints
 
 
 def node(top: str) -> NodeView:
-    groups = tuple(GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role)
-                   for g in Topology.parse(top).groups)
+    groups = tuple(
+        GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role) for g in Topology.parse(top).groups
+    )
     return NodeView("n0", 8, 1, 8, groups, "h100")
 
 
 def stream_snapshot(rate_per_s: float, requests=()) -> ClusterSnapshot:
-    arrivals = (ArrivalStats("interactive", 0.3 * rate_per_s, 200.0, 25.0, 10.0, PROMPTS, 200.0),
-                ArrivalStats("background", 0.7 * rate_per_s, 10_000.0, 100.0, 1.0, PROMPTS, 200.0))
+    arrivals = (
+        ArrivalStats("interactive", 0.3 * rate_per_s, 200.0, 25.0, 10.0, PROMPTS, 200.0),
+        ArrivalStats("background", 0.7 * rate_per_s, 10_000.0, 100.0, 1.0, PROMPTS, 200.0),
+    )
     return ClusterSnapshot(0.0, (node(TP8),), tuple(requests), arrivals=arrivals)
 
 
@@ -35,7 +38,9 @@ def score(top: str, snap: ClusterSnapshot, prefill_batch_tokens: int = 0):
 
 
 def test_measure_takes_rate_quantile_slice_means_and_mean_output():
-    a = ArrivalStats.measure("bg", 2000.0, 10_000.0, 100.0, 1.0, [(p, 10 * i) for i, p in enumerate(range(100, 900, 100))])
+    a = ArrivalStats.measure(
+        "bg", 2000.0, 10_000.0, 100.0, 1.0, [(p, 10 * i) for i, p in enumerate(range(100, 900, 100))]
+    )
     assert a.rate_per_s == 4.0  # 8 arrivals in 2 s
     assert a.prompt_tokens == (150, 350, 550, 750)  # means of four equal-mass slices of 100..800
     assert a.output_tokens == 35.0
@@ -73,8 +78,9 @@ def test_summarize_skips_a_request_between_groups():
 @pytest.mark.parametrize("nodes, share", [(1, 1.0), (4, 0.25)])
 def test_each_node_expects_its_share_of_the_stream(nodes, share):
     snap = stream_snapshot(20.0)
-    many = ClusterSnapshot(0.0, tuple(NodeView(f"n{i}", 8, 1, 8, node(TP8).groups, "h100") for i in range(nodes)),
-                           arrivals=snap.arrivals)
+    many = ClusterSnapshot(
+        0.0, tuple(NodeView(f"n{i}", 8, 1, 8, node(TP8).groups, "h100") for i in range(nodes)), arrivals=snap.arrivals
+    )
     load = summarize(many, many.nodes[0], 1000.0)
     assert [s.rate_per_ms for s in load.streams] == pytest.approx([6.0 * share / 1e3, 14.0 * share / 1e3])
 
@@ -91,8 +97,10 @@ def test_background_leaves_its_low_tp_lane_once_the_queue_eats_half_its_budget()
     new = RequestView("new", "background", 10_000.0, 100.0, 1.0, 0.0, 1000, 100)
 
     def queued(n):
-        return tuple(RequestView(f"q{i}", "background", 10_000.0, 100.0, 1.0, 0.0, 1000, 100,
-                                 group_id=lane.group_id) for i in range(n))
+        return tuple(
+            RequestView(f"q{i}", "background", 10_000.0, 100.0, 1.0, 0.0, 1000, 100, group_id=lane.group_id)
+            for i in range(n)
+        )
 
     # 20 queued prompts (~1.9 s of TP4 prefill): background keeps to the low-TP lane.
     assert pol.route(ClusterSnapshot(0.0, nodes, queued(20)), new).group_id == lane.group_id

@@ -11,9 +11,9 @@ import uuid
 import pytest
 import torch
 
+from nitsum.kv.reshard import Transfer
 from nitsum.node import kv_segment
 from nitsum.node.precopy import PreCopy, plan_flows, transfer_block_bytes
-from nitsum.kv.reshard import Transfer
 
 # [layers, K/V, blocks, block_size, heads, head_dim]
 LAYERS, BLOCK, HEAD_DIM = 2, 4, 3
@@ -39,7 +39,9 @@ def test_flows_are_one_per_pair_with_chunks_of_whole_blocks():
 
 
 def test_precopy_copies_chunks_one_sided_and_tracks_the_group():
-    old = torch.arange(LAYERS * 2 * 10 * BLOCK * 4 * HEAD_DIM, dtype=torch.float32).view(LAYERS, 2, 10, BLOCK, 4, HEAD_DIM)
+    old = torch.arange(LAYERS * 2 * 10 * BLOCK * 4 * HEAD_DIM, dtype=torch.float32).view(
+        LAYERS, 2, 10, BLOCK, 4, HEAD_DIM
+    )
     new0 = torch.zeros(LAYERS, 2, 8, BLOCK, 2, HEAD_DIM)  # worker 0 will hold heads [2, 4)
     transfers = [Transfer(1, 0, 0, LAYERS, 2, 4, (3, 9, 4), (0, 5, 2))]
     flows = plan_flows(transfers, block_bytes, chunk_bytes=1)  # one block per chunk
@@ -65,8 +67,10 @@ def test_segment_is_shared_across_processes_and_unlinked_without_losing_memory()
     try:
         mine = kv_segment.create(name, shape, torch.float32)
         assert kv_segment.leftovers(tag) == [name] and not mine.any()
-        code = ("import torch; from nitsum.node import kv_segment; "
-                f"t = kv_segment.attach({name!r}, {shape!r}, torch.float32); t[1, 0, 2] = 7.0")
+        code = (
+            "import torch; from nitsum.node import kv_segment; "
+            f"t = kv_segment.attach({name!r}, {shape!r}, torch.float32); t[1, 0, 2] = 7.0"
+        )
         subprocess.run([sys.executable, "-c", code], check=True)
         kv_segment.unlink(name)
         assert kv_segment.leftovers(tag) == []

@@ -15,8 +15,9 @@ import torch
 from nitsum.node import kv_segment
 from nitsum.node.reaper import Reaper, release_pages
 
-linux_shm = pytest.mark.skipif(not (sys.platform.startswith("linux") and kv_segment.available()),
-                               reason="needs Linux /dev/shm")
+linux_shm = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and kv_segment.available()), reason="needs Linux /dev/shm"
+)
 
 
 def _resident_kb(path: str) -> int:
@@ -101,4 +102,3 @@ def test_nothing_retired_stays_alive_after_its_release():
         time.sleep(0.01)
     assert all(r() is None for r in refs)  # freed while the reaper thread still runs (not drained)
     reaper.drain()
-

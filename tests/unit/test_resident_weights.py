@@ -66,8 +66,9 @@ def expected_hull_bytes(store, cfg, device_index, min_tp, max_tp) -> int:
 def check_views_bytes_and_values(store, cfg, device, device_index, min_tp, max_tp):
     """(a) every shard at every allowed level is a view of the resident copy, whose bytes are the hull;
     (b) each shard equals the store's shard at the same (TP, rank)."""
-    resident = boot_weights(store, device, device_index, min_tp, max_tp, config=cfg, node_size=max(NODE, max_tp),
-                            resident=True)
+    resident = boot_weights(
+        store, device, device_index, min_tp, max_tp, config=cfg, node_size=max(NODE, max_tp), resident=True
+    )
     assert isinstance(resident, ResidentWeights)
     assert resident.device.type == torch.device(device).type
     full_bytes = sum(t.numel() * t.element_size() for t in store.tensors.values())
@@ -152,15 +153,17 @@ def test_tied_embeddings_keep_no_copy_of_the_checkpoints_lm_head(tmp_path):
         assert "lm_head.weight" not in resident.tensors
         embed = store.tensors["model.embed_tokens.weight"]
         assert resident.tensor_bytes == expected_hull_bytes(store, tied, 3, 2, 4) - (
-            store.tensors["lm_head.weight"].numel() * 4 // 2)  # the lm_head hull ([2, 4) of 4 blocks) is not held
+            store.tensors["lm_head.weight"].numel() * 4 // 2
+        )  # the lm_head hull ([2, 4) of 4 blocks) is not held
         for tp in (2, 4):
             shards = resident.shards(tied, 3 % tp, tp)
             assert shards["lm_head.weight"] is shards["model.embed_tokens.weight"]
             head = shards["lm_head.weight"]
             assert torch.equal(head, loader.shard_weights(store.tensors, tied, 3 % tp, tp)["lm_head.weight"])
             assert resident.contains(head) and head.shape[0] == embed.shape[0] // tp
-            runner = ModelRunner("unused", TPGroup(3 % tp, tp, None, "cpu"), num_kv_blocks=4, weights=resident,
-                                 config=tied)
+            runner = ModelRunner(
+                "unused", TPGroup(3 % tp, tp, None, "cpu"), num_kv_blocks=4, weights=resident, config=tied
+            )
             assert all(resident.contains(p) for p in runner.model.parameters())
     finally:
         store.remove()
@@ -175,16 +178,19 @@ def test_tp_change_reads_nothing_and_allocates_no_weight(store, cfg, min_tp):
 def tp1_plans():
     prompt = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(5)).tolist()
     table = (1, 2)
-    return [StepPlan("step", 1, (ChunkPlan(tuple(prompt[:-1]), 0, table, True),)),
-            StepPlan("step", 2, (ChunkPlan((prompt[-1],), 20, table, True),))]
+    return [
+        StepPlan("step", 1, (ChunkPlan(tuple(prompt[:-1]), 0, table, True),)),
+        StepPlan("step", 2, (ChunkPlan((prompt[-1],), 20, table, True),)),
+    ]
 
 
 def check_tp1_runner_fuses_and_matches_the_store(store, cfg, device):
     """With min_tp=1 the hull is the whole model, laid out as the store: a TP=1 runner on it runs fused
     q|k|v and gate|up on views, and its logits equal a runner on the store's (CPU) tensors."""
     resident = boot_weights(store, device, 0, 1, MAX_TP, config=cfg, node_size=NODE, resident=True)
-    on_resident = ModelRunner("unused", TPGroup.single(device), device=device, num_kv_blocks=4, weights=resident,
-                              config=cfg)
+    on_resident = ModelRunner(
+        "unused", TPGroup.single(device), device=device, num_kv_blocks=4, weights=resident, config=cfg
+    )
     on_store = ModelRunner("unused", TPGroup.single("cpu"), num_kv_blocks=4, weights=store.tensors, config=cfg)
     for layer in on_resident.model.model.layers:
         assert resident.contains(layer.self_attn.qkv_weight) and resident.contains(layer.mlp.gate_up_weight)
@@ -201,15 +207,18 @@ def test_cpu_default_is_the_store_itself(store, cfg):
     assert weights is store.tensors
 
 
-@pytest.mark.parametrize("args, kwargs, message", [
-    ((4, 1, 4), {}, "device index 4 is outside the node's devices 0..3"),
-    ((-1, 1, 4), {}, "device index -1"),
-    ((0, 3, 4), {}, "powers of two"),
-    ((0, 4, 2), {}, "powers of two with min_tp <= max_tp"),
-    ((0, 0, 4), {}, "min_tp must be a positive integer"),
-    ((0, 1, 8), {"node_size": 4}, "max_tp=8 exceeds the node's 4 devices"),
-    ((0, 1, 16), {"node_size": 16}, "TP level 16 of [1, 16] does not fit the model: num_attention_heads=8"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((4, 1, 4), {}, "device index 4 is outside the node's devices 0..3"),
+        ((-1, 1, 4), {}, "device index -1"),
+        ((0, 3, 4), {}, "powers of two"),
+        ((0, 4, 2), {}, "powers of two with min_tp <= max_tp"),
+        ((0, 0, 4), {}, "min_tp must be a positive integer"),
+        ((0, 1, 8), {"node_size": 4}, "max_tp=8 exceeds the node's 4 devices"),
+        ((0, 1, 16), {"node_size": 16}, "TP level 16 of [1, 16] does not fit the model: num_attention_heads=8"),
+    ],
+)
 def test_bad_boot_arguments_are_clear_errors(store, cfg, args, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         boot_weights(store, "cpu", *args, config=cfg, resident=True, **{"node_size": 4, **kwargs})

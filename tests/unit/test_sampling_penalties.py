@@ -12,7 +12,9 @@ LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
 
 
 def test_bias_and_penalties_follow_their_definitions():
-    p = SamplingParams(logit_bias={0: 1.5, 5: -100.0}, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    p = SamplingParams(
+        logit_bias={0: 1.5, 5: -100.0}, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
+    )
     history = [1, 3, 2, 2, 3]  # prompt [1, 3]; output [2, 2, 3]
     got = process_logits(LOGITS, p, history, num_prompt=2)
     want = LOGITS.clone()
@@ -51,7 +53,13 @@ def test_logprobs_are_of_the_filtered_tempered_distribution_and_draws_do_not_cha
 
 
 def test_bad_params_are_refused():
-    for kwargs in ({"presence_penalty": 3.0}, {"repetition_penalty": 0.0}, {"logit_bias": {-1: 1.0}}, {"logit_bias": {1: 200.0}}, {"logprobs": 21}):
+    for kwargs in (
+        {"presence_penalty": 3.0},
+        {"repetition_penalty": 0.0},
+        {"logit_bias": {-1: 1.0}},
+        {"logit_bias": {1: 200.0}},
+        {"logprobs": 21},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
     assert SamplingParams(logit_bias=[[3, 1]]).logit_bias == ((3, 1.0),)  # a migrated request's lists

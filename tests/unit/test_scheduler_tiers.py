@@ -13,7 +13,9 @@ BACKGROUND = dict(tier="background", ttft_ms=10_000.0, tpot_ms=100.0)
 
 
 def make(num_blocks=32, block_size=4, budget=8, max_seqs=8, role="hybrid"):
-    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs=max_seqs, max_num_batched_tokens=budget, role=role)
+    return Scheduler(
+        KVCacheManager(num_blocks, block_size), max_num_seqs=max_seqs, max_num_batched_tokens=budget, role=role
+    )
 
 
 def seq(rid, n, tier, arrival, first=1, max_tokens=8, **slo):
@@ -141,7 +143,11 @@ def test_requests_without_slo_keep_the_plain_order():
         sched.add(Sequence("a", list(range(1, 13)), SamplingParams(max_tokens=8), arrival_index=0))
         sched.add(Sequence("b", list(range(50, 53)), SamplingParams(max_tokens=8), arrival_index=1))
     assert not plain.tier_aware
-    assert [run_step(plain)[0] for _ in range(3)] == [[("a", 0, 8)], [("a", 8, 4), ("b", 0, 3)], [("a", 12, 1), ("b", 3, 1)]]
+    assert [run_step(plain)[0] for _ in range(3)] == [
+        [("a", 0, 8)],
+        [("a", 8, 4), ("b", 0, 3)],
+        [("a", 12, 1), ("b", 3, 1)],
+    ]
 
 
 def test_step_cost_model_fits_measured_steps():
@@ -163,5 +169,7 @@ def test_request_slo_validation_and_clock_placement():
         RequestSlo(tier="interactive", ttft_ms=0.0, tpot_ms=1.0, arrival_ms=0.0)
     slo = RequestSlo.from_unix("interactive", 200.0, 25.0, arrival_unix_ms=9_950.0, now_unix_ms=10_000.0, now_ms=500.0)
     assert slo.arrival_ms == 450.0 and slo.deadline_ms == 650.0
-    skewed = RequestSlo.from_unix("background", 10.0, 25.0, arrival_unix_ms=20_000.0, now_unix_ms=10_000.0, now_ms=500.0)
+    skewed = RequestSlo.from_unix(
+        "background", 10.0, 25.0, arrival_unix_ms=20_000.0, now_unix_ms=10_000.0, now_ms=500.0
+    )
     assert skewed.arrival_ms == 500.0

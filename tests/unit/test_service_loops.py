@@ -45,7 +45,9 @@ def test_loops_that_end_at_the_stop_exit_0(monkeypatch, tmp_path):
         ctx.spawn(loop(), "tick")
         asyncio.get_running_loop().call_later(0.05, ctx.stop.set)
 
-    assert _run(monkeypatch, tmp_path, body) == 0  # (beside the tests above: the same loop, raising before the stop, exits 1)
+    assert (
+        _run(monkeypatch, tmp_path, body) == 0
+    )  # (beside the tests above: the same loop, raising before the stop, exits 1)
 
 
 def test_a_loop_that_returns_before_the_stop_stops_the_service_too(monkeypatch, tmp_path, caplog):

@@ -45,8 +45,18 @@ def _session(backend) -> WorkerSession:
 def test_a_peer_follows_steps_rounds_and_a_prepare_in_one_turn_and_stops_at_the_commit():
     prepare = TransitionAck(3, True, "prepare", "", 2.0)
     commit = TransitionAck(3, True, "commit", "", 4.0)
-    peer = _Peer([("step", None), ("step", None), ("control", prepare), ("precopy", None), ("step", None),
-                  ("control", commit), ("step", None)], promote_at_commit=True)
+    peer = _Peer(
+        [
+            ("step", None),
+            ("step", None),
+            ("control", prepare),
+            ("precopy", None),
+            ("step", None),
+            ("control", commit),
+            ("step", None),
+        ],
+        promote_at_commit=True,
+    )
     session = _session(peer)
     outputs, rejected, _stats, acks, kind, calls = session._iteration()
     assert peer.followed == ["step", "step", "control", "precopy", "step", "control"]  # not the step after

@@ -14,8 +14,10 @@ import torch
 
 from nitsum.parallel import shm_collectives as sc
 
-pytestmark = [pytest.mark.skipif(not sc.supported(), reason="shared-memory collectives need x86-64 Linux"),
-              pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.skipif(not sc.supported(), reason="shared-memory collectives need x86-64 Linux"),
+    pytest.mark.timeout(120),
+]
 
 SLOT = 8192  # small, so that the tests' payloads take several rounds
 
@@ -80,8 +82,14 @@ def _run(target, size, *extra, timeout_s=60):
 def test_collectives_match_torch_and_agree_bitwise_on_every_member(size):
     res = _run(_collectives, size)
     gens = [torch.Generator().manual_seed(100 + r) for r in range(size)]
-    inputs = [[torch.randn(5000, generator=g), torch.randn(3, 700, generator=g).to(torch.bfloat16),
-               torch.randn(4, 6, generator=g)] for g in gens]
+    inputs = [
+        [
+            torch.randn(5000, generator=g),
+            torch.randn(3, 700, generator=g).to(torch.bfloat16),
+            torch.randn(4, 6, generator=g),
+        ]
+        for g in gens
+    ]
     # Summed in rank order on every member, so every member holds the same bits.
     for key in ("big", "bf16", "noncontig"):
         assert all(res[r][key] == res[0][key] for r in range(size)), key

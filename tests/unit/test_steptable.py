@@ -6,25 +6,40 @@ from __future__ import annotations
 import pytest
 
 from nitsum.policy.costmodel import CostModel, device_spec, model_spec
-from nitsum.policy.steptable import (COLUMNS, StepRow, StepTableError, fit_table, features, parse_rows, select,
-                                     write_rows)
+from nitsum.policy.steptable import (
+    COLUMNS,
+    StepRow,
+    StepTableError,
+    features,
+    fit_table,
+    parse_rows,
+    select,
+    write_rows,
+)
 from nitsum.sim.cluster import ClusterConfig, ClusterSim
 
 LLAMA = model_spec("llama-3-70b")
 HEADER = ",".join(COLUMNS)
 
-TABLE = HEADER + "\n" + "\n".join([
-    "h100,llama-3-70b,4,decode,1,0,1000,20.0",
-    "h100,llama-3-70b,4,decode,1,0,3000,24.0",
-    "h100,llama-3-70b,4,decode,16,0,1000,26.0",
-    "h100,llama-3-70b,4,decode,16,0,3000,34.0",
-    "h100,llama-3-70b,4,prefill,1,512,512,40.0",
-    "h100,llama-3-70b,4,prefill,1,2048,2048,130.0",
-    "h100,llama-3-70b,8,decode,1,0,1000,17.0",
-    "h100,llama-3-70b,8,decode,16,0,1000,22.0",
-    "h100,llama-3-70b,8,prefill,1,512,512,27.0",
-    "h100,llama-3-70b,8,prefill,1,2048,2048,75.0",
-]) + "\n"
+TABLE = (
+    HEADER
+    + "\n"
+    + "\n".join(
+        [
+            "h100,llama-3-70b,4,decode,1,0,1000,20.0",
+            "h100,llama-3-70b,4,decode,1,0,3000,24.0",
+            "h100,llama-3-70b,4,decode,16,0,1000,26.0",
+            "h100,llama-3-70b,4,decode,16,0,3000,34.0",
+            "h100,llama-3-70b,4,prefill,1,512,512,40.0",
+            "h100,llama-3-70b,4,prefill,1,2048,2048,130.0",
+            "h100,llama-3-70b,8,decode,1,0,1000,17.0",
+            "h100,llama-3-70b,8,decode,16,0,1000,22.0",
+            "h100,llama-3-70b,8,prefill,1,512,512,27.0",
+            "h100,llama-3-70b,8,prefill,1,2048,2048,75.0",
+        ]
+    )
+    + "\n"
+)
 
 
 def _table():
@@ -69,29 +84,41 @@ def test_fit_recovers_known_coefficients_exactly():
     truth = (2e-13, 3e-10, 1e-9, 0.01, 1.5)
     rows = []
     for tp in (1, 2, 4, 8):
-        for phase, b, tok in (("decode", 1, 500), ("decode", 32, 2000), ("decode", 8, 8000), ("prefill", 1, 256),
-                              ("prefill", 1, 4096), ("prefill", 4, 1024)):
+        for phase, b, tok in (
+            ("decode", 1, 500),
+            ("decode", 32, 2000),
+            ("decode", 8, 8000),
+            ("prefill", 1, 256),
+            ("prefill", 1, 4096),
+            ("prefill", 4, 1024),
+        ):
             n = b if phase == "decode" else b * tok
             f = features(LLAMA, tp, b, n, b * tok)
             ms = sum(c * x for c, x in zip(truth, f))
-            rows.append(StepRow("x", LLAMA.name, tp, phase, b, tok if phase == "prefill" else 0,
-                                tok if phase == "decode" else 0, ms))
+            rows.append(
+                StepRow(
+                    "x", LLAMA.name, tp, phase, b, tok if phase == "prefill" else 0, tok if phase == "decode" else 0, ms
+                )
+            )
     coef = fit_table(LLAMA, tuple(rows))
     for got, want in zip(coef, truth):
         assert got == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("line,column,needle", [
-    ("h100,llama-3-70b,3,decode,1,0,100,5", "tp", "not a power of two"),
-    ("h100,llama-3-70b,4,decoding,1,0,100,5", "phase", "is not one of"),
-    ("h100,llama-3-70b,4,decode,0,0,100,5", "batch_size", "must be >= 1"),
-    ("h100,llama-3-70b,4,decode,1,0,abc,5", "context_tokens", "is not an integer"),
-    ("h100,llama-3-70b,4,prefill,1,0,0,5", "prompt_tokens", "must be >= 1"),
-    ("h100,llama-3-70b,4,decode,1,0,100,-1", "ms", "positive"),
-    ("h100,llama-3-70b,4,decode,1,0,100,nan", "ms", "positive"),
-    ("h100,llama-3-70b,4,decode,1,0,100,fast", "ms", "not a number"),
-    (",llama-3-70b,4,decode,1,0,100,5", "device", "empty"),
-])
+@pytest.mark.parametrize(
+    "line,column,needle",
+    [
+        ("h100,llama-3-70b,3,decode,1,0,100,5", "tp", "not a power of two"),
+        ("h100,llama-3-70b,4,decoding,1,0,100,5", "phase", "is not one of"),
+        ("h100,llama-3-70b,4,decode,0,0,100,5", "batch_size", "must be >= 1"),
+        ("h100,llama-3-70b,4,decode,1,0,abc,5", "context_tokens", "is not an integer"),
+        ("h100,llama-3-70b,4,prefill,1,0,0,5", "prompt_tokens", "must be >= 1"),
+        ("h100,llama-3-70b,4,decode,1,0,100,-1", "ms", "positive"),
+        ("h100,llama-3-70b,4,decode,1,0,100,nan", "ms", "positive"),
+        ("h100,llama-3-70b,4,decode,1,0,100,fast", "ms", "not a number"),
+        (",llama-3-70b,4,decode,1,0,100,5", "device", "empty"),
+    ],
+)
 def test_bad_rows_are_refused_naming_line_and_column(line, column, needle):
     text = HEADER + "\nh100,llama-3-70b,4,decode,1,0,50,5\n" + line + "\n"
     with pytest.raises(StepTableError) as err:
@@ -138,9 +165,16 @@ def test_flow_simulator_prices_steps_from_a_table_and_refuses_one_without_its_mo
 
     plain = FlowClusterSim("rmlq", FlowClusterConfig(num_servers=8), [])
     shard = plain.cost.model.name
-    text = HEADER + "\n" + "".join(
-        f"a100,{shard},{tp},decode,{b},0,{c},{ms}\n" for tp in (1, 2) for b, c, ms in ((1, 100, 2.0), (8, 800, 3.0), (16, 16000, 9.0))
-    ) + "".join(f"a100,{shard},{tp},prefill,1,{n},0,{ms}\n" for tp in (1, 2) for n, ms in ((128, 4.0), (2048, 30.0)))
+    text = (
+        HEADER
+        + "\n"
+        + "".join(
+            f"a100,{shard},{tp},decode,{b},0,{c},{ms}\n"
+            for tp in (1, 2)
+            for b, c, ms in ((1, 100, 2.0), (8, 800, 3.0), (16, 16000, 9.0))
+        )
+        + "".join(f"a100,{shard},{tp},prefill,1,{n},0,{ms}\n" for tp in (1, 2) for n, ms in ((128, 4.0), (2048, 30.0)))
+    )
     rows = parse_rows(text)
     sim = FlowClusterSim("rmlq", FlowClusterConfig(num_servers=8, device_table=rows), [])
     assert sim.cost.step_time_ms(1, 8, 0, 800) == select(rows, "a100", plain.cost.model).step_ms(1, 8, 0, 800)

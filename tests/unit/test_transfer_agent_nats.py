@@ -63,8 +63,10 @@ async def test_strict_priority_promotions_and_completions(nats_server):
 
         first = asyncio.create_task(agent.run("busy", FlowPermit("busy", 5, 0), blocked))
         await asyncio.sleep(0.05)
-        waiting = [asyncio.create_task(agent.run(fid, FlowPermit(fid, level, 0), quick))
-                   for fid, level in (("p5", 5), ("p2a", 2), ("p7", 7), ("p2b", 2))]
+        waiting = [
+            asyncio.create_task(agent.run(fid, FlowPermit(fid, level, 0), quick))
+            for fid, level in (("p5", 5), ("p2a", 2), ("p7", 7), ("p2b", 2))
+        ]
         await asyncio.sleep(0.05)
         assert len(agent.queue) == 4
         # the flow-scheduler promotes p7 to P1 while it waits; a demotion of p2b is ignored
@@ -77,7 +79,13 @@ async def test_strict_priority_promotions_and_completions(nats_server):
         await asyncio.gather(first, *waiting)
         assert agent.sent_order == ["busy", "p7", "p2a", "p2b", "p5"]
         await asyncio.sleep(0.1)
-        assert sorted((c.flow_id, c.ok, c.bytes_sent) for c in done) == [("busy", True, 1), ("p2a", True, 2), ("p2b", True, 2), ("p5", True, 2), ("p7", True, 2)]
+        assert sorted((c.flow_id, c.ok, c.bytes_sent) for c in done) == [
+            ("busy", True, 1),
+            ("p2a", True, 2),
+            ("p2b", True, 2),
+            ("p5", True, 2),
+            ("p7", True, 2),
+        ]
         assert agent.in_flight == 0 and len(agent.queue) == 0
     finally:
         await sub.unsubscribe()
@@ -87,7 +95,14 @@ async def test_strict_priority_promotions_and_completions(nats_server):
 
 async def test_batched_permits_from_the_flow_scheduler_are_counted(nats_server):
     fs_bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "flow-scheduler")
-    ctx = ServiceContext("flow-scheduler", FlowSchedulerConfig(nats_url=nats_server.url), Metrics("flow-scheduler"), AsyncExitStack(), asyncio.Event(), bus=fs_bus)
+    ctx = ServiceContext(
+        "flow-scheduler",
+        FlowSchedulerConfig(nats_url=nats_server.url),
+        Metrics("flow-scheduler"),
+        AsyncExitStack(),
+        asyncio.Event(),
+        bus=fs_bus,
+    )
     await body(ctx)
     bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "w0")
     try:
@@ -100,8 +115,10 @@ async def test_batched_permits_from_the_flow_scheduler_are_counted(nats_server):
         assert all(p.level >= 2 for p in permits[1::2])
         assert all(p.dscp == FlowService(ctx).dscp[p.level] for p in permits)
         text = ctx.metrics.render()[0].decode()
-        assert 'nitsum_flow_permits_total{level=' in text
-        total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("nitsum_flow_permits_total{"))
+        assert "nitsum_flow_permits_total{level=" in text
+        total = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("nitsum_flow_permits_total{")
+        )
         assert total == 4
         bad = await agent.permits([FlowSubmit("x", "r", "r", "3", 1, "w0", "w1")])  # stage 3 without a deadline
         assert bad[0].pruned and "deadline" in bad[0].reason

@@ -8,17 +8,51 @@ from nitsum_services.coordinator.core import pd_plan, reuse_hint
 from nitsum_services.coordinator.membership import WorkerRecord
 
 
-def _worker(worker_id: str, role: str = "hybrid", node: str = "n0", running: int = 0, cached: tuple[int, ...] = (), in_world: bool = False) -> WorkerRecord:
+def _worker(
+    worker_id: str,
+    role: str = "hybrid",
+    node: str = "n0",
+    running: int = 0,
+    cached: tuple[int, ...] = (),
+    in_world: bool = False,
+) -> WorkerRecord:
     stats = WorkerStats(
-        worker_id=worker_id, node_id=node, device_index=0, device="cpu", role=role, state="ready", group_id=f"{worker_id}-g",
-        tp=1, model_name="m", max_model_len=512, num_running=0, num_waiting=0, kv_blocks_free=10, kv_blocks_total=10,
-        running_request_ids=tuple(f"x{i}" for i in range(running)), cached_block_hashes=cached, block_size=4, in_world=in_world,
+        worker_id=worker_id,
+        node_id=node,
+        device_index=0,
+        device="cpu",
+        role=role,
+        state="ready",
+        group_id=f"{worker_id}-g",
+        tp=1,
+        model_name="m",
+        max_model_len=512,
+        num_running=0,
+        num_waiting=0,
+        kv_blocks_free=10,
+        kv_blocks_total=10,
+        running_request_ids=tuple(f"x{i}" for i in range(running)),
+        cached_block_hashes=cached,
+        block_size=4,
+        in_world=in_world,
     )
     return WorkerRecord(stats=stats, last_seen_s=0.0)
 
 
 def _req(prompt=tuple(range(10, 30)), max_tokens: int = 8, attempt: int = 0, output=()) -> SubmitRequest:
-    return SubmitRequest("r", tuple(prompt), SamplingSpec(max_tokens=max_tokens), "interactive", 1000.0, 100.0, 1.0, 0.0, "s", output_token_ids=tuple(output), attempt=attempt)
+    return SubmitRequest(
+        "r",
+        tuple(prompt),
+        SamplingSpec(max_tokens=max_tokens),
+        "interactive",
+        1000.0,
+        100.0,
+        1.0,
+        0.0,
+        "s",
+        output_token_ids=tuple(output),
+        attempt=attempt,
+    )
 
 
 def _ids(plan):

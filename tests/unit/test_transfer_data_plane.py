@@ -58,7 +58,7 @@ def test_size_limits_and_unknown_kinds_are_rejected() -> None:
 
 def test_as_buffer_accepts_bytes_like_and_tensor_like() -> None:
     class FakeTensor:
-        def contiguous(self) -> "FakeTensor":
+        def contiguous(self) -> FakeTensor:
             return self
 
         def numpy(self) -> bytearray:

@@ -42,15 +42,28 @@ class _Runner:
 
 
 def _node(topology: Topology, rank: int = 0, others: list | None = None):
-    pool = SimpleNamespace(runner=lambda group, with_cache=True: _Runner(), pooled=lambda group: None,
-                           shelved=[])
+    pool = SimpleNamespace(runner=lambda group, with_cache=True: _Runner(), pooled=lambda group: None, shelved=[])
     pool.shelve = pool.shelved.append
     node = SimpleNamespace(
-        rank=rank, topology=topology, epoch=2, kv_path="tcp", members=[SimpleNamespace(shm=False)] * 4,
-        world=_World(others or []), failure_hook=None, transition=None, prepare_done=None, receiver=None,
-        layout=SimpleNamespace(cache_shape=lambda tp: SHAPE, dtype=torch.float32), counters=KvCounters(),
-        reserving=PageReservations(rank), reaper=SimpleNamespace(retired=[]), pool=pool, engine=None,
-        last_prepare_timings_ms={}, last_commit_timings_ms={}, is_leader=True,
+        rank=rank,
+        topology=topology,
+        epoch=2,
+        kv_path="tcp",
+        members=[SimpleNamespace(shm=False)] * 4,
+        world=_World(others or []),
+        failure_hook=None,
+        transition=None,
+        prepare_done=None,
+        receiver=None,
+        layout=SimpleNamespace(cache_shape=lambda tp: SHAPE, dtype=torch.float32),
+        counters=KvCounters(),
+        reserving=PageReservations(rank),
+        reaper=SimpleNamespace(retired=[]),
+        pool=pool,
+        engine=None,
+        last_prepare_timings_ms={},
+        last_commit_timings_ms={},
+        is_leader=True,
     )
     node.reaper.retire = lambda own=(), mapped=(), other=(): node.reaper.retired.append((list(own), list(mapped)))
     node.kv_path_of = lambda src, dst: "local" if src == dst else "shm"
@@ -117,8 +130,9 @@ class _PreCopy:
 
 def _gated(chunks: int, build: RunnerBuild | None = None):
     node = SimpleNamespace(prepare_done=None, rank=0, counters=KvCounters())
-    t = SimpleNamespace(node=node, span=Group(0, 2), acked=False, precopy=_PreCopy(chunks), build=build, epoch=5,
-                        t0=time.perf_counter())
+    t = SimpleNamespace(
+        node=node, span=Group(0, 2), acked=False, precopy=_PreCopy(chunks), build=build, epoch=5, t0=time.perf_counter()
+    )
     return t, PreCopyGate(t)
 
 
@@ -128,7 +142,12 @@ def test_the_final_prepare_ack_passes_the_gate_once_when_every_chunk_is_done():
     assert gate.run([(0, 0)], {}) == 100 and t.node.prepare_done is None and gate.pending
     assert gate.run([(0, 1)], {}) == 100
     ack = t.node.prepare_done
-    assert isinstance(ack, TransitionAck) and (ack.ok, ack.phase, ack.epoch, ack.bytes_moved) == (True, "prepare", 5, 200)
+    assert isinstance(ack, TransitionAck) and (ack.ok, ack.phase, ack.epoch, ack.bytes_moved) == (
+        True,
+        "prepare",
+        5,
+        200,
+    )
     assert dict(ack.bytes_by_path) == {"shm": 200, "tcp": 0} and t.node.counters.bytes_by_path["shm"] == 200
     t.node.prepare_done = None
     gate.finish(force=True)

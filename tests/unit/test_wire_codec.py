@@ -8,7 +8,7 @@ import typing
 import msgpack
 import pytest
 
-from nitsum.wire import DecodeError, EncodeError, MESSAGE_TYPES, decode, encode
+from nitsum.wire import MESSAGE_TYPES, DecodeError, EncodeError, decode, encode
 from nitsum.wire.messages import ErrorReply, RunRequest, SamplingSpec, SubmitRequest, TokenChunk, WorkerStats
 
 
@@ -49,7 +49,11 @@ def test_every_message_round_trips(cls):
     assert back == message
     assert type(back) is cls
     # and the defaults-only form where one exists
-    required = [f for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [
+        f
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if not required:
         assert decode(encode(cls())) == cls()
 
@@ -103,7 +107,17 @@ def test_bool_is_not_an_int_and_nested_types_are_checked():
 
 
 def test_nested_message_round_trip_and_validation():
-    req = SubmitRequest("r1", (1, 2, 3), SamplingSpec(max_tokens=3, stop=("x",), seed=4), "interactive", 200.0, 25.0, 10.0, 1.0, "nitsum.stream.r1")
+    req = SubmitRequest(
+        "r1",
+        (1, 2, 3),
+        SamplingSpec(max_tokens=3, stop=("x",), seed=4),
+        "interactive",
+        200.0,
+        25.0,
+        10.0,
+        1.0,
+        "nitsum.stream.r1",
+    )
     run = RunRequest(req, decode_worker="w3")
     assert decode(encode(run)) == run
     kind, version, fields = msgpack.unpackb(encode(run))
@@ -123,7 +137,9 @@ def test_size_limits_both_ways():
     assert dinfo.value.code == "too_large"
 
 
-@pytest.mark.parametrize("frame", [b"", b"\xc1", b"\x93\xa5abort", msgpack.packb({"a": 1}), msgpack.packb([1, 2, 3]), msgpack.packb("text")])
+@pytest.mark.parametrize(
+    "frame", [b"", b"\xc1", b"\x93\xa5abort", msgpack.packb({"a": 1}), msgpack.packb([1, 2, 3]), msgpack.packb("text")]
+)
 def test_garbage_is_a_decode_error(frame):
     with pytest.raises(DecodeError):
         decode(frame)

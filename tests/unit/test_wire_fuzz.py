@@ -6,7 +6,7 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nitsum.wire import DecodeError, MESSAGE_TYPES, decode, encode
+from nitsum.wire import MESSAGE_TYPES, DecodeError, decode, encode
 from nitsum.wire.messages import SamplingSpec, SubmitRequest, TokenChunk, WorkerStats
 
 SAMPLES = [
@@ -43,13 +43,22 @@ def test_truncated_and_flipped_frames(frame, data):
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.sampled_from([c.KIND for c in MESSAGE_TYPES] + ["nope"]), st.integers(-2, 3), st.dictionaries(st.text(max_size=16), _values, max_size=6))
+@given(
+    st.sampled_from([c.KIND for c in MESSAGE_TYPES] + ["nope"]),
+    st.integers(-2, 3),
+    st.dictionaries(st.text(max_size=16), _values, max_size=6),
+)
 def test_well_formed_frames_with_random_fields(kind, version, fields):
     _decode_is_safe(msgpack.packb([kind, version, fields], use_bin_type=True))

@@ -42,6 +42,7 @@ def real(name: str):
 
 # --- Azure -----------------------------------------------------------------------------------------------------
 
+
 def test_azure_excerpt_is_crlf_and_reads_exactly():
     path = excerpt("azure-code")
     assert b"\r\n" in path.read_bytes()[:200], "the excerpt must keep the original CRLF line ends"
@@ -78,6 +79,7 @@ def test_azure_real_traces_match_source_statistics():
 
 
 # --- Mooncake --------------------------------------------------------------------------------------------------
+
 
 def test_mooncake_excerpt_prefix_blocks():
     reqs = read_mooncake(excerpt("mooncake-conv"))
@@ -119,6 +121,7 @@ def test_mooncake_real_trace_reuse_ratio():
 
 # --- ServeGen --------------------------------------------------------------------------------------------------
 
+
 def test_servegen_excerpt_is_deterministic_and_rate_tracks_windows():
     path = excerpt("servegen-mm-image")
     assert servegen_clients(path) == [2, 14, 21]
@@ -154,12 +157,15 @@ def test_servegen_clients_filter_and_start_offset():
 
 def test_servegen_real_archive_lengths_use_pooled_pmf_for_missing_clients():
     path = real("servegen-m-small")
-    reqs = servegen_arrivals(path, duration_s=60.0, start_s=80_000.0, clients=[1, 2], seed=0)  # client 1 has no dataset.json
+    reqs = servegen_arrivals(
+        path, duration_s=60.0, start_s=80_000.0, clients=[1, 2], seed=0
+    )  # client 1 has no dataset.json
     assert {r.source.rsplit(":", 1)[1] for r in reqs} == {"1", "2"}
     assert all(r.prompt_tokens >= 1 and r.output_tokens >= 1 for r in reqs)
 
 
 # --- synthetic arrivals and transforms -------------------------------------------------------------------------
+
 
 def test_poisson_rate_and_determinism():
     reqs = poisson(10.0, num_requests=5000, seed=7)

@@ -14,8 +14,10 @@ import torch
 from nitsum.natsserver import free_port
 from nitsum.parallel import shm_collectives as sc
 
-pytestmark = [pytest.mark.skipif(not sc.supported(), reason="shared-memory collectives need x86-64 Linux"),
-              pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.skipif(not sc.supported(), reason="shared-memory collectives need x86-64 Linux"),
+    pytest.mark.timeout(120),
+]
 
 
 def _member(rank, port, same_host, out):

@@ -70,7 +70,9 @@ def keep_best(best: dict[str, tuple[float, float]], key: str, times: tuple[float
     best[key] = (min(old[0], times[0]), min(old[1], times[1]))
 
 
-def _time_nitsum(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[tuple[float, float], list[list[int]]]:
+def _time_nitsum(
+    engine: Engine, prompts: list[list[int]], max_tokens: int
+) -> tuple[tuple[float, float], list[list[int]]]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     watch = Stopwatch()
     out = engine.generate(prompts, params)
@@ -78,14 +80,20 @@ def _time_nitsum(engine: Engine, prompts: list[list[int]], max_tokens: int) -> t
 
 
 @torch.inference_mode()
-def _time_hf(model, prompts: list[list[int]], max_tokens: int, batched: bool) -> tuple[tuple[float, float], list[list[int]]]:
+def _time_hf(
+    model, prompts: list[list[int]], max_tokens: int, batched: bool
+) -> tuple[tuple[float, float], list[list[int]]]:
     def run(batch: list[list[int]]) -> list[list[int]]:
         ids = torch.tensor(batch)
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, eos_token_id=None,
-            do_sample=False, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            eos_token_id=None,
+            do_sample=False,
+            pad_token_id=0,
         )
-        return out[:, ids.shape[1]:].tolist()
+        return out[:, ids.shape[1] :].tolist()
 
     watch = Stopwatch()
     if batched:
@@ -99,8 +107,9 @@ def load_pair(model_dir: Path):
     """The engine and transformers' model on the same checkpoint, both warmed on a small batch."""
     from transformers import LlamaForCausalLM
 
-    engine = Engine(EngineConfig(model_dir=str(model_dir), max_num_seqs=64, max_num_batched_tokens=2048,
-                                 kv_cache_mb=256))
+    engine = Engine(
+        EngineConfig(model_dir=str(model_dir), max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_mb=256)
+    )
     hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     # Warm both paths (allocator, kernels) on a small batch.
     warm = _prompts(2, 32, seed=99)
@@ -109,8 +118,16 @@ def load_pair(model_dir: Path):
     return engine, hf
 
 
-def bench_model(name: str, engine: Engine, hf, concurrencies: list[int], prompt_len: int, max_tokens: int,
-                serial_limit: int, repeat: int = 1) -> list[dict]:
+def bench_model(
+    name: str,
+    engine: Engine,
+    hf,
+    concurrencies: list[int],
+    prompt_len: int,
+    max_tokens: int,
+    serial_limit: int,
+    repeat: int = 1,
+) -> list[dict]:
     """Each concurrency is measured `repeat` times, the three runners interleaved (new prompts each
     time, so no run is served from another's prefix cache); the best time of each is kept. Why best-of:
     the benchmark machine is shared, and the fastest of several runs is the least disturbed one."""
@@ -130,8 +147,13 @@ def bench_model(name: str, engine: Engine, hf, concurrencies: list[int], prompt_
                 t_hf_s, serial_tokens = _time_hf(hf, prompts, max_tokens, batched=False)
                 keep_best(best, "hf_serial", t_hf_s)
                 same["serial"] += sum(a == b for a, b in zip(ours, serial_tokens))
-        row = {"model": name, "concurrency": c, "same_as_batched": same["batched"], "num_outputs": c * repeat,
-               **rates(best, total)}
+        row = {
+            "model": name,
+            "concurrency": c,
+            "same_as_batched": same["batched"],
+            "num_outputs": c * repeat,
+            **rates(best, total),
+        }
         if c <= serial_limit:
             row["same_as_serial"] = same["serial"]
         rows.append(row)
@@ -139,8 +161,9 @@ def bench_model(name: str, engine: Engine, hf, concurrencies: list[int], prompt_
     return rows
 
 
-def time_decode_steps(model_dir: Path, batch: int, contexts: list[int], steps: int, repeat: int,
-                      varied: bool = False) -> list[float]:
+def time_decode_steps(
+    model_dir: Path, batch: int, contexts: list[int], steps: int, repeat: int, varied: bool = False
+) -> list[float]:
     """ms per decode step of the runner alone: `batch` sequences, each with `context` tokens in the KV
     cache (one new token each); with `varied`, each sequence's context is drawn uniformly from
     [16, context] instead (seeded: a server's mix of short and long requests). Best process CPU time of
@@ -151,15 +174,19 @@ def time_decode_steps(model_dir: Path, batch: int, contexts: list[int], steps: i
 
     block_size = 16
     blocks_per_seq = -(-max(contexts) // block_size)
-    runner = ModelRunner(str(model_dir), TPGroup.single("cpu"), block_size=block_size,
-                         num_kv_blocks=batch * blocks_per_seq + 1)
+    runner = ModelRunner(
+        str(model_dir), TPGroup.single("cpu"), block_size=block_size, num_kv_blocks=batch * blocks_per_seq + 1
+    )
     # The KV content does not change the work; the cache holds zeros. Block 0 is left unused.
     tables = [tuple(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)) for b in range(batch)]
     out = []
     for context in contexts:
         gen = torch.Generator().manual_seed(context)
-        lengths = (torch.randint(min(16, context), context + 1, (batch,), generator=gen).tolist() if varied
-                   else [context] * batch)
+        lengths = (
+            torch.randint(min(16, context), context + 1, (batch,), generator=gen).tolist()
+            if varied
+            else [context] * batch
+        )
         plan = StepPlan("step", 1, tuple(ChunkPlan((5,), n - 1, t, True) for n, t in zip(lengths, tables)))
         runner.execute(plan)
         best = float("inf")
@@ -184,9 +211,9 @@ def rates(best: dict[str, tuple[float, float]], tokens: int) -> dict[str, float]
 def ratio_cells(r: dict) -> tuple[str, str, str]:
     """Table cells: nitsum's ratio to hf-batched, hf-serial's tok/s, nitsum's ratio to it; each ratio by
     wall time, then by CPU time in parentheses."""
+
     def ratio(base: str) -> str:
-        return (f"{r['nitsum_tok_s'] / r[base + '_tok_s']:.2f}x "
-                f"({r['nitsum_cpu_tok_s'] / r[base + '_cpu_tok_s']:.2f}x)")
+        return f"{r['nitsum_tok_s'] / r[base + '_tok_s']:.2f}x ({r['nitsum_cpu_tok_s'] / r[base + '_cpu_tok_s']:.2f}x)"
 
     if "hf_serial_tok_s" in r:
         return ratio("hf_batched"), f"{r['hf_serial_tok_s']:.0f}", ratio("hf_serial")
@@ -194,8 +221,10 @@ def ratio_cells(r: dict) -> tuple[str, str, str]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| model | concurrency | nitsum tok/s | hf-batched tok/s | ratio (CPU time) | hf-serial tok/s "
-            "| ratio (CPU time) | greedy outputs equal (vs batched / serial) |")
+    head = (
+        "| model | concurrency | nitsum tok/s | hf-batched tok/s | ratio (CPU time) | hf-serial tok/s "
+        "| ratio (CPU time) | greedy outputs equal (vs batched / serial) |"
+    )
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         vs_batched, serial, vs_serial = ratio_cells(r)
@@ -217,28 +246,54 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="nitsum bench engine", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens, tiny model only")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides (default 1)")
-    parser.add_argument("--workload", default="equal,trace",
-                        help="comma-separated: equal (same lengths, one batch), trace (closed loop, trace lengths)")
+    parser.add_argument(
+        "--workload",
+        default="equal,trace",
+        help="comma-separated: equal (same lengths, one batch), trace (closed loop, trace lengths)",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="equal: new tokens per request")
     parser.add_argument("--prompt-len", type=int, default=32, help="equal: prompt tokens per request")
-    parser.add_argument("--trace", default="azure-conv", choices=bench_trace.TRACES,
-                        help="trace: where prompt and output lengths come from (the committed excerpt)")
-    parser.add_argument("--length-scale", type=float, default=None,
-                        help="trace: factor on the trace's lengths (default 1/8; --quick 1/32)")
-    parser.add_argument("--requests-per-slot", type=int, default=2,
-                        help="trace: requests served per unit of concurrency (at least 8 in all; default 2)")
+    parser.add_argument(
+        "--trace",
+        default="azure-conv",
+        choices=bench_trace.TRACES,
+        help="trace: where prompt and output lengths come from (the committed excerpt)",
+    )
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=None,
+        help="trace: factor on the trace's lengths (default 1/8; --quick 1/32)",
+    )
+    parser.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=2,
+        help="trace: requests served per unit of concurrency (at least 8 in all; default 2)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="trace: seed of the length draws and prompts")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrencies")
     parser.add_argument("--models", default=None, help="comma-separated: tiny,100m (default both; --quick: tiny)")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help="runs per measurement, best kept (default 3; --quick: 1)")
-    parser.add_argument("--linear", choices=("auto", "torch"), default="auto",
-                        help="nitsum's matmul kernel: auto (oneDNN where faster) or torch (F.linear, as transformers)")
-    parser.add_argument("--decode-contexts", default=None,
-                        help="instead: ms per decode step of the runner alone at these context lengths")
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="runs per measurement, best kept (default 3; --quick: 1)"
+    )
+    parser.add_argument(
+        "--linear",
+        choices=("auto", "torch"),
+        default="auto",
+        help="nitsum's matmul kernel: auto (oneDNN where faster) or torch (F.linear, as transformers)",
+    )
+    parser.add_argument(
+        "--decode-contexts",
+        default=None,
+        help="instead: ms per decode step of the runner alone at these context lengths",
+    )
     parser.add_argument("--decode-batch", type=int, default=32, help="sequences per decode step (default 32)")
-    parser.add_argument("--decode-varied", action="store_true",
-                        help="with --decode-contexts: each sequence's context drawn from [16, context]")
+    parser.add_argument(
+        "--decode-varied",
+        action="store_true",
+        help="with --decode-contexts: each sequence's context drawn from [16, context]",
+    )
     args = parser.parse_args(argv)
     repeat = args.repeat or (1 if args.quick else 3)
     if repeat < 1:
@@ -284,28 +339,55 @@ def main(argv: list[str]) -> int:
             name = "tiny" if model == "tiny" else f"random-{_num_params(model_dir) / 1e6:.0f}M"
             if contexts:
                 steps = 10 if model == "tiny" else 2
-                times = time_decode_steps(model_dir, args.decode_batch, contexts, steps, repeat=5,
-                                          varied=args.decode_varied)
+                times = time_decode_steps(
+                    model_dir, args.decode_batch, contexts, steps, repeat=5, varied=args.decode_varied
+                )
                 for context, ms in zip(contexts, times):
                     shown = f"16..{context}" if args.decode_varied else f"{context}"
-                    print(f"decode step, {name}, batch {args.decode_batch}, context {shown}: {ms:.2f} ms "
-                          f"(best CPU time of 5 x {steps} steps, linear={args.linear})", flush=True)
+                    print(
+                        f"decode step, {name}, batch {args.decode_batch}, context {shown}: {ms:.2f} ms "
+                        f"(best CPU time of 5 x {steps} steps, linear={args.linear})",
+                        flush=True,
+                    )
                 continue
             engine, hf = load_pair(model_dir)
             # hf-serial is slow on the 100M model: left out at c=32 there, to keep the run short.
             serial_limit = 8 if model == "100m" and not args.quick else 32
             if "equal" in workloads:
-                print(f"benchmarking {name}, equal lengths ({max_tokens} new tokens/request, prompt {args.prompt_len}, "
-                      f"{args.threads} thread(s), best of {repeat}, linear={args.linear})...", flush=True)
-                rows += bench_model(name, engine, hf, concurrencies, args.prompt_len, max_tokens,
-                                    serial_limit=serial_limit, repeat=repeat)
+                print(
+                    f"benchmarking {name}, equal lengths ({max_tokens} new tokens/request, prompt {args.prompt_len}, "
+                    f"{args.threads} thread(s), best of {repeat}, linear={args.linear})...",
+                    flush=True,
+                )
+                rows += bench_model(
+                    name,
+                    engine,
+                    hf,
+                    concurrencies,
+                    args.prompt_len,
+                    max_tokens,
+                    serial_limit=serial_limit,
+                    repeat=repeat,
+                )
             if "trace" in workloads:
-                print(f"benchmarking {name}, {args.trace} lengths x{scale:g}, closed loop, "
-                      f"{args.requests_per_slot} requests per slot ({args.threads} thread(s), best of {repeat}, "
-                      f"linear={args.linear})...", flush=True)
+                print(
+                    f"benchmarking {name}, {args.trace} lengths x{scale:g}, closed loop, "
+                    f"{args.requests_per_slot} requests per slot ({args.threads} thread(s), best of {repeat}, "
+                    f"linear={args.linear})...",
+                    flush=True,
+                )
                 trace_rows += bench_trace.bench_trace_model(
-                    name, engine, hf, concurrencies, args.trace, scale, args.requests_per_slot,
-                    serial_limit=serial_limit, repeat=repeat, seed=args.seed)
+                    name,
+                    engine,
+                    hf,
+                    concurrencies,
+                    args.trace,
+                    scale,
+                    args.requests_per_slot,
+                    serial_limit=serial_limit,
+                    repeat=repeat,
+                    seed=args.seed,
+                )
     if rows:
         print("\nequal lengths, one batch of c requests:")
         print(format_table(rows))

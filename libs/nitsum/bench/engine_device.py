@@ -68,10 +68,17 @@ def time_hf(model, prompts, max_tokens: int, device: str) -> tuple[float, list[l
     ids = torch.tensor(prompts, device=device)
     _sync(device)
     start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     _sync(device)
-    return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
+    return time.perf_counter() - start, out[:, ids.shape[1] :].tolist()
 
 
 def machine(device: str) -> dict:
@@ -87,8 +94,11 @@ def machine(device: str) -> dict:
         info["cuda"] = torch.version.cuda
         try:
             info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                text=True, timeout=20).stdout.strip()
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             info["driver"] = "unknown (nvidia-smi did not answer)"
     else:
@@ -97,8 +107,18 @@ def machine(device: str) -> dict:
     return info
 
 
-def run(device: str, size: str, concurrencies: list[int], prompt_len: int, max_tokens: int, repeat: int,
-        workdir: Path, log=print, decode_attention: str = "auto", save=None) -> tuple[dict, list[dict]]:
+def run(
+    device: str,
+    size: str,
+    concurrencies: list[int],
+    prompt_len: int,
+    max_tokens: int,
+    repeat: int,
+    workdir: Path,
+    log=print,
+    decode_attention: str = "auto",
+    save=None,
+) -> tuple[dict, list[dict]]:
     """The measurements; `save(info, rows)` is called after each concurrency (a run cut short keeps its rows)."""
     from transformers import LlamaForCausalLM
 
@@ -113,15 +133,29 @@ def run(device: str, size: str, concurrencies: list[int], prompt_len: int, max_t
     log(f"model written in {time.perf_counter() - t0:.1f} s ({dtype})")
     biggest = max(concurrencies)
     tokens_per_seq = prompt_len + max_tokens
-    engine = Engine(EngineConfig(
-        model_dir=str(model_dir), device=device, max_num_seqs=biggest, max_num_batched_tokens=max(2048, 4 * prompt_len),
-        kv_cache_mb=_kv_mb(model_dir, dtype, biggest * tokens_per_seq), enable_prefix_caching=False, decode_attention=decode_attention,
-    ))
+    engine = Engine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            device=device,
+            max_num_seqs=biggest,
+            max_num_batched_tokens=max(2048, 4 * prompt_len),
+            kv_cache_mb=_kv_mb(model_dir, dtype, biggest * tokens_per_seq),
+            enable_prefix_caching=False,
+            decode_attention=decode_attention,
+        )
+    )
     hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
     num_params = sum(p.numel() for p in hf.parameters())
-    info = {**machine(device), "model": f"random Llama {num_params / 1e9:.2f}B" if size == "1b" else "tiny",
-            "num_params": num_params, "dtype": dtype, "decode_attention": engine.runner.decode_attention,
-            "prompt_len": prompt_len, "max_tokens": max_tokens, "repeat": repeat}
+    info = {
+        **machine(device),
+        "model": f"random Llama {num_params / 1e9:.2f}B" if size == "1b" else "tiny",
+        "num_params": num_params,
+        "dtype": dtype,
+        "decode_attention": engine.runner.decode_attention,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "repeat": repeat,
+    }
     log(f"loaded {info['model']} on {device} in {time.perf_counter() - t0:.1f} s; warming up")
     # Compiles the flex call outside the timings: batch 1 (specialised), 2 (static), 3 (the dynamic-shape recompile).
     for c in (1, 2, 3):
@@ -141,14 +175,21 @@ def run(device: str, size: str, concurrencies: list[int], prompt_len: int, max_t
             same += sum(a == b for a, b in zip(ours, theirs))
         engine.check_integrity()
         total = c * max_tokens
-        row = {"concurrency": c, "nitsum_tok_s": total / best["nitsum"], "hf_batched_tok_s": total / best["hf"],
-               "same_streams": same, "num_streams": c * repeat}
+        row = {
+            "concurrency": c,
+            "nitsum_tok_s": total / best["nitsum"],
+            "hf_batched_tok_s": total / best["hf"],
+            "same_streams": same,
+            "num_streams": c * repeat,
+        }
         row["ratio"] = row["nitsum_tok_s"] / row["hf_batched_tok_s"]
         rows.append(row)
         if save is not None:
             save(info, rows)
-        log(f"c={c}: nitsum {row['nitsum_tok_s']:.0f} tok/s, transformers {row['hf_batched_tok_s']:.0f} tok/s, "
-            f"{row['ratio']:.2f}x, greedy streams equal {same}/{c * repeat}")
+        log(
+            f"c={c}: nitsum {row['nitsum_tok_s']:.0f} tok/s, transformers {row['hf_batched_tok_s']:.0f} tok/s, "
+            f"{row['ratio']:.2f}x, greedy streams equal {same}/{c * repeat}"
+        )
     return info, rows
 
 
@@ -162,27 +203,38 @@ def _kv_mb(model_dir: Path, dtype: str, tokens: int) -> int:
 
 
 def format_table(info: dict, rows: list[dict]) -> str:
-    lines = [f"{info['model']}, {info['dtype']}, prompt {info['prompt_len']} + {info['max_tokens']} new tokens per "
-             f"request, decode attention {info['decode_attention']}, best of {info['repeat']}; "
-             + ", ".join(f"{k} {info[k]}" for k in ("gpu", "driver", "cuda", "cpu", "torch", "transformers") if k in info),
-             "", "| concurrency | nitsum tok/s | transformers generate (batched) tok/s | ratio | greedy streams equal |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"{info['model']}, {info['dtype']}, prompt {info['prompt_len']} + {info['max_tokens']} new tokens per "
+        f"request, decode attention {info['decode_attention']}, best of {info['repeat']}; "
+        + ", ".join(f"{k} {info[k]}" for k in ("gpu", "driver", "cuda", "cpu", "torch", "transformers") if k in info),
+        "",
+        "| concurrency | nitsum tok/s | transformers generate (batched) tok/s | ratio | greedy streams equal |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['nitsum_tok_s']:.0f} | {r['hf_batched_tok_s']:.0f} | {r['ratio']:.2f}x | "
-                     f"{r['same_streams']}/{r['num_streams']} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['nitsum_tok_s']:.0f} | {r['hf_batched_tok_s']:.0f} | {r['ratio']:.2f}x | "
+            f"{r['same_streams']}/{r['num_streams']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="nitsum bench engine --device", description=__doc__.split("\n")[0])
     parser.add_argument("--device", required=True, help="cuda, cuda:N, or cpu (the dry run)")
-    parser.add_argument("--size", choices=tuple(SIZES), default=None, help="1b (default on cuda) or tiny (default on cpu)")
+    parser.add_argument(
+        "--size", choices=tuple(SIZES), default=None, help="1b (default on cuda) or tiny (default on cpu)"
+    )
     parser.add_argument("--concurrency", default="1,8,32,128", help="comma-separated concurrencies")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--decode-attention", choices=("auto", "flex", "gather"), default="auto",
-                        help="nitsum's decode attention (default auto: flex on cuda, gather on cpu)")
+    parser.add_argument(
+        "--decode-attention",
+        choices=("auto", "flex", "gather"),
+        default="auto",
+        help="nitsum's decode attention (default auto: flex on cuda, gather on cpu)",
+    )
     parser.add_argument("--out", default=None, help="directory for bench_engine_<device>.json and .md")
     args = parser.parse_args(argv)
     if not (args.device == "cpu" or args.device.startswith("cuda")):
@@ -208,8 +260,17 @@ def main(argv: list[str]) -> int:
         (out / f"bench_engine_{tag}.md").write_text(f"`{command}`\n\n{format_table(info, rows)}\n")
 
     with tempfile.TemporaryDirectory(prefix="nitsum-bench-device-") as tmp:
-        info, rows = run(args.device, size, concurrencies, args.prompt_len, args.max_tokens, args.repeat, Path(tmp),
-                         log=lambda msg: print(f"bench engine --device {args.device}: {msg}", flush=True),
-                         decode_attention=args.decode_attention, save=save)
+        info, rows = run(
+            args.device,
+            size,
+            concurrencies,
+            args.prompt_len,
+            args.max_tokens,
+            args.repeat,
+            Path(tmp),
+            log=lambda msg: print(f"bench engine --device {args.device}: {msg}", flush=True),
+            decode_attention=args.decode_attention,
+            save=save,
+        )
     print("\n" + format_table(info, rows))
     return 0

@@ -60,7 +60,9 @@ def trace_workload(lengths: list[tuple[int, int]], seed: int, vocab_limit: int =
     return [TraceItem(torch.randint(0, vocab_limit, (p,), generator=gen).tolist(), o) for p, o in lengths]
 
 
-def run_nitsum(engine: Engine, items: list[TraceItem], concurrency: int, tag: str) -> tuple[tuple[float, float], list[list[int]]]:
+def run_nitsum(
+    engine: Engine, items: list[TraceItem], concurrency: int, tag: str
+) -> tuple[tuple[float, float], list[list[int]]]:
     """Closed loop: `concurrency` requests in flight; each finished one is replaced by the next. Returns
     ((wall s, CPU s), each request's output tokens)."""
     outputs: list[list[int]] = [[] for _ in items]
@@ -91,10 +93,14 @@ def run_nitsum(engine: Engine, items: list[TraceItem], concurrency: int, tag: st
 
 
 @torch.inference_mode()
-def run_hf(model, items: list[TraceItem], concurrency: int, batched: bool) -> tuple[tuple[float, float], list[list[int]], int]:
+def run_hf(
+    model, items: list[TraceItem], concurrency: int, batched: bool
+) -> tuple[tuple[float, float], list[list[int]], int]:
     """Static batches of `concurrency` (or one request at a time). Returns ((wall s, CPU s), each request's output
     trimmed to its length, token positions the batches computed: prompts padded plus generated)."""
-    groups = [items[i : i + concurrency] for i in range(0, len(items), concurrency)] if batched else [[x] for x in items]
+    groups = (
+        [items[i : i + concurrency] for i in range(0, len(items), concurrency)] if batched else [[x] for x in items]
+    )
     outputs: list[list[int]] = []
     computed = 0
     watch = Stopwatch()
@@ -103,16 +109,32 @@ def run_hf(model, items: list[TraceItem], concurrency: int, batched: bool) -> tu
         new_tokens = max(x.max_tokens for x in group)
         ids = torch.tensor([[PAD_TOKEN_ID] * (width - len(x.prompt)) + x.prompt for x in group])
         mask = torch.tensor([[0] * (width - len(x.prompt)) + [1] * len(x.prompt) for x in group])
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None,
-                             do_sample=False, pad_token_id=PAD_TOKEN_ID)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            eos_token_id=None,
+            do_sample=False,
+            pad_token_id=PAD_TOKEN_ID,
+        )
         generated = out[:, width:].tolist()
         outputs.extend(row[: x.max_tokens] for row, x in zip(generated, group))
         computed += len(group) * (width + new_tokens)
     return watch.stop(), outputs, computed
 
 
-def bench_trace_model(name: str, engine: Engine, hf, concurrencies: list[int], trace: str, scale: float,
-                      requests_per_slot: int, serial_limit: int, repeat: int, seed: int) -> list[dict]:
+def bench_trace_model(
+    name: str,
+    engine: Engine,
+    hf,
+    concurrencies: list[int],
+    trace: str,
+    scale: float,
+    requests_per_slot: int,
+    serial_limit: int,
+    repeat: int,
+    seed: int,
+) -> list[dict]:
     """Each concurrency c serves `requests_per_slot * c` requests (at least 8), `repeat` times (same lengths,
     fresh prompts), the three runners interleaved; the best wall and CPU time of each is kept."""
     rows = []
@@ -141,9 +163,15 @@ def bench_trace_model(name: str, engine: Engine, hf, concurrencies: list[int], t
                 keep_best(best, "hf_serial", t_hf_s)
                 same["serial"] += sum(a == b for a, b in zip(ours, serial_tokens))
         row = {
-            "model": name, "concurrency": c, "requests": n, "mean_prompt": prompt_tokens / n,
-            "mean_output": tokens / n, "same_as_batched": same["batched"], "num_outputs": n * repeat,
-            "hf_batched_waste": computed / useful, **rates(best, tokens),
+            "model": name,
+            "concurrency": c,
+            "requests": n,
+            "mean_prompt": prompt_tokens / n,
+            "mean_output": tokens / n,
+            "same_as_batched": same["batched"],
+            "num_outputs": n * repeat,
+            "hf_batched_waste": computed / useful,
+            **rates(best, tokens),
         }
         if run_serial:
             row["same_as_serial"] = same["serial"]
@@ -153,9 +181,11 @@ def bench_trace_model(name: str, engine: Engine, hf, concurrencies: list[int], t
 
 
 def format_trace_table(rows: list[dict]) -> str:
-    head = ("| model | concurrency | requests (mean prompt / output) | nitsum tok/s | hf-batched tok/s "
-            "| ratio (CPU time) | hf-serial tok/s | ratio (CPU time) | hf-batched positions / useful "
-            "| greedy outputs equal (vs batched / serial) |")
+    head = (
+        "| model | concurrency | requests (mean prompt / output) | nitsum tok/s | hf-batched tok/s "
+        "| ratio (CPU time) | hf-serial tok/s | ratio (CPU time) | hf-batched positions / useful "
+        "| greedy outputs equal (vs batched / serial) |"
+    )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         vs_batched, serial, vs_serial = ratio_cells(r)

@@ -26,8 +26,13 @@ def _flow(rng: random.Random, i: int, unit: int, now_ms: float, num_links: int) 
     explicit = stage.explicit
     deadline = now_ms + rng.uniform(50.0, 5000.0)
     return FlowSpec(
-        flow_id=f"f{i}", request_id=f"r{i // 2}", unit_id=f"u{unit}", stage=stage,
-        size_bytes=rng.randint(1 << 16, 1 << 26), src="a", dst="b",
+        flow_id=f"f{i}",
+        request_id=f"r{i // 2}",
+        unit_id=f"u{unit}",
+        stage=stage,
+        size_bytes=rng.randint(1 << 16, 1 << 26),
+        src="a",
+        dst="b",
         path=(f"l{rng.randrange(num_links)}", f"l{rng.randrange(num_links)}"),
         target_layer=None if explicit else rng.randint(0, 80),
         deadline_ms=deadline if explicit else None,
@@ -64,9 +69,13 @@ def decision_times(name: str, num_flows: int, num_events: int, seed: int) -> dic
             active[idx] = active[-1]
             active.pop()
             remaining.pop(fid, None)
-            t = clock(); sched.on_complete(fid, now); out["complete"].append((clock() - t) / 1e3)
+            t = clock()
+            sched.on_complete(fid, now)
+            out["complete"].append((clock() - t) / 1e3)
             spec = _flow(rng, next_id, rng.randrange(units), now, 64)
-            t = clock(); sched.on_arrival(spec, now); out["arrival"].append((clock() - t) / 1e3)
+            t = clock()
+            sched.on_arrival(spec, now)
+            out["arrival"].append((clock() - t) / 1e3)
             active.append(spec.flow_id)
             remaining[spec.flow_id] = spec.size_bytes
             next_id += 1
@@ -74,16 +83,24 @@ def decision_times(name: str, num_flows: int, num_events: int, seed: int) -> dic
             fid = active[rng.randrange(len(active))]
             st = sched.state(fid)
             left = max((st.remaining_bytes if st else 0) - (1 << 16), 0)
-            t = clock(); sched.on_progress(fid, left, now); out["progress"].append((clock() - t) / 1e3)
+            t = clock()
+            sched.on_progress(fid, left, now)
+            out["progress"].append((clock() - t) / 1e3)
         else:
             u = rng.randrange(units)
             layer[u] += 1
-            t = clock(); sched.on_layer_boundary(f"u{u}", layer[u], now); out["layer"].append((clock() - t) / 1e3)
+            t = clock()
+            sched.on_layer_boundary(f"u{u}", layer[u], now)
+            out["layer"].append((clock() - t) / 1e3)
     return out
 
 
-def generated_load(seed: int, num_requests: int, rate_mbit: float, utilization: float = 0.85,
-                   ) -> list[dict[str, object]]:
+def generated_load(
+    seed: int,
+    num_requests: int,
+    rate_mbit: float,
+    utilization: float = 0.85,
+) -> list[dict[str, object]]:
     """Tight interactive requests (small P2D, SLO 2× their unloaded time) among loose background ones
     (big P2D, SLO 4×). Poisson arrivals offer `utilization` of the link, so it is contended in bursts.
     """
@@ -96,9 +113,17 @@ def generated_load(seed: int, num_requests: int, rate_mbit: float, utilization: 
         reuse = rng.randint(20_000, 60_000) if tight else rng.randint(100_000, 300_000)
         p2d = rng.randint(100_000, 250_000) if tight else rng.randint(600_000, 1_200_000)
         alone_ms = (reuse + p2d) / link_bytes_per_ms + 40.0
-        out.append({"id": f"q{i}", "tier": "interactive" if tight else "background", "arrival_ms": round(t_ms, 3),
-                    "reuse_bytes": reuse, "p2d_bytes": p2d, "compute_ms": 40.0,
-                    "slo_ms": round(alone_ms * (2.0 if tight else 4.0), 3)})
+        out.append(
+            {
+                "id": f"q{i}",
+                "tier": "interactive" if tight else "background",
+                "arrival_ms": round(t_ms, 3),
+                "reuse_bytes": reuse,
+                "p2d_bytes": p2d,
+                "compute_ms": 40.0,
+                "slo_ms": round(alone_ms * (2.0 if tight else 4.0), 3),
+            }
+        )
         mean_bytes = 0.5 * (40_000 + 175_000) + 0.5 * (200_000 + 900_000)
         t_ms += rng.expovariate(1.0 / (mean_bytes / link_bytes_per_ms / utilization))
     return out
@@ -112,21 +137,33 @@ def _testbed(args: argparse.Namespace) -> None:
         print(f"\ntestbed: skipped ({reason})")
         return
     requests = generated_load(args.seed, args.requests, args.rate_mbit, args.utilization)
-    print(f"\ntestbed: {len(requests)} requests, veth at {args.rate_mbit} Mbit/s (htb, 3 DSCP classes), "
-          f"offered load {args.utilization}, seed {args.seed}, RMLQ E={args.rmlq_e} U={args.rmlq_u}")
+    print(
+        f"\ntestbed: {len(requests)} requests, veth at {args.rate_mbit} Mbit/s (htb, 3 DSCP classes), "
+        f"offered load {args.utilization}, seed {args.seed}, RMLQ E={args.rmlq_e} U={args.rmlq_u}"
+    )
     print(f"{'scheduler':>10} {'attain all':>10} {'interactive':>11} {'background':>10} {'p50 TTFT ms':>11}")
     base: float | None = None
     with netns.veth_testbed(args.rate_mbit, tag=f"b{__import__('os').getpid()}") as bed:
         for k, name in enumerate(args.schedulers):
-            load = {"scheduler": name, "rate_mbit": args.rate_mbit, "layers": 8, "requests": requests,
-                    "rmlq": {"e": args.rmlq_e, "u": args.rmlq_u}}
+            load = {
+                "scheduler": name,
+                "rate_mbit": args.rate_mbit,
+                "layers": 8,
+                "requests": requests,
+                "rmlq": {"e": args.rmlq_e, "u": args.rmlq_u},
+            }
             res = netns.run_plan(bed, load, port=47100 + k, timeout_s=300.0, mode="replay")
             ttft = res["ttft_ms"]
-            met = {r["id"]: float(ttft[str(r["id"])]) <= float(r["slo_ms"]) for r in requests  # type: ignore[arg-type]
-                   if str(r["id"]) in ttft}
+            met = {
+                r["id"]: float(ttft[str(r["id"])]) <= float(r["slo_ms"])
+                for r in requests  # type: ignore[arg-type]
+                if str(r["id"]) in ttft
+            }
+
             def share(tier: str | None) -> float:
                 ids = [r["id"] for r in requests if tier is None or r["tier"] == tier]
                 return sum(bool(met.get(i)) for i in ids) / max(len(ids), 1)
+
             allv = share(None)
             if name == "rmlq":
                 base = allv
@@ -161,11 +198,15 @@ def main(argv: list[str]) -> int:
         times = decision_times(name, args.flows, args.events, args.seed)
         allt = [x for xs in times.values() for x in xs]
         p99s[name] = _pct(allt, 0.99)
-        print(f"{name:>10} {_pct(allt, 0.5):>8.1f} {p99s[name]:>8.1f} {max(allt):>8.1f} "
-              f"{_pct(times['layer'], 0.99):>9.1f} {_pct(times['arrival'], 0.99):>11.1f}")
+        print(
+            f"{name:>10} {_pct(allt, 0.5):>8.1f} {p99s[name]:>8.1f} {max(allt):>8.1f} "
+            f"{_pct(times['layer'], 0.99):>9.1f} {_pct(times['arrival'], 0.99):>11.1f}"
+        )
     if "rmlq" in p99s and "fs" in p99s:
-        print(f"rmlq p99 / fs p99 = {p99s['rmlq'] / p99s['fs']:.2f}   (goal: rmlq p99 < 1000 µs: "
-              f"{'met' if p99s['rmlq'] < 1000.0 else 'NOT met'})")
+        print(
+            f"rmlq p99 / fs p99 = {p99s['rmlq'] / p99s['fs']:.2f}   (goal: rmlq p99 < 1000 µs: "
+            f"{'met' if p99s['rmlq'] < 1000.0 else 'NOT met'})"
+        )
     if not args.no_testbed:
         _testbed(args)
     return 0

@@ -36,12 +36,12 @@ import time
 
 import torch
 
-from nitsum.node import kv_segment
-from nitsum.node.runtime import NodeCommand, NodeRuntime
-from nitsum.node.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.engine.params import EngineConfig, SamplingParams
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader
+from nitsum.node import kv_segment
+from nitsum.node.precopy import DEFAULT_CHUNK_BYTES
+from nitsum.node.runtime import NodeCommand, NodeRuntime
 from nitsum.parallel.weights import DEFAULT_SHM_DIR, ResidentWeights, SharedWeightStore, boot_weights
 from nitsum.parallel.world import NodeWorld
 
@@ -69,41 +69,85 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-id", default="")
     parser.add_argument("--fail-kv-connect-epoch", type=int, default=0)
     parser.add_argument("--fail-kv-chunk-epoch", type=int, action="append", default=[])
-    parser.add_argument("--device", default="cpu", help="cpu | cuda (workers beyond the visible GPUs share them, over gloo)")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu | cuda (workers beyond the visible GPUs share them, over gloo)"
+    )
     parser.add_argument("--decode-attention", default="auto", choices=("auto", "flex", "gather"))
-    parser.add_argument("--resident-weights", action="store_true",
-                        help="compute on this device's resident boot copy (what CUDA does) instead of the store's views")
+    parser.add_argument(
+        "--resident-weights",
+        action="store_true",
+        help="compute on this device's resident boot copy (what CUDA does) instead of the store's views",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.num_threads)
     script = json.loads(open(args.script).read())
     t_boot = time.perf_counter()
-    world = NodeWorld(args.rank, args.world_size, args.master_addr, args.master_port, device=args.device,
-                      min_tp=args.min_tp, max_tp=args.max_tp)
+    world = NodeWorld(
+        args.rank,
+        args.world_size,
+        args.master_addr,
+        args.master_port,
+        device=args.device,
+        min_tp=args.min_tp,
+        max_tp=args.max_tp,
+    )
     store = SharedWeightStore.open(args.model_dir, "float32", args.shm_dir)
     # The store's views on CPU; on CUDA (or forced here) this device's resident copy of what it may use.
-    weights = boot_weights(store, world.device, args.rank, world.levels[0], world.levels[-1],
-                           config=loader.load_config(args.model_dir), node_size=world.size,
-                           resident=True if args.resident_weights else None)
+    weights = boot_weights(
+        store,
+        world.device,
+        args.rank,
+        world.levels[0],
+        world.levels[-1],
+        config=loader.load_config(args.model_dir),
+        node_size=world.size,
+        resident=True if args.resident_weights else None,
+    )
     holder = weights if isinstance(weights, ResidentWeights) else store
-    cfg = EngineConfig(model_dir=args.model_dir, device=world.device, dtype="float32",  # the store's dtype
-                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, enable_prefix_caching=True,
-                       decode_attention=args.decode_attention)
+    cfg = EngineConfig(
+        model_dir=args.model_dir,
+        device=world.device,
+        dtype="float32",  # the store's dtype
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        enable_prefix_caching=True,
+        decode_attention=args.decode_attention,
+    )
 
     def failure_hook(phase: str, epoch: int) -> None:
         if phase == "prepare" and epoch == args.fail_prepare_epoch:
             raise RuntimeError("injected failure")
 
-    runtime = NodeRuntime(world, cfg, weights, Topology.of(args.world_size, script["topology"]), failure_hook,
-                          kv_path=args.kv_path, precopy_chunk_bytes=args.precopy_chunk_bytes, host_id=args.host_id,
-                          master_addr=args.master_addr, kv_fault_epoch=args.fail_kv_connect_epoch,
-                          kv_fault_chunk_epochs=tuple(args.fail_kv_chunk_epoch))
+    runtime = NodeRuntime(
+        world,
+        cfg,
+        weights,
+        Topology.of(args.world_size, script["topology"]),
+        failure_hook,
+        kv_path=args.kv_path,
+        precopy_chunk_bytes=args.precopy_chunk_bytes,
+        host_id=args.host_id,
+        master_addr=args.master_addr,
+        kv_fault_epoch=args.fail_kv_connect_epoch,
+        kv_fault_chunk_epochs=tuple(args.fail_kv_chunk_epoch),
+    )
     boot_ms = (time.perf_counter() - t_boot) * 1000.0
     ready_unix = time.time()  # ready to serve (the restart baseline's end): the runners built ahead are not waited for
     report: dict = {
-        "rank": args.rank, "device": world.device, "num_groups": world.num_groups, "store_created": store.created,
-        "boot_bytes_read": loader.bytes_read, "boot_ms": boot_ms, "ready_unix": ready_unix,
-        "records": [], "acks": [], "checks": [], "kv_path": runtime.kv_path, "node_tag": runtime.node_tag, "precopy_rounds": [],
+        "rank": args.rank,
+        "device": world.device,
+        "num_groups": world.num_groups,
+        "store_created": store.created,
+        "boot_bytes_read": loader.bytes_read,
+        "boot_ms": boot_ms,
+        "ready_unix": ready_unix,
+        "records": [],
+        "acks": [],
+        "checks": [],
+        "kv_path": runtime.kv_path,
+        "node_tag": runtime.node_tag,
+        "precopy_rounds": [],
         "hosts": [m.host for m in runtime.members],
         "resident_bytes": weights.tensor_bytes if isinstance(weights, ResidentWeights) else None,
     }
@@ -113,15 +157,23 @@ def main(argv: list[str] | None = None) -> int:
         # closed once that is done, which is what the fd count below checks.
         runtime.reap_reservations(wait=True)
         params = list(runtime.runner.model.parameters())
-        report["checks"].append({
-            "label": label, "epoch": runtime.epoch, "group": [runtime.group.start, runtime.group.tp],
-            "runner_id": id(runtime.runner), "runner_builds": runtime.runner_builds,
-            "engines_at_commit": runtime.engines_at_commit,
-            "views_of_store": all(holder.contains(p) for p in params), "num_params": len(params),
-            "bytes_read": loader.bytes_read, "kv_segments": kv_segment.leftovers(runtime.node_tag),
-            "kv_segment_fds": _segment_fds(), "arenas_held": runtime.arenas_held,
-            "kv_data_plane": list(runtime.kv_data_plane_open()),
-        })
+        report["checks"].append(
+            {
+                "label": label,
+                "epoch": runtime.epoch,
+                "group": [runtime.group.start, runtime.group.tp],
+                "runner_id": id(runtime.runner),
+                "runner_builds": runtime.runner_builds,
+                "engines_at_commit": runtime.engines_at_commit,
+                "views_of_store": all(holder.contains(p) for p in params),
+                "num_params": len(params),
+                "bytes_read": loader.bytes_read,
+                "kv_segments": kv_segment.leftovers(runtime.node_tag),
+                "kv_segment_fds": _segment_fds(),
+                "arenas_held": runtime.arenas_held,
+                "kv_data_plane": list(runtime.kv_data_plane_open()),
+            }
+        )
 
     runtime.wait_built_ahead()  # a script's changes then find every level's runner (deterministic tests)
     check("boot")

@@ -44,24 +44,29 @@ def _layouts(num_devices: int, min_tp: int) -> list[Topology]:
     return [Topology.uniform(num_devices, k) for k in levels]
 
 
-def build_snapshot(rng: random.Random, top: Topology, num_devices: int, min_tp: int, device: str,
-                   num_requests: int, now_ms: float) -> ClusterSnapshot:
+def build_snapshot(
+    rng: random.Random, top: Topology, num_devices: int, min_tp: int, device: str, num_requests: int, now_ms: float
+) -> ClusterSnapshot:
     groups = tuple(GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role) for g in top.groups)
     node = NodeView("n0", num_devices, min_tp, num_devices, groups, device, None)
     reqs = []
     decode_groups = [g for g in groups if g.role != "prefill"] or list(groups)
     for i in range(num_requests):
         interactive = rng.random() < 0.3
-        tier, ttft, tpot, w = (("interactive", 200.0, 25.0, 10.0) if interactive
-                               else ("background", 10_000.0, 100.0, 1.0))
+        tier, ttft, tpot, w = (
+            ("interactive", 200.0, 25.0, 10.0) if interactive else ("background", 10_000.0, 100.0, 1.0)
+        )
         prompt = int(rng.lognormvariate(6.5, 0.8)) + 16
         out = int(rng.lognormvariate(4.5, 0.8)) + 2
         age = rng.uniform(0, ttft * 0.8)
         if rng.random() < 0.25:  # running on a group
             g = decode_groups[rng.randrange(len(decode_groups))]
             done = rng.randrange(1, out)
-            reqs.append(RequestView(f"r{i}", tier, ttft, tpot, w, now_ms - age - 1000.0, prompt, out, done,
-                                    now_ms - age, g.group_id))
+            reqs.append(
+                RequestView(
+                    f"r{i}", tier, ttft, tpot, w, now_ms - age - 1000.0, prompt, out, done, now_ms - age, g.group_id
+                )
+            )
         else:
             reqs.append(RequestView(f"r{i}", tier, ttft, tpot, w, now_ms - age, prompt, out))
     return ClusterSnapshot(now_ms, (node,), tuple(reqs), epoch=0)
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts = _layouts(args.devices, args.min_tp)
     try:
         base_top = baseline.initial_topology(
-            build_snapshot(rng, layouts[0], args.devices, args.min_tp, args.device, 1, 0.0).nodes[0])
+            build_snapshot(rng, layouts[0], args.devices, args.min_tp, args.device, 1, 0.0).nodes[0]
+        )
     except ValueError as e:
         ap.error(str(e))
     new_req = RequestView("new", "interactive", 200.0, 25.0, 10.0, 0.0, 800, 100)
@@ -138,22 +144,32 @@ def main(argv: list[str] | None = None) -> int:
         results["shed"].append(timed(lambda: adaptive.shed(s)))
 
     out = sys.stdout
-    out.write(f"nitsum bench policy: {args.devices} devices, {args.requests} requests/snapshot, "
-              f"{args.snapshots} snapshots, model {args.model}, device {args.device}, seed {args.seed}\n")
+    out.write(
+        f"nitsum bench policy: {args.devices} devices, {args.requests} requests/snapshot, "
+        f"{args.snapshots} snapshots, model {args.model}, device {args.device}, seed {args.seed}\n"
+    )
     out.write(f"{'call':<28}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}\n")
-    labels = {"adaptive": "adaptive decide_topology", "baseline": f"{baseline.name} decide_topology",
-              "route": "adaptive route (1 request)", "admit": "adaptive admit (1 request)",
-              "shed": "adaptive shed"}
+    labels = {
+        "adaptive": "adaptive decide_topology",
+        "baseline": f"{baseline.name} decide_topology",
+        "route": "adaptive route (1 request)",
+        "admit": "adaptive admit (1 request)",
+        "shed": "adaptive shed",
+    }
     for key, label in labels.items():
         xs = results[key]
         out.write(f"{label:<28}{_pct(xs, 0.5):>10.3f}{_pct(xs, 0.99):>10.3f}{max(xs):>10.3f}\n")
     a50, a99 = _pct(results["adaptive"], 0.5), _pct(results["adaptive"], 0.99)
     b50 = _pct(results["baseline"], 0.5)
     out.write(f"first (cold-memo) adaptive decision: {cold_ms:.3f} ms\n")
-    out.write(f"adaptive/baseline p50 ratio: {a50 / b50:.1f}x; adaptive p99 / 1 ms goal: {a99:.3f}"
-              f" ({'meets' if a99 < 1.0 else 'MISSES'} the goal)\n")
-    out.write(f"decision paths: {', '.join(f'{k}={v}' for k, v in sorted(paths.items()))}; "
-              f"topology changes proposed: {changes}/{args.snapshots}\n")
+    out.write(
+        f"adaptive/baseline p50 ratio: {a50 / b50:.1f}x; adaptive p99 / 1 ms goal: {a99:.3f}"
+        f" ({'meets' if a99 < 1.0 else 'MISSES'} the goal)\n"
+    )
+    out.write(
+        f"decision paths: {', '.join(f'{k}={v}' for k, v in sorted(paths.items()))}; "
+        f"topology changes proposed: {changes}/{args.snapshots}\n"
+    )
     return 0
 
 

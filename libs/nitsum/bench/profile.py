@@ -95,8 +95,16 @@ class RooflineFit:
 def roofline_terms(model: ModelSpec, point: StepPoint) -> tuple[float, float]:
     """(FLOPs, bytes read) of one TP=1 step, taken from the cost model's own formulas: with a unit device
     (1e3 FLOP/s, efficiency 1, no overhead) and the other resource unlimited, step_time_ms is the term."""
-    flops_device = DeviceSpec("unit-flops", peak_flops=1e3, mem_bandwidth_bytes_per_s=1e300, link_bandwidth_bytes_per_s=1.0,
-                              memory_bytes=1.0, compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_ms=0.0)
+    flops_device = DeviceSpec(
+        "unit-flops",
+        peak_flops=1e3,
+        mem_bandwidth_bytes_per_s=1e300,
+        link_bandwidth_bytes_per_s=1.0,
+        memory_bytes=1.0,
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        step_overhead_ms=0.0,
+    )
     bytes_device = dataclasses.replace(flops_device, name="unit-bytes", peak_flops=1e300, mem_bandwidth_bytes_per_s=1e3)
     flops = CostModel(model, flops_device).step_time_ms(1, point.batch_size, point.num_tokens, point.context_tokens)
     num_bytes = CostModel(model, bytes_device).step_time_ms(1, point.batch_size, point.num_tokens, point.context_tokens)
@@ -104,8 +112,12 @@ def roofline_terms(model: ModelSpec, point: StepPoint) -> tuple[float, float]:
 
 
 def predict_ms(fit: RooflineFit, flops: float, num_bytes: float, batch_size: int = 1, prefill: bool = False) -> float:
-    return (max(flops * fit.ms_per_flop, num_bytes * fit.ms_per_byte) + fit.step_overhead_ms
-            + fit.ms_per_seq * batch_size + (fit.prefill_step_ms if prefill else 0.0))
+    return (
+        max(flops * fit.ms_per_flop, num_bytes * fit.ms_per_byte)
+        + fit.step_overhead_ms
+        + fit.ms_per_seq * batch_size
+        + (fit.prefill_step_ms if prefill else 0.0)
+    )
 
 
 def _nnls(columns: list[list[float]], target: list[float]) -> list[float]:
@@ -132,8 +144,16 @@ def _nnls(columns: list[list[float]], target: list[float]) -> list[float]:
     return best
 
 
-def _mape(flops: list[float], num_bytes: list[float], measured: list[float], a: float, b: float, c: float,
-          extra: list[list[float]] = (), coef: list[float] = ()) -> float:
+def _mape(
+    flops: list[float],
+    num_bytes: list[float],
+    measured: list[float],
+    a: float,
+    b: float,
+    c: float,
+    extra: list[list[float]] = (),
+    coef: list[float] = (),
+) -> float:
     total = 0.0
     for i, (f, x, t) in enumerate(zip(flops, num_bytes, measured)):
         q = max(f * a, x * b) + c + sum(k * col[i] for k, col in zip(coef, extra))
@@ -141,8 +161,14 @@ def _mape(flops: list[float], num_bytes: list[float], measured: list[float], a: 
     return total / len(measured)
 
 
-def fit_roofline(flops: list[float], num_bytes: list[float], measured_ms: list[float], batch_sizes: list[int] | None = None,
-                 prefill: list[bool] | None = None, max_iterations: int = 50) -> RooflineFit:
+def fit_roofline(
+    flops: list[float],
+    num_bytes: list[float],
+    measured_ms: list[float],
+    batch_sizes: list[int] | None = None,
+    prefill: list[bool] | None = None,
+    max_iterations: int = 50,
+) -> RooflineFit:
     """Fit step_ms = max(flops·a, bytes·b) + c [+ d·batch] [+ e·prefill] to measurements, minimising the squared
     relative error. Without `batch_sizes` / `prefill` those terms are left out (d = e = 0)."""
     assert len(flops) == len(num_bytes) == len(measured_ms) >= 3, "at least three measured points"
@@ -150,13 +176,17 @@ def fit_roofline(flops: list[float], num_bytes: list[float], measured_ms: list[f
     n = len(measured_ms)
     weight = [1.0 / t for t in measured_ms]  # relative error: each row divided by its measurement
     target = [1.0] * n
-    extra = ([[float(v) for v in batch_sizes]] if batch_sizes is not None else []) + \
-        ([[1.0 if v else 0.0 for v in prefill]] if prefill is not None else [])
+    extra = ([[float(v) for v in batch_sizes]] if batch_sizes is not None else []) + (
+        [[1.0 if v else 0.0 for v in prefill]] if prefill is not None else []
+    )
     assert all(len(col) == n for col in extra), "one batch size / prefill flag per point"
     extra_cols = [[v * w for v, w in zip(col, weight)] for col in extra]
     starts = [[True] * n, [False] * n]
     # A third start: which term dominates under a fit of the sum (no max).
-    a0, b0, *_ = _nnls([[f * w for f, w in zip(flops, weight)], [x * w for x, w in zip(num_bytes, weight)], weight, *extra_cols], target)
+    a0, b0, *_ = _nnls(
+        [[f * w for f, w in zip(flops, weight)], [x * w for x, w in zip(num_bytes, weight)], weight, *extra_cols],
+        target,
+    )
     starts.append([f * a0 >= x * b0 for f, x in zip(flops, num_bytes)])
     best: tuple | None = None
     for compute_bound in starts:
@@ -186,11 +216,14 @@ def fit_roofline(flops: list[float], num_bytes: list[float], measured_ms: list[f
     return RooflineFit(a, b, c, a_ok, b_ok, err, named.get("seq", 0.0), named.get("prefill", 0.0))
 
 
-def fitted_device(base: DeviceSpec, fit: RooflineFit, peak_flops: float, peak_bytes_per_s: float, source: str) -> DeviceSpec:
+def fitted_device(
+    base: DeviceSpec, fit: RooflineFit, peak_flops: float, peak_bytes_per_s: float, source: str
+) -> DeviceSpec:
     """`base` with the fitted rates, written as measured peak × efficiency (efficiency = fitted / peak;
     a fitted rate above the measured peak raises the peak, efficiency 1). A term the data bounds only from
     below takes the measured peak when that is higher: the device's own figure, still consistent with
     every measured point."""
+
     def rate(fitted: float, identified: bool, peak: float) -> float:
         if identified:
             return fitted
@@ -215,7 +248,9 @@ def fitted_device(base: DeviceSpec, fit: RooflineFit, peak_flops: float, peak_by
     )
 
 
-def table_json(device: DeviceSpec, points: list[StepPoint], predicted_ms: list[float], fit: RooflineFit, command: str) -> str:
+def table_json(
+    device: DeviceSpec, points: list[StepPoint], predicted_ms: list[float], fit: RooflineFit, command: str
+) -> str:
     """The device table (`DeviceSpec.to_json` format) plus the raw points under "measurements", which the
     loader skips."""
     data = json.loads(device.to_json())
@@ -225,7 +260,8 @@ def table_json(device: DeviceSpec, points: list[StepPoint], predicted_ms: list[f
         "compute_identified": fit.compute_identified,
         "memory_identified": fit.memory_identified,
         "points": [
-            {**dataclasses.asdict(p), "step_ms": round(p.step_ms, 4), "predicted_ms": round(q, 4)} for p, q in zip(points, predicted_ms)
+            {**dataclasses.asdict(p), "step_ms": round(p.step_ms, 4), "predicted_ms": round(q, 4)}
+            for p, q in zip(points, predicted_ms)
         ],
     }
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
@@ -255,18 +291,36 @@ def model_spec_of(model_dir: Path) -> ModelSpec:
     from nitsum.model.loader import load_config
 
     cfg = load_config(model_dir)
-    spec = ModelSpec(Path(model_dir).name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                     cfg.intermediate_size, cfg.vocab_size, bytes_per_param=4.0, kv_bytes_per_elem=4.0)
+    spec = ModelSpec(
+        Path(model_dir).name,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        bytes_per_param=4.0,
+        kv_bytes_per_elem=4.0,
+    )
     if spec.head_dim != cfg.head_dim:
-        print(f"note: head_dim {cfg.head_dim} != hidden/heads {spec.head_dim}; the cost model assumes the latter", file=sys.stderr)
+        print(
+            f"note: head_dim {cfg.head_dim} != hidden/heads {spec.head_dim}; the cost model assumes the latter",
+            file=sys.stderr,
+        )
     return spec
 
 
 def engine_config(model_dir: Path, max_batched_tokens: int, kv_cache_mb: int, seed: int):
     from nitsum.engine.params import EngineConfig
 
-    return EngineConfig(model_dir=str(model_dir), max_num_seqs=256, max_num_batched_tokens=max_batched_tokens,
-                        kv_cache_mb=kv_cache_mb, enable_prefix_caching=False, seed=seed)
+    return EngineConfig(
+        model_dir=str(model_dir),
+        max_num_seqs=256,
+        max_num_batched_tokens=max_batched_tokens,
+        kv_cache_mb=kv_cache_mb,
+        enable_prefix_caching=False,
+        seed=seed,
+    )
 
 
 class Profiler:
@@ -286,7 +340,9 @@ class Profiler:
         self.next_id = 0
 
     def _prompts(self, batch: int, length: int) -> list[list[int]]:
-        return [self.torch.randint(0, self.vocab_limit, (length,), generator=self.generator).tolist() for _ in range(batch)]
+        return [
+            self.torch.randint(0, self.vocab_limit, (length,), generator=self.generator).tolist() for _ in range(batch)
+        ]
 
     def _add(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
         from nitsum.engine.params import SamplingParams
@@ -319,7 +375,8 @@ class Profiler:
             self._add(self._prompts(batch, length), max_tokens=1)
             elapsed_ms, outputs, computed = self._timed_step()
             assert computed == batch * length and len(outputs) == batch and all(o.finished for o in outputs), (
-                f"prefill point ({batch}, {length}) did not run as one step: {computed} tokens, {len(outputs)} outputs")
+                f"prefill point ({batch}, {length}) did not run as one step: {computed} tokens, {len(outputs)} outputs"
+            )
             assert not self.engine.has_unfinished(), "prefill requests must finish in their step"
             times.append(elapsed_ms)
         return StepPoint("prefill", batch, batch * length, batch * length, min(times[1:]))
@@ -343,7 +400,9 @@ class Profiler:
         for i in range(warm + steps):
             context_tokens = sum(context + g for g in generated.values())  # tokens attended, new one included
             elapsed_ms, outputs, computed = self._timed_step()
-            assert computed == 0 and len(outputs) == batch, f"decode point ({batch}, {context}): {computed} prefill tokens, {len(outputs)} outputs"
+            assert computed == 0 and len(outputs) == batch, (
+                f"decode point ({batch}, {context}): {computed} prefill tokens, {len(outputs)} outputs"
+            )
             for out in outputs:
                 generated[out.request_id] += 1
             if i >= warm:
@@ -362,14 +421,26 @@ def csv_rows(points: list[StepPoint], tp: int, device: str, model: str) -> list:
     out = []
     for p in points:
         if p.kind == "prefill":
-            out.append(StepRow(device, model, tp, "prefill", p.batch_size, p.num_tokens // p.batch_size,
-                               p.num_tokens // p.batch_size, p.step_ms))
+            out.append(
+                StepRow(
+                    device,
+                    model,
+                    tp,
+                    "prefill",
+                    p.batch_size,
+                    p.num_tokens // p.batch_size,
+                    p.num_tokens // p.batch_size,
+                    p.step_ms,
+                )
+            )
         else:
-            out.append(StepRow(device, model, tp, "decode", p.batch_size, 0, round(p.context_tokens / p.batch_size), p.step_ms))
+            out.append(
+                StepRow(device, model, tp, "decode", p.batch_size, 0, round(p.context_tokens / p.batch_size), p.step_ms)
+            )
     return out
 
 
-def measure_points(profiler: "Profiler", decode_grid, prefill_grid, steps: int, repeats: int) -> list[StepPoint]:
+def measure_points(profiler: Profiler, decode_grid, prefill_grid, steps: int, repeats: int) -> list[StepPoint]:
     profiler.warm_up()
     points = [profiler.decode(b, ctx, steps) for b, ctx in decode_grid]
     points += [profiler.prefill(b, n, repeats) for b, n in prefill_grid]
@@ -384,8 +455,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def profile_tp(model_dir: Path, tp: int, quick: bool, threads: int, steps: int, repeats: int, seed: int,
-               max_batched: int, kv_cache_mb: int, timeout_s: float = 600.0) -> list[StepPoint]:
+def profile_tp(
+    model_dir: Path,
+    tp: int,
+    quick: bool,
+    threads: int,
+    steps: int,
+    repeats: int,
+    seed: int,
+    max_batched: int,
+    kv_cache_mb: int,
+    timeout_s: float = 600.0,
+) -> list[StepPoint]:
     """The grid at TP=tp: `tp` rank processes form a node world (nitsum.parallel.world.NodeWorld, shared-memory
     collectives as the live workers use them), rank 0's engine leads the group and is timed, so every step
     includes the group's all-reduces and the step plan's broadcast."""
@@ -394,15 +475,38 @@ def profile_tp(model_dir: Path, tp: int, quick: bool, threads: int, steps: int, 
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="nitsum-profile-tp-") as tmp:
         out = Path(tmp) / "points.json"
-        cmd = [sys.executable, "-m", "nitsum.bench.profile", "--rank-of-world", "", "--model", str(model_dir),
-               "--threads", str(threads), "--steps", str(steps), "--repeats", str(repeats), "--seed", str(seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nitsum.bench.profile",
+            "--rank-of-world",
+            "",
+            "--model",
+            str(model_dir),
+            "--threads",
+            str(threads),
+            "--steps",
+            str(steps),
+            "--repeats",
+            str(repeats),
+            "--seed",
+            str(seed),
+        ]
         if quick:
             cmd.append("--quick")
         procs = []
         for rank in range(tp):
             rank_cmd = list(cmd)
-            rank_cmd[4] = json.dumps({"rank": rank, "size": tp, "port": port, "out": str(out),
-                                      "max_batched": max_batched, "kv_cache_mb": kv_cache_mb})
+            rank_cmd[4] = json.dumps(
+                {
+                    "rank": rank,
+                    "size": tp,
+                    "port": port,
+                    "out": str(out),
+                    "max_batched": max_batched,
+                    "kv_cache_mb": kv_cache_mb,
+                }
+            )
             procs.append(subprocess.Popen(rank_cmd))
         try:
             codes = [p.wait(timeout=timeout_s) for p in procs]
@@ -476,19 +580,36 @@ def _cpu_name() -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="nitsum bench profile", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny checkpoint, made in a temp dir)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model directory (default: the tiny checkpoint, made in a temp dir)"
+    )
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds; used by the tests)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the workers run)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps per point (default 12; --quick 5)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed prefill steps per point (default 7; --quick 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed prefill steps per point (default 7; --quick 3)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the device table (JSON) here")
-    parser.add_argument("--tp", default="1", help="TP levels to measure, comma-separated powers of two (default 1; "
-                        "each level > 1 runs that many rank processes in a node world)")
-    parser.add_argument("--csv", type=Path, default=None, help="write every measured step as a step table (CSV: "
-                        "device,model,tp,phase,batch_size,prompt_tokens,context_tokens,ms; `nitsum sim --device-table`)")
+    parser.add_argument(
+        "--tp",
+        default="1",
+        help="TP levels to measure, comma-separated powers of two (default 1; "
+        "each level > 1 runs that many rank processes in a node world)",
+    )
+    parser.add_argument(
+        "--csv",
+        type=Path,
+        default=None,
+        help="write every measured step as a step table (CSV: "
+        "device,model,tp,phase,batch_size,prompt_tokens,context_tokens,ms; `nitsum sim --device-table`)",
+    )
     parser.add_argument("--rank-of-world", default=None, help=argparse.SUPPRESS)  # internal: one rank of a TP>1 profile
-    parser.add_argument("--write-default", action="store_true", help=f"write the device table to the shipped {DEFAULT_TABLE_PATH.relative_to(DEFAULT_TABLE_PATH.parents[3])}")
+    parser.add_argument(
+        "--write-default",
+        action="store_true",
+        help=f"write the device table to the shipped {DEFAULT_TABLE_PATH.relative_to(DEFAULT_TABLE_PATH.parents[3])}",
+    )
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
@@ -523,8 +644,11 @@ def main(argv: list[str]) -> int:
             model_dir = make_tiny(Path(tmp) / "tiny")
         spec = model_spec_of(model_dir)
         kv_cache_mb = max(16, math.ceil(kv_tokens * spec.kv_bytes_per_token * 1.25 / 2**20))
-        print(f"profiling {spec.name} on {_cpu_name()}, {args.threads} torch thread(s): "
-              f"{len(decode_grid)} decode + {len(prefill_grid)} prefill points...", flush=True)
+        print(
+            f"profiling {spec.name} on {_cpu_name()}, {args.threads} torch thread(s): "
+            f"{len(decode_grid)} decode + {len(prefill_grid)} prefill points...",
+            flush=True,
+        )
         profiler = Profiler(model_dir, max_batched, kv_cache_mb, args.seed)
         points = measure_points(profiler, decode_grid, prefill_grid, steps, repeats)
         peak_flops, peak_bytes = measure_peaks(torch)
@@ -532,7 +656,9 @@ def main(argv: list[str]) -> int:
         for tp in tp_levels:
             if tp > 1:
                 print(f"profiling TP{tp} ({tp} rank processes in a node world)...", flush=True)
-                tp_points = profile_tp(model_dir, tp, args.quick, args.threads, steps, repeats, args.seed, max_batched, kv_cache_mb)
+                tp_points = profile_tp(
+                    model_dir, tp, args.quick, args.threads, steps, repeats, args.seed, max_batched, kv_cache_mb
+                )
                 table_rows += csv_rows(tp_points, tp, "cpu", spec.name)
         if 1 not in tp_levels:
             table_rows = [r for r in table_rows if r.tp != 1]
@@ -547,10 +673,12 @@ def main(argv: list[str]) -> int:
     baseline = [CostModel(spec, base).step_time_ms(1, p.batch_size, p.num_tokens, p.context_tokens) for p in points]
 
     command = "nitsum bench profile " + " ".join(argv) if argv else "nitsum bench profile"
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    source = (f"measured {when} by `{command}` on {_cpu_name()} ({os.cpu_count()} cores visible, {args.threads} torch thread(s), "
-              f"torch {torch.__version__}, fp32, model {spec.name}); peak FLOP/s and bandwidth from a 512^3 matmul and a 64 MiB copy; "
-              f"link/collective/memory fields carried over from the previous table")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    source = (
+        f"measured {when} by `{command}` on {_cpu_name()} ({os.cpu_count()} cores visible, {args.threads} torch thread(s), "
+        f"torch {torch.__version__}, fp32, model {spec.name}); peak FLOP/s and bandwidth from a 512^3 matmul and a 64 MiB copy; "
+        f"link/collective/memory fields carried over from the previous table"
+    )
     device = fitted_device(base, fit, peak_flops, peak_bytes, source)
     text = table_json(device, points, predicted, fit, command)
     assert DeviceSpec.from_json(text) == device, "the written table must load back as the fitted device"
@@ -558,14 +686,18 @@ def main(argv: list[str]) -> int:
     print(format_report(points, predicted, baseline))
     base_name = "placeholder" if base.placeholder else "previous"
     print(f"\nmeasured peaks: {peak_flops / 1e9:.1f} GFLOP/s (512^3 matmul), {peak_bytes / 1e9:.1f} GB/s (64 MiB copy)")
-    print(f"table: {device.peak_flops * device.compute_efficiency / 1e9:.2f} GFLOP/s effective "
-          f"(efficiency {device.compute_efficiency:.2f}){'' if fit.compute_identified else ' [bound only: no point compute-bound]'}, "
-          f"{device.mem_bandwidth_bytes_per_s * device.memory_efficiency / 1e9:.2f} GB/s effective "
-          f"(efficiency {device.memory_efficiency:.2f}){'' if fit.memory_identified else ' [bound only: no point memory-bound]'}, "
-          f"step overhead {fit.step_overhead_ms:.3f} ms + {fit.ms_per_seq:.4f} ms per sequence + "
-          f"{fit.prefill_step_ms:.3f} ms per prefill step")
-    print(f"mean absolute percentage error: fitted {100 * fit.mean_abs_pct_error:.1f}% vs {base_name} table "
-          f"{100 * mean_abs_pct_error(baseline, measured):.1f}% on the same {len(points)} measurements")
+    print(
+        f"table: {device.peak_flops * device.compute_efficiency / 1e9:.2f} GFLOP/s effective "
+        f"(efficiency {device.compute_efficiency:.2f}){'' if fit.compute_identified else ' [bound only: no point compute-bound]'}, "
+        f"{device.mem_bandwidth_bytes_per_s * device.memory_efficiency / 1e9:.2f} GB/s effective "
+        f"(efficiency {device.memory_efficiency:.2f}){'' if fit.memory_identified else ' [bound only: no point memory-bound]'}, "
+        f"step overhead {fit.step_overhead_ms:.3f} ms + {fit.ms_per_seq:.4f} ms per sequence + "
+        f"{fit.prefill_step_ms:.3f} ms per prefill step"
+    )
+    print(
+        f"mean absolute percentage error: fitted {100 * fit.mean_abs_pct_error:.1f}% vs {base_name} table "
+        f"{100 * mean_abs_pct_error(baseline, measured):.1f}% on the same {len(points)} measurements"
+    )
     print(text, end="")
     if args.csv is not None:
         from nitsum.policy.steptable import parse_rows, write_rows
@@ -574,7 +706,9 @@ def main(argv: list[str]) -> int:
         parse_rows(csv_text, str(args.csv))  # what is written loads back
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         args.csv.write_text(csv_text)
-        print(f"wrote {args.csv} ({len(table_rows)} rows, TP {', '.join(map(str, sorted({r.tp for r in table_rows})))})")
+        print(
+            f"wrote {args.csv} ({len(table_rows)} rows, TP {', '.join(map(str, sorted({r.tp for r in table_rows})))})"
+        )
     for path in ([args.out] if args.out is not None else []) + ([DEFAULT_TABLE_PATH] if args.write_default else []):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

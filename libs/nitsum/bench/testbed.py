@@ -49,8 +49,12 @@ async def _send(host: str, port: int, source: str | None, plan: list[dict[str, o
             await asyncio.sleep(delay_s)
         rate = spec.get("rate_bps")
         try:
-            await tx.send(fid, bytes(int(spec["size_bytes"])), level=int(spec["level"]),  # type: ignore[call-overload]
-                          rate_bps=float(rate) if rate else None)  # type: ignore[arg-type]
+            await tx.send(
+                fid,
+                bytes(int(spec["size_bytes"])),
+                level=int(spec["level"]),  # type: ignore[call-overload]
+                rate_bps=float(rate) if rate else None,
+            )  # type: ignore[arg-type]
             finish_ms[fid] = (loop.time() - t0) * 1000.0
         except TransferError as exc:
             errors[fid] = str(exc)
@@ -121,16 +125,40 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
         deadline_ms = arrival_ms + float(r["slo_ms"])  # type: ignore[arg-type]
         unit = f"u-{rid}"
         sched.on_layer_boundary(unit, 0, now_ms())
-        await transfer(FlowSpec(f"{rid}-reuse", rid, unit, Stage.KV_REUSE, int(r["reuse_bytes"]), "A", "B",  # type: ignore[call-overload]
-                                ("link",), target_layer=1, request_deadlines_ms=(deadline_ms,),
-                                request_deadline_ms=deadline_ms))
+        await transfer(
+            FlowSpec(
+                f"{rid}-reuse",
+                rid,
+                unit,
+                Stage.KV_REUSE,
+                int(r["reuse_bytes"]),
+                "A",
+                "B",  # type: ignore[call-overload]
+                ("link",),
+                target_layer=1,
+                request_deadlines_ms=(deadline_ms,),
+                request_deadline_ms=deadline_ms,
+            )
+        )
         layer_s = float(r["compute_ms"]) / num_layers / 1000.0  # type: ignore[arg-type]
         for layer in range(1, num_layers + 1):
             await asyncio.sleep(layer_s)
             sched.on_layer_boundary(unit, layer, now_ms())
         sched.on_unit_done(unit, now_ms())
-        await transfer(FlowSpec(f"{rid}-p2d", rid, unit, Stage.P2D, int(r["p2d_bytes"]), "A", "B", ("link",),  # type: ignore[call-overload]
-                                deadline_ms=deadline_ms, request_deadlines_ms=(deadline_ms,)))
+        await transfer(
+            FlowSpec(
+                f"{rid}-p2d",
+                rid,
+                unit,
+                Stage.P2D,
+                int(r["p2d_bytes"]),
+                "A",
+                "B",
+                ("link",),  # type: ignore[call-overload]
+                deadline_ms=deadline_ms,
+                request_deadlines_ms=(deadline_ms,),
+            )
+        )
         ttft_ms[rid] = now_ms() - arrival_ms
 
     async def ticker() -> None:

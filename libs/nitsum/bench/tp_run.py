@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.num_threads)
     group = init_tp_group(args.master_addr, args.master_port, args.rank, args.world_size, device=args.device)
-    cfg = EngineConfig(model_dir=args.model_dir, device=args.device, dtype=args.dtype,
-                       decode_attention=args.decode_attention)
+    cfg = EngineConfig(
+        model_dir=args.model_dir, device=args.device, dtype=args.dtype, decode_attention=args.decode_attention
+    )
     try:
         if not group.is_leader:
             run_peer(cfg, group)
@@ -61,8 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             logits = torch.cat(recorded).tolist()
             with open(args.out, "w") as handle:
-                json.dump({"tokens": tokens, "logits": logits, "device": str(engine.runner.device),
-                           "host_staging": group.host_staging}, handle)
+                json.dump(
+                    {
+                        "tokens": tokens,
+                        "logits": logits,
+                        "device": str(engine.runner.device),
+                        "host_staging": group.host_staging,
+                    },
+                    handle,
+                )
         return 0
     finally:
         group.destroy()

@@ -16,10 +16,10 @@ import time
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
+from nitsum.engine.guided import Guides, allowed
 from nitsum.engine.params import EngineConfig, EngineStats, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, ChunkPlan, StepPlan
 from nitsum.engine.runner import ModelRunner
-from nitsum.engine.guided import Guides, allowed
 from nitsum.engine.sampling import Sampled, make_generator, sample_detailed
 from nitsum.engine.scheduler import Scheduler, SchedulerOutput
 from nitsum.engine.sequence import Sequence
@@ -137,7 +137,7 @@ class Engine:
     # -- request state: what a TP change reads and installs (nothing outside engine/ reads its fields) --------
     @property
     def role(self) -> str:
-        """"prefill" (pin each request after its first token), "decode" or "hybrid"."""
+        """ "prefill" (pin each request after its first token), "decode" or "hybrid"."""
         return self.cfg.role
 
     def set_role(self, role: str) -> None:
@@ -384,8 +384,14 @@ class Engine:
 
 def _make_runner(cfg: EngineConfig, group: TPGroup) -> ModelRunner:
     return ModelRunner(
-        cfg.model_dir, group, device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size,
-        num_kv_blocks=cfg.num_kv_blocks, kv_cache_mb=cfg.kv_cache_mb, decode_attention=cfg.decode_attention,
+        cfg.model_dir,
+        group,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        num_kv_blocks=cfg.num_kv_blocks,
+        kv_cache_mb=cfg.kv_cache_mb,
+        decode_attention=cfg.decode_attention,
     )
 
 

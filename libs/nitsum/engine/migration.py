@@ -22,8 +22,8 @@ import msgpack
 import torch
 
 from nitsum.engine.params import SamplingParams
-from nitsum.engine.slo import RequestSlo
 from nitsum.engine.sequence import Sequence, Status
+from nitsum.engine.slo import RequestSlo
 from nitsum.kv.reshard import Group, Placement, RequestKV, Transfer, kv_head_range
 from nitsum.model.tokenizer import IncrementalDetokenizer
 
@@ -37,8 +37,12 @@ def sequences_in_order(engine: Any) -> list[Sequence]:
 def snapshot_kv(engine: Any, group: Group) -> list[RequestKV]:
     kv = engine.kv
     return [
-        RequestKV(s.request_id, group, s.num_computed_tokens if kv.has(s.request_id) else 0,
-                  tuple(kv.block_table(s.request_id)) if kv.has(s.request_id) else ())
+        RequestKV(
+            s.request_id,
+            group,
+            s.num_computed_tokens if kv.has(s.request_id) else 0,
+            tuple(kv.block_table(s.request_id)) if kv.has(s.request_id) else (),
+        )
         for s in sequences_in_order(engine)
     ]
 
@@ -60,8 +64,12 @@ def export_state(engine: Any, seq: Sequence) -> dict[str, Any]:
         "emitted": seq.num_text_emitted,
         "prefill_target": engine.scheduler.prefill_target(seq.request_id),
         # The SLO travels with its age, not the arrival stamp: engines on other hosts have other clocks.
-        "slo": None if seq.slo is None else {
-            "tier": seq.slo.tier, "ttft_ms": seq.slo.ttft_ms, "tpot_ms": seq.slo.tpot_ms,
+        "slo": None
+        if seq.slo is None
+        else {
+            "tier": seq.slo.tier,
+            "ttft_ms": seq.slo.ttft_ms,
+            "tpot_ms": seq.slo.tpot_ms,
             "age_ms": engine.now_ms() - seq.slo.arrival_ms,
         },
     }
@@ -162,8 +170,14 @@ def execute_transfers(
                 bytes_sent += buf.numel() * buf.element_size()
         elif t.dst_worker == me:
             assert new_kv is not None, f"worker {me} receives KV but has no new cache"
-            shape = (t.layer_end - t.layer_start, 2, t.num_blocks, new_kv.shape[3], t.head_end - t.head_start,
-                     new_kv.shape[5])
+            shape = (
+                t.layer_end - t.layer_start,
+                2,
+                t.num_blocks,
+                new_kv.shape[3],
+                t.head_end - t.head_start,
+                new_kv.shape[5],
+            )
             buf = torch.empty(shape, dtype=new_kv.dtype, device=new_kv.device)
             recvs.append((t, buf, world.irecv(buf, t.src_worker, tag)))
     for t, buf, handle in recvs:

@@ -116,8 +116,15 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the row needs more than a batched argmax / plain sampling (penalties, bias, logprobs)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.logprobs is not None or bool(self.guide) or self.min_tokens > 0)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.logprobs is not None
+            or bool(self.guide)
+            or self.min_tokens > 0
+        )
 
 
 @dataclass(frozen=True)

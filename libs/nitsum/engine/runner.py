@@ -100,7 +100,9 @@ class ModelRunner:
             keep = torch.arange(context, device=dev)[None, :] < lens[:, None]
             # Additive float mask, made once per step: SDPA would otherwise convert a bool mask in every
             # layer (same values: 0 where attended, -inf elsewhere).
-            mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))[:, None, None, :]
+            mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))[
+                :, None, None, :
+            ]
         return DecodeGroup(start, end - start, torch.tensor(ids, dtype=torch.long, device=dev), context, mask)
 
     @torch.inference_mode()
@@ -113,8 +115,10 @@ class ModelRunner:
         # context (`decode_groups`). Then fresh prompts grouped by length (each group is one batched causal
         # call), then chunks that extend a cached prefix.
         singles = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        multis = sorted((i for i, c in enumerate(chunks) if len(c.token_ids) > 1),
-                        key=lambda i: (chunks[i].start_pos > 0, 0 if chunks[i].start_pos else len(chunks[i].token_ids)))
+        multis = sorted(
+            (i for i, c in enumerate(chunks) if len(c.token_ids) > 1),
+            key=lambda i: (chunks[i].start_pos > 0, 0 if chunks[i].start_pos else len(chunks[i].token_ids)),
+        )
 
         # Token ids, positions and KV slots go to the device as one tensor (one copy, then views).
         token_ids: list[int] = []
@@ -132,7 +136,10 @@ class ModelRunner:
             slots = [c.block_table[pos // bs] * bs + pos % bs for c, pos in zip(single_chunks, positions)]
             last_row = {i: row for row, i in enumerate(singles)}
             if self.flex is not None:
-                flex = (self.flex, self.flex.block_mask([c.block_table for c in single_chunks], [p + 1 for p in positions]))
+                flex = (
+                    self.flex,
+                    self.flex.block_mask([c.block_table for c in single_chunks], [p + 1 for p in positions]),
+                )
             else:
                 for start, end in decode_groups([-(-(pos + 1) // bs) for pos in positions]):
                     groups.append(self._decode_group(single_chunks, positions, start, end))
@@ -156,11 +163,15 @@ class ModelRunner:
             if start > 0:
                 q_pos = torch.arange(start, end, device=dev)
                 mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]
-            multi.append(MultiTokenSpan(
-                token_start=row0, num_tokens=n, start_pos=start,
-                block_table=torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=dev),
-                mask=mask,
-            ))
+            multi.append(
+                MultiTokenSpan(
+                    token_start=row0,
+                    num_tokens=n,
+                    start_pos=start,
+                    block_table=torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=dev),
+                    mask=mask,
+                )
+            )
 
         num_tokens = len(token_ids)
         sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.sample]
@@ -191,7 +202,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != "cuda":
         return True
     return (a.index if a.index is not None else torch.cuda.current_device()) == (
-        b.index if b.index is not None else torch.cuda.current_device())
+        b.index if b.index is not None else torch.cuda.current_device()
+    )
 
 
 # What one more decode attention call costs (its gathers' and kernel's fixed cost), in padded block-rows of
@@ -211,7 +223,8 @@ def decode_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
     for k in range(2, min(MAX_DECODE_GROUPS, n) + 1):
         bounds = [n * j // k for j in range(k + 1)]
         cost = (k - 1) * GROUP_COST_BLOCK_ROWS + sum(
-            (bounds[j + 1] - bounds[j]) * num_blocks[bounds[j + 1] - 1] for j in range(k))
+            (bounds[j + 1] - bounds[j]) * num_blocks[bounds[j + 1] - 1] for j in range(k)
+        )
         if cost < best_cost:
             best_cost, best = cost, [(bounds[j], bounds[j + 1]) for j in range(k)]
     return best

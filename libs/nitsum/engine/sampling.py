@@ -67,7 +67,9 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()  # the `params.logprobs` most likely (token, logprob), best first
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int], num_prompt: int) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int], num_prompt: int
+) -> torch.Tensor:
     """One fp32 row [V] with logit_bias and the repetition/frequency/presence penalties applied.
     `token_ids` is the prompt followed by the output so far; the first `num_prompt` are the prompt."""
     vocab = logits.shape[-1]
@@ -81,7 +83,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, token_ids: Sequ
         penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits = torch.where(seen, penalised, logits)
     if (params.frequency_penalty or params.presence_penalty) and len(token_ids) > num_prompt:
-        counts = torch.bincount(torch.tensor(list(token_ids[num_prompt:]), dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
+        counts = torch.bincount(torch.tensor(list(token_ids[num_prompt:]), dtype=torch.long), minlength=vocab)[
+            :vocab
+        ].to(logits.dtype)
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 

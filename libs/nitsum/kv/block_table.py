@@ -71,9 +71,7 @@ class KVCacheManager:
         revived = sum(1 for b in prefix_block_ids if self.pool.ref_count(b) == 0)
         return need_new <= self.pool.num_free - revived
 
-    def allocate(
-        self, request_id: str, num_tokens: int, prefix_block_ids: Sequence[int] = ()
-    ) -> list[int] | None:
+    def allocate(self, request_id: str, num_tokens: int, prefix_block_ids: Sequence[int] = ()) -> list[int] | None:
         """Grow the request's table to cover `num_tokens` tokens; returns the new block ids or None."""
         table = self._tables.get(request_id)
         assert not (prefix_block_ids and table and table.block_ids), (
@@ -168,9 +166,11 @@ class KVCacheManager:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
             assert self.pool.ref_count(block_id) == count, (
-                f"block {block_id}: ref count {self.pool.ref_count(block_id)} but {count} tables hold it")
+                f"block {block_id}: ref count {self.pool.ref_count(block_id)} but {count} tables hold it"
+            )
         assert self.pool.num_free == self.pool.num_blocks - len(held), (
-            f"{self.pool.num_free} free blocks, expected {self.pool.num_blocks} - {len(held)} held")
+            f"{self.pool.num_free} free blocks, expected {self.pool.num_blocks} - {len(held)} held"
+        )
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -244,9 +244,13 @@ def _sources_for(dst_worker: int, dst: Group, src: Group, geo: KVGeometry) -> li
     h0, h1 = kv_head_range(geo.num_kv_heads, dst.tp, dst_worker - dst.start)
     runs: list[tuple[int, int, int]] = []
     for head in range(h0, h1):
-        holders = [w for w in src.workers
-                   if kv_head_range(geo.num_kv_heads, src.tp, w - src.start)[0] <= head
-                   < kv_head_range(geo.num_kv_heads, src.tp, w - src.start)[1]]
+        holders = [
+            w
+            for w in src.workers
+            if kv_head_range(geo.num_kv_heads, src.tp, w - src.start)[0]
+            <= head
+            < kv_head_range(geo.num_kv_heads, src.tp, w - src.start)[1]
+        ]
         if dst_worker in holders:
             source = dst_worker
         else:

@@ -42,9 +42,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     on the AMD EPYC machines we measured is about half as fast as oneDNN's kernel for the 8-1024-row
     matmuls of decode and prefill (the kernel torch.compile's CPU backend picks). oneDNN reads the weight
     as it is (no packed copy), so weights stay views of the shared store; results agree to fp32 rounding."""
-    if (_ONEDNN_LINEAR is not None and _linear_backend == "auto" and x.dtype == torch.float32
-            and x.device.type == "cpu" and weight.is_contiguous() and x.dim() == 2
-            and x.shape[0] * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS):
+    if (
+        _ONEDNN_LINEAR is not None
+        and _linear_backend == "auto"
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.is_contiguous()
+        and x.dim() == 2
+        and x.shape[0] * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS
+    ):
         return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -164,7 +164,8 @@ def shard_span(
     every rank uses the whole tensor. Positions, not tensors: a device-resident copy that holds only part
     of a weight (`parallel.weights.ResidentWeights`) cuts its views with the same arithmetic."""
     if name.endswith(("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight")) or name in (
-        "model.embed_tokens.weight", "lm_head.weight"
+        "model.embed_tokens.weight",
+        "lm_head.weight",
     ):
         n = shape[0] // size
         return (0, rank * n, n)
@@ -183,9 +184,7 @@ def shard_span(
     raise ModelLoadError(f"unexpected tensor in checkpoint: {name}")
 
 
-def shard_weights(
-    weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, size: int
-) -> dict[str, torch.Tensor]:
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
     """This rank's slice of every weight, as views of `weights`, under the model's parameter names."""
     cfg.check_tp(size)
     shards: dict[str, torch.Tensor] = {}
@@ -207,4 +206,3 @@ def dtype_of(name: str) -> torch.dtype:
 
 def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
     return max(1, cfg.num_kv_heads // size)
-

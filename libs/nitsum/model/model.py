@@ -154,9 +154,14 @@ def fused_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     first = parts[0]
     offset = first.storage_offset()
     for p in parts:
-        if (not p.is_contiguous() or p.dtype != first.dtype or p.device != first.device
-                or p.shape[1:] != first.shape[1:] or p.storage_offset() != offset
-                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+        if (
+            not p.is_contiguous()
+            or p.dtype != first.dtype
+            or p.device != first.device
+            or p.shape[1:] != first.shape[1:]
+            or p.storage_offset() != offset
+            or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        ):
             return None
         offset += p.numel()
     rows = sum(p.shape[0] for p in parts)

@@ -25,7 +25,7 @@ _compiled = None
 
 
 def resolve_decode_attention(name: str, device: torch.device | str, block_size: int = 16) -> str:
-    """"flex" or "gather" for a setting's value on `device`. On CUDA flex needs cache blocks of a multiple of 16
+    """ "flex" or "gather" for a setting's value on `device`. On CUDA flex needs cache blocks of a multiple of 16
     tokens (the compiled kernel's smallest KV tile): "auto" falls back to gather below that, "flex" refuses."""
     if name not in DECODE_ATTENTION_CHOICES:
         raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, got {name!r}")
@@ -120,19 +120,32 @@ class FlexDecode:
         part_idx[:, 0] = part_block.clamp(min=0)
         part_n = (part_len > 0).to(torch.int32)
         return BlockMask.from_kv_blocks(
-            part_n[:, None, None], part_idx[:, None, None, :], full_n[:, None, None], full_idx[:, None, None, :],
-            BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=self._mask_mod, seq_lengths=(1, self.num_blocks * bs),
+            part_n[:, None, None],
+            part_idx[:, None, None, :],
+            full_n[:, None, None],
+            full_idx[:, None, None, :],
+            BLOCK_SIZE=(Q_BLOCK, bs),
+            mask_mod=self._mask_mod,
+            seq_lengths=(1, self.num_blocks * bs),
             compute_q_blocks=False,
         )
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask, scale: float
+    ) -> torch.Tensor:
         """q: [rows, H, D] (one query token per row); caches: [num_blocks, block_size, H_kv, D]. -> [rows, H, D]."""
         num_blocks, bs, h_kv, d = k_cache.shape
         k = k_cache.view(1, num_blocks * bs, h_kv, d).transpose(1, 2)  # [1, H_kv, S, D], a view
         v = v_cache.view(1, num_blocks * bs, h_kv, d).transpose(1, 2)
         self.calls += 1
         options = kernel_options(bs) if q.is_cuda else None  # (the CPU kernel picks its own tiles)
-        out = compiled_flex_attention()(q.unsqueeze(2), k, v, block_mask=block_mask, scale=scale,
-                                        enable_gqa=q.shape[1] != h_kv, kernel_options=options)
+        out = compiled_flex_attention()(
+            q.unsqueeze(2),
+            k,
+            v,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != h_kv,
+            kernel_options=options,
+        )
         return out.squeeze(2)

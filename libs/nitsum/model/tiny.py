@@ -109,8 +109,9 @@ def build_weights(config: dict, seed: int = TINY_SEED) -> dict:
     return {name: t.contiguous() for name, t in weights.items()}
 
 
-def make_tiny(directory: str | Path, config_overrides: dict | None = None, seed: int = TINY_SEED,
-              dtype: str = "float32") -> Path:
+def make_tiny(
+    directory: str | Path, config_overrides: dict | None = None, seed: int = TINY_SEED, dtype: str = "float32"
+) -> Path:
     """Write the tiny checkpoint into `directory` (created if needed); same bytes every time. `dtype`: the
     files' dtype (the weights are drawn in fp32, then rounded; bf16 halves a large random model's files)."""
     import torch

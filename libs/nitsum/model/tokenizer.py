@@ -51,9 +51,7 @@ class Tokenizer:
         if self.eos_token is None:
             self.eos_token = self._tok.id_to_token(eos_id)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.special_token_ids = frozenset(
-            int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special
-        )
+        self.special_token_ids = frozenset(int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def _id_of(self, token: str | None, fallback: Any) -> int | None:
         if token is not None:

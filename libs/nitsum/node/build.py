@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nitsum.engine.runner import ModelRunner
 
@@ -20,8 +21,7 @@ class EngineAhead:
 
     def __init__(self, build: RunnerBuild, make: Callable[[ModelRunner], Any]) -> None:
         self.engine: Any = None
-        self._thread = threading.Thread(target=self._run, args=(build, make), name="nitsum-prepare-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(build, make), name="nitsum-prepare-engine", daemon=True)
         self._thread.start()
 
     def _run(self, build: RunnerBuild, make: Callable[[ModelRunner], Any]) -> None:
@@ -53,8 +53,13 @@ class RunnerBuild:
     pages not reserved yet; /dev/shm's room was checked when the segment was created, and only another
     program filling it in these milliseconds could make such a write fail.)"""
 
-    def __init__(self, fn: Callable[[], ModelRunner], start: bool = True,
-                 cancel: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[], ModelRunner],
+        start: bool = True,
+        cancel: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         """`fn` makes the runner; `after` (the segment's reservation) runs next in the same thread. The final
         prepare ack and the commit wait only for the runner (`ready`); a failure of the runner, or of a
         reservation that already ended, refuses the epoch on the whole span at commit."""
@@ -158,6 +163,9 @@ class PageReservations:
             if not build.done:
                 keep.append(build)
             elif build.error:
-                log.warning("worker %d: the KV cache's page reservation failed (%s); its pages come as they are "
-                            "touched", self.rank, build.error)
+                log.warning(
+                    "worker %d: the KV cache's page reservation failed (%s); its pages come as they are touched",
+                    self.rank,
+                    build.error,
+                )
         self._builds = keep

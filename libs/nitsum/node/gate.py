@@ -69,9 +69,9 @@ class PreCopyGate:
         if not reason:
             reason = self.build_error()
         by_path = tuple(precopy.bytes_by_path.items()) if precopy is not None else ()
-        t.node.prepare_done = TransitionAck(t.epoch, not reason, "prepare", reason,
-                                            (time.perf_counter() - t.t0) * 1000.0, sent,
-                                            bytes_by_path=by_path)
+        t.node.prepare_done = TransitionAck(
+            t.epoch, not reason, "prepare", reason, (time.perf_counter() - t.t0) * 1000.0, sent, bytes_by_path=by_path
+        )
 
     def build_error(self) -> str:
         """Wait for this worker's new runner (normally ready long before; its cache's reservation may still

@@ -50,14 +50,39 @@ class Member:
     token: int = field(default=0, repr=False)  # its KV receiver's secret (kv_tcp: a hello must carry it)
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.rank, self.host, self.shm, self.device, self.kv_path, self.addr, self.port,
-                              self.pid, self.pidns, self.tpc, self.token], use_bin_type=True)
+        return msgpack.packb(
+            [
+                self.rank,
+                self.host,
+                self.shm,
+                self.device,
+                self.kv_path,
+                self.addr,
+                self.port,
+                self.pid,
+                self.pidns,
+                self.tpc,
+                self.token,
+            ],
+            use_bin_type=True,
+        )
 
     @staticmethod
     def decode(payload: bytes) -> Member:
         rank, host, shm, device, kv_path, addr, port, pid, pidns, tpc, token = msgpack.unpackb(payload, raw=False)
-        return Member(int(rank), str(host), bool(shm), str(device), str(kv_path), str(addr), int(port), int(pid),
-                      int(pidns), bool(tpc), int(token))
+        return Member(
+            int(rank),
+            str(host),
+            bool(shm),
+            str(device),
+            str(kv_path),
+            str(addr),
+            int(port),
+            int(pid),
+            int(pidns),
+            bool(tpc),
+            int(token),
+        )
 
 
 def maps_arenas_of(members: tuple[Member, ...], rank: int, readers: tuple[frozenset[int], ...] | None = None) -> bool:
@@ -181,8 +206,11 @@ def resolve_mode(members: tuple[Member, ...]) -> str:
         lacking = [m.rank for m in members if not m.shm]
         if lacking:
             raise ValueError(f"kv_path 'shm' needs a writable /dev/shm (workers {lacking} have none)")
-    mode = path if path in ("tcp", "shm") else (
-        "shm" if any(shares_memory(a, b) for a in members for b in members if a.rank < b.rank) else "tcp")
+    mode = (
+        path
+        if path in ("tcp", "shm")
+        else ("shm" if any(shares_memory(a, b) for a in members for b in members if a.rank < b.rank) else "tcp")
+    )
     _check_reachable(mode, members)
     return mode
 
@@ -194,12 +222,20 @@ def _check_reachable(mode: str, members: tuple[Member, ...]) -> None:
     use is a configuration error -- found here, at boot, on every member alike, not at the first change."""
     if all(is_loopback(m.addr) for m in members):
         return
-    stuck = sorted({d.rank for s in members for d in members
-                    if pair_path(mode, members, s.rank, d.rank) == "tcp" and is_loopback(d.addr)})
+    stuck = sorted(
+        {
+            d.rank
+            for s in members
+            for d in members
+            if pair_path(mode, members, s.rank, d.rank) == "tcp" and is_loopback(d.addr)
+        }
+    )
     if stuck:
-        raise ValueError(f"workers {stuck} advertise a loopback address for their KV receiver, but workers on "
-                         "other hosts would connect to it: set NITSUM_KV_ADVERTISE_ADDR (or a routable "
-                         "NITSUM_NODE_MASTER_ADDR)")
+        raise ValueError(
+            f"workers {stuck} advertise a loopback address for their KV receiver, but workers on "
+            "other hosts would connect to it: set NITSUM_KV_ADVERTISE_ADDR (or a routable "
+            "NITSUM_NODE_MASTER_ADDR)"
+        )
 
 
 def pair_path(mode: str, members: tuple[Member, ...], src: int, dst: int) -> str:

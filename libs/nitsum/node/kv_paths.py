@@ -24,9 +24,9 @@ from nitsum.engine import migration
 from nitsum.kv.reshard import ReshardPlan
 from nitsum.node import kv_segment
 from nitsum.node.build import RunnerBuild
-from nitsum.transfer.kv_tcp import STAGE_M_DSCP, KvLinks
 from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows
 from nitsum.transfer.framing import TransferError
+from nitsum.transfer.kv_tcp import STAGE_M_DSCP, KvLinks
 
 if TYPE_CHECKING:
     from nitsum.node.transition import Transition
@@ -80,8 +80,16 @@ class OneSidedPath(KvPath):
             t.make_engine_ahead()
         if t.source:
             flows = plan_flows(plan.transfers, node.block_bytes, node.precopy_chunk_bytes)
-            t.precopy = PreCopy(node.rank, t.my_old.workers, plan.transfers, flows, node.runner.kv_cache,
-                                t.old_heads(), dst_caches, t.links)
+            t.precopy = PreCopy(
+                node.rank,
+                t.my_old.workers,
+                plan.transfers,
+                flows,
+                node.runner.kv_cache,
+                t.old_heads(),
+                dst_caches,
+                t.links,
+            )
             node.counters.planned(node, t.epoch, [(f.src_worker, f.dst_worker, f.size_bytes) for f in flows])
             t.note_preemptions()
         t.dst_caches = dst_caches
@@ -90,8 +98,15 @@ class OneSidedPath(KvPath):
     def move_delta(self, t: Transition, delta: ReshardPlan) -> tuple[dict[str, int], str]:
         node = t.node
         by_path, error = copy_transfers_one_sided(
-            node.rank, delta.transfers, node.runner.kv_cache if t.source else None,
-            t.old_heads() if t.source else None, t.dst_caches, t.links, node.block_bytes, node.precopy_chunk_bytes)
+            node.rank,
+            delta.transfers,
+            node.runner.kv_cache if t.source else None,
+            t.old_heads() if t.source else None,
+            t.dst_caches,
+            t.links,
+            node.block_bytes,
+            node.precopy_chunk_bytes,
+        )
         t.timings_ms["moved"] = t.elapsed_ms()
         # Every write into a new cache has landed (TCP: acked after the write) before any new group runs a
         # step; a link that failed means some did not: then every worker keeps the old topology.
@@ -100,8 +115,15 @@ class OneSidedPath(KvPath):
         if problems:
             return {}, problems
         node.counters.moved(by_path)
-        node.counters.planned(node, t.epoch, [(x.src_worker, x.dst_worker, node.block_bytes(x) * x.num_blocks)
-                                              for x in delta.transfers if x.src_worker == node.rank])
+        node.counters.planned(
+            node,
+            t.epoch,
+            [
+                (x.src_worker, x.dst_worker, node.block_bytes(x) * x.num_blocks)
+                for x in delta.transfers
+                if x.src_worker == node.rank
+            ],
+        )
         return by_path, ""
 
 
@@ -132,8 +154,9 @@ class ShmSegmentPath(OneSidedPath):
         else:
             t.new_cache = kv_segment.create(segment, shape, node.layout.dtype, reserve=False)
         reserve = kv_segment.reserver(segment)
-        t.build = RunnerBuild(lambda: node.pool.runner(t.my_new, with_cache=False), start=False,
-                              cancel=reserve.close, after=reserve)
+        t.build = RunnerBuild(
+            lambda: node.pool.runner(t.my_new, with_cache=False), start=False, cancel=reserve.close, after=reserve
+        )
 
 
 class TcpPath(OneSidedPath):
@@ -185,9 +208,13 @@ def execute(t: Transition, plan: ReshardPlan) -> int:
     node = t.node
     new_kv = t.runner.kv_cache if t.runner is not None else None
     return migration.execute_transfers(
-        node.world, plan.transfers, node.rank,
-        node.runner.kv_cache if t.source else None, t.old_heads() if t.source else None,
-        new_kv, t.new_heads() if t.destination else None,
+        node.world,
+        plan.transfers,
+        node.rank,
+        node.runner.kv_cache if t.source else None,
+        t.old_heads() if t.source else None,
+        new_kv,
+        t.new_heads() if t.destination else None,
     )
 
 
@@ -204,10 +231,16 @@ def map_new_caches(t: Transition) -> dict[int, tuple[torch.Tensor, tuple[int, in
                 assert t.new_cache is not None, "a changed worker allocated its new cache"
                 cache = t.new_cache
             elif w in t.handles:
-                cache = kv_segment.attach_handle(t.handles[w], node.layout.cache_shape(g.tp), node.layout.dtype, node.members[w].pid)
+                cache = kv_segment.attach_handle(
+                    t.handles[w], node.layout.cache_shape(g.tp), node.layout.dtype, node.members[w].pid
+                )
             else:
-                cache = kv_segment.attach(kv_segment.segment_name(node.node_tag, t.epoch, w), node.layout.cache_shape(g.tp),
-                                          node.layout.dtype, allow_larger=True)
+                cache = kv_segment.attach(
+                    kv_segment.segment_name(node.node_tag, t.epoch, w),
+                    node.layout.cache_shape(g.tp),
+                    node.layout.dtype,
+                    allow_larger=True,
+                )
             caches[w] = (cache, migration.heads_of(node.layout.model_config.num_kv_heads, g, w))
     return caches
 
@@ -229,8 +262,12 @@ def connect_remote(t: Transition) -> str:
     connection is in the delta's class (STAGE_M_DSCP); pre-copy opens its permit's class at its first chunk.
     `kv_tos` gets the IP_TOS of every connection opened, now or then."""
     node = t.node
-    targets = {w: (node.members[w].addr, node.members[w].port, node.members[w].token) for g in t.born
-               for w in g.workers if node.kv_path_of(node.rank, w) == "tcp"}
+    targets = {
+        w: (node.members[w].addr, node.members[w].port, node.members[w].token)
+        for g in t.born
+        for w in g.workers
+        if node.kv_path_of(node.rank, w) == "tcp"
+    }
     if not targets:
         return ""
     t.links = KvLinks(on_open=node.counters.kv_tos.append)
@@ -239,5 +276,3 @@ def connect_remote(t: Transition) -> str:
     except TransferError as exc:
         return f"worker {node.rank}: cannot reach a new KV cache on another host: {exc}"
     return ""
-
-

@@ -13,27 +13,46 @@ import os
 import threading
 
 from nitsum.node import kv_hosts, kv_segment
-from nitsum.transfer.kv_tcp import THREAD_PREFIX, KvReceiver, open_kv_sockets
 from nitsum.parallel import shm_collectives as shm_collectives_lib
 from nitsum.parallel.world import NodeWorld
+from nitsum.transfer.kv_tcp import THREAD_PREFIX, KvReceiver, open_kv_sockets
 
 log = logging.getLogger("nitsum.node.kv_plane")
 
 
 class KvPlane:
-    def __init__(self, world: NodeWorld, kv_path: str, host_id: str, advertise: str, master_addr: str,
-                 fault_epoch: int, fault_chunk_epochs: tuple[int, ...], shm_collectives: bool) -> None:
+    def __init__(
+        self,
+        world: NodeWorld,
+        kv_path: str,
+        host_id: str,
+        advertise: str,
+        master_addr: str,
+        fault_epoch: int,
+        fault_chunk_epochs: tuple[int, ...],
+        shm_collectives: bool,
+    ) -> None:
         self.rank = world.rank
         self.shm_possible = world.device == "cpu" and kv_segment.available()
         addr = kv_hosts.advertise_addr(advertise, master_addr)
         self.receiver: KvReceiver | None = None
         if world.device == "cpu" and kv_path != "p2p":
-            self.receiver = KvReceiver("127.0.0.1" if kv_hosts.is_loopback(addr) else "", fault_epoch,
-                                       fault_chunk_epochs)
-        me = kv_hosts.Member(world.rank, kv_hosts.local_host_id(host_id), self.shm_possible, world.device, kv_path,
-                             addr, self.receiver.port if self.receiver is not None else 0, os.getpid(),
-                             shm_collectives_lib.pid_namespace(), shm_collectives,
-                             self.receiver.token if self.receiver is not None else 0)
+            self.receiver = KvReceiver(
+                "127.0.0.1" if kv_hosts.is_loopback(addr) else "", fault_epoch, fault_chunk_epochs
+            )
+        me = kv_hosts.Member(
+            world.rank,
+            kv_hosts.local_host_id(host_id),
+            self.shm_possible,
+            world.device,
+            kv_path,
+            addr,
+            self.receiver.port if self.receiver is not None else 0,
+            os.getpid(),
+            shm_collectives_lib.pid_namespace(),
+            shm_collectives,
+            self.receiver.token if self.receiver is not None else 0,
+        )
         try:
             self.members = kv_hosts.exchange(world, me)
             self.mode = kv_hosts.resolve_mode(self.members)
@@ -53,9 +72,12 @@ class KvPlane:
         same_namespace = self.mode == "shm" and self.shm_possible and kv_hosts.maps_arenas_of(self.members, self.rank)
         recycle = same_namespace and kv_hosts.maps_arenas_of(self.members, self.rank, self._readers)
         if same_namespace and not recycle:
-            log.warning("worker %d: a worker that shares this host's memory cannot open this one's /proc/%d/fd "
-                        "(hidepid, another user id or a security module): its TP changes make fresh KV segments",
-                        self.rank, os.getpid())
+            log.warning(
+                "worker %d: a worker that shares this host's memory cannot open this one's /proc/%d/fd "
+                "(hidepid, another user id or a security module): its TP changes make fresh KV segments",
+                self.rank,
+                os.getpid(),
+            )
         return recycle
 
     def shares_host(self, ranks) -> bool:

@@ -186,7 +186,13 @@ def attach_handle(handle: str, shape: tuple[int, ...], dtype: torch.dtype, pid: 
     """Map another worker's arena by its `handle` (Arena.handle of worker process `pid`): OSError when it is not
     a KV segment of that process or is too small for the cache this worker expects."""
     parts = handle.split("/")
-    if len(parts) != 5 or parts[:2] != ["", "proc"] or parts[2] != str(pid) or parts[3] != "fd" or not parts[4].isdigit():
+    if (
+        len(parts) != 5
+        or parts[:2] != ["", "proc"]
+        or parts[2] != str(pid)
+        or parts[3] != "fd"
+        or not parts[4].isdigit()
+    ):
         raise OSError(f"{handle!r} is not a KV arena handle of process {pid}")
     target = os.readlink(handle)
     if not target.startswith(os.path.join(SHM_DIR, SEGMENT_PREFIX)):

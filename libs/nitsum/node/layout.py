@@ -22,5 +22,11 @@ class CacheLayout:
     def cache_shape(self, tp: int) -> tuple[int, ...]:
         """[layers, K/V, blocks, block_size, local_kv_heads, head_dim] of a cache at TP=`tp`."""
         cfg = self.model_config
-        return (cfg.num_layers, 2, self.num_blocks_of[tp], self.block_size, loader.kv_heads_per_rank(cfg, tp),
-                cfg.head_dim)
+        return (
+            cfg.num_layers,
+            2,
+            self.num_blocks_of[tp],
+            self.block_size,
+            loader.kv_heads_per_rank(cfg, tp),
+            cfg.head_dim,
+        )

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nitsum.transfer.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
 from nitsum.kv.reshard import Transfer
 from nitsum.transfer.framing import TransferError
+from nitsum.transfer.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
 
 # ~2-3 ms of gather-copy on a loaded CPU core (measured ~1.5-2 GiB/s): a small bump on a 25-40 ms decode
 # step of the ~27M-param model, and few enough chunks that pre-copy spans only a handful of steps.
@@ -91,8 +91,13 @@ def plan_flows(
 
 
 def copy_blocks(
-    t: Transfer, start: int, end: int,
-    old_kv: torch.Tensor, old_heads: tuple[int, int], dst_kv: torch.Tensor, dst_heads: tuple[int, int],
+    t: Transfer,
+    start: int,
+    end: int,
+    old_kv: torch.Tensor,
+    old_heads: tuple[int, int],
+    dst_kv: torch.Tensor,
+    dst_heads: tuple[int, int],
 ) -> None:
     """Blocks [start, end) of transfer `t` from this worker's old cache into a destination's new cache.
 
@@ -102,7 +107,9 @@ def copy_blocks(
     dst_index = torch.tensor(t.dst_block_ids[start:end], dtype=torch.long, device=dst_kv.device)
     h0, h1 = t.head_start - old_heads[0], t.head_end - old_heads[0]
     g0, g1 = t.head_start - dst_heads[0], t.head_end - dst_heads[0]
-    dst_kv[t.layer_start : t.layer_end, :, dst_index, :, g0:g1] = old_kv[t.layer_start : t.layer_end, :, src_index, :, h0:h1]
+    dst_kv[t.layer_start : t.layer_end, :, dst_index, :, g0:g1] = old_kv[
+        t.layer_start : t.layer_end, :, src_index, :, h0:h1
+    ]
 
 
 class PreCopy:
@@ -168,8 +175,12 @@ class PreCopy:
                 items.append((i, left[0]))
         return items
 
-    def run(self, items: Iterable[tuple[int, int]], classes: Mapping[int, int] | None = None,
-            default_dscp: int = LOWEST_DSCP) -> int:
+    def run(
+        self,
+        items: Iterable[tuple[int, int]],
+        classes: Mapping[int, int] | None = None,
+        default_dscp: int = LOWEST_DSCP,
+    ) -> int:
         """Run the items this worker is the source of, mark all done; returns bytes sent to others (over
         TCP: acked). Chunks for other hosts all go out first, then their acks are awaited. `classes`: flow
         index -> DSCP of the level its permit grants; a flow not in it goes at `default_dscp` (pre-copy: the
@@ -215,7 +226,7 @@ class PreCopy:
         """Wait for every chunk sent on a link; bytes acked."""
         acked = 0
         deadline = time.monotonic() + IO_TIMEOUT_S  # one budget for every link (they were all sent to already)
-        for link in (self.links.links.values() if self.links is not None else ()):
+        for link in self.links.links.values() if self.links is not None else ():
             if link.broken or not link.in_flight:
                 continue
             try:
@@ -233,8 +244,16 @@ class PreCopy:
     def finish_mine(self) -> int:
         """Run every chunk of this worker's own that is still left (at commit); bytes sent to others. Inside
         the commit's pause, not under a permit: the delta's class, STAGE_M_DSCP."""
-        return self.run([(f.index, c) for f in self.flows if f.src_worker == self.me
-                         for c in range(len(f.chunks)) if (f.index, c) not in self.done], default_dscp=STAGE_M_DSCP)
+        return self.run(
+            [
+                (f.index, c)
+                for f in self.flows
+                if f.src_worker == self.me
+                for c in range(len(f.chunks))
+                if (f.index, c) not in self.done
+            ],
+            default_dscp=STAGE_M_DSCP,
+        )
 
 
 def copy_transfers_one_sided(
@@ -263,8 +282,15 @@ def copy_transfers_one_sided(
         dst_kv, dst_heads = dst_caches[t.dst_worker]
         copy_blocks(t, 0, t.num_blocks, old_kv, old_heads, dst_kv, dst_heads)
         if t.dst_worker != me:
-            by_path["shm"] += t.num_blocks * (t.layer_end - t.layer_start) * 2 * old_kv.shape[3] \
-                * (t.head_end - t.head_start) * old_kv.shape[5] * old_kv.element_size()
+            by_path["shm"] += (
+                t.num_blocks
+                * (t.layer_end - t.layer_start)
+                * 2
+                * old_kv.shape[3]
+                * (t.head_end - t.head_start)
+                * old_kv.shape[5]
+                * old_kv.element_size()
+            )
     if not remote:
         return by_path, ""
     assert links is not None and block_bytes is not None, "TCP destinations need the chunk geometry"

@@ -62,7 +62,7 @@ def release_pages(tensor: torch.Tensor, own: bool) -> int:
     start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page  # only pages wholly inside it
     if end <= start:
         return 0
-    for advice in ((MADV_REMOVE, MADV_DONTNEED) if own else (MADV_DONTNEED,)):
+    for advice in (MADV_REMOVE, MADV_DONTNEED) if own else (MADV_DONTNEED,):
         if madvise(start, end - start, advice) == 0:
             return end - start
     return 0  # refused (EINVAL for private memory and MADV_REMOVE is tried first): the drop frees it

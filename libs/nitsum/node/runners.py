@@ -26,8 +26,16 @@ log = logging.getLogger("nitsum.node.runners")
 class RunnerPool:
     """Builds this worker's runners and keeps the ones not in use (without a KV cache)."""
 
-    def __init__(self, rank: int, cfg: EngineConfig, weights: dict[str, torch.Tensor], model_config,
-                 num_blocks_of: dict[int, int], tp_group: Callable[[Group], object], workspace: Workspace) -> None:
+    def __init__(
+        self,
+        rank: int,
+        cfg: EngineConfig,
+        weights: dict[str, torch.Tensor],
+        model_config,
+        num_blocks_of: dict[int, int],
+        tp_group: Callable[[Group], object],
+        workspace: Workspace,
+    ) -> None:
         self.rank = rank
         self.cfg = cfg
         self.weights = weights
@@ -64,9 +72,16 @@ class RunnerPool:
         with self._lock:
             self.builds += 1
         runner = ModelRunner(
-            cfg.model_dir, self.tp_group(group), device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size,
-            num_kv_blocks=self.num_blocks_of[group.tp], weights=self.weights, config=self.model_config,
-            allocate_kv_cache=False, decode_attention=cfg.decode_attention,
+            cfg.model_dir,
+            self.tp_group(group),
+            device=cfg.device,
+            dtype=cfg.dtype,
+            block_size=cfg.block_size,
+            num_kv_blocks=self.num_blocks_of[group.tp],
+            weights=self.weights,
+            config=self.model_config,
+            allocate_kv_cache=False,
+            decode_attention=cfg.decode_attention,
         )
         runner.node_group = (group.start, group.tp)
         return runner
@@ -79,8 +94,9 @@ class RunnerPool:
 
     def start_ahead(self, levels: Iterable[int], current: Callable[[], Group]) -> None:
         """Boot: build the runner of every other allowed level in a thread (`current`: the group in use)."""
-        self._ahead = threading.Thread(target=self._build_ahead, args=(sorted(levels), current),
-                                       name="nitsum-runner-prebuild", daemon=True)
+        self._ahead = threading.Thread(
+            target=self._build_ahead, args=(sorted(levels), current), name="nitsum-runner-prebuild", daemon=True
+        )
         self._ahead.start()
 
     def wait_ahead(self, timeout_s: float | None = None) -> None:
@@ -98,8 +114,9 @@ class RunnerPool:
             try:
                 runner = self.build(group)
             except Exception:
-                log.exception("worker %d: building the TP=%d runner ahead failed (a change to it builds one)",
-                              self.rank, tp)
+                log.exception(
+                    "worker %d: building the TP=%d runner ahead failed (a change to it builds one)", self.rank, tp
+                )
                 return
             with self._lock:
                 self._idle.setdefault((group.start, tp), runner)

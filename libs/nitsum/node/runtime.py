@@ -7,7 +7,7 @@ it is composed of; each epoch's change is one `Transition`.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -65,7 +65,9 @@ class NodeRuntime:
         carry on unchanged (a TP=1 engine uses no communicator); later changes build runners from `weights`."""
         assert topology.num_workers == world.size, "the topology covers the node's workers"
         if engine is not None and topology.group_of(world.rank).tp != 1:
-            raise ValueError(f"an adopted engine serves TP=1, but worker {world.rank} is in {topology.group_of(world.rank)}")
+            raise ValueError(
+                f"an adopted engine serves TP=1, but worker {world.rank} is in {topology.group_of(world.rank)}"
+            )
         if engine is not None and engine.runner.group.size != 1:
             raise ValueError(f"only a TP=1 engine can be adopted, this one runs at TP={engine.runner.group.size}")
         if kv_path not in KV_PATHS:
@@ -80,8 +82,16 @@ class NodeRuntime:
         self.failure_hook = failure_hook
         self.counters = KvCounters()  # what this worker's transitions moved, by path
         self.reaper = Reaper(f"nitsum-reaper-{world.rank}")  # frees what a commit retired, off the step thread
-        self.plane = KvPlane(world, kv_path, host_id, kv_advertise_addr, master_addr, kv_fault_epoch,
-                             kv_fault_chunk_epochs, shm_collectives)
+        self.plane = KvPlane(
+            world,
+            kv_path,
+            host_id,
+            kv_advertise_addr,
+            master_addr,
+            kv_fault_epoch,
+            kv_fault_chunk_epochs,
+            shm_collectives,
+        )
         arena_bytes = max(kv_segment.nbytes_of(self.layout.cache_shape(tp), self.layout.dtype) for tp in world.levels)
         self.arenas = KvArenas(self.node_tag, self.rank, arena_bytes, self.reaper, self.plane.recycles_arenas())
         self.topology = topology
@@ -104,8 +114,9 @@ class NodeRuntime:
         self.engine: Engine | None = None
         self.arenas.reserve_at_boot(with_in_use=engine is None)
         workspace = engine.runner.workspace if engine is not None else Workspace()
-        self.pool = RunnerPool(self.rank, self.cfg, weights, self.layout.model_config, self.layout.num_blocks_of,
-                               self._tp_group, workspace)
+        self.pool = RunnerPool(
+            self.rank, self.cfg, weights, self.layout.model_config, self.layout.num_blocks_of, self._tp_group, workspace
+        )
         if engine is not None:
             self.runner, self.engine = engine.runner, engine
             self.runner.node_group = (self.group.start, self.group.tp)
@@ -167,8 +178,9 @@ class NodeRuntime:
         return self.engine.snapshot_kv(group) if self.engine is not None else []
 
     def block_bytes(self, t) -> int:
-        return transfer_block_bytes(t, self.cfg.block_size, self.layout.model_config.head_dim,
-                                    self.runner.kv_cache.element_size())
+        return transfer_block_bytes(
+            t, self.cfg.block_size, self.layout.model_config.head_dim, self.runner.kv_cache.element_size()
+        )
 
     # -- leader: requests and steps -----------------------------------------------------------------
     def add_request(
@@ -288,8 +300,12 @@ class NodeRuntime:
             return []
         return t.precopy.next_items_of(flows)
 
-    def precopy(self, items: list[tuple[int, int]] | None = None, wait_build: bool = False,
-                classes: Mapping[int, int] | None = None) -> int | None:
+    def precopy(
+        self,
+        items: list[tuple[int, int]] | None = None,
+        wait_build: bool = False,
+        classes: Mapping[int, int] | None = None,
+    ) -> int | None:
         """Leader of an old group, between two steps: run these (flow, chunk) items on every member (default:
         the next chunk of every unfinished flow); across hosts each flow's chunks go in its class, `classes`
         (flow index -> the DSCP of its permit's level), the lowest level's for a flow not in it (no permit: a

@@ -37,9 +37,9 @@ from nitsum.node import kv_segment
 from nitsum.node.build import EngineAhead, RunnerBuild
 from nitsum.node.gate import PreCopyGate
 from nitsum.node.kv_paths import KvPath, path_for, serve_remote_sources
-from nitsum.transfer.kv_tcp import KvLinks
 from nitsum.node.messages import TransitionAck, kv_entry, request_kv
 from nitsum.node.precopy import PreCopy
+from nitsum.transfer.kv_tcp import KvLinks
 from nitsum.wire import codec
 from nitsum.wire.node import Agreement, CommitShare, PrepareShare
 
@@ -132,8 +132,9 @@ class Transition:
         if not self.path.one_sided:
             self.acked = True
             moved = self.moved_in_prepare
-            return TransitionAck(self.epoch, True, "prepare", "", self.elapsed_ms(), moved,
-                                 bytes_by_path=(("p2p", moved),))
+            return TransitionAck(
+                self.epoch, True, "prepare", "", self.elapsed_ms(), moved, bytes_by_path=(("p2p", moved),)
+            )
         if self.precopy is not None and not self.precopy.complete:
             return TransitionAck(self.epoch, True, "prepare", "", self.elapsed_ms(), 0, pending=True)
         self.acked = True
@@ -234,8 +235,15 @@ class Transition:
         self.retire(retired)
         node.topology, node.epoch, node.transition = self.new, self.epoch, None
         self.timings_ms["adopted"] = self.elapsed_ms()
-        return TransitionAck(self.epoch, True, "commit", "", self.elapsed_ms(), sum(by_path.values()),
-                             bytes_by_path=tuple(by_path.items()))
+        return TransitionAck(
+            self.epoch,
+            True,
+            "commit",
+            "",
+            self.elapsed_ms(),
+            sum(by_path.values()),
+            bytes_by_path=tuple(by_path.items()),
+        )
 
     def finish_own_work(self) -> str:
         """The rest of this worker's pre-copy and its new runner; an error that makes nobody switch, or ""."""
@@ -260,8 +268,13 @@ class Transition:
             states = engine.export_states()
             invalid = [rid for rid, n in self.preemptions.items() if engine.num_preemptions(rid) not in (None, n)]
         local = node.kv_snapshot(self.my_old) if self.source else []
-        share = CommitShare(msgpack.packb(states, use_bin_type=True), tuple(kv_entry(r) for r in local),
-                            engine.step_id if engine is not None else 0, tuple(invalid), error)
+        share = CommitShare(
+            msgpack.packb(states, use_bin_type=True),
+            tuple(kv_entry(r) for r in local),
+            engine.step_id if engine is not None else 0,
+            tuple(invalid),
+            error,
+        )
         return self.gather(share, CommitShare, drop_on_error=False)
 
     def plan_delta(self, shares: list[CommitShare]) -> ReshardPlan:
@@ -273,8 +286,9 @@ class Transition:
         stale = {rid for s in shares for rid in s.invalid}
         plan = self.plan
         if stale:
-            plan = dataclasses.replace(plan, src_tables={rid: (() if rid in stale else t)
-                                                         for rid, t in plan.src_tables.items()})
+            plan = dataclasses.replace(
+                plan, src_tables={rid: (() if rid in stale else t) for rid, t in plan.src_tables.items()}
+            )
         return plan_commit(plan, requests, node.layout.geometry, node.layout.num_blocks_of)
 
     def adopt(self, shares: list[CommitShare], delta: ReshardPlan) -> tuple[ModelRunner, Any]:

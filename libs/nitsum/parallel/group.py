@@ -117,5 +117,10 @@ def init_tp_group(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return TPGroup(rank=rank, size=world_size, process_group=dist.group.WORLD, device=device,
-                   host_staging=backend == "gloo" and device.startswith("cuda"))
+    return TPGroup(
+        rank=rank,
+        size=world_size,
+        process_group=dist.group.WORLD,
+        device=device,
+        host_staging=backend == "gloo" and device.startswith("cuda"),
+    )

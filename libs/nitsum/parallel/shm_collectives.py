@@ -76,8 +76,15 @@ def _libc_syscall():
         for lib in (ctypes.CDLL(None, use_errno=True), ctypes.PyDLL(None, use_errno=True)):
             fn = lib.syscall
             fn.restype = ctypes.c_long
-            fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_uint32]
+            fn.argtypes = [
+                ctypes.c_long,
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_uint32,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_uint32,
+            ]
             fns.append(fn)
         _syscalls = tuple(fns)
     return _syscalls
@@ -109,7 +116,7 @@ def _alive(pid: int) -> bool:
             stat = handle.read()
     except OSError:
         return False
-    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 def segment_bytes(size: int, slot_bytes: int) -> int:
@@ -120,8 +127,16 @@ class ShmChannel:
     """One member's end of a group's segment (see the module docstring). Not thread-safe: one thread at a
     time per member runs the group's collectives, as with any process group."""
 
-    def __init__(self, path: str, rank: int, size: int, *, create: bool, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        path: str,
+        rank: int,
+        size: int,
+        *,
+        create: bool,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        timeout_s: float = 60.0,
+    ) -> None:
         if not 2 <= size <= MAX_MEMBERS or not 0 <= rank < size:
             raise ValueError(f"a channel needs 2..{MAX_MEMBERS} members and a rank among them (rank {rank} of {size})")
         if slot_bytes <= 0 or slot_bytes % 4096:
@@ -148,16 +163,21 @@ class ShmChannel:
         self._seq_addr = [ctypes.addressof(w) for w in self._seq]
         self._pid = [ctypes.c_uint32.from_buffer(mm, j * HEADER_BYTES + _PID) for j in range(size)]
         self._ns = [ctypes.c_uint64.from_buffer(mm, j * HEADER_BYTES + _NS) for j in range(size)]
-        self._len = [[ctypes.c_uint64.from_buffer(mm, j * HEADER_BYTES + _LEN + 8 * b) for b in (0, 1)]
-                     for j in range(size)]
-        self._total = [[ctypes.c_uint64.from_buffer(mm, j * HEADER_BYTES + _TOTAL + 8 * b) for b in (0, 1)]
-                       for j in range(size)]
-        self._op = [[ctypes.c_uint32.from_buffer(mm, j * HEADER_BYTES + _OP + 4 * b) for b in (0, 1)]
-                    for j in range(size)]
+        self._len = [
+            [ctypes.c_uint64.from_buffer(mm, j * HEADER_BYTES + _LEN + 8 * b) for b in (0, 1)] for j in range(size)
+        ]
+        self._total = [
+            [ctypes.c_uint64.from_buffer(mm, j * HEADER_BYTES + _TOTAL + 8 * b) for b in (0, 1)] for j in range(size)
+        ]
+        self._op = [
+            [ctypes.c_uint32.from_buffer(mm, j * HEADER_BYTES + _OP + 4 * b) for b in (0, 1)] for j in range(size)
+        ]
         self._abort = ctypes.c_uint32.from_buffer(mm, ABORT_OFFSET)
         self._abort_addr = ctypes.addressof(self._abort)
         data = torch.frombuffer(mm, dtype=torch.uint8)
-        self._slots = [[data[self._offset(j, b): self._offset(j, b) + slot_bytes] for b in (0, 1)] for j in range(size)]
+        self._slots = [
+            [data[self._offset(j, b) : self._offset(j, b) + slot_bytes] for b in (0, 1)] for j in range(size)
+        ]
         self._mv = memoryview(mm)
         self._ns_me = pid_namespace()
         self._pid[rank].value = os.getpid()
@@ -195,9 +215,11 @@ class ShmChannel:
                 self._wait(j, before)
         for j in range(self.size):
             if self._op[j][b].value != op or (same_size and self._len[j][b].value != nbytes):
-                raise ChannelError(f"TP group channel {self.path}: rank {j} is in another collective (op "
-                                   f"{self._op[j][b].value}, {self._len[j][b].value} bytes) than rank {me} (op {op}, "
-                                   f"{nbytes} bytes)")
+                raise ChannelError(
+                    f"TP group channel {self.path}: rank {j} is in another collective (op "
+                    f"{self._op[j][b].value}, {self._len[j][b].value} bytes) than rank {me} (op {op}, "
+                    f"{nbytes} bytes)"
+                )
         return b
 
     def _wait(self, j: int, before: int) -> None:
@@ -212,14 +234,16 @@ class ShmChannel:
             if word.value != before:
                 return
             if self._abort.value or self.closed:
-                raise ChannelError(f"TP group channel {self.path} was torn down while rank {self.rank} waited "
-                                   f"for rank {j}")
+                raise ChannelError(
+                    f"TP group channel {self.path} was torn down while rank {self.rank} waited for rank {j}"
+                )
             pid = self._pid[j].value
             if pid and self._ns[j].value == self._ns_me and not _alive(pid):
                 raise ChannelError(f"TP group peer rank {j} (pid {pid}) exited during a collective")
             if time.monotonic() > deadline:
-                raise ChannelError(f"TP group collective timed out after {self.timeout_s:.0f} s: rank {self.rank} "
-                                   f"waited for rank {j}")
+                raise ChannelError(
+                    f"TP group collective timed out after {self.timeout_s:.0f} s: rank {self.rank} waited for rank {j}"
+                )
 
     # -- collectives --------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -232,10 +256,15 @@ class ShmChannel:
         esize = tensor.element_size()
         per_round = self.slot_bytes // esize
         for off in range(0, flat.numel(), per_round):
-            part = flat[off: off + per_round]
+            part = flat[off : off + per_round]
             nbytes = part.numel() * esize
-            b = self._round(nbytes, nbytes, lambda slot, part=part: slot.copy_(part.view(torch.uint8)),
-                            OP_ALL_REDUCE, same_size=True)
+            b = self._round(
+                nbytes,
+                nbytes,
+                lambda slot, part=part: slot.copy_(part.view(torch.uint8)),
+                OP_ALL_REDUCE,
+                same_size=True,
+            )
             views = [self._slots[j][b][:nbytes].view(tensor.dtype) for j in range(self.size)]
             part.copy_(views[0])
             for v in views[1:]:
@@ -250,10 +279,11 @@ class ShmChannel:
         nbytes = src.numel()
         for off in range(0, nbytes, self.slot_bytes):
             n = min(self.slot_bytes, nbytes - off)
-            b = self._round(n, nbytes, lambda slot, off=off, n=n: slot.copy_(src[off: off + n]), OP_ALL_GATHER,
-                            same_size=True)
+            b = self._round(
+                n, nbytes, lambda slot, off=off, n=n: slot.copy_(src[off : off + n]), OP_ALL_GATHER, same_size=True
+            )
             for j in range(self.size):
-                dsts[j][off: off + n].copy_(self._slots[j][b][:n])
+                dsts[j][off : off + n].copy_(self._slots[j][b][:n])
         return torch.cat(parts, dim=dim)
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
@@ -263,17 +293,20 @@ class ShmChannel:
         totals: list[int] | None = None
         off = 0
         while True:
-            chunk = view[off: off + self.slot_bytes]
-            b = self._round(len(chunk), len(payload),
-                            lambda slot, chunk=chunk: slot.copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8)),
-                            OP_BYTES)
+            chunk = view[off : off + self.slot_bytes]
+            b = self._round(
+                len(chunk),
+                len(payload),
+                lambda slot, chunk=chunk: slot.copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8)),
+                OP_BYTES,
+            )
             if totals is None:
                 totals = [self._total[j][b].value for j in range(self.size)]
             for j in range(self.size):
                 n = self._len[j][b].value
                 if n:
                     start = self._offset(j, b)
-                    out[j] += self._mv[start: start + n]
+                    out[j] += self._mv[start : start + n]
             off += self.slot_bytes
             if off >= max(totals):
                 return [bytes(x) for x in out]

@@ -103,8 +103,10 @@ class SharedWeightStore:
     def contains(self, tensor: torch.Tensor) -> bool:
         """True when `tensor` is a view of this store's mapping (not a copy): same storage, inside it."""
         storage = tensor.untyped_storage()
-        return (storage.data_ptr() == self.base_address
-                and self.base_address <= tensor.data_ptr() < self.base_address + self.size_bytes)
+        return (
+            storage.data_ptr() == self.base_address
+            and self.base_address <= tensor.data_ptr() < self.base_address + self.size_bytes
+        )
 
     def remove(self) -> None:
         """Unlink the store's files (mappings stay valid in the processes that hold them)."""
@@ -213,8 +215,9 @@ class ResidentWeights:
             for name in run:
                 offsets[name] = offset
                 offset += self._hull_numel(name) * store_tensors[name].element_size()
-        self.buffer = torch.empty(max(ALIGN_BYTES, -(-offset // ALIGN_BYTES) * ALIGN_BYTES), dtype=torch.uint8,
-                                  device=device)
+        self.buffer = torch.empty(
+            max(ALIGN_BYTES, -(-offset // ALIGN_BYTES) * ALIGN_BYTES), dtype=torch.uint8, device=device
+        )
         self.tensors: dict[str, torch.Tensor] = {}
         for name in names:
             source = store_tensors[name]
@@ -271,7 +274,8 @@ class ResidentWeights:
                 continue
             dim, start, length = loader.shard_span(name, self.full_shapes[name], cfg, rank, size)
             assert dim == hull[0] and hull[1] <= start and start + length <= hull[1] + hull[2], (
-                f"{name}: TP={size} rank {rank} slice [{start}, {start + length}) outside the resident hull")
+                f"{name}: TP={size} rank {rank} slice [{start}, {start + length}) outside the resident hull"
+            )
             shards[name] = resident.narrow(dim, start - hull[1], length)
         if cfg.tie_word_embeddings or "lm_head.weight" not in shards:
             shards["lm_head.weight"] = shards["model.embed_tokens.weight"]
@@ -280,8 +284,11 @@ class ResidentWeights:
     def contains(self, tensor: torch.Tensor) -> bool:
         """True when `tensor` is a view of the resident allocation (not a copy): same storage, inside it."""
         base = self.buffer.data_ptr()
-        return (tensor.device == self.device and tensor.untyped_storage().data_ptr() == base
-                and base <= tensor.data_ptr() < base + self.size_bytes)
+        return (
+            tensor.device == self.device
+            and tensor.untyped_storage().data_ptr() == base
+            and base <= tensor.data_ptr() < base + self.size_bytes
+        )
 
 
 def boot_weights(

@@ -51,8 +51,10 @@ def rendezvous_port(master_port: int, generation: int) -> int:
     assert generation >= 0, f"generation {generation} < 0"
     port = master_port + generation % PORT_SPAN
     if port > 65535:
-        raise ValueError(f"node world generation {generation} would rendezvous at port {port} (> 65535): "
-                         f"NITSUM_NODE_MASTER_PORT must be at most {65535 - PORT_SPAN + 1}")
+        raise ValueError(
+            f"node world generation {generation} would rendezvous at port {port} (> 65535): "
+            f"NITSUM_NODE_MASTER_PORT must be at most {65535 - PORT_SPAN + 1}"
+        )
     return port
 
 
@@ -122,7 +124,10 @@ class NodeWorld:
                 master_addr, self.master_port, size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s)
             )
             dist.init_process_group(
-                backend=self.backend, store=self._store, rank=rank, world_size=size,
+                backend=self.backend,
+                store=self._store,
+                rank=rank,
+                world_size=size,
                 timeout=timedelta(seconds=timeout_s),
             )
             # A transition's span (the smallest aligned group covering the workers that change,
@@ -136,7 +141,11 @@ class NodeWorld:
                     members = list(range(start, start + tp))
                     # The world's timeout bounds every collective: a subgroup gets torch's 30-minute default
                     # otherwise, and a survivor of a dead peer would sit that long in a ring that never closes.
-                    pg = dist.new_group(ranks=members, backend=self.backend, timeout=timedelta(seconds=timeout_s)) if tp > 1 else None
+                    pg = (
+                        dist.new_group(ranks=members, backend=self.backend, timeout=timedelta(seconds=timeout_s))
+                        if tp > 1
+                        else None
+                    )
                     if rank in members:
                         self._groups[(start, tp)] = pg
         except BaseException:
@@ -150,12 +159,19 @@ class NodeWorld:
         assert key in self._groups, f"rank {self.rank} is not in a pre-built group {key}"
         if tp == 1:
             return TPGroup.single(self.device)
-        return TPGroup(rank=self.rank - start, size=tp, process_group=self._groups[key], device=self.device,
-                       channel=self._channels.get(key), host_staging=self.host_staging)
+        return TPGroup(
+            rank=self.rank - start,
+            size=tp,
+            process_group=self._groups[key],
+            device=self.device,
+            channel=self._channels.get(key),
+            host_staging=self.host_staging,
+        )
 
     # -- shared-memory collectives ------------------------------------------------------------------
-    def attach_channels(self, same_host: Callable[[Sequence[int]], bool],
-                        slot_bytes: int = shm_collectives.DEFAULT_SLOT_BYTES) -> int:
+    def attach_channels(
+        self, same_host: Callable[[Sequence[int]], bool], slot_bytes: int = shm_collectives.DEFAULT_SLOT_BYTES
+    ) -> int:
         """Give every pre-built group of this rank whose members all share this host's memory
         (`same_host(ranks)`, which every member must answer alike: it is decided from the members' exchange) a
         shared-memory channel. Collective: every member calls it once, right after the world is built and before
@@ -175,16 +191,18 @@ class NodeWorld:
             if creator:
                 name = shm_collectives.SHM_DIR + "/" + shm_collectives.create_name(tag, start, tp)
                 try:
-                    channel = shm_collectives.ShmChannel(name, 0, tp, create=True, slot_bytes=slot_bytes,
-                                                         timeout_s=self.timeout_s)
+                    channel = shm_collectives.ShmChannel(
+                        name, 0, tp, create=True, slot_bytes=slot_bytes, timeout_s=self.timeout_s
+                    )
                 except Exception as exc:  # noqa: BLE001 -- any failure here must reach the others as "no channel"
                     error, name = f"{type(exc).__name__}: {exc}", ""
             try:
                 name = self.all_gather_bytes(name.encode(), start, tp)[0].decode()
                 if not creator and name:
                     try:
-                        channel = shm_collectives.ShmChannel(name, self.rank - start, tp, create=False,
-                                                             slot_bytes=slot_bytes, timeout_s=self.timeout_s)
+                        channel = shm_collectives.ShmChannel(
+                            name, self.rank - start, tp, create=False, slot_bytes=slot_bytes, timeout_s=self.timeout_s
+                        )
                     except Exception as exc:  # noqa: BLE001 -- as above: the second exchange tells everyone
                         error = f"{type(exc).__name__}: {exc}"
                 oks = self.all_gather_bytes(b"1" if channel is not None else b"0", start, tp)
@@ -200,7 +218,9 @@ class NodeWorld:
                 if channel is not None:
                     channel.close()
                 if error:
-                    log.warning("group [%d, %d): gloo collectives (no shared-memory channel: %s)", start, start + tp, error)
+                    log.warning(
+                        "group [%d, %d): gloo collectives (no shared-memory channel: %s)", start, start + tp, error
+                    )
         return len(self._channels)
 
     def drop_channel(self, start: int, tp: int) -> None:

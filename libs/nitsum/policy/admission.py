@@ -15,7 +15,7 @@ lowest tier weight first (background before interactive), then SHED_ORDER, then 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from nitsum.policy.costmodel import CostModel
 from nitsum.policy.decisions import AdmissionDecision
@@ -28,13 +28,23 @@ CostFor = Callable[[NodeView], CostModel]
 
 def best_case_ttft_ms(node: NodeView, cost: CostModel, r: RequestView) -> float:
     """Fastest possible prefill of r on this node: any allowed TP level, nothing queued ahead."""
-    return min(cost.prefill_time_ms(k, r.prompt_tokens, r.cached_prompt_tokens)
-               for k in node.allowed_tp_levels() if cost.fits(k)) if _any_fits(node, cost) else float("inf")
+    return (
+        min(
+            cost.prefill_time_ms(k, r.prompt_tokens, r.cached_prompt_tokens)
+            for k in node.allowed_tp_levels()
+            if cost.fits(k)
+        )
+        if _any_fits(node, cost)
+        else float("inf")
+    )
 
 
 def best_case_tpot_ms(node: NodeView, cost: CostModel, r: RequestView) -> float:
-    return min(cost.decode_step_ms(k, 1, r.context_tokens) for k in node.allowed_tp_levels()
-               if cost.fits(k)) if _any_fits(node, cost) else float("inf")
+    return (
+        min(cost.decode_step_ms(k, 1, r.context_tokens) for k in node.allowed_tp_levels() if cost.fits(k))
+        if _any_fits(node, cost)
+        else float("inf")
+    )
 
 
 def _any_fits(node: NodeView, cost: CostModel) -> bool:
@@ -100,17 +110,20 @@ def admit(
         return AdmissionDecision(rid, False, 429, retry_s, f"{r.tier} queue full ({queued} >= {bound})")
     ttft_ms = min(best_case_ttft_ms(n, cost_for(n), r) for n in nodes)
     if ttft_ms > r.ttft_ms:
-        return AdmissionDecision(rid, False, 429, 0.0,
-                                 f"SLO unattainable: best-case TTFT {ttft_ms:.1f} ms > target {r.ttft_ms:.1f} ms")
+        return AdmissionDecision(
+            rid, False, 429, 0.0, f"SLO unattainable: best-case TTFT {ttft_ms:.1f} ms > target {r.ttft_ms:.1f} ms"
+        )
     tpot_ms = min(best_case_tpot_ms(n, cost_for(n), r) for n in nodes)
     if tpot_ms > r.tpot_ms:
-        return AdmissionDecision(rid, False, 429, 0.0,
-                                 f"SLO unattainable: best-case TPOT {tpot_ms:.1f} ms > target {r.tpot_ms:.1f} ms")
+        return AdmissionDecision(
+            rid, False, 429, 0.0, f"SLO unattainable: best-case TPOT {tpot_ms:.1f} ms > target {r.tpot_ms:.1f} ms"
+        )
     return AdmissionDecision(rid, True, 200, 0.0, "admitted")
 
 
-def _drain_time_s(snap: ClusterSnapshot, nodes: list[NodeView], cost_for: CostFor, r: RequestView,
-                  queued: int) -> float:
+def _drain_time_s(
+    snap: ClusterSnapshot, nodes: list[NodeView], cost_for: CostFor, r: RequestView, queued: int
+) -> float:
     """Rough time for the whole cluster to prefill `queued` prompts like r's; clipped to [1, 60] s."""
     rate_per_ms = 0.0
     for n in nodes:

@@ -89,7 +89,11 @@ class BasePolicy:
 
     def route(self, snap: ClusterSnapshot, request: RequestView) -> RouteDecision:
         return routing.route_by_slack(
-            snap, request, self.cost_for, self.latency_sensitive(request), self.config.block_size_tokens,
+            snap,
+            request,
+            self.cost_for,
+            self.latency_sensitive(request),
+            self.config.block_size_tokens,
             allowed_groups=lambda g: self.allowed_group(request, g),
         )
 
@@ -108,7 +112,9 @@ class BasePolicy:
             except ValueError as exc:
                 # The node as seen now cannot hold the layout: at boot, before all its workers registered (one
                 # known device allows TP1 only), or with a device lost. Nothing to do until it can.
-                out.append(TopologyDecision(node.node_id, None, f"{self.name}: cannot lay out now: {exc}", 0.0, "static"))
+                out.append(
+                    TopologyDecision(node.node_id, None, f"{self.name}: cannot lay out now: {exc}", 0.0, "static")
+                )
                 continue
             have = Topology.of_node(node)
             if have == want:

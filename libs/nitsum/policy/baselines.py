@@ -23,8 +23,10 @@ from nitsum.policy.snapshot import ClusterSnapshot, NodeView
 
 def _check_level(node: NodeView, tp: int, what: str) -> None:
     if tp not in node.allowed_tp_levels():
-        raise ValueError(f"{what}: TP{tp} is not an allowed level on node {node.node_id} "
-                         f"(allowed: {', '.join(map(str, node.allowed_tp_levels()))})")
+        raise ValueError(
+            f"{what}: TP{tp} is not an allowed level on node {node.node_id} "
+            f"(allowed: {', '.join(map(str, node.allowed_tp_levels()))})"
+        )
 
 
 def _lane(start: int, num_devices: int, tp: int, role: str) -> list[GroupSpec]:
@@ -50,7 +52,9 @@ class StaticTP(BasePolicy):
     def initial_topology(self, node: NodeView) -> Topology:
         _check_level(node, self.tp, self.name)
         if node.num_devices % self.tp:
-            raise ValueError(f"{self.name}: node {node.node_id} has {node.num_devices} devices, not a multiple of {self.tp}")
+            raise ValueError(
+                f"{self.name}: node {node.node_id} has {node.num_devices} devices, not a multiple of {self.tp}"
+            )
         return Topology.uniform(node.num_devices, self.tp, "hybrid")
 
     def decide_topology(self, snap: ClusterSnapshot) -> list[TopologyDecision]:
@@ -58,8 +62,9 @@ class StaticTP(BasePolicy):
 
 
 class Disagg(BasePolicy):
-    def __init__(self, prefill_tp: int | None = None, decode_tp: int | None = None,
-                 config: PolicyConfig | None = None) -> None:
+    def __init__(
+        self, prefill_tp: int | None = None, decode_tp: int | None = None, config: PolicyConfig | None = None
+    ) -> None:
         super().__init__(config)
         self.prefill_tp = prefill_tp
         self.decode_tp = decode_tp
@@ -75,8 +80,10 @@ class Disagg(BasePolicy):
         _check_level(node, p, f"{self.name} prefill")
         _check_level(node, d, f"{self.name} decode")
         if half % p or half % d:
-            raise ValueError(f"{self.name}: half of node {node.node_id} ({half} devices) does not split into "
-                             f"TP{p} prefill and TP{d} decode groups")
+            raise ValueError(
+                f"{self.name}: half of node {node.node_id} ({half} devices) does not split into "
+                f"TP{p} prefill and TP{d} decode groups"
+            )
         return Topology(tuple(_lane(0, half, p, "prefill") + _lane(half, node.num_devices - half, d, "decode")))
 
     def decide_topology(self, snap: ClusterSnapshot) -> list[TopologyDecision]:
@@ -84,8 +91,9 @@ class Disagg(BasePolicy):
 
 
 class StaticHybrid(BasePolicy):
-    def __init__(self, high_tp: int | None = None, low_tp: int | None = None,
-                 config: PolicyConfig | None = None) -> None:
+    def __init__(
+        self, high_tp: int | None = None, low_tp: int | None = None, config: PolicyConfig | None = None
+    ) -> None:
         super().__init__(config)
         self.high_tp = high_tp
         self.low_tp = low_tp
@@ -100,8 +108,10 @@ class StaticHybrid(BasePolicy):
         _check_level(node, h, f"{self.name} high lane")
         _check_level(node, low, f"{self.name} low lane")
         if half % h or half % low:
-            raise ValueError(f"{self.name}: half of node {node.node_id} ({half} devices) does not split into "
-                             f"TP{h} and TP{low} groups")
+            raise ValueError(
+                f"{self.name}: half of node {node.node_id} ({half} devices) does not split into "
+                f"TP{h} and TP{low} groups"
+            )
         return Topology(tuple(_lane(0, half, h, "hybrid") + _lane(half, node.num_devices - half, low, "hybrid")))
 
     def decide_topology(self, snap: ClusterSnapshot) -> list[TopologyDecision]:
@@ -118,7 +128,7 @@ def parse_layout(text: str) -> tuple[tuple[int, str], ...]:
     for part in text.split("+"):
         part = part.strip().lower()
         digits = part.rstrip("hpd")
-        role = _ROLE_OF[part[len(digits):]] if len(part) - len(digits) <= 1 else None
+        role = _ROLE_OF[part[len(digits) :]] if len(part) - len(digits) <= 1 else None
         if not digits.isdigit() or role is None:
             raise ValueError(f"bad layout {text!r}: {part!r} is not TP[h|p|d]")
         tp = int(digits)
@@ -145,6 +155,7 @@ def static_layouts(num_devices: int, levels: tuple[int, ...]) -> list[tuple[tupl
     """Every static layout of a node: each partition of its devices into aligned groups at the allowed levels,
     all hybrid; and every P/D split with prefill groups of one size and decode groups of one size (any
     number of each, at least one of each). Largest groups first."""
+
     def partitions(n: int, most: int) -> list[tuple[int, ...]]:
         if n == 0:
             return [()]
@@ -173,8 +184,9 @@ class StaticLayout(BasePolicy):
         for tp, _ in self.groups:
             _check_level(node, tp, self.name)
         if sum(tp for tp, _ in self.groups) != node.num_devices:
-            raise ValueError(f"{self.name}: {sum(tp for tp, _ in self.groups)} devices, node {node.node_id} has "
-                             f"{node.num_devices}")
+            raise ValueError(
+                f"{self.name}: {sum(tp for tp, _ in self.groups)} devices, node {node.node_id} has {node.num_devices}"
+            )
         return layout_topology(self.groups)
 
     def decide_topology(self, snap: ClusterSnapshot) -> list[TopologyDecision]:

@@ -124,7 +124,7 @@ class DeviceSpec:
         return json.dumps({"schema": DEVICE_TABLE_SCHEMA, **asdict(self)}, indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "DeviceSpec":
+    def from_json(cls, text: str) -> DeviceSpec:
         data = json.loads(text)
         schema = data.pop("schema", None)
         if schema != DEVICE_TABLE_SCHEMA:
@@ -172,11 +172,13 @@ def device_spec(kind: str) -> DeviceSpec:
     try:
         return DEVICE_PRESETS[kind]
     except KeyError:
-        raise ValueError(f"unknown device kind {kind!r}; known: cpu, {', '.join(sorted(DEVICE_PRESETS))}, or a path "
-                         f"to a device table JSON (nitsum bench profile --out)") from None
+        raise ValueError(
+            f"unknown device kind {kind!r}; known: cpu, {', '.join(sorted(DEVICE_PRESETS))}, or a path "
+            f"to a device table JSON (nitsum bench profile --out)"
+        ) from None
 
 
-def resolve_device(kind: "str | Path | DeviceSpec | CostModel") -> DeviceSpec:
+def resolve_device(kind: str | Path | DeviceSpec | CostModel) -> DeviceSpec:
     """A device table from what a config may name: a preset kind ('cpu' | 'h100' | 'h200' | 'a100'), a path to
     a device table JSON (what `nitsum bench profile --out` writes), a loaded `DeviceSpec`, or a `CostModel`
     (its device). Anything else is a ValueError that says what is accepted."""
@@ -191,8 +193,9 @@ def resolve_device(kind: "str | Path | DeviceSpec | CostModel") -> DeviceSpec:
         return load_device_table(path)
     if isinstance(kind, str):
         return device_spec(kind)
-    raise ValueError(f"device kind must be a preset name, a table path, a DeviceSpec or a CostModel, "
-                     f"not {type(kind).__name__}")
+    raise ValueError(
+        f"device kind must be a preset name, a table path, a DeviceSpec or a CostModel, not {type(kind).__name__}"
+    )
 
 
 @dataclass(frozen=True)
@@ -284,8 +287,9 @@ class CostModel:
     def fits(self, tp: int) -> bool:
         return self.kv_capacity_tokens(tp) > 0
 
-    def max_decode_batch(self, tp: int, tpot_ms: float, context_per_seq: int, extra_tokens: int = 0,
-                         limit: int = 4096) -> int:
+    def max_decode_batch(
+        self, tp: int, tpot_ms: float, context_per_seq: int, extra_tokens: int = 0, limit: int = 4096
+    ) -> int:
         """Largest batch whose decode step (plus `extra_tokens` of chunked prefill) stays within tpot_ms and
         whose KV fits; 0 when even one sequence misses."""
         key = ("maxb", tp, round(tpot_ms, 3), context_per_seq, extra_tokens, limit)

@@ -94,14 +94,14 @@ class Topology:
             raise ValueError(f"topology covers devices 0-{expected - 1}, node has {num_devices}")
 
     @classmethod
-    def parse(cls, text: str) -> "Topology":
+    def parse(cls, text: str) -> Topology:
         """Parse '[0-3 TP4 hybrid][4-5 TP2 decode]'; raises ValueError on anything else."""
         stripped = text.strip()
         groups: list[GroupSpec] = []
         pos = 0
         for m in _GROUP_RE.finditer(stripped):
             if stripped[pos : m.start()].strip():
-                raise ValueError(f"cannot parse topology {text!r} near {stripped[pos:m.start()]!r}")
+                raise ValueError(f"cannot parse topology {text!r} near {stripped[pos : m.start()]!r}")
             pos = m.end()
             start = int(m.group(1))
             end = int(m.group(2)) if m.group(2) is not None else start
@@ -117,13 +117,13 @@ class Topology:
         return cls(tuple(groups))
 
     @classmethod
-    def uniform(cls, num_devices: int, tp: int, role: str = "hybrid") -> "Topology":
+    def uniform(cls, num_devices: int, tp: int, role: str = "hybrid") -> Topology:
         """num_devices/tp groups of TP=tp, all with one role."""
         assert num_devices % tp == 0, f"{num_devices} devices do not split into TP{tp} groups"
         return cls(tuple(GroupSpec(s, tp, role) for s in range(0, num_devices, tp)))
 
     @classmethod
-    def of_node(cls, node: NodeView) -> "Topology":
+    def of_node(cls, node: NodeView) -> Topology:
         """The topology a node runs now."""
         return cls(tuple(GroupSpec(g.devices[0], g.tp, g.role) for g in node.groups))
 

@@ -146,16 +146,25 @@ def summarize(snap: ClusterSnapshot, node: NodeView, latency_ttft_ms: float) -> 
         if from_coordinator:
             q_w -= (1.0 - share) * sum(1 for r in queued if r.group_id is None)
         budgets = [a + t - now for a, t in map(_DEADLINE, queued)]
-        tiers.append(TierLoad(
-            tier=name, weight=first.weight, latency_sensitive=first.ttft_ms <= latency_ttft_ms,
-            tpot_ms=sum(map(_TPOT, rs)) / len(rs),
-            queued=int(round(q_w)), buckets=_buckets(budgets, q_w / nq if nq else 1.0),
-            prompt_tokens=quantize_tokens((sum(map(_PROMPT, queued)) - sum(map(_CACHED, queued))) / nq) if nq else 1,
-            queued_out_tokens=sum(map(_MAX, queued)) / nq if nq else 0.0,
-            running=nr,
-            running_ctx_tokens=quantize_tokens((sum(map(_PROMPT, running)) + sum(map(_OUT, running))) / nr) if nr else 1,
-            running_left_tokens=(sum(map(_MAX, running)) - sum(map(_OUT, running))) / nr if nr else 0.0,
-        ))
+        tiers.append(
+            TierLoad(
+                tier=name,
+                weight=first.weight,
+                latency_sensitive=first.ttft_ms <= latency_ttft_ms,
+                tpot_ms=sum(map(_TPOT, rs)) / len(rs),
+                queued=int(round(q_w)),
+                buckets=_buckets(budgets, q_w / nq if nq else 1.0),
+                prompt_tokens=quantize_tokens((sum(map(_PROMPT, queued)) - sum(map(_CACHED, queued))) / nq)
+                if nq
+                else 1,
+                queued_out_tokens=sum(map(_MAX, queued)) / nq if nq else 0.0,
+                running=nr,
+                running_ctx_tokens=quantize_tokens((sum(map(_PROMPT, running)) + sum(map(_OUT, running))) / nr)
+                if nr
+                else 1,
+                running_left_tokens=(sum(map(_MAX, running)) - sum(map(_OUT, running))) / nr if nr else 0.0,
+            )
+        )
     tiers.sort(key=lambda t: (not t.latency_sensitive, -t.weight, t.tier))
     kv: dict[str, int] = {}
     for rs in running_lists:
@@ -165,10 +174,20 @@ def summarize(snap: ClusterSnapshot, node: NodeView, latency_ttft_ms: float) -> 
             kv[r.group_id] = kv.get(r.group_id, 0) + r.prompt_tokens + r.output_tokens
     # Routing spreads arrivals over the nodes: each node expects its share of the stream.
     node_share = 1.0 / len(snap.nodes)
-    streams = [StreamLoad(a.tier, a.weight, a.ttft_ms <= latency_ttft_ms, a.rate_per_s * node_share / 1e3,
-                          a.ttft_ms, a.tpot_ms, tuple(quantize_tokens(p) for p in a.prompt_tokens),
-                          a.output_tokens)
-               for a in snap.arrivals if a.rate_per_s > 0 and a.prompt_tokens]
+    streams = [
+        StreamLoad(
+            a.tier,
+            a.weight,
+            a.ttft_ms <= latency_ttft_ms,
+            a.rate_per_s * node_share / 1e3,
+            a.ttft_ms,
+            a.tpot_ms,
+            tuple(quantize_tokens(p) for p in a.prompt_tokens),
+            a.output_tokens,
+        )
+        for a in snap.arrivals
+        if a.rate_per_s > 0 and a.prompt_tokens
+    ]
     streams.sort(key=lambda t: (not t.latency_sensitive, -t.weight, t.tier))
     return NodeLoad(tuple(tiers), tuple(sorted(kv.items())), tuple(streams))
 
@@ -192,8 +211,15 @@ def _buckets(budgets: list[float], scale: float) -> tuple[tuple[float, int], ...
 MIN_CHUNK_TOKENS = 32
 
 
-def hybrid_chunk_tokens(cost: CostModel, tp: int, tpot_ms: float, max_chunk_tokens: int, batch: int = 0,
-                        context_tokens: int = 0, min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> int:
+def hybrid_chunk_tokens(
+    cost: CostModel,
+    tp: int,
+    tpot_ms: float,
+    max_chunk_tokens: int,
+    batch: int = 0,
+    context_tokens: int = 0,
+    min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+) -> int:
     """Sarathi-style SLO-aware token budget: the prefill chunk a hybrid step carries beside `batch` decodes
     (attending to `context_tokens` in all): max_chunk_tokens halved until the step fits tpot_ms, but never
     below min_chunk_tokens. With no decode batch (batch 0) there is no TPOT to protect: the full chunk."""
@@ -232,8 +258,14 @@ def classes_of(groups) -> tuple[GroupClass, ...]:
     return tuple((tp, role, m) for (tp, role), m in sorted(counts.items()))
 
 
-def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, horizon_ms: float,
-             chunk_tokens: int, prefill_batch_tokens: int = 0) -> Estimate:
+def evaluate(
+    cost: CostModel,
+    classes: tuple[GroupClass, ...],
+    load: NodeLoad,
+    horizon_ms: float,
+    chunk_tokens: int,
+    prefill_batch_tokens: int = 0,
+) -> Estimate:
     """Score one candidate (module docstring). `prefill_batch_tokens` > 0: prefill-role groups run batches of
     that many tokens, so a new request first waits, on average, half such a step (head-of-line delay)."""
     n = len(classes)
@@ -260,8 +292,9 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
         if roles[i] != "hybrid" or not (pending_prefill or pending):
             return 0
         b = used[i] // mult[i]
-        return hybrid_chunk_tokens(cost, tps[i], cap[i], chunk_tokens, b,
-                                   quantize_tokens(ctx_sum[i] / mult[i]) if b else 0)
+        return hybrid_chunk_tokens(
+            cost, tps[i], cap[i], chunk_tokens, b, quantize_tokens(ctx_sum[i] / mult[i]) if b else 0
+        )
 
     def hol(i: int) -> float:
         if roles[i] != "prefill" or prefill_batch_tokens <= 0:
@@ -315,8 +348,9 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
                     per_group = max(used[i] // mult[i], 1)
                     c = max(chunk(i), 1)
                     steps = -(-t.prompt_tokens // c)
-                    s = steps * cost.step_time_ms(tps[i], per_group, per_group + c,
-                                                  per_group * t.running_ctx_tokens + c)
+                    s = steps * cost.step_time_ms(
+                        tps[i], per_group, per_group + c, per_group * t.running_ctx_tokens + c
+                    )
                 service[i] = s
                 r_i = mult[i] / s
                 rate += r_i
@@ -358,8 +392,9 @@ def evaluate(cost: CostModel, classes: tuple[GroupClass, ...], load: NodeLoad, h
             latency_misses += lost
     # 5. the arrival stream over the horizon, against steady-state capacity.
     if load.streams:
-        s_score, s_misses = _stream(cost, load.streams, tps, roles, mult, used, ctx_sum, slots, order_hi,
-                                    order_lo, horizon_ms, chunk, hol)
+        s_score, s_misses = _stream(
+            cost, load.streams, tps, roles, mult, used, ctx_sum, slots, order_hi, order_lo, horizon_ms, chunk, hol
+        )
         score += s_score
         misses += s_misses
     # 4. credit, with the step time each class ends up with.
@@ -386,9 +421,21 @@ def _p_wait_within(x_ms: float, rho: float, mean_wait_ms: float) -> float:
     return 1.0 - rho * math.exp(-x_ms * rho / mean_wait_ms)
 
 
-def _stream(cost: CostModel, streams: tuple[StreamLoad, ...], tps: list[int], roles: list[str], mult: list[int],
-            used: list[int], ctx_sum: list[int], slots, order_hi: list[int], order_lo: list[int], horizon_ms: float,
-            chunk, hol) -> tuple[float, int]:
+def _stream(
+    cost: CostModel,
+    streams: tuple[StreamLoad, ...],
+    tps: list[int],
+    roles: list[str],
+    mult: list[int],
+    used: list[int],
+    ctx_sum: list[int],
+    slots,
+    order_hi: list[int],
+    order_lo: list[int],
+    horizon_ms: float,
+    chunk,
+    hol,
+) -> tuple[float, int]:
     """Rule 5 of the module docstring: (score, expected misses) of the arrivals within the horizon."""
     n = len(tps)
     util = 0.0  # prefill-pool time fraction taken by higher-priority streams
@@ -420,7 +467,8 @@ def _stream(cost: CostModel, streams: tuple[StreamLoad, ...], tps: list[int], ro
                     # A hybrid group decodes what it prefills: in steady state it can take on no more
                     # requests than its decode slots turn over (Llama-3-70B TP2 on H100 holds ~8 k KV tokens).
                     turnover = slots(i, st.tpot_ms, quantize_tokens(p + st.output_tokens / 2.0)) / max(
-                        st.output_tokens * st.tpot_ms, 1.0)
+                        st.output_tokens * st.tpot_ms, 1.0
+                    )
                     r_i = min(r_i, turnover)
                 rate += r_i
                 best = min(best, s + hol(i))

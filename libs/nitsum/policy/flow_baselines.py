@@ -145,14 +145,25 @@ BASELINES: dict[str, type[FlowTable]] = {
     "karuna": Karuna,
 }
 
-__all__ = ["BASELINES", "SCHEDULER_NAMES", "EarliestDeadlineFirst", "FairSharing", "Karuna", "ShortestJobFirst", "Stage", "make_flow_scheduler", "size_class"]
+__all__ = [
+    "BASELINES",
+    "SCHEDULER_NAMES",
+    "EarliestDeadlineFirst",
+    "FairSharing",
+    "Karuna",
+    "ShortestJobFirst",
+    "Stage",
+    "make_flow_scheduler",
+    "size_class",
+]
 
 
 SCHEDULER_NAMES: tuple[str, ...] = ("rmlq", *BASELINES)
 
 
-def make_flow_scheduler(name: str, num_levels: int = 8, rmlq_e: float | None = None,
-                        rmlq_u: float | None = None) -> FlowTable:
+def make_flow_scheduler(
+    name: str, num_levels: int = 8, rmlq_e: float | None = None, rmlq_u: float | None = None
+) -> FlowTable:
     """A fresh scheduler by name: "rmlq" (RmlqConfig with K levels; E and U default to the paper's 4 and
     0.5) or a baseline (which has no thresholds: E and U are ignored)."""
     from nitsum.policy.flows import RmlqConfig, RmlqScheduler

@@ -177,9 +177,7 @@ def level_for_mlu(mlu: float, thresholds: tuple[float, ...]) -> int:
     return len(thresholds) + 1
 
 
-def minimal_link_utilization(
-    remaining_bytes: int, time_left_ms: float, bottleneck_bps: float, rho: float
-) -> float:
+def minimal_link_utilization(remaining_bytes: int, time_left_ms: float, bottleneck_bps: float, rho: float) -> float:
     """MLU = size_rem / (time_rem · B · (1 − ρ)); > 1 means the deadline is infeasible."""
     if remaining_bytes <= 0:
         return 0.0
@@ -498,8 +496,7 @@ class RmlqScheduler(FlowTable):
         else:
             cross_ms = rec.spec.deadline_ms - rec.remaining * 8000.0 / (q * bps)
         interval = self.config.reevaluate_interval_ms
-        k = max(math.floor((now_ms - rec.anchor_ms) / interval) + 1,
-                math.ceil((cross_ms - rec.anchor_ms) / interval))
+        k = max(math.floor((now_ms - rec.anchor_ms) / interval) + 1, math.ceil((cross_ms - rec.anchor_ms) / interval))
         heapq.heappush(self._timer, (rec.anchor_ms + k * interval, rec.timer_gen, rec.spec.flow_id))
 
     def _rearm_all(self, now_ms: float | None) -> None:

@@ -11,8 +11,8 @@ The live metrics, the load generator and the simulator are meant to call these s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,11 @@ def summarize_goodput(outcomes: Iterable[RequestOutcome], window_s: float) -> Go
             weighted += o.weight
             t[0] += 1
     return GoodputSummary(
-        window_s=window_s, finished=finished, met=met, goodput_rps=met / window_s,
-        weighted_goodput_rps=weighted / window_s, attainment=met / total if total else 0.0,
+        window_s=window_s,
+        finished=finished,
+        met=met,
+        goodput_rps=met / window_s,
+        weighted_goodput_rps=weighted / window_s,
+        attainment=met / total if total else 0.0,
         met_by_tier=tuple((k, v[0], v[1]) for k, v in sorted(per_tier.items())),
     )

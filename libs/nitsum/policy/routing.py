@@ -14,7 +14,7 @@ then the lower group id. When no group has slack ≥ 0 the request goes where it
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from nitsum.policy.costmodel import CostModel
 from nitsum.policy.decisions import RouteDecision
@@ -88,5 +88,6 @@ def route_by_slack(
     why = "meets slack" if best[1] else "least late (no group meets slack)"
     if not best[0]:
         why += "; no group has free KV for it"
-    return RouteDecision(request.request_id, best_group.group_id, f"{why}: TP{best_group.tp} {best_group.role}",
-                         slack_ms=best_slack)
+    return RouteDecision(
+        request.request_id, best_group.group_id, f"{why}: TP{best_group.tp} {best_group.role}", slack_ms=best_slack
+    )

@@ -145,8 +145,15 @@ class ArrivalStats:
     output_tokens: float  # mean max_tokens
 
     @staticmethod
-    def measure(tier: str, window_ms: float, ttft_ms: float, tpot_ms: float, weight: float,
-                lengths: "list[tuple[int, int]]", quantiles: int = 4) -> "ArrivalStats":
+    def measure(
+        tier: str,
+        window_ms: float,
+        ttft_ms: float,
+        tpot_ms: float,
+        weight: float,
+        lengths: list[tuple[int, int]],
+        quantiles: int = 4,
+    ) -> ArrivalStats:
         """From the (prompt tokens, max tokens) of the tier's arrivals in the last `window_ms`: the rate,
         the mean prompt length of each of `quantiles` equal-mass slices (sorted), the mean output."""
         assert window_ms > 0 and quantiles >= 1
@@ -157,7 +164,7 @@ class ArrivalStats:
         mids = []
         for j in range(quantiles if n else 0):
             lo, hi = int(j * n / quantiles), max(int((j + 1) * n / quantiles), int(j * n / quantiles) + 1)
-            part = prompts[lo:min(hi, n)] or prompts[-1:]
+            part = prompts[lo : min(hi, n)] or prompts[-1:]
             mids.append(int(round(sum(part) / len(part))))
         mids = tuple(mids)
         out = sum(o for _, o in lengths) / n if n else 0.0
@@ -192,7 +199,7 @@ class ClusterSnapshot:
         return {k: tuple(v) for k, v in out.items()}
 
     @cached_property
-    def group_loads(self) -> dict[str, "GroupLoad"]:
+    def group_loads(self) -> dict[str, GroupLoad]:
         """Per group id: prefill work waiting on it and the decode batch it carries (from `requests`)."""
         acc: dict[str, list[int]] = {}
         for r in self.requests:
@@ -218,7 +225,7 @@ class ClusterSnapshot:
                 out[r.tier] = out.get(r.tier, 0) + 1
         return out
 
-    def load_of(self, group_id: str) -> "GroupLoad":
+    def load_of(self, group_id: str) -> GroupLoad:
         return self.group_loads.get(group_id, _NO_LOAD)
 
     def node(self, node_id: str) -> NodeView:
@@ -281,8 +288,13 @@ class ArrivalWindow:
     SHIFT_Z = 3.0
     SHIFT_FRACTION = 0.3
 
-    def __init__(self, window_ms: float = 5000.0, started_ms: float | None = None, regime_ms: float = 0.0,
-                 detect_shifts: bool = False) -> None:
+    def __init__(
+        self,
+        window_ms: float = 5000.0,
+        started_ms: float | None = None,
+        regime_ms: float = 0.0,
+        detect_shifts: bool = False,
+    ) -> None:
         assert window_ms > 0 and regime_ms >= 0, "window_ms must be > 0, regime_ms >= 0"
         self.window_ms = window_ms
         self.started_ms = started_ms
@@ -297,8 +309,16 @@ class ArrivalWindow:
         self._since_ms = started_ms  # start of the current regime (None: first stats call)
         self._since_counts: dict[str, int] = {}  # arrivals per tier since the regime began
 
-    def add(self, now_ms: float, tier: str, ttft_ms: float, tpot_ms: float, weight: float, prompt_tokens: int,
-            max_tokens: int) -> None:
+    def add(
+        self,
+        now_ms: float,
+        tier: str,
+        ttft_ms: float,
+        tpot_ms: float,
+        weight: float,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> None:
         self._events.append((now_ms, tier, ttft_ms, tpot_ms, weight, prompt_tokens, max_tokens))
         if self.regime_ms > 0 and self.detect_shifts:
             self._long.append(self._events[-1])
@@ -350,15 +370,22 @@ class ArrivalWindow:
                         by_tier.setdefault(event[1], []).append(event)
                 span = steady
         return tuple(
-            ArrivalStats.measure(tier, span, events[-1][2], events[-1][3], events[-1][4], [(e[5], e[6]) for e in events])
+            ArrivalStats.measure(
+                tier, span, events[-1][2], events[-1][3], events[-1][4], [(e[5], e[6]) for e in events]
+            )
             for tier, events in sorted(by_tier.items())
         )
 
 
-def assemble_snapshot(now_ms: float, nodes: "list[NodeView] | tuple[NodeView, ...]",
-                      requests: "list[RequestView] | tuple[RequestView, ...]" = (), *,
-                      arrivals: "ArrivalWindow | tuple[ArrivalStats, ...] | None" = None, epoch: int = 0,
-                      load_shift_ms: float | None = None) -> ClusterSnapshot:
+def assemble_snapshot(
+    now_ms: float,
+    nodes: list[NodeView] | tuple[NodeView, ...],
+    requests: list[RequestView] | tuple[RequestView, ...] = (),
+    *,
+    arrivals: ArrivalWindow | tuple[ArrivalStats, ...] | None = None,
+    epoch: int = 0,
+    load_shift_ms: float | None = None,
+) -> ClusterSnapshot:
     """The one way a caller builds the policy's snapshot (simulator now; the live coordinator adopts it):
     nodes ordered by id, each node's groups by first device, arrivals measured from a window (or given)."""
     ordered = []
@@ -371,5 +398,6 @@ def assemble_snapshot(now_ms: float, nodes: "list[NodeView] | tuple[NodeView, ..
         shift = arrivals.shift_ms
     else:
         stats = tuple(arrivals or ())
-    return ClusterSnapshot(now_ms=now_ms, nodes=tuple(ordered), requests=tuple(requests), epoch=epoch, arrivals=stats,
-                           load_shift_ms=shift)
+    return ClusterSnapshot(
+        now_ms=now_ms, nodes=tuple(ordered), requests=tuple(requests), epoch=epoch, arrivals=stats, load_shift_ms=shift
+    )

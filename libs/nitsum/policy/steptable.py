@@ -87,8 +87,9 @@ def parse_rows(text: str, source: str = "<table>") -> tuple[StepRow, ...]:
         raise StepTableError(f"{source}: empty table (expected the header {','.join(COLUMNS)})") from None
     missing = [c for c in COLUMNS if c not in header]
     if missing:
-        raise StepTableError(f"{source}: line 1 (header): missing column(s) {', '.join(missing)}; "
-                             f"expected {','.join(COLUMNS)}")
+        raise StepTableError(
+            f"{source}: line 1 (header): missing column(s) {', '.join(missing)}; expected {','.join(COLUMNS)}"
+        )
     extra = [h for h in header if h not in COLUMNS]
     if extra:
         raise StepTableError(f"{source}: line 1 (header): unknown column(s) {', '.join(extra)}")
@@ -123,8 +124,10 @@ def parse_rows(text: str, source: str = "<table>") -> tuple[StepRow, ...]:
         row = StepRow(device, model, tp, phase, batch, prompt, context, ms)
         key = (device, model, tp, phase, batch, row.tokens)
         if key in seen:
-            raise StepTableError(f"{source}: line {line}: the same point as line {seen[key]} "
-                                 f"({device} {model} TP{tp} {phase} batch {batch}, {row.tokens} tokens)")
+            raise StepTableError(
+                f"{source}: line {line}: the same point as line {seen[key]} "
+                f"({device} {model} TP{tp} {phase} batch {batch}, {row.tokens} tokens)"
+            )
         seen[key] = line
         rows.append(row)
     if not rows:
@@ -139,7 +142,7 @@ def load_step_rows(path: str | Path) -> tuple[StepRow, ...]:
     return parse_rows(p.read_text(encoding="utf-8"), str(p))
 
 
-def write_rows(rows: "list[StepRow] | tuple[StepRow, ...]") -> str:
+def write_rows(rows: list[StepRow] | tuple[StepRow, ...]) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(COLUMNS)
@@ -212,7 +215,7 @@ def nnls_small(columns: list[list[float]], target: list[float]) -> list[float]:
     return best
 
 
-def fit_table(model, rows: "tuple[StepRow, ...]") -> tuple[float, ...]:
+def fit_table(model, rows: tuple[StepRow, ...]) -> tuple[float, ...]:
     """Coefficients (a, b, m, c, d) of the fitted roofline (module docstring)."""
     feats = [features(model, *_step_args(r.tp, r.phase, r.batch_size, r.tokens)) for r in rows]
     scale = [max((f[i] for f in feats), default=0.0) or 1.0 for i in range(5)]
@@ -289,8 +292,11 @@ class DeviceStepTable:
             if not near:
                 return self._fit_at(tp, phase, batch, tokens)
             k = min(near, key=lambda x: (abs(math.log2(x) - math.log2(tp)), x))
-            return self._fit_at(tp, phase, batch, tokens) * self.phase_ms(k, phase, batch, tokens) \
+            return (
+                self._fit_at(tp, phase, batch, tokens)
+                * self.phase_ms(k, phase, batch, tokens)
                 / self._fit_at(k, phase, batch, tokens)
+            )
         batches, by_batch = cell
         if batch <= batches[0] or batch >= batches[-1]:
             edge = batches[0] if batch <= batches[0] else batches[-1]
@@ -303,8 +309,13 @@ class DeviceStepTable:
         if hi == batch:
             return self._row_value(tp, phase, hi, by_batch[hi], tokens)
         lo = batches[i - 1]
-        return _lerp(batch, lo, hi, self._row_value(tp, phase, lo, by_batch[lo], tokens),
-                     self._row_value(tp, phase, hi, by_batch[hi], tokens))
+        return _lerp(
+            batch,
+            lo,
+            hi,
+            self._row_value(tp, phase, lo, by_batch[lo], tokens),
+            self._row_value(tp, phase, hi, by_batch[hi], tokens),
+        )
 
     def step_ms(self, tp: int, batch_size: int, num_tokens: int, context_tokens: int) -> float:
         """`CostModel.step_time_ms` from this table (module docstring)."""
@@ -332,9 +343,22 @@ def select(rows: tuple[StepRow, ...], device: str, model, source: str = "<table>
     mine = tuple(r for r in rows if r.device == device and r.model == model.name)
     if not mine:
         have = ", ".join(f"{d}/{m}" for d, m in table_pairs(rows))
-        raise StepTableError(f"{source}: no rows for device {device!r} and model {model.name!r} (the table has: {have})")
+        raise StepTableError(
+            f"{source}: no rows for device {device!r} and model {model.name!r} (the table has: {have})"
+        )
     return DeviceStepTable(device, model, mine)
 
 
-__all__ = ["COLUMNS", "DeviceStepTable", "PHASES", "StepRow", "StepTableError", "fit_table", "load_step_rows",
-           "parse_rows", "select", "table_pairs", "write_rows"]
+__all__ = [
+    "COLUMNS",
+    "DeviceStepTable",
+    "PHASES",
+    "StepRow",
+    "StepTableError",
+    "fit_table",
+    "load_step_rows",
+    "parse_rows",
+    "select",
+    "table_pairs",
+    "write_rows",
+]

@@ -52,7 +52,15 @@ def typical_context_tokens(load: NodeLoad) -> int:
     return int(max(sizes, default=1))
 
 
-__all__ = ["AdaptivePolicy", "MIN_BATCH_SEQS", "typical_context_tokens", "GroupSpec", "Topology", "candidate_shapes", "mean_tp"]
+__all__ = [
+    "AdaptivePolicy",
+    "MIN_BATCH_SEQS",
+    "typical_context_tokens",
+    "GroupSpec",
+    "Topology",
+    "candidate_shapes",
+    "mean_tp",
+]
 
 
 def mean_tp(shape: Shape) -> float:
@@ -66,7 +74,7 @@ def _merges(shape: Shape, max_tp: int) -> list[Shape]:
     for i in range(len(shape) - 1):
         (s1, k1), (s2, k2) = shape[i], shape[i + 1]
         if k1 == k2 and 2 * k1 <= max_tp and s1 % (2 * k1) == 0 and s2 == s1 + k1:
-            out.append(shape[:i] + ((s1, 2 * k1),) + shape[i + 2:])
+            out.append(shape[:i] + ((s1, 2 * k1),) + shape[i + 2 :])
     return out
 
 
@@ -75,7 +83,7 @@ def _splits(shape: Shape, min_tp: int) -> list[Shape]:
     for i, (s, k) in enumerate(shape):
         if k // 2 >= min_tp and k >= 2:
             h = k // 2
-            out.append(shape[:i] + ((s, h), (s + h, h)) + shape[i + 1:])
+            out.append(shape[:i] + ((s, h), (s + h, h)) + shape[i + 1 :])
     return out
 
 
@@ -139,20 +147,26 @@ class AdaptivePolicy(BasePolicy):
         if any(not g.usable for g in node.groups):
             return keep("a group is unhealthy or draining: no change until it settles")
         if node.last_reconfig_ms is not None and snap.now_ms - node.last_reconfig_ms < cfg.min_dwell_ms:
-            return keep(f"dwell: last change {snap.now_ms - node.last_reconfig_ms:.0f} ms ago "
-                        f"< {cfg.min_dwell_ms:.0f} ms")
+            return keep(
+                f"dwell: last change {snap.now_ms - node.last_reconfig_ms:.0f} ms ago < {cfg.min_dwell_ms:.0f} ms"
+            )
         load = summarize(snap, node, cfg.latency_sensitive_ttft_ms)
         if load.idle:
             return keep("idle")
         cost = self.cost_for(node)
         current = Topology.of_node(node)
         cur_shape = current.shape()
-        cur_est = evaluate(cost, classes_of(current.groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
+        cur_est = evaluate(
+            cost, classes_of(current.groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens
+        )
         # A level whose KV room holds fewer than MIN_BATCH_SEQS typical requests cannot batch: Llama-3-70B at
         # TP2 on H100 keeps ~8.8 k KV tokens after weights, and routing background work there starved it.
         need = MIN_BATCH_SEQS * typical_context_tokens(load)
-        levels = (tuple(k for k in node.allowed_tp_levels() if cost.kv_capacity_tokens(k) >= need)
-                  or tuple(k for k in node.allowed_tp_levels() if cost.fits(k)) or node.allowed_tp_levels())
+        levels = (
+            tuple(k for k in node.allowed_tp_levels() if cost.kv_capacity_tokens(k) >= need)
+            or tuple(k for k in node.allowed_tp_levels() if cost.fits(k))
+            or node.allowed_tp_levels()
+        )
 
         shapes = candidate_shapes(cur_shape, node.num_devices, levels, cfg.max_steps)
         shapes = [sh for sh in shapes if all(k in levels for _, k in sh)]
@@ -162,9 +176,17 @@ class AdaptivePolicy(BasePolicy):
         latency_stream = any(st.latency_sensitive and st.rate_per_ms > 0 for st in load.streams)
         direction = 0
         if load.latency_queued() >= cfg.interactive_backlog_threshold and cur_est.latency_misses > 0:
-            direction, path, why = 1, "fast", f"interactive surge: {cur_est.latency_misses} projected latency-tier misses"
+            direction, path, why = (
+                1,
+                "fast",
+                f"interactive surge: {cur_est.latency_misses} projected latency-tier misses",
+            )
         elif load.latency_work() == 0 and not latency_stream and load.throughput_queued() > 0:
-            direction, path, why = -1, "fast", f"throughput backlog ({load.throughput_queued()} queued), no interactive work"
+            direction, path, why = (
+                -1,
+                "fast",
+                f"throughput backlog ({load.throughput_queued()} queued), no interactive work",
+            )
         else:
             path, why = "scored", "mixed load"
         prefill_pending = any(t.queued for t in load.tiers)
@@ -210,26 +232,55 @@ class AdaptivePolicy(BasePolicy):
         if snap.load_shift_ms is not None:
             shift = snap.load_shift_ms
             if snap.now_ms - shift < cfg.shift_settle_ms:
-                return TopologyDecision(nid, None, f"{why}: the load shifted {snap.now_ms - shift:.0f} ms ago "
-                                        f"(< {cfg.shift_settle_ms:.0f} ms); keep until the measurement settles", gain, path)
+                return TopologyDecision(
+                    nid,
+                    None,
+                    f"{why}: the load shifted {snap.now_ms - shift:.0f} ms ago "
+                    f"(< {cfg.shift_settle_ms:.0f} ms); keep until the measurement settles",
+                    gain,
+                    path,
+                )
         # One change per shift of the arrival stream: the estimate swings by more than any margin from epoch to
         # epoch near saturation (measured: TP8 <-> TP4 x2 every 4-10 s under a steady surge, each move "gaining"
         # 20-480 weighted requests), so once the node has moved for this load it stays until the load moves.
-        if snap.load_shift_ms is not None and node.last_reconfig_ms is not None and \
-                node.last_reconfig_ms >= snap.load_shift_ms:
-            return TopologyDecision(nid, None, f"{why}: changed already since the load last shifted "
-                                    f"(best {chosen[3]} would gain {gain:.2f}); keep", gain, path)
-        settled = node.last_reconfig_ms is None or snap.now_ms - node.last_reconfig_ms >= THROUGHPUT_DWELL_FACTOR * cfg.min_dwell_ms
+        if (
+            snap.load_shift_ms is not None
+            and node.last_reconfig_ms is not None
+            and node.last_reconfig_ms >= snap.load_shift_ms
+        ):
+            return TopologyDecision(
+                nid,
+                None,
+                f"{why}: changed already since the load last shifted (best {chosen[3]} would gain {gain:.2f}); keep",
+                gain,
+                path,
+            )
+        settled = (
+            node.last_reconfig_ms is None
+            or snap.now_ms - node.last_reconfig_ms >= THROUGHPUT_DWELL_FACTOR * cfg.min_dwell_ms
+        )
         if direction < 0 and mean_tp(chosen[2]) < cur_mean and gain > -margin and settled:
             # ALGORITHMS.md §1.5: with no interactive work (queued, running or arriving), split to maximise
             # batch throughput. Goodput alone cannot show the gain when the background SLOs are loose (both
             # layouts meet them), so here the margin guards against a loss instead of demanding a win.
-            return TopologyDecision(nid, chosen[3], f"{why}: {current} -> {chosen[3]} for throughput (goodput change {gain:.2f})", gain, path)
+            return TopologyDecision(
+                nid,
+                chosen[3],
+                f"{why}: {current} -> {chosen[3]} for throughput (goodput change {gain:.2f})",
+                gain,
+                path,
+            )
         if gain <= margin:
-            return TopologyDecision(nid, None, f"{why}: best {chosen[3]} gains {gain:.2f} <= margin "
-                                    f"{margin:.2f}; keep", gain, path)
-        return TopologyDecision(nid, chosen[3], f"{why}: {current} -> {chosen[3]} gains {gain:.2f} "
-                                f"(over {remaining / 1000:.0f} s expected to remain)", gain, path)
+            return TopologyDecision(
+                nid, None, f"{why}: best {chosen[3]} gains {gain:.2f} <= margin {margin:.2f}; keep", gain, path
+            )
+        return TopologyDecision(
+            nid,
+            chosen[3],
+            f"{why}: {current} -> {chosen[3]} gains {gain:.2f} (over {remaining / 1000:.0f} s expected to remain)",
+            gain,
+            path,
+        )
 
     def expected_remaining_ms(self, snap: ClusterSnapshot) -> float:
         """How long the current load is expected to last: as long as it has lasted since the stream last
@@ -241,7 +292,9 @@ class AdaptivePolicy(BasePolicy):
         age = snap.now_ms - snap.load_shift_ms
         return min(max(age, cfg.min_dwell_ms), MAX_REMAINING_HORIZONS * cfg.horizon_ms)
 
-    def _score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> tuple[float, float]:
+    def _score(
+        self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView
+    ) -> tuple[float, float]:
         """(estimated weighted goodput over the horizon, λ · reconfiguration cost of moving there)."""
         cfg = self.config
         est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)

@@ -16,9 +16,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sim/<experiment>)")
     p.add_argument("--quick", action="store_true", help="a small version (seconds), for tests and smoke checks")
     p.add_argument("--seed", type=int, default=0, help="workload seed (runs are deterministic for a seed)")
-    p.add_argument("--device-table", type=Path, default=None, metavar="FILE",
-                   help="measured step times (CSV: device,model,tp,phase,batch_size,prompt_tokens,context_tokens,ms; "
-                        "`nitsum bench profile --csv` writes it): the simulator and the policy price steps from it")
+    p.add_argument(
+        "--device-table",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="measured step times (CSV: device,model,tp,phase,batch_size,prompt_tokens,context_tokens,ms; "
+        "`nitsum bench profile --csv` writes it): the simulator and the policy price steps from it",
+    )
     return p
 
 

@@ -22,15 +22,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nitsum.metrics import RequestRecord, Report, summarize
+from nitsum.metrics import Report, RequestRecord, summarize
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import CostModel, DeviceSpec, cost_model, resolve_device
 from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import MIN_CHUNK_TOKENS
 from nitsum.policy.registry import make_policy
+from nitsum.policy.snapshot import (
+    ArrivalStats,
+    ArrivalWindow,
+    ClusterSnapshot,
+    GroupView,
+    NodeView,
+    RequestView,
+    assemble_snapshot,
+    group_id_for,
+)
 from nitsum.policy.steptable import DeviceStepTable, StepRow, load_step_rows, select
-from nitsum.policy.snapshot import (ArrivalStats, ArrivalWindow, ClusterSnapshot, GroupView, NodeView, RequestView,
-                                    assemble_snapshot, group_id_for)
 from nitsum.policy.tiers import DEFAULT_TIERS, Tier
 from nitsum.sim.engine import Event, Simulator
 from nitsum.sim.service import ServiceModel, ServiceSampler
@@ -78,10 +86,12 @@ class ClusterConfig:
     service: ServiceModel | None = None
 
     def __post_init__(self) -> None:
-        self.device  # an unknown kind or a missing table file fails here, with the accepted forms named
+        _ = self.device  # an unknown kind or a missing table file fails here, with the accepted forms named
         self.step_table()  # a malformed step table fails here, naming its line and column
         if isinstance(self.device_kind, CostModel) and self.device_kind.model.name != self.model:
-            raise ValueError(f"device_kind is a cost model of {self.device_kind.model.name!r}, the cluster runs {self.model!r}")
+            raise ValueError(
+                f"device_kind is a cost model of {self.device_kind.model.name!r}, the cluster runs {self.model!r}"
+            )
 
     @property
     def device(self) -> DeviceSpec:
@@ -90,8 +100,11 @@ class ClusterConfig:
     @property
     def device_name(self) -> str:
         """The kind the nodes report (NodeView.device_kind): the preset's name, or the given table's name."""
-        return self.device_kind if isinstance(self.device_kind, str) and not self.device_kind.endswith(".json") \
+        return (
+            self.device_kind
+            if isinstance(self.device_kind, str) and not self.device_kind.endswith(".json")
             else self.device.name
+        )
 
     def step_table(self) -> DeviceStepTable | None:
         if self.device_table is None:
@@ -112,17 +125,41 @@ class ClusterConfig:
     def policy_config(self) -> PolicyConfig:
         from nitsum.policy.costmodel import model_spec
 
-        return PolicyConfig(model=model_spec(self.model), epoch_ms=self.epoch_ms,
-                            block_size_tokens=self.block_size_tokens, chunk_tokens=self.chunk_tokens,
-                            prefill_batch_tokens=self.prefill_batch_tokens,
-                            devices=((self.device_name, self.device),),
-                            step_tables=() if self.device_table is None else ((self.device_name, self.step_table()),))
+        return PolicyConfig(
+            model=model_spec(self.model),
+            epoch_ms=self.epoch_ms,
+            block_size_tokens=self.block_size_tokens,
+            chunk_tokens=self.chunk_tokens,
+            prefill_batch_tokens=self.prefill_batch_tokens,
+            devices=((self.device_name, self.device),),
+            step_tables=() if self.device_table is None else ((self.device_name, self.step_table()),),
+        )
 
 
 class _Req:
-    __slots__ = ("rid", "tier", "ttft_slo", "tpot_slo", "weight", "arrival", "prompt", "output", "prefill_done",
-                 "first_token", "finish", "group", "join_step", "base_gen", "error", "in_prefill", "kv_tokens",
-                 "deadline", "path_ms", "stalled", "ratio")
+    __slots__ = (
+        "rid",
+        "tier",
+        "ttft_slo",
+        "tpot_slo",
+        "weight",
+        "arrival",
+        "prompt",
+        "output",
+        "prefill_done",
+        "first_token",
+        "finish",
+        "group",
+        "join_step",
+        "base_gen",
+        "error",
+        "in_prefill",
+        "kv_tokens",
+        "deadline",
+        "path_ms",
+        "stalled",
+        "ratio",
+    )
 
     def __init__(self, rid: str, t: TraceRequest, tier: Tier) -> None:
         self.rid = rid
@@ -156,9 +193,16 @@ class _Req:
 
     def view(self) -> RequestView:
         return RequestView(
-            request_id=self.rid, tier=self.tier, ttft_ms=self.ttft_slo, tpot_ms=self.tpot_slo, weight=self.weight,
-            arrival_ms=self.arrival, prompt_tokens=self.prompt, max_tokens=self.output,
-            output_tokens=self.generated(), first_token_ms=self.first_token,
+            request_id=self.rid,
+            tier=self.tier,
+            ttft_ms=self.ttft_slo,
+            tpot_ms=self.tpot_slo,
+            weight=self.weight,
+            arrival_ms=self.arrival,
+            prompt_tokens=self.prompt,
+            max_tokens=self.output,
+            output_tokens=self.generated(),
+            first_token_ms=self.first_token,
             group_id=None if self.group is None else self.group.gid,
         )
 
@@ -168,12 +212,32 @@ def _by_deadline(r: _Req) -> float:
 
 
 class _Group:
-    __slots__ = ("gid", "node", "start", "tp", "role", "cost", "waiting", "prefilling", "running", "finish_heap",
-                 "step", "ctx_base", "busy", "paused_until", "kv_total", "kv_used", "version", "retired", "seq",
-                 "tpot_counts")
+    __slots__ = (
+        "gid",
+        "node",
+        "start",
+        "tp",
+        "role",
+        "cost",
+        "waiting",
+        "prefilling",
+        "running",
+        "finish_heap",
+        "step",
+        "ctx_base",
+        "busy",
+        "paused_until",
+        "kv_total",
+        "kv_used",
+        "version",
+        "retired",
+        "seq",
+        "tpot_counts",
+    )
 
-    def __init__(self, node: "_Node", start: int, tp: int, role: str, cost: CostModel, now: float,
-                 paused_until: float) -> None:
+    def __init__(
+        self, node: _Node, start: int, tp: int, role: str, cost: CostModel, now: float, paused_until: float
+    ) -> None:
         self.gid = group_id_for(node.node_id, start, tp)
         self.node = node
         self.start, self.tp, self.role = start, tp, role
@@ -209,10 +273,16 @@ class _Group:
 
     def view(self, block: int) -> GroupView:
         return GroupView(
-            group_id=self.gid, devices=tuple(range(self.start, self.start + self.tp)), tp=self.tp, role=self.role,
-            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.prefilling),
-            kv_blocks_free=max(self.kv_total - self.kv_used, 0) // block, kv_blocks_total=self.kv_total // block,
-            healthy=self.healthy, draining=False,
+            group_id=self.gid,
+            devices=tuple(range(self.start, self.start + self.tp)),
+            tp=self.tp,
+            role=self.role,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + len(self.prefilling),
+            kv_blocks_free=max(self.kv_total - self.kv_used, 0) // block,
+            kv_blocks_total=self.kv_total // block,
+            healthy=self.healthy,
+            draining=False,
         )
 
 
@@ -252,8 +322,9 @@ class ClusterSim:
         self.live: dict[str, _Req] = {}
         self.coordinator_queue: list[_Req] = []
         w = config.arrival_window_ms
-        self.arrivals = ArrivalWindow(w, started_ms=0.0, regime_ms=config.arrival_regime_ms,
-                                      detect_shifts=True) if w > 0 else None
+        self.arrivals = (
+            ArrivalWindow(w, started_ms=0.0, regime_ms=config.arrival_regime_ms, detect_shifts=True) if w > 0 else None
+        )
         self.reconfigs = 0
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
@@ -268,9 +339,15 @@ class ClusterSim:
     # -- views ---------------------------------------------------------------------------------------------
     def _node_view(self, node: _Node) -> NodeView:
         c = self.config
-        return NodeView(node_id=node.node_id, num_devices=c.devices_per_node, min_tp=c.min_tp, max_tp=c.max_tp,
-                        groups=tuple(g.view(c.block_size_tokens) for g in node.groups), device_kind=c.device_name,
-                        last_reconfig_ms=node.last_reconfig_ms)
+        return NodeView(
+            node_id=node.node_id,
+            num_devices=c.devices_per_node,
+            min_tp=c.min_tp,
+            max_tp=c.max_tp,
+            groups=tuple(g.view(c.block_size_tokens) for g in node.groups),
+            device_kind=c.device_name,
+            last_reconfig_ms=node.last_reconfig_ms,
+        )
 
     def snapshot(self, full: bool = True, arrivals: bool = False) -> ClusterSnapshot:
         """`full=False` lists only requests not yet prefilled: all that prefill routing, admission and
@@ -281,9 +358,13 @@ class ClusterSim:
             views = [r.view() for r in self.live.values()]
         else:
             views = [r.view() for r in self.live.values() if r.first_token is None]
-        return assemble_snapshot(self.sim.now_ms, [self._node_view(n) for n in self.nodes], views,
-                                 arrivals=self.arrivals if arrivals and self.arrivals is not None else None,
-                                 load_shift_ms=None if self.arrivals is None else self.arrivals.shift_ms)
+        return assemble_snapshot(
+            self.sim.now_ms,
+            [self._node_view(n) for n in self.nodes],
+            views,
+            arrivals=self.arrivals if arrivals and self.arrivals is not None else None,
+            load_shift_ms=None if self.arrivals is None else self.arrivals.shift_ms,
+        )
 
     def arrival_stats(self) -> tuple[ArrivalStats, ...]:
         """Per tier, the arrivals of the last `arrival_window_ms` (shorter at the start of the run)."""
@@ -326,8 +407,10 @@ class ClusterSim:
             moving.extend(r for _, _, r in g.waiting)
             moving.extend(g.prefilling)
             moving.extend(g.running)
-        kv_bytes = sum(r.prompt + r.generated() for r in moving if r.prefill_done or r.first_token is not None) \
+        kv_bytes = (
+            sum(r.prompt + r.generated() for r in moving if r.prefill_done or r.first_token is not None)
             * self.cost.model.kv_bytes_per_token
+        )
         devices = sum(g.tp for g in changed)
         if self.config.reconfig_cost_ms is not None:
             pause = self.config.reconfig_cost_ms
@@ -374,8 +457,9 @@ class ClusterSim:
         self.live[r.rid] = r
         return self._place(r, decode=False, snap=snap)
 
-    def _place(self, r: _Req, decode: bool, snap: ClusterSnapshot | None = None, ready_at: float | None = None
-               ) -> list[Event]:
+    def _place(
+        self, r: _Req, decode: bool, snap: ClusterSnapshot | None = None, ready_at: float | None = None
+    ) -> list[Event]:
         if snap is None:
             snap = self.snapshot(full=decode)
         d = self.policy.route(snap, r.view())
@@ -585,11 +669,14 @@ class ClusterSim:
             if decision.target is None:
                 continue
             node = next(n for n in self.nodes if n.node_id == decision.node_id)
-            if Topology(tuple(sorted((s for s in decision.target.groups), key=lambda s: s.start))) == \
-                    Topology.of_node(self._node_view(node)):
+            if Topology(tuple(sorted((s for s in decision.target.groups), key=lambda s: s.start))) == Topology.of_node(
+                self._node_view(node)
+            ):
                 continue
             events.extend(self._reconfigure(node, decision.target))
-        if sim.now_ms < self.end_arrivals_ms + self.config.drain_ms and (self.live or sim.now_ms < self.end_arrivals_ms):
+        if sim.now_ms < self.end_arrivals_ms + self.config.drain_ms and (
+            self.live or sim.now_ms < self.end_arrivals_ms
+        ):
             events.append((sim.now_ms + self.config.epoch_ms, self._epoch, None))
         return events
 
@@ -606,8 +693,17 @@ class ClusterSim:
         records = [self._record(r) for r in self.reqs]
         window = duration_s if duration_s is not None else max(self.end_arrivals_ms / 1000.0, 1e-3)
         report = summarize(records, duration_s=window, tier_order=tuple(self.tiers))
-        return ClusterResult(records, report, self.reconfigs, self.pause_ms, sim.events_run, sim.now_ms, sim.wall_s,
-                             self.topologies, self.layouts)
+        return ClusterResult(
+            records,
+            report,
+            self.reconfigs,
+            self.pause_ms,
+            sim.events_run,
+            sim.now_ms,
+            sim.wall_s,
+            self.topologies,
+            self.layouts,
+        )
 
     def _record(self, r: _Req) -> RequestRecord:
         done = r.finish is not None and r.error is None
@@ -615,13 +711,30 @@ class ClusterSim:
             first = None if r.first_token is None else r.first_token + r.path_ms
             finish = first if r.stalled else None if r.finish is None else r.finish + r.path_ms
             return RequestRecord(
-                request_id=r.rid, tier=r.tier, ttft_slo_ms=r.ttft_slo, tpot_slo_ms=r.tpot_slo, weight=r.weight,
-                send_ms=r.arrival, first_token_ms=first, finish_ms=finish if done else None,
-                output_tokens=r.output if done else r.generated(), prompt_tokens=r.prompt, error=r.error)
+                request_id=r.rid,
+                tier=r.tier,
+                ttft_slo_ms=r.ttft_slo,
+                tpot_slo_ms=r.tpot_slo,
+                weight=r.weight,
+                send_ms=r.arrival,
+                first_token_ms=first,
+                finish_ms=finish if done else None,
+                output_tokens=r.output if done else r.generated(),
+                prompt_tokens=r.prompt,
+                error=r.error,
+            )
         return RequestRecord(
-            request_id=r.rid, tier=r.tier, ttft_slo_ms=r.ttft_slo, tpot_slo_ms=r.tpot_slo, weight=r.weight,
-            send_ms=r.arrival, first_token_ms=r.first_token, finish_ms=r.finish if done else None,
-            output_tokens=r.output if done else r.generated(), prompt_tokens=r.prompt, error=r.error,
+            request_id=r.rid,
+            tier=r.tier,
+            ttft_slo_ms=r.ttft_slo,
+            tpot_slo_ms=r.tpot_slo,
+            weight=r.weight,
+            send_ms=r.arrival,
+            first_token_ms=r.first_token,
+            finish_ms=r.finish if done else None,
+            output_tokens=r.output if done else r.generated(),
+            prompt_tokens=r.prompt,
+            error=r.error,
         )
 
 

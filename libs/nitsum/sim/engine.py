@@ -79,5 +79,8 @@ class Simulator:
     def speed(self) -> dict[str, float]:
         """Events per wall second and simulated-time / wall-time, for the progress line."""
         wall = max(self.wall_s, 1e-9)
-        return {"events": float(self.events_run), "events_per_s": self.events_run / wall,
-                "sim_over_wall": self.now_ms / 1000.0 / wall}
+        return {
+            "events": float(self.events_run),
+            "events_per_s": self.events_run / wall,
+            "sim_over_wall": self.now_ms / 1000.0 / wall,
+        }

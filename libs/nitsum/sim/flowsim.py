@@ -44,9 +44,9 @@ from typing import Any
 
 from nitsum.metrics import Distribution, RequestRecord, summarize
 from nitsum.policy.costmodel import CostModel, ModelSpec, cost_model
-from nitsum.policy.steptable import select
 from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.flows import FlowSpec, Stage
+from nitsum.policy.steptable import select
 from nitsum.sim.engine import Event, Simulator
 from nitsum.sim.flowsetup import moe_spec, shard_spec
 from nitsum.sim.network import Network
@@ -85,7 +85,7 @@ class FlowClusterConfig:
 class _Unit:
     __slots__ = ("uid", "inst", "reqs", "block", "pending", "cct_start", "busy", "block_end", "wait_from")
 
-    def __init__(self, uid: str, inst: "_Instance", reqs: list) -> None:
+    def __init__(self, uid: str, inst: _Instance, reqs: list) -> None:
         self.uid, self.inst, self.reqs = uid, inst, reqs
         self.block = 0
         self.pending: dict[int, int] = {}  # block -> flows (fetch for it / collective of it) outstanding
@@ -111,8 +111,20 @@ class _Instance:
 
 
 class _FReq:
-    __slots__ = ("rid", "t", "prompt", "cached", "holder", "home", "deadline", "slo", "done_ms", "error",
-                 "unit", "flows")
+    __slots__ = (
+        "rid",
+        "t",
+        "prompt",
+        "cached",
+        "holder",
+        "home",
+        "deadline",
+        "slo",
+        "done_ms",
+        "error",
+        "unit",
+        "flows",
+    )
 
     def __init__(self, rid: str, t: TraceRequest, prompt: int) -> None:
         self.rid, self.t, self.prompt = rid, t, prompt
@@ -128,15 +140,23 @@ class _FReq:
 
 
 class FlowClusterSim:
-    def __init__(self, scheduler: str, config: FlowClusterConfig, workload: list[TraceRequest],
-                 warm: list[TraceRequest] | tuple = ()) -> None:
+    def __init__(
+        self,
+        scheduler: str,
+        config: FlowClusterConfig,
+        workload: list[TraceRequest],
+        warm: list[TraceRequest] | tuple = (),
+    ) -> None:
         c = self.config = config
         self.name = scheduler
         self.model: ModelSpec = moe_spec(c.model)
         self.cost: CostModel = cost_model(shard_spec(self.model, c.ep), c.device_kind)
         if c.device_table is not None:
-            self.cost = CostModel(self.cost.model, self.cost.device,
-                                  steps=select(c.device_table, c.device_kind, self.cost.model, "device table"))
+            self.cost = CostModel(
+                self.cost.model,
+                self.cost.device,
+                steps=select(c.device_table, c.device_kind, self.cost.model, "device table"),
+            )
         self.sim = Simulator()
         self.net = Network(self._flow_done)
         link_bps = c.nics_per_server * c.nic_bps
@@ -182,7 +202,9 @@ class FlowClusterSim:
         servers = [s for inst in self.instances for s in inst.servers]
         nxt = 0
         for t in warm:
-            hashes = t.prefix_hash_ids[: math.ceil(min(t.prompt_tokens, self.config.max_prompt_tokens) / MOONCAKE_BLOCK_TOKENS)]
+            hashes = t.prefix_hash_ids[
+                : math.ceil(min(t.prompt_tokens, self.config.max_prompt_tokens) / MOONCAKE_BLOCK_TOKENS)
+            ]
             if not hashes:
                 continue
             owner = self.block_owner.get(hashes[0])
@@ -195,8 +217,10 @@ class FlowClusterSim:
     def reuse(self) -> dict[str, float]:
         """Cached prefix tokens / prompt tokens of the workload, and the part of them fetched from elsewhere."""
         prompt = sum(r.prompt for r in self.reqs) or 1
-        return {"reuse_ratio": sum(r.cached for r in self.reqs) / prompt,
-                "fetched_ratio": sum(r.cached for r in self.reqs if r.holder is not None) / prompt}
+        return {
+            "reuse_ratio": sum(r.cached for r in self.reqs) / prompt,
+            "fetched_ratio": sum(r.cached for r in self.reqs if r.holder is not None) / prompt,
+        }
 
     # -- costs ---------------------------------------------------------------------------------------------
     def compute_block_ms(self, tokens: int, context: int, batch: int) -> float:
@@ -281,23 +305,52 @@ class FlowClusterSim:
                 continue
             size = self.kv_bytes(r.cached) / c.layer_blocks
             for b in range(c.layer_blocks):
-                self._add_flow(u, b, Stage.KV_REUSE, r, r.holder, r.home, size, target_layer=b * self.layers_per_block,
-                               deadlines=deadlines)
+                self._add_flow(
+                    u,
+                    b,
+                    Stage.KV_REUSE,
+                    r,
+                    r.holder,
+                    r.home,
+                    size,
+                    target_layer=b * self.layers_per_block,
+                    deadlines=deadlines,
+                )
         events = self._prune(inst) + self._commit()
         return events + self._try_block(u)
 
     # -- flows ---------------------------------------------------------------------------------------------
-    def _add_flow(self, u: _Unit | None, block: int, stage: Stage, r: _FReq | None, src: int, dst: int, size: float,
-                  target_layer: int | None = None, deadline: float | None = None,
-                  deadlines: tuple[float, ...] = ()) -> None:
+    def _add_flow(
+        self,
+        u: _Unit | None,
+        block: int,
+        stage: Stage,
+        r: _FReq | None,
+        src: int,
+        dst: int,
+        size: float,
+        target_layer: int | None = None,
+        deadline: float | None = None,
+        deadlines: tuple[float, ...] = (),
+    ) -> None:
         self._seq += 1
         fid = f"f{self._seq}"
         path = (f"up{src}", f"dn{dst}")
         rid = r.rid if r is not None else f"{u.uid}-a2a"  # a collective belongs to its batch, never pruned
-        spec = FlowSpec(flow_id=fid, request_id=rid, unit_id=u.uid if u else f"p2d-{rid}", stage=stage,
-                        size_bytes=max(int(size), 1), src=str(src), dst=str(dst), path=path,
-                        target_layer=target_layer, deadline_ms=deadline, request_deadlines_ms=deadlines,
-                        request_deadline_ms=r.deadline if r is not None else None)
+        spec = FlowSpec(
+            flow_id=fid,
+            request_id=rid,
+            unit_id=u.uid if u else f"p2d-{rid}",
+            stage=stage,
+            size_bytes=max(int(size), 1),
+            src=str(src),
+            dst=str(dst),
+            path=path,
+            target_layer=target_layer,
+            deadline_ms=deadline,
+            request_deadlines_ms=deadlines,
+            request_deadline_ms=r.deadline if r is not None else None,
+        )
         now = self.sim.now_ms
         self.sched.on_arrival(spec, now)
         self.net.add_flow(fid, path, max(int(size), 1), now, key=(math.inf,))
@@ -470,8 +523,17 @@ class FlowClusterSim:
         for i in servers:
             for j in servers:
                 if i != j:
-                    self._add_flow(u, key, Stage.COLLECTIVE, None, i, j, size, target_layer=u.block * self.layers_per_block,
-                                   deadlines=deadlines)
+                    self._add_flow(
+                        u,
+                        key,
+                        Stage.COLLECTIVE,
+                        None,
+                        i,
+                        j,
+                        size,
+                        target_layer=u.block * self.layers_per_block,
+                        deadlines=deadlines,
+                    )
         return self._commit()
 
     def _finish_unit(self, u: _Unit) -> list[Event]:
@@ -495,19 +557,43 @@ class FlowClusterSim:
             self.sim.schedule(t.arrival_ms, self._arrive, t)
         end = (self.workload[-1].arrival_ms if self.workload else 0.0) + drain_ms
         self.sim.run(until_ms=end)
-        records = [RequestRecord(request_id=r.rid, tier="interactive", ttft_slo_ms=r.slo, tpot_slo_ms=1e9, weight=1.0,
-                                 send_ms=r.t.arrival_ms, first_token_ms=r.done_ms, finish_ms=r.done_ms,
-                                 output_tokens=1, prompt_tokens=r.prompt, error=r.error) for r in self.reqs]
+        records = [
+            RequestRecord(
+                request_id=r.rid,
+                tier="interactive",
+                ttft_slo_ms=r.slo,
+                tpot_slo_ms=1e9,
+                weight=1.0,
+                send_ms=r.t.arrival_ms,
+                first_token_ms=r.done_ms,
+                finish_ms=r.done_ms,
+                output_tokens=1,
+                prompt_tokens=r.prompt,
+                error=r.error,
+            )
+            for r in self.reqs
+        ]
         span_s = max((self.workload[-1].arrival_ms if self.workload else 0.0) / 1000.0, 1e-3)
         report = summarize(records, duration_s=span_s)
         busy_ms = max(span_s * 1000.0, self.last_ms)
         nonneg = [e for e in self.earliness_ms if e >= 0]
-        return {"scheduler": self.name, "report": report, "records": records,
-                "cct_ms": Distribution.of(self.cct_ms), "earliness_ms": Distribution.of(nonneg),
-                "cct_samples": self.cct_ms, "earliness_samples": nonneg,
-                "events": self.sim.events_run, "sim_ms": self.sim.now_ms, "wall_s": self.sim.wall_s,
-                "flows": self.net.flows_done, "reallocations": self.net.reallocations,
-                "pruned": len(self.pruned), "bottleneck": self.bottleneck(busy_ms), **self.reuse()}
+        return {
+            "scheduler": self.name,
+            "report": report,
+            "records": records,
+            "cct_ms": Distribution.of(self.cct_ms),
+            "earliness_ms": Distribution.of(nonneg),
+            "cct_samples": self.cct_ms,
+            "earliness_samples": nonneg,
+            "events": self.sim.events_run,
+            "sim_ms": self.sim.now_ms,
+            "wall_s": self.sim.wall_s,
+            "flows": self.net.flows_done,
+            "reallocations": self.net.reallocations,
+            "pruned": len(self.pruned),
+            "bottleneck": self.bottleneck(busy_ms),
+            **self.reuse(),
+        }
 
     def bottleneck(self, span_ms: float) -> dict[str, float]:
         """Where the time and the bytes went, from 0 to the last batch end or transfer: instance time computing / stalled on
@@ -517,8 +603,11 @@ class FlowClusterSim:
         inst_ms = max(span_ms, 1e-9) * len(self.instances)
         link_cap = self.link_bps / 8 / 1000 * max(span_ms, 1e-9)
         n_prefill = len(self.instances) * c.instance_servers
-        out = {"compute_busy": self.compute_ms / inst_ms, "stall_fetch": self.stall_fetch_ms / inst_ms,
-               "stall_a2a": self.stall_a2a_ms / inst_ms}
+        out = {
+            "compute_busy": self.compute_ms / inst_ms,
+            "stall_fetch": self.stall_fetch_ms / inst_ms,
+            "stall_a2a": self.stall_a2a_ms / inst_ms,
+        }
         for s in Stage:
             if s is not Stage.MIGRATION:
                 out[f"uplink_util_stage{s.value}"] = self.bytes_by_stage[s.value] / (link_cap * n_prefill)

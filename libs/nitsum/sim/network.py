@@ -33,8 +33,9 @@ def bps_to_bytes_per_ms(bps: float) -> float:
 class _NetFlow:
     __slots__ = ("fid", "path", "remaining", "t_at", "rate", "key", "cap", "version", "size", "start_ms", "meta")
 
-    def __init__(self, fid: Any, path: tuple[str, ...], size: float, key: tuple, cap: float | None,
-                 now_ms: float, meta: Any) -> None:
+    def __init__(
+        self, fid: Any, path: tuple[str, ...], size: float, key: tuple, cap: float | None, now_ms: float, meta: Any
+    ) -> None:
         self.fid = fid
         self.path = path
         self.size = size
@@ -51,7 +52,7 @@ class _NetFlow:
 class Network:
     """Links and active flows; call `commit(now_ms)` after changes and return its events from the handler."""
 
-    def __init__(self, on_done: Callable[[Simulator, Any, float], "Iterable[Event] | None"] | None = None) -> None:
+    def __init__(self, on_done: Callable[[Simulator, Any, float], Iterable[Event] | None] | None = None) -> None:
         self.capacity: dict[str, float] = {}  # link -> bytes/ms
         self.flows: dict[Any, _NetFlow] = {}
         self._on_link: dict[str, set[Any]] = {}
@@ -70,14 +71,29 @@ class Network:
         self._on_link.setdefault(link_id, set())
 
     # -- flows ---------------------------------------------------------------------------------------------
-    def add_flow(self, fid: Any, path: Sequence[str], size_bytes: float, now_ms: float, key: tuple = (0,),
-                 cap_bps: float | None = None, meta: Any = None) -> None:
+    def add_flow(
+        self,
+        fid: Any,
+        path: Sequence[str],
+        size_bytes: float,
+        now_ms: float,
+        key: tuple = (0,),
+        cap_bps: float | None = None,
+        meta: Any = None,
+    ) -> None:
         assert fid not in self.flows, f"flow {fid!r} added twice"
         assert path, f"flow {fid!r} has an empty path"
         for link in path:
             assert link in self.capacity, f"flow {fid!r}: unknown link {link!r}"
-        f = _NetFlow(fid, tuple(path), float(size_bytes), key, None if cap_bps is None else bps_to_bytes_per_ms(cap_bps),
-                     now_ms, meta)
+        f = _NetFlow(
+            fid,
+            tuple(path),
+            float(size_bytes),
+            key,
+            None if cap_bps is None else bps_to_bytes_per_ms(cap_bps),
+            now_ms,
+            meta,
+        )
         self.flows[fid] = f
         for link in f.path:
             self._on_link[link].add(fid)

@@ -122,8 +122,13 @@ class Calibration:
     stalled: int = 0  # of those, live TPOT 0 (flagged with their path sample)
 
 
-def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[RequestRecord], seed: int = 0,
-                      source: str = "", base_ratio: float = 1.0) -> Calibration:
+def calibrate_service(
+    live: Sequence[RequestRecord],
+    simulated: Sequence[RequestRecord],
+    seed: int = 0,
+    source: str = "",
+    base_ratio: float = 1.0,
+) -> Calibration:
     """The service model of a mesh from calibration requests: `live[i]` and `simulated[i]` are the same request
     measured on the mesh and simulated on the device table with every decode step scaled by `base_ratio` (and
     no path), with everything else that ran at the time (so queueing behind other requests is the simulator's,
@@ -135,8 +140,9 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
     paths, ratios, spans = [], [], []
     clamped = dropped = 0
     for a, b in zip(live, simulated):
-        assert a.prompt_tokens == b.prompt_tokens and abs(a.send_ms - b.send_ms) < 1.0, \
+        assert a.prompt_tokens == b.prompt_tokens and abs(a.send_ms - b.send_ms) < 1.0, (
             f"calibration pair {a.request_id} / {b.request_id} is not the same request"
+        )
         if a.ttft_ms is not None and b.ttft_ms is not None:
             d = a.ttft_ms - b.ttft_ms
             clamped += d < 0
@@ -147,17 +153,30 @@ def calibrate_service(live: Sequence[RequestRecord], simulated: Sequence[Request
         else:
             dropped += 1
     if not paths or not ratios:
-        raise ValueError(f"calibration needs requests with a first token and with a TPOT: {len(paths)} TTFT, "
-                         f"{len(ratios)} TPOT pairs of {len(live)}")
+        raise ValueError(
+            f"calibration needs requests with a first token and with a TPOT: {len(paths)} TTFT, "
+            f"{len(ratios)} TPOT pairs of {len(live)}"
+        )
     paths.sort()
     stalled = tuple(s for _, s in paths)
-    model = ServiceModel(path_ms=tuple(p for p, _ in paths), stalled=stalled if any(stalled) else (),
-                         step_ratios=tuple(sorted(ratios)), noise_window_ms=max(spans), seed=seed, source=source)
+    model = ServiceModel(
+        path_ms=tuple(p for p, _ in paths),
+        stalled=stalled if any(stalled) else (),
+        step_ratios=tuple(sorted(ratios)),
+        noise_window_ms=max(spans),
+        seed=seed,
+        source=source,
+    )
     return Calibration(model, len(live), len(paths), clamped, len(ratios), dropped, sum(stalled))
 
 
-def calibrate_service_fixed_point(live: Sequence[RequestRecord], simulate_at: Callable[[float], Sequence[RequestRecord]],
-                                  iterations: int = 3, seed: int = 0, source: str = "") -> tuple[Calibration, list[float]]:
+def calibrate_service_fixed_point(
+    live: Sequence[RequestRecord],
+    simulate_at: Callable[[float], Sequence[RequestRecord]],
+    iterations: int = 3,
+    seed: int = 0,
+    source: str = "",
+) -> tuple[Calibration, list[float]]:
     """`calibrate_service` against a simulation already slowed by the typical ratio, so that what a slowdown
     itself causes in the engine (longer decodes overlap more, so batches and queues grow) is simulated rather
     than also counted in the measured ratios and paths. `simulate_at(m)` returns the calibration requests

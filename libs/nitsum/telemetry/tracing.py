@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -50,7 +50,10 @@ class JsonlSpanExporter(SpanExporter):
                         "status": span.status.status_code.name,
                         "status_description": span.status.description or "",
                         "attributes": {k: _plain(v) for k, v in (span.attributes or {}).items()},
-                        "events": [{"name": e.name, "attributes": {k: _plain(v) for k, v in (e.attributes or {}).items()}} for e in span.events],
+                        "events": [
+                            {"name": e.name, "attributes": {k: _plain(v) for k, v in (e.attributes or {}).items()}}
+                            for e in span.events
+                        ],
                     },
                     separators=(",", ":"),
                 )

@@ -68,8 +68,16 @@ class FrameHeader:
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(
-            {"k": self.kind.value, "f": self.flow_id, "o": self.offset, "t": self.total_bytes,
-             "b": list(self.block_ids), "c": self.code, "m": self.message, "v": self.v},
+            {
+                "k": self.kind.value,
+                "f": self.flow_id,
+                "o": self.offset,
+                "t": self.total_bytes,
+                "b": list(self.block_ids),
+                "c": self.code,
+                "m": self.message,
+                "v": self.v,
+            },
             use_bin_type=True,
         )
 
@@ -80,8 +88,15 @@ class FrameHeader:
             kind = FrameKind(d["k"])
             if d["v"] != SCHEMA_VERSION:
                 raise TransferError(ErrorCode.PROTOCOL, f"schema version {d['v']} != {SCHEMA_VERSION}")
-            return cls(kind=kind, flow_id=str(d["f"]), offset=int(d["o"]), total_bytes=int(d["t"]),
-                       block_ids=tuple(int(b) for b in d["b"]), code=str(d["c"]), message=str(d["m"]))
+            return cls(
+                kind=kind,
+                flow_id=str(d["f"]),
+                offset=int(d["o"]),
+                total_bytes=int(d["t"]),
+                block_ids=tuple(int(b) for b in d["b"]),
+                code=str(d["c"]),
+                message=str(d["m"]),
+            )
         except TransferError:
             raise
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:

@@ -120,13 +120,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def read_frame(sock: socket.socket,
-               max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> tuple[FrameHeader, bytearray]:
+def read_frame(
+    sock: socket.socket, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> tuple[FrameHeader, bytearray]:
     try:
         hdr_len, payload_len, crc = decode_prefix(bytes(_recv_exact(sock, PREFIX.size)), max_payload_bytes)
         hdr = bytes(_recv_exact(sock, hdr_len))
         payload = _recv_exact(sock, payload_len) if payload_len else bytearray()
-    except socket.timeout as exc:
+    except TimeoutError as exc:
         raise TransferError(ErrorCode.TIMEOUT, f"no frame within {sock.gettimeout()} s") from exc
     except (ConnectionError, OSError) as exc:
         raise TransferError(ErrorCode.CLOSED, repr(exc)) from exc
@@ -137,7 +138,7 @@ def write_frame(sock: socket.socket, header: FrameHeader, payload: bytes | memor
     try:
         for buf in encode_frame(header, payload):
             sock.sendall(buf)
-    except socket.timeout as exc:
+    except TimeoutError as exc:
         raise TransferError(ErrorCode.TIMEOUT, "send stalled", header.flow_id) from exc
     except (ConnectionError, OSError) as exc:
         raise TransferError(ErrorCode.CLOSED, repr(exc), header.flow_id) from exc
@@ -208,8 +209,10 @@ def write_blocks(cache: torch.Tensor, heads: tuple[int, int], placement: tuple[i
     l0, l1, h0, h1, *ids = placement
     layers, _, num_blocks, block_size, _, head_dim = cache.shape
     if not (0 <= l0 < l1 <= layers and heads[0] <= h0 < h1 <= heads[1]):
-        raise TransferError(ErrorCode.PROTOCOL, f"layers [{l0}, {l1}) / heads [{h0}, {h1}) outside this cache "
-                                                f"({layers} layers, heads {list(heads)})")
+        raise TransferError(
+            ErrorCode.PROTOCOL,
+            f"layers [{l0}, {l1}) / heads [{h0}, {h1}) outside this cache ({layers} layers, heads {list(heads)})",
+        )
     if not all(0 <= b < num_blocks for b in ids):
         raise TransferError(ErrorCode.PROTOCOL, f"a block id outside [0, {num_blocks})")
     shape = (l1 - l0, 2, len(ids), block_size, h1 - h0, head_dim)
@@ -283,8 +286,9 @@ class KvReceiver:
         self.close_session()
         session = _Session(epoch, me, cache, heads, frozenset(sources))
         session.wake = socket.socketpair()
-        session.thread = threading.Thread(target=self._serve, args=(session,), name=f"{THREAD_PREFIX}-e{epoch}-w{me}",
-                                          daemon=True)
+        session.thread = threading.Thread(
+            target=self._serve, args=(session,), name=f"{THREAD_PREFIX}-e{epoch}-w{me}", daemon=True
+        )
         self._session = session
         session.thread.start()
 
@@ -330,13 +334,23 @@ class KvReceiver:
                         key.data.sock.close()
                         session.conns.remove(key.data)  # done: no deadline of its own, no place in the cap
                 now = time.monotonic()
-                for conn in [c for c in session.conns if c.since is not None and now - c.since > IO_TIMEOUT_S
-                             and c.sock.fileno() >= 0]:
+                for conn in [
+                    c
+                    for c in session.conns
+                    if c.since is not None and now - c.since > IO_TIMEOUT_S and c.sock.fileno() >= 0
+                ]:
                     # A source that stalls mid-frame fails alone; the others' frames are served meanwhile. (So
                     # does a connection that sends no hello at all: its deadline runs from its accept.)
-                    self._refuse(session, conn, TransferError(ErrorCode.TIMEOUT, f"no whole frame within {IO_TIMEOUT_S} s",
-                                                              self._fid(session, conn)))
-                for conn in [c for c in session.conns if c.refused_at is not None and now - c.refused_at > IO_TIMEOUT_S]:
+                    self._refuse(
+                        session,
+                        conn,
+                        TransferError(
+                            ErrorCode.TIMEOUT, f"no whole frame within {IO_TIMEOUT_S} s", self._fid(session, conn)
+                        ),
+                    )
+                for conn in [
+                    c for c in session.conns if c.refused_at is not None and now - c.refused_at > IO_TIMEOUT_S
+                ]:
                     if conn.sock.fileno() >= 0:
                         sel.unregister(conn.sock)
                         conn.sock.close()
@@ -404,8 +418,9 @@ class KvReceiver:
                 return False
             return self._refuse(session, conn, exc)
         except Exception as exc:  # noqa: BLE001 -- a bug here must fail the link loudly, not kill the thread
-            return self._refuse(session, conn, TransferError(ErrorCode.SINK, f"{type(exc).__name__}: {exc}",
-                                                             self._fid(session, conn)))
+            return self._refuse(
+                session, conn, TransferError(ErrorCode.SINK, f"{type(exc).__name__}: {exc}", self._fid(session, conn))
+            )
 
     @staticmethod
     def _cut_frame(conn: _Conn) -> tuple[FrameHeader, bytearray] | None:
@@ -418,7 +433,9 @@ class KvReceiver:
         hello = conn.src is None
         hdr_len, payload_len, crc = decode_prefix(bytes(buf[: PREFIX.size]), 0 if hello else DEFAULT_MAX_PAYLOAD_BYTES)
         if hello and hdr_len > HELLO_MAX_HEADER_BYTES:
-            raise TransferError(ErrorCode.PROTOCOL, f"a hello of {hdr_len} header bytes (at most {HELLO_MAX_HEADER_BYTES})")
+            raise TransferError(
+                ErrorCode.PROTOCOL, f"a hello of {hdr_len} header bytes (at most {HELLO_MAX_HEADER_BYTES})"
+            )
         end = PREFIX.size + hdr_len + payload_len
         if len(buf) < end:
             return None
@@ -469,8 +486,12 @@ class KvReceiver:
         conn.refused, conn.data, conn.since, conn.refused_at = True, None, None, time.monotonic()
         conn.buf.clear()
         try:
-            self._send(conn, FrameHeader(FrameKind.ERROR, exc.flow_id or self._fid(session, conn),
-                                         code=exc.code.value, message=exc.message))
+            self._send(
+                conn,
+                FrameHeader(
+                    FrameKind.ERROR, exc.flow_id or self._fid(session, conn), code=exc.code.value, message=exc.message
+                ),
+            )
         except TransferError:
             return False  # the source is gone; its own read fails
         return True
@@ -498,13 +519,19 @@ class KvReceiver:
         if header.kind is not FrameKind.END or len(ids) != 5 or not 0 <= ids[3] < 64:
             raise TransferError(ErrorCode.PROTOCOL, "the first frame must be the pair's hello", header.flow_id)
         epoch, src, dst, dscp, token = ids
-        if not 0 <= token < 2 ** 63 or not hmac.compare_digest(token.to_bytes(8, "big"), self.token.to_bytes(8, "big")):
-            raise TransferError(ErrorCode.PROTOCOL, "the hello's token is not this receiver's (only members of "
-                                "its node world know it)", header.flow_id)
+        if not 0 <= token < 2**63 or not hmac.compare_digest(token.to_bytes(8, "big"), self.token.to_bytes(8, "big")):
+            raise TransferError(
+                ErrorCode.PROTOCOL,
+                "the hello's token is not this receiver's (only members of its node world know it)",
+                header.flow_id,
+            )
         if epoch != session.epoch or dst != session.me or src not in session.sources:
-            raise TransferError(ErrorCode.PROTOCOL, f"hello for epoch {epoch}, w{src} -> w{dst}: this receiver "
-                                f"serves epoch {session.epoch} of w{session.me} from {sorted(session.sources)}",
-                                header.flow_id)
+            raise TransferError(
+                ErrorCode.PROTOCOL,
+                f"hello for epoch {epoch}, w{src} -> w{dst}: this receiver "
+                f"serves epoch {session.epoch} of w{session.me} from {sorted(session.sources)}",
+                header.flow_id,
+            )
         if epoch == self.fault_epoch:
             self._record(f"{header.flow_id}: injected connection failure")
             return False  # closed unanswered: the source's hello fails as a lost connection
@@ -530,8 +557,18 @@ class KvLink:
     """One source -> destination pair of an epoch (the source's end): a connection per class, the first
     (`dscp`, normally the delta's STAGE_M_DSCP) opened here, every other one at its first chunk (`send`)."""
 
-    def __init__(self, epoch: int, src: int, dst: int, addr: str, port: int, token: int, dscp: int = STAGE_M_DSCP,
-                 timeout_s: float = CONNECT_TIMEOUT_S, on_open: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        epoch: int,
+        src: int,
+        dst: int,
+        addr: str,
+        port: int,
+        token: int,
+        dscp: int = STAGE_M_DSCP,
+        timeout_s: float = CONNECT_TIMEOUT_S,
+        on_open: Callable[[int], None] | None = None,
+    ) -> None:
         self.epoch, self.src, self.dst = epoch, src, dst
         self.addr, self.port = addr, port
         self._token = token  # the destination receiver's (KvReceiver.token)
@@ -551,12 +588,18 @@ class KvLink:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(timeout_s, 0.001))  # until the hello's ack (KvLinks.connect), then IO_TIMEOUT_S
             sock.connect((self.addr, self.port))
-            write_frame(sock, FrameHeader(FrameKind.END, self.flow_id, block_ids=(self.epoch, self.src, self.dst, dscp, self._token)))
+            write_frame(
+                sock,
+                FrameHeader(FrameKind.END, self.flow_id, block_ids=(self.epoch, self.src, self.dst, dscp, self._token)),
+            )
             conn = _ClassConn(sock, dscp, tos_of(sock), [(self.flow_id, 0)])
         except (OSError, TransferError) as exc:
             sock.close()
-            raise TransferError(ErrorCode.CLOSED, f"connect to w{self.dst} at {self.addr}:{self.port} (DSCP {dscp}): "
-                                                  f"{exc}", self.flow_id) from exc
+            raise TransferError(
+                ErrorCode.CLOSED,
+                f"connect to w{self.dst} at {self.addr}:{self.port} (DSCP {dscp}): {exc}",
+                self.flow_id,
+            ) from exc
         self.conns[dscp] = conn
         if self.on_open is not None:
             self.on_open(conn.tos)
@@ -593,8 +636,15 @@ class KvLink:
                 out[c.tos] = out.get(c.tos, 0) + c.bytes_sent
         return out
 
-    def send(self, t: Transfer, start: int, end: int, old_kv: torch.Tensor, old_heads: tuple[int, int],
-             dscp: int = STAGE_M_DSCP) -> int:
+    def send(
+        self,
+        t: Transfer,
+        start: int,
+        end: int,
+        old_kv: torch.Tensor,
+        old_heads: tuple[int, int],
+        dscp: int = STAGE_M_DSCP,
+    ) -> int:
         """Blocks [start, end) of transfer `t` from this worker's old cache, on the pair's connection of class
         `dscp`; returns their bytes (not yet acked)."""
         conn = self.connection(dscp)
@@ -623,8 +673,9 @@ class KvLink:
             while True:
                 header, _ = read_frame(conn.sock, 0)
                 if header.kind is FrameKind.ERROR:
-                    return TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}",
-                                         header.flow_id)
+                    return TransferError(
+                        ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}", header.flow_id
+                    )
         except (TransferError, OSError):
             return exc
 
@@ -646,11 +697,13 @@ class KvLink:
                     conn.sock.settimeout(left)
                 header, _ = read_frame(conn.sock, 0)
                 if header.kind is FrameKind.ERROR:
-                    raise TransferError(ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}",
-                                        header.flow_id)
+                    raise TransferError(
+                        ErrorCode.PEER, f"receiver w{self.dst}: {header.code}: {header.message}", header.flow_id
+                    )
                 if header.kind is not FrameKind.ACK or header.flow_id != fid or header.total_bytes != size:
-                    raise TransferError(ErrorCode.PROTOCOL, f"expected the ack of {fid}, got {header.kind.value} "
-                                                            f"{header.flow_id}", fid)
+                    raise TransferError(
+                        ErrorCode.PROTOCOL, f"expected the ack of {fid}, got {header.kind.value} {header.flow_id}", fid
+                    )
                 conn.in_flight.pop(0)
                 acked += size
         finally:
@@ -676,7 +729,9 @@ class KvLinks:
         hello's ack; TransferError on the first that fails (the links made so far stay, for `close`)."""
         deadline = time.monotonic() + CONNECT_TIMEOUT_S  # one budget for all: unreachable peers do not add up
         for dst, (addr, port, token) in sorted(targets.items()):
-            self.links[dst] = KvLink(epoch, src, dst, addr, port, token, dscp, deadline - time.monotonic(), self.on_open)
+            self.links[dst] = KvLink(
+                epoch, src, dst, addr, port, token, dscp, deadline - time.monotonic(), self.on_open
+            )
         for link in self.links.values():
             link.wait(deadline)
             link.sock.settimeout(IO_TIMEOUT_S)

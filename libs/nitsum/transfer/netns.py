@@ -81,19 +81,62 @@ def veth_testbed(rate_mbit: float = 20.0, tag: str | None = None) -> Iterator[Te
         _sh(*tc, "qdisc", "add", "dev", dev_a, "root", "handle", "1:", "htb", "default", "30", "r2q", "100")
         _sh(*tc, "class", "add", "dev", dev_a, "parent", "1:", "classid", "1:1", "htb", "rate", rate)
         for classid, prio in (("1:10", "0"), ("1:20", "1"), ("1:30", "2")):
-            _sh(*tc, "class", "add", "dev", dev_a, "parent", "1:1", "classid", classid, "htb",
-                "rate", floor, "ceil", rate, "prio", prio, "quantum", "1514")
+            _sh(
+                *tc,
+                "class",
+                "add",
+                "dev",
+                dev_a,
+                "parent",
+                "1:1",
+                "classid",
+                classid,
+                "htb",
+                "rate",
+                floor,
+                "ceil",
+                rate,
+                "prio",
+                prio,
+                "quantum",
+                "1514",
+            )
         for dscp, classid in sorted(CLASS_OF_DSCP.items()):
-            _sh(*tc, "filter", "add", "dev", dev_a, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                "match", "ip", "dsfield", hex(dscp << 2), "0xfc", "flowid", classid)
+            _sh(
+                *tc,
+                "filter",
+                "add",
+                "dev",
+                dev_a,
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "prio",
+                "1",
+                "u32",
+                "match",
+                "ip",
+                "dsfield",
+                hex(dscp << 2),
+                "0xfc",
+                "flowid",
+                classid,
+            )
         yield bed
     finally:
         for ns in (ns_a, ns_b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def run_plan(bed: Testbed, plan: list[dict[str, object]] | dict[str, object], port: int = 47000,
-             timeout_s: float = 60.0, python: str | None = None, mode: str = "send") -> dict[str, dict[str, object]]:
+def run_plan(
+    bed: Testbed,
+    plan: list[dict[str, object]] | dict[str, object],
+    port: int = 47000,
+    timeout_s: float = 60.0,
+    python: str | None = None,
+    mode: str = "send",
+) -> dict[str, dict[str, object]]:
     """Run one sender (`send` plan or `replay` load) A → B on the testbed; returns its JSON result."""
     import json
     import sys
@@ -102,7 +145,10 @@ def run_plan(bed: Testbed, plan: list[dict[str, object]] | dict[str, object], po
     mod = ["-m", "nitsum.bench.testbed"]
     rx = subprocess.Popen(
         [*bed.exec_prefix(bed.ns_b), py, *mod, "receive", "--host", bed.addr_b, "--port", str(port)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert rx.stdout is not None and rx.stdin is not None
@@ -110,9 +156,22 @@ def run_plan(bed: Testbed, plan: list[dict[str, object]] | dict[str, object], po
         if line.strip() != "ready":
             raise RuntimeError(f"receiver did not start: {line!r} {rx.stderr.read() if rx.stderr else ''}")
         tx = subprocess.run(
-            [*bed.exec_prefix(bed.ns_a), py, *mod, mode, "--host", bed.addr_b, "--port", str(port),
-             "--source", bed.addr_a],
-            input=json.dumps(plan), capture_output=True, text=True, timeout=timeout_s,
+            [
+                *bed.exec_prefix(bed.ns_a),
+                py,
+                *mod,
+                mode,
+                "--host",
+                bed.addr_b,
+                "--port",
+                str(port),
+                "--source",
+                bed.addr_a,
+            ],
+            input=json.dumps(plan),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
         if not tx.stdout.strip():
             raise RuntimeError(f"sender failed (rc {tx.returncode}): {tx.stderr[-2000:]}")

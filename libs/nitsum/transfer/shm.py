@@ -9,14 +9,13 @@ and never come here.
 
 from __future__ import annotations
 
+import _posixshmem  # CPython's POSIX shm binding (what shared_memory itself uses)
 import mmap
 import os
 import secrets
 import zlib
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-
-import _posixshmem  # CPython's POSIX shm binding (what shared_memory itself uses)
 
 from nitsum.transfer.framing import ErrorCode, TransferError, as_buffer
 
@@ -38,8 +37,13 @@ class ShmHandle:
     @classmethod
     def from_wire(cls, d: dict[str, object]) -> ShmHandle:
         try:
-            return cls(str(d["f"]), str(d["s"]), int(d["n"]), int(d["c"]),  # type: ignore[arg-type]
-                       tuple(int(b) for b in d["b"]))  # type: ignore[union-attr]
+            return cls(
+                str(d["f"]),
+                str(d["s"]),
+                int(d["n"]),
+                int(d["c"]),  # type: ignore[arg-type]
+                tuple(int(b) for b in d["b"]),
+            )  # type: ignore[union-attr]
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(ErrorCode.PROTOCOL, f"bad shm handle: {exc!r}") from exc
 

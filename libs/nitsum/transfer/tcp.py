@@ -72,8 +72,14 @@ async def _write_frame(writer: asyncio.StreamWriter, header: FrameHeader, payloa
 
 
 class TcpTransferReceiver:
-    def __init__(self, sink: BlockSink, host: str = "127.0.0.1", port: int = 0,
-                 max_flow_bytes: int = 1 << 30, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+    def __init__(
+        self,
+        sink: BlockSink,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_flow_bytes: int = 1 << 30,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
         self.sink = sink
         self.host = host
         self.port = port
@@ -117,8 +123,9 @@ class TcpTransferReceiver:
             pending.clear()
             writer.close()
 
-    async def _handle(self, header: FrameHeader, payload: bytes, pending: dict[str, bytearray],
-                      writer: asyncio.StreamWriter) -> bool:
+    async def _handle(
+        self, header: FrameHeader, payload: bytes, pending: dict[str, bytearray], writer: asyncio.StreamWriter
+    ) -> bool:
         """Apply one frame; False when it failed the flow."""
         fid = header.flow_id
         if header.kind is FrameKind.DATA:
@@ -201,9 +208,15 @@ class _ClassConnection:
 class TcpTransferSender:
     """Sends flows to one receiver; the level picks the connection and thereby the DSCP."""
 
-    def __init__(self, host: str, port: int, dscp_table: Mapping[int, int] = DSCP_TABLE,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0,
-                 source_host: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        dscp_table: Mapping[int, int] = DSCP_TABLE,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float = 30.0,
+        source_host: str | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.dscp_table = dict(dscp_table)
@@ -231,18 +244,20 @@ class TcpTransferSender:
             if self.source_host:
                 sock.bind((self.source_host, 0))
             sock.setblocking(False)
-            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (self.host, self.port)),
-                                   self.timeout_s)
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_connect(sock, (self.host, self.port)), self.timeout_s
+            )
             reader, writer = await asyncio.open_connection(sock=sock)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             sock.close()
             raise TransferError(ErrorCode.CLOSED, f"connect to {self.host}:{self.port}: {exc!r}") from exc
         conn = _ClassConnection(sock, reader, writer)
         self._conns[dscp] = conn
         return conn
 
-    async def send(self, flow_id: str, payload: object, level: int, block_ids: tuple[int, ...] = (),
-                   rate_bps: float | None = None) -> None:
+    async def send(
+        self, flow_id: str, payload: object, level: int, block_ids: tuple[int, ...] = (), rate_bps: float | None = None
+    ) -> None:
         """Send one flow at `level` and wait for the receiver's ACK; raises TransferError.
 
         `rate_bps` paces the flow in the sender (Karuna's minimal rate); None sends as fast as TCP allows.
@@ -261,7 +276,8 @@ class TcpTransferSender:
                 async with conn.lock:
                     await asyncio.wait_for(
                         _write_frame(conn.writer, FrameHeader(FrameKind.DATA, flow_id, offset=off), chunk),
-                        self.timeout_s)
+                        self.timeout_s,
+                    )
                 if fut.done():
                     break  # the receiver already failed the flow
                 if rate_bps:
@@ -270,10 +286,14 @@ class TcpTransferSender:
                         await asyncio.sleep(ahead_s)
             if not fut.done():
                 async with conn.lock:
-                    await asyncio.wait_for(_write_frame(conn.writer, FrameHeader(
-                        FrameKind.END, flow_id, total_bytes=len(data), block_ids=block_ids)), self.timeout_s)
+                    await asyncio.wait_for(
+                        _write_frame(
+                            conn.writer, FrameHeader(FrameKind.END, flow_id, total_bytes=len(data), block_ids=block_ids)
+                        ),
+                        self.timeout_s,
+                    )
             reply = await asyncio.wait_for(fut, self.timeout_s)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             await self._abort(conn, flow_id, ErrorCode.TIMEOUT, "no progress within the timeout")
             raise TransferError(ErrorCode.TIMEOUT, f"after {self.timeout_s} s", flow_id) from exc
         except (ConnectionError, OSError) as exc:
@@ -292,9 +312,11 @@ class TcpTransferSender:
     async def _abort(self, conn: _ClassConnection, flow_id: str, code: ErrorCode, message: str) -> None:
         try:
             async with conn.lock:
-                await asyncio.wait_for(_write_frame(conn.writer, FrameHeader(
-                    FrameKind.ERROR, flow_id, code=code.value, message=message)), self.timeout_s)
-        except (ConnectionError, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    _write_frame(conn.writer, FrameHeader(FrameKind.ERROR, flow_id, code=code.value, message=message)),
+                    self.timeout_s,
+                )
+        except (TimeoutError, ConnectionError, OSError):
             pass  # the connection is gone: the receiver fails the flow as CLOSED on its own
 
     async def close(self) -> None:

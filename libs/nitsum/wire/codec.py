@@ -178,7 +178,9 @@ def decode(frame: bytes, expected: type[T] | tuple[type, ...] | None = None, max
         raise DecodeError(f"unknown message kind {kind!r}", "unknown_kind")
     cls = _BY_KIND[kind]
     if not isinstance(version, int) or isinstance(version, bool) or version < 1 or version > cls.VERSION:
-        raise DecodeError(f"{kind}: unsupported schema version {version!r} (this build speaks {cls.VERSION})", "bad_version")
+        raise DecodeError(
+            f"{kind}: unsupported schema version {version!r} (this build speaks {cls.VERSION})", "bad_version"
+        )
     try:
         message = _build(cls, fields_map, kind)
     except DecodeError:

@@ -14,8 +14,8 @@ replay exactly the same request lists. Every function is deterministic for a giv
 """
 
 from nitsum.workloads.arrivals import gamma, poisson
-from nitsum.workloads.phased import Phase, phase_bounds, phased
 from nitsum.workloads.paths import TRACE_NAMES, default_trace_path, is_excerpt, traces_dir
+from nitsum.workloads.phased import Phase, phase_bounds, phased
 from nitsum.workloads.readers import MOONCAKE_BLOCK_TOKENS, read_azure, read_mooncake
 from nitsum.workloads.request import TraceRequest
 from nitsum.workloads.servegen import servegen_arrivals

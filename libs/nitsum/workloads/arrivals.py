@@ -39,8 +39,9 @@ def _gaps_to_requests(
             p, o, h = ref.prompt_tokens, ref.output_tokens, ref.prefix_hash_ids
         else:
             p, o, h = prompt_tokens, output_tokens, ()
-        out.append(TraceRequest(arrival_ms=t, prompt_tokens=p, output_tokens=o, tier=tier,
-                                prefix_hash_ids=h, source=source))
+        out.append(
+            TraceRequest(arrival_ms=t, prompt_tokens=p, output_tokens=o, tier=tier, prefix_hash_ids=h, source=source)
+        )
         t += gap_ms()
     return out
 
@@ -61,9 +62,17 @@ def poisson(
         raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
     rng = random.Random(seed)
     mean_gap_ms = 1000.0 / rate_per_s
-    return _gaps_to_requests(lambda: rng.expovariate(1.0 / mean_gap_ms), rng, duration_s=duration_s,
-                             num_requests=num_requests, lengths=lengths, prompt_tokens=prompt_tokens,
-                             output_tokens=output_tokens, tier=tier, source="poisson")
+    return _gaps_to_requests(
+        lambda: rng.expovariate(1.0 / mean_gap_ms),
+        rng,
+        duration_s=duration_s,
+        num_requests=num_requests,
+        lengths=lengths,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        tier=tier,
+        source="poisson",
+    )
 
 
 def gamma(
@@ -88,6 +97,14 @@ def gamma(
     mean_gap_ms = 1000.0 / rate_per_s
     shape = 1.0 / (cv * cv)
     scale = mean_gap_ms * cv * cv
-    return _gaps_to_requests(lambda: rng.gammavariate(shape, scale), rng, duration_s=duration_s,
-                             num_requests=num_requests, lengths=lengths, prompt_tokens=prompt_tokens,
-                             output_tokens=output_tokens, tier=tier, source="gamma")
+    return _gaps_to_requests(
+        lambda: rng.gammavariate(shape, scale),
+        rng,
+        duration_s=duration_s,
+        num_requests=num_requests,
+        lengths=lengths,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        tier=tier,
+        source="gamma",
+    )

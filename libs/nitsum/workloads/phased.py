@@ -35,19 +35,34 @@ def phase_bounds(phases: Sequence[Phase]) -> list[tuple[str, float, float]]:
     return out
 
 
-def phased(phases: Sequence[Phase], interactive_lengths: Sequence[TraceRequest],
-           background_lengths: Sequence[TraceRequest], seed: int = 0) -> list[TraceRequest]:
+def phased(
+    phases: Sequence[Phase],
+    interactive_lengths: Sequence[TraceRequest],
+    background_lengths: Sequence[TraceRequest],
+    seed: int = 0,
+) -> list[TraceRequest]:
     """The phases' requests, sorted by arrival; `source` names the phase ("phase:<name>")."""
     out: list[TraceRequest] = []
     for index, (p, (_, start, _)) in enumerate(zip(phases, phase_bounds(phases))):
-        for tier, fraction, lengths, salt in (("interactive", p.interactive_fraction, interactive_lengths, 1),
-                                              ("background", 1.0 - p.interactive_fraction, background_lengths, 2)):
+        for tier, fraction, lengths, salt in (
+            ("interactive", p.interactive_fraction, interactive_lengths, 1),
+            ("background", 1.0 - p.interactive_fraction, background_lengths, 2),
+        ):
             if fraction <= 0:
                 continue
-            reqs = poisson(p.rate_per_s * fraction, duration_s=p.duration_s, seed=seed * 1000 + index * 10 + salt,
-                           lengths=lengths, tier=tier)
-            out.extend(TraceRequest(start + r.arrival_ms, r.prompt_tokens, r.output_tokens, tier, r.prefix_hash_ids,
-                                    f"phase:{p.name}") for r in reqs)
+            reqs = poisson(
+                p.rate_per_s * fraction,
+                duration_s=p.duration_s,
+                seed=seed * 1000 + index * 10 + salt,
+                lengths=lengths,
+                tier=tier,
+            )
+            out.extend(
+                TraceRequest(
+                    start + r.arrival_ms, r.prompt_tokens, r.output_tokens, tier, r.prefix_hash_ids, f"phase:{p.name}"
+                )
+                for r in reqs
+            )
     out.sort(key=lambda r: (r.arrival_ms, r.tier))
     return out
 

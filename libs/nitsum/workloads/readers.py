@@ -39,7 +39,9 @@ def _source_name(path: Path, default: str) -> str:
     return default
 
 
-def read_azure(path: str | os.PathLike[str], *, limit: int | None = None, tier: str = "interactive") -> list[TraceRequest]:
+def read_azure(
+    path: str | os.PathLike[str], *, limit: int | None = None, tier: str = "interactive"
+) -> list[TraceRequest]:
     """Read an Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`, CRLF line ends).
 
     Arrivals are made relative to the first row. `limit` keeps only the first `limit` rows.
@@ -101,8 +103,14 @@ def read_mooncake(
                 break
             try:
                 obj = json.loads(line)
-                raw.append((float(obj["timestamp"]), int(obj["input_length"]), int(obj["output_length"]),
-                            tuple(int(h) for h in obj.get("hash_ids", ()))))
+                raw.append(
+                    (
+                        float(obj["timestamp"]),
+                        int(obj["input_length"]),
+                        int(obj["output_length"]),
+                        tuple(int(h) for h in obj.get("hash_ids", ())),
+                    )
+                )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{p}:{line_no}: bad Mooncake record: {exc}") from exc
     if not raw:
@@ -119,13 +127,15 @@ def read_mooncake(
         for k in range(i, j):
             t, prompt, output, hashes = raw[k]
             offset = (k - i) * bucket_spread_ms / n if bucket_spread_ms > 0 else 0.0
-            out.append(TraceRequest(
-                arrival_ms=t - t0 + offset,
-                prompt_tokens=max(1, prompt),
-                output_tokens=max(1, output),
-                tier=tier,
-                prefix_hash_ids=hashes,
-                source="mooncake-conv",
-            ))
+            out.append(
+                TraceRequest(
+                    arrival_ms=t - t0 + offset,
+                    prompt_tokens=max(1, prompt),
+                    output_tokens=max(1, output),
+                    tier=tier,
+                    prefix_hash_ids=hashes,
+                    source="mooncake-conv",
+                )
+            )
         i = j
     return out

@@ -178,7 +178,9 @@ def servegen_arrivals(
         if (key, field) not in pooled_cache:
             pooled_cache[(key, field)] = _merge([d[key][field] for d in datasets.values() if field in d.get(key, {})])
             if pooled_cache[(key, field)] is None:  # nothing in this 6-h window: pool over all windows
-                pooled_cache[(key, field)] = _merge([p[field] for d in datasets.values() for p in d.values() if field in p])
+                pooled_cache[(key, field)] = _merge(
+                    [p[field] for d in datasets.values() for p in d.values() if field in p]
+                )
         return pooled_cache[(key, field)]
 
     prompt_fields: list[str] = ["input_tokens"]
@@ -228,8 +230,13 @@ def servegen_arrivals(
                 t += gap()
     out.sort()
     return [
-        TraceRequest(arrival_ms=(t - start_s) * 1000.0, prompt_tokens=p, output_tokens=o, tier=tier,
-                     source=f"servegen-{model}:{client}")
+        TraceRequest(
+            arrival_ms=(t - start_s) * 1000.0,
+            prompt_tokens=p,
+            output_tokens=o,
+            tier=tier,
+            source=f"servegen-{model}:{client}",
+        )
         for t, client, p, o in out
     ]
 

@@ -33,16 +33,20 @@ class Progress:
         width = 24
         filled = int(width * self.done / max(self.total, 1))
         bar = "#" * filled + "-" * (width - filled)
-        self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {wall:6.1f}s "
-                          f"sim/wall {self.sim_s / wall:7.1f}x {self.events / wall:9.0f} ev/s {note[:40]:<40}")
+        self.stream.write(
+            f"\r{self.label} [{bar}] {self.done}/{self.total} {wall:6.1f}s "
+            f"sim/wall {self.sim_s / wall:7.1f}x {self.events / wall:9.0f} ev/s {note[:40]:<40}"
+        )
         if self.done >= self.total:
             self.stream.write("\n")
         self.stream.flush()
 
     def summary(self) -> str:
         wall = max(time.perf_counter() - self.started, 1e-9)
-        return (f"{self.label}: {self.done} runs, {wall:.1f} s wall, {self.sim_s:.1f} s simulated "
-                f"(simulated/wall {self.sim_s / wall:.1f}x), {self.events} events ({self.events / wall:,.0f} events/s)")
+        return (
+            f"{self.label}: {self.done} runs, {wall:.1f} s wall, {self.sim_s:.1f} s simulated "
+            f"(simulated/wall {self.sim_s / wall:.1f}x), {self.events} events ({self.events / wall:,.0f} events/s)"
+        )
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
@@ -108,8 +112,9 @@ def plot_lines(path: Path, panels: Sequence[dict[str, Any]], title: str) -> bool
     return True
 
 
-def table_target(device_table: "str | Path | None", model: str, device: str
-                 ) -> tuple[str, str, tuple[StepRow, ...] | None]:
+def table_target(
+    device_table: str | Path | None, model: str, device: str
+) -> tuple[str, str, tuple[StepRow, ...] | None]:
     """(model, device kind, rows) an experiment runs with `--device-table FILE`: the experiment's own model and
     device when the table has rows for them, else the table's only (device, model) pair; otherwise a
     StepTableError naming what the table holds. Without a table: the experiment's defaults, no rows."""
@@ -122,5 +127,6 @@ def table_target(device_table: "str | Path | None", model: str, device: str
     if len(pairs) == 1:
         return pairs[0][1], pairs[0][0], rows
     have = ", ".join(f"{d}/{m}" for d, m in pairs)
-    raise StepTableError(f"{device_table}: no rows for {device}/{model} and more than one device/model to choose "
-                         f"from ({have})")
+    raise StepTableError(
+        f"{device_table}: no rows for {device}/{model} and more than one device/model to choose from ({have})"
+    )

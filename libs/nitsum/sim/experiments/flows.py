@@ -13,14 +13,21 @@ from pathlib import Path
 from typing import Any
 
 from nitsum.policy.flow_baselines import SCHEDULER_NAMES
+from nitsum.policy.steptable import load_step_rows
 from nitsum.sim.experiments.common import Progress, md_table, plot_lines, write_csv
 from nitsum.sim.flowsetup import PAPER_SETUPS
-from nitsum.policy.steptable import load_step_rows
 from nitsum.sim.flowsim import FlowClusterConfig, FlowClusterSim
 from nitsum.workloads import TraceRequest, default_trace_path, is_excerpt, read_mooncake
 
-BOTTLENECK_COLS = ("compute_busy", "stall_fetch", "stall_a2a", "uplink_util_stage1", "uplink_util_stage2",
-                   "uplink_util_stage3", "link_util_max")
+BOTTLENECK_COLS = (
+    "compute_busy",
+    "stall_fetch",
+    "stall_a2a",
+    "uplink_util_stage1",
+    "uplink_util_stage2",
+    "uplink_util_stage3",
+    "link_util_max",
+)
 
 
 # Workloads: (name, trace, where the scored window starts as a fraction of the trace). Requests before the window
@@ -32,7 +39,9 @@ WORKLOADS: dict[str, tuple[str, float]] = {
 }
 
 
-def windowed(trace: list[TraceRequest], start: int, rate_per_s: float, duration_s: float, seed: int) -> list[TraceRequest]:
+def windowed(
+    trace: list[TraceRequest], start: int, rate_per_s: float, duration_s: float, seed: int
+) -> list[TraceRequest]:
     """Trace requests from `start` on, in trace order (conversations keep their order), at Poisson arrivals."""
     rng = random.Random(seed)
     out: list[TraceRequest] = []
@@ -45,16 +54,28 @@ def windowed(trace: list[TraceRequest], start: int, rate_per_s: float, duration_
     return out
 
 
-def run(out: Path, quick: bool = False, seed: int = 0, nics_per_server: int = 8,
-        only_setups: tuple[str, ...] = (), only_workloads: tuple[str, ...] = (),
-        device_table: Path | None = None) -> dict[str, Any]:
+def run(
+    out: Path,
+    quick: bool = False,
+    seed: int = 0,
+    nics_per_server: int = 8,
+    only_setups: tuple[str, ...] = (),
+    only_workloads: tuple[str, ...] = (),
+    device_table: Path | None = None,
+) -> dict[str, Any]:
     """The sweep; `nics_per_server` (8 in the paper) and the `only_*` filters are for sensitivity runs
     (`python -m nitsum.sim.experiments.flows --help`). `device_table`: measured step times, which must hold
     rows for every setup's (device, shard model) pair (a StepTableError names what the table holds otherwise)."""
     if quick:
         servers, rates, duration_s, setups, loads = 16, (0.02, 0.1), 2.0, ("mixtral-tp4-ep8",), ("conversation",)
     else:
-        servers, rates, duration_s, setups, loads = 64, (0.02, 0.05, 0.1, 0.2), 6.0, tuple(PAPER_SETUPS), tuple(WORKLOADS)
+        servers, rates, duration_s, setups, loads = (
+            64,
+            (0.02, 0.05, 0.1, 0.2),
+            6.0,
+            tuple(PAPER_SETUPS),
+            tuple(WORKLOADS),
+        )
     setups = only_setups or setups
     loads = only_workloads or loads
     traces = {}
@@ -67,8 +88,14 @@ def run(out: Path, quick: bool = False, seed: int = 0, nics_per_server: int = 8,
     rows: list[dict[str, Any]] = []
     for load, setup_name in ((w, s) for w in loads for s in setups):
         setup = PAPER_SETUPS[setup_name]
-        config = FlowClusterConfig(num_servers=servers, model=setup.model, tp=setup.tp, ep=setup.ep,
-                                   nics_per_server=nics_per_server, device_table=table_rows)
+        config = FlowClusterConfig(
+            num_servers=servers,
+            model=setup.model,
+            tp=setup.tp,
+            ep=setup.ep,
+            nics_per_server=nics_per_server,
+            device_table=table_rows,
+        )
         trace = traces[load][1]
         start = int(len(trace) * WORKLOADS[load][1])
         for rate in rates:
@@ -78,13 +105,26 @@ def run(out: Path, quick: bool = False, seed: int = 0, nics_per_server: int = 8,
             for name in schedulers:
                 res = FlowClusterSim(name, config, reqs, warm=trace[:start]).run()
                 rep = res["report"].overall
-                row = {"workload": load, "setup": setup_name, "scheduler": name, "servers": servers,
-                       "per_gpu_rate_rps": rate, "reuse_ratio": res["reuse_ratio"], "fetched_ratio": res["fetched_ratio"],
-                       "requests": rep.requests, "ttft_slo_attainment": rep.slo_attainment,
-                       "ttft_p50_ms": rep.ttft_ms.p50, "ttft_p99_ms": rep.ttft_ms.p99, "pruned": res["pruned"],
-                       "cct_mean_ms": res["cct_ms"].mean, "cct_p99_ms": res["cct_ms"].p99,
-                       "earliness_mean_ms": res["earliness_ms"].mean, "flows": res["flows"], "events": res["events"],
-                       "wall_s": res["wall_s"]}
+                row = {
+                    "workload": load,
+                    "setup": setup_name,
+                    "scheduler": name,
+                    "servers": servers,
+                    "per_gpu_rate_rps": rate,
+                    "reuse_ratio": res["reuse_ratio"],
+                    "fetched_ratio": res["fetched_ratio"],
+                    "requests": rep.requests,
+                    "ttft_slo_attainment": rep.slo_attainment,
+                    "ttft_p50_ms": rep.ttft_ms.p50,
+                    "ttft_p99_ms": rep.ttft_ms.p99,
+                    "pruned": res["pruned"],
+                    "cct_mean_ms": res["cct_ms"].mean,
+                    "cct_p99_ms": res["cct_ms"].p99,
+                    "earliness_mean_ms": res["earliness_ms"].mean,
+                    "flows": res["flows"],
+                    "events": res["events"],
+                    "wall_s": res["wall_s"],
+                }
                 row.update({k: res["bottleneck"][k] for k in BOTTLENECK_COLS})
                 rows.append(row)
                 progress.step(f"{load} {setup_name} {name} @ {rate:g}/GPU", res["sim_ms"] / 1000.0, res["events"])
@@ -93,32 +133,79 @@ def run(out: Path, quick: bool = False, seed: int = 0, nics_per_server: int = 8,
 
     def series(load: str, setup: str, col: str) -> dict[str, tuple[list, list]]:
         mine = [r for r in rows if r["setup"] == setup and r["workload"] == load]
-        return {s: ([r["per_gpu_rate_rps"] for r in mine if r["scheduler"] == s],
-                    [r[col] for r in mine if r["scheduler"] == s]) for s in schedulers}
+        return {
+            s: (
+                [r["per_gpu_rate_rps"] for r in mine if r["scheduler"] == s],
+                [r[col] for r in mine if r["scheduler"] == s],
+            )
+            for s in schedulers
+        }
 
     panels = []
     for load, setup in ((w, s) for w in loads for s in setups):
-        panels.append({"xlabel": f"{load} {setup}: req/s per GPU", "ylabel": "TTFT SLO attainment",
-                       "series": series(load, setup, "ttft_slo_attainment")})
-    plot_lines(out / "flows.png", panels, f"P/D prefill cluster, {servers} servers x 8 A100, {nics_per_server}x200 Gb/s NICs")
-    heads = {f"{w} {s}": headline([r for r in rows if r["setup"] == s and r["workload"] == w]) for w in loads for s in setups}
-    used = "; ".join(f"{w}: `{traces[w][0].name}`{' (committed excerpt)' if is_excerpt(traces[w][0]) else ''} from row "
-                     f"{int(len(traces[w][1]) * WORKLOADS[w][1])}" for w in loads)
-    md = ["# sim flows", "",
-          f"{servers} servers x 8 A100, {nics_per_server} x 200 Gb/s NICs per server, 1:1 fat-tree; 32-GPU instances "
-          f"({', '.join(setups)}); Mooncake lengths and prefix ids in trace order, earlier rows warm the cache ({used}); "
-          f"Poisson arrivals, {duration_s:g} s per point; "
-          "TTFT SLO = 3x idle TTFT; pruning on (RMLQ); seed {seed}.".replace("{seed}", str(seed)), ""]
+        panels.append(
+            {
+                "xlabel": f"{load} {setup}: req/s per GPU",
+                "ylabel": "TTFT SLO attainment",
+                "series": series(load, setup, "ttft_slo_attainment"),
+            }
+        )
+    plot_lines(
+        out / "flows.png", panels, f"P/D prefill cluster, {servers} servers x 8 A100, {nics_per_server}x200 Gb/s NICs"
+    )
+    heads = {
+        f"{w} {s}": headline([r for r in rows if r["setup"] == s and r["workload"] == w]) for w in loads for s in setups
+    }
+    used = "; ".join(
+        f"{w}: `{traces[w][0].name}`{' (committed excerpt)' if is_excerpt(traces[w][0]) else ''} from row "
+        f"{int(len(traces[w][1]) * WORKLOADS[w][1])}"
+        for w in loads
+    )
+    md = [
+        "# sim flows",
+        "",
+        f"{servers} servers x 8 A100, {nics_per_server} x 200 Gb/s NICs per server, 1:1 fat-tree; 32-GPU instances "
+        f"({', '.join(setups)}); Mooncake lengths and prefix ids in trace order, earlier rows warm the cache ({used}); "
+        f"Poisson arrivals, {duration_s:g} s per point; "
+        "TTFT SLO = 3x idle TTFT; pruning on (RMLQ); seed {seed}.".replace("{seed}", str(seed)),
+        "",
+    ]
     for s, h in heads.items():
-        md.append(f"- {s}: RMLQ / best baseline TTFT SLO attainment at the highest rate {_f(h['ratio_at_max_rate'])}x, "
-                  f"best over the sweep {_f(h['best_ratio'])}x at {h['at_rate']} req/s/GPU; RMLQ / best baseline "
-                  f"mean CCT at the highest rate {_f(h['cct_ratio_at_max_rate'])}")
-    md += ["", "Where the time and bytes go (fractions of instance time / of uplink capacity, 0 to the last batch end or transfer):",
-           "", md_table(rows, ["workload", "setup", "scheduler", "per_gpu_rate_rps", "reuse_ratio", "fetched_ratio",
-                               *BOTTLENECK_COLS]), "",
-           md_table(rows, ["workload", "setup", "scheduler", "per_gpu_rate_rps", "requests", "ttft_slo_attainment", "pruned",
-                           "ttft_p50_ms", "ttft_p99_ms", "cct_mean_ms", "cct_p99_ms", "earliness_mean_ms"]),
-           "", progress.summary(), ""]
+        md.append(
+            f"- {s}: RMLQ / best baseline TTFT SLO attainment at the highest rate {_f(h['ratio_at_max_rate'])}x, "
+            f"best over the sweep {_f(h['best_ratio'])}x at {h['at_rate']} req/s/GPU; RMLQ / best baseline "
+            f"mean CCT at the highest rate {_f(h['cct_ratio_at_max_rate'])}"
+        )
+    md += [
+        "",
+        "Where the time and bytes go (fractions of instance time / of uplink capacity, 0 to the last batch end or transfer):",
+        "",
+        md_table(
+            rows,
+            ["workload", "setup", "scheduler", "per_gpu_rate_rps", "reuse_ratio", "fetched_ratio", *BOTTLENECK_COLS],
+        ),
+        "",
+        md_table(
+            rows,
+            [
+                "workload",
+                "setup",
+                "scheduler",
+                "per_gpu_rate_rps",
+                "requests",
+                "ttft_slo_attainment",
+                "pruned",
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "cct_mean_ms",
+                "cct_p99_ms",
+                "earliness_mean_ms",
+            ],
+        ),
+        "",
+        progress.summary(),
+        "",
+    ]
     (out / "flows.md").write_text("\n".join(md), encoding="utf-8")
     return {"rows": rows, "headline": heads, "speed": progress.summary()}
 
@@ -148,8 +235,10 @@ def _f(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m nitsum.sim.experiments.flows",
-                                description="`nitsum sim flows` with a different NIC count or a subset (sensitivity)")
+    p = argparse.ArgumentParser(
+        prog="python -m nitsum.sim.experiments.flows",
+        description="`nitsum sim flows` with a different NIC count or a subset (sensitivity)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/sim/flows-sensitivity"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nics-per-server", type=int, default=8, help="200 Gb/s NICs per 8-GPU server (paper: 8)")
@@ -158,8 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.nics_per_server < 1:
         p.error("--nics-per-server must be >= 1")
-    res = run(a.out, seed=a.seed, nics_per_server=a.nics_per_server, only_setups=tuple(a.setup),
-              only_workloads=tuple(a.workload))
+    res = run(
+        a.out,
+        seed=a.seed,
+        nics_per_server=a.nics_per_server,
+        only_setups=tuple(a.setup),
+        only_workloads=tuple(a.workload),
+    )
     print(res["speed"])
     print(f"wrote {a.out}/flows.csv, .png, .md")
     return 0

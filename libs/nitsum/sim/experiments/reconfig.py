@@ -16,7 +16,12 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
     if quick:
         costs, epochs, rate, duration_s = (0.0, 1000.0), (1000.0,), 8.0, 10.0
     else:
-        costs, epochs, rate, duration_s = (0.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0), (250.0, 500.0, 1000.0, 2000.0, 4000.0), 8.0, 60.0
+        costs, epochs, rate, duration_s = (
+            (0.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0),
+            (250.0, 500.0, 1000.0, 2000.0, 4000.0),
+            8.0,
+            60.0,
+        )
     reqs, _ = workload(rate, duration_s, seed)
     progress = Progress(len(costs) + len(epochs) + 1, "sim reconfig")
     model, device, rows = table_target(device_table, ClusterConfig.model, ClusterConfig.device_kind)
@@ -26,10 +31,19 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
     def one(kind: str, value: float | None, config: ClusterConfig, policy: str = "adaptive") -> None:
         res = run_cluster(policy, config, reqs)
         rep = res.report
-        rows.append({"sweep": kind, "value": value, "policy": policy, "rate_rps": rate,
-                     "goodput_rps": rep.overall.goodput_rps, "weighted_goodput_rps": rep.overall.weighted_goodput_rps,
-                     "slo_attainment": rep.overall.slo_attainment, "reconfigurations": res.reconfigurations,
-                     "pause_ms_total": res.reconfig_pause_ms})
+        rows.append(
+            {
+                "sweep": kind,
+                "value": value,
+                "policy": policy,
+                "rate_rps": rate,
+                "goodput_rps": rep.overall.goodput_rps,
+                "weighted_goodput_rps": rep.overall.weighted_goodput_rps,
+                "slo_attainment": rep.overall.slo_attainment,
+                "reconfigurations": res.reconfigurations,
+                "pause_ms_total": res.reconfig_pause_ms,
+            }
+        )
         progress.step(f"{kind}={value}", res.sim_ms / 1000.0, res.events)
 
     one("baseline", None, base, "static-tp:8")
@@ -41,15 +55,44 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
     write_csv(out / "reconfig.csv", rows)
     cost_rows = [r for r in rows if r["sweep"] == "reconfig_cost_ms"]
     epoch_rows = [r for r in rows if r["sweep"] == "epoch_ms"]
-    plot_lines(out / "reconfig.png", [
-        {"xlabel": "reconfiguration cost (ms)", "ylabel": "goodput (req/s)",
-         "series": {"adaptive": ([r["value"] for r in cost_rows], [r["goodput_rps"] for r in cost_rows])}},
-        {"xlabel": "policy epoch (ms)", "ylabel": "goodput (req/s)",
-         "series": {"adaptive": ([r["value"] for r in epoch_rows], [r["goodput_rps"] for r in epoch_rows])}},
-    ], f"adaptive policy sensitivity at {rate:g} req/s")
-    md = ["# sim reconfig", "", f"Workload as `sim tiers` at {rate:g} req/s for {duration_s:g} s, seed {seed}. "
-          "Baseline row: static-tp:8 on the same workload.", "",
-          md_table(rows, ["sweep", "value", "policy", "goodput_rps", "weighted_goodput_rps", "slo_attainment",
-                          "reconfigurations", "pause_ms_total"]), "", progress.summary(), ""]
+    plot_lines(
+        out / "reconfig.png",
+        [
+            {
+                "xlabel": "reconfiguration cost (ms)",
+                "ylabel": "goodput (req/s)",
+                "series": {"adaptive": ([r["value"] for r in cost_rows], [r["goodput_rps"] for r in cost_rows])},
+            },
+            {
+                "xlabel": "policy epoch (ms)",
+                "ylabel": "goodput (req/s)",
+                "series": {"adaptive": ([r["value"] for r in epoch_rows], [r["goodput_rps"] for r in epoch_rows])},
+            },
+        ],
+        f"adaptive policy sensitivity at {rate:g} req/s",
+    )
+    md = [
+        "# sim reconfig",
+        "",
+        f"Workload as `sim tiers` at {rate:g} req/s for {duration_s:g} s, seed {seed}. "
+        "Baseline row: static-tp:8 on the same workload.",
+        "",
+        md_table(
+            rows,
+            [
+                "sweep",
+                "value",
+                "policy",
+                "goodput_rps",
+                "weighted_goodput_rps",
+                "slo_attainment",
+                "reconfigurations",
+                "pause_ms_total",
+            ],
+        ),
+        "",
+        progress.summary(),
+        "",
+    ]
     (out / "reconfig.md").write_text("\n".join(md), encoding="utf-8")
     return {"rows": rows, "speed": progress.summary()}

@@ -22,8 +22,17 @@ from nitsum.policy.baselines import layout_name, static_layouts
 from nitsum.policy.topology import mean_tp
 from nitsum.sim.cluster import ClusterConfig, ClusterResult, run_cluster
 from nitsum.sim.experiments.common import Progress, md_table, plot_lines, table_target, write_csv
-from nitsum.workloads import (Phase, assign_tiers, default_trace_path, is_excerpt, phase_bounds, phased, poisson,
-                              read_azure, servegen_arrivals)
+from nitsum.workloads import (
+    Phase,
+    assign_tiers,
+    default_trace_path,
+    is_excerpt,
+    phase_bounds,
+    phased,
+    poisson,
+    read_azure,
+    servegen_arrivals,
+)
 
 TIER_MIX = {"interactive": 0.3, "background": 0.7}
 RATES = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 20.0)
@@ -56,7 +65,9 @@ def phased_workload(phases: tuple[Phase, ...] = PHASES, seed: int = 0):
 def fitting_static_policies(config: ClusterConfig) -> list[str]:
     """`static:<layout>` for every static layout of a node whose groups all hold the model's weights."""
     cost = config.cost_model()
-    levels = tuple(k for k in (1, 2, 4, 8, 16, 32) if config.min_tp <= k <= config.max_tp and k <= config.devices_per_node)
+    levels = tuple(
+        k for k in (1, 2, 4, 8, 16, 32) if config.min_tp <= k <= config.max_tp and k <= config.devices_per_node
+    )
     out = []
     for layout in static_layouts(config.devices_per_node, levels):
         if all(cost.fits(tp) for tp, _ in layout):
@@ -86,8 +97,12 @@ def row_of(policy: str, rate: float, nodes: int, res: ClusterResult) -> dict[str
     inter = rep.tiers.get("interactive")
     back = rep.tiers.get("background")
     return {
-        "policy": policy, "nodes": nodes, "rate_rps": rate, "requests": rep.overall.requests,
-        "goodput_rps": rep.overall.goodput_rps, "weighted_goodput_rps": rep.overall.weighted_goodput_rps,
+        "policy": policy,
+        "nodes": nodes,
+        "rate_rps": rate,
+        "requests": rep.overall.requests,
+        "goodput_rps": rep.overall.goodput_rps,
+        "weighted_goodput_rps": rep.overall.weighted_goodput_rps,
         "slo_attainment": rep.overall.slo_attainment,
         "interactive_attainment": inter.slo_attainment if inter else None,
         "background_attainment": back.slo_attainment if back else None,
@@ -95,7 +110,9 @@ def row_of(policy: str, rate: float, nodes: int, res: ClusterResult) -> dict[str
         "interactive_p99_tpot_ms": inter.tpot_ms.p99 if inter else None,
         "rejected": sum(v for k, v in rep.overall.errors.items() if k.startswith("http_")),
         "shed": rep.overall.errors.get("shed", 0),
-        "reconfigurations": res.reconfigurations, "events": res.events, "wall_s": res.wall_s,
+        "reconfigurations": res.reconfigurations,
+        "events": res.events,
+        "wall_s": res.wall_s,
     }
 
 
@@ -112,13 +129,15 @@ def add_best_static(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         b = best.get((r["nodes"], r["rate_rps"]))
         r["best_static"] = b["policy"] if b else None
         r["best_static_weighted_goodput_rps"] = b["weighted_goodput_rps"] if b else None
-        r["vs_best_static"] = (r["weighted_goodput_rps"] / b["weighted_goodput_rps"]
-                               if b and b["weighted_goodput_rps"] else None)
+        r["vs_best_static"] = (
+            r["weighted_goodput_rps"] / b["weighted_goodput_rps"] if b and b["weighted_goodput_rps"] else None
+        )
     return rows
 
 
-def sweep(policies, rates, nodes: int, duration_s: float, seed: int, progress: Progress,
-          config: ClusterConfig) -> list[dict[str, Any]]:
+def sweep(
+    policies, rates, nodes: int, duration_s: float, seed: int, progress: Progress, config: ClusterConfig
+) -> list[dict[str, Any]]:
     rows = []
     for rate in rates:
         reqs, _ = workload(rate * nodes, duration_s, seed)
@@ -150,8 +169,9 @@ def layout_per_phase(res: ClusterResult, phases: tuple[Phase, ...]) -> dict[str,
     return out
 
 
-def run_phased(policies: list[str], phases: tuple[Phase, ...], seed: int, progress: Progress,
-               config: ClusterConfig) -> dict[str, Any]:
+def run_phased(
+    policies: list[str], phases: tuple[Phase, ...], seed: int, progress: Progress, config: ClusterConfig
+) -> dict[str, Any]:
     reqs, paths = phased_workload(phases, seed)
     total_s = sum(p.duration_s for p in phases)
     rows, per_phase, timeline = [], {}, {}
@@ -159,11 +179,19 @@ def run_phased(policies: list[str], phases: tuple[Phase, ...], seed: int, progre
         res = run_cluster(policy, config, reqs)
         pg = phase_goodput(res, phases)
         per_phase[policy] = pg
-        rows.append({"policy": policy, "weighted_goodput_rps": sum(pg[p.name] * p.duration_s for p in phases) / total_s,
-                     **{f"{k}_wg": v for k, v in pg.items()}, "reconfigurations": res.reconfigurations})
+        rows.append(
+            {
+                "policy": policy,
+                "weighted_goodput_rps": sum(pg[p.name] * p.duration_s for p in phases) / total_s,
+                **{f"{k}_wg": v for k, v in pg.items()},
+                "reconfigurations": res.reconfigurations,
+            }
+        )
         if policy == "adaptive":
-            timeline = {"changes": [(round(t / 1000.0, 1), str(topo)) for t, node, topo in res.layouts if node == "n0"],
-                        "per_phase": layout_per_phase(res, phases)}
+            timeline = {
+                "changes": [(round(t / 1000.0, 1), str(topo)) for t, node, topo in res.layouts if node == "n0"],
+                "per_phase": layout_per_phase(res, phases),
+            }
         progress.step(f"phased {policy}", res.sim_ms / 1000.0, res.events)
     statics = [r for r in rows if r["policy"].startswith("static:")]
     best = max(statics, key=lambda r: r["weighted_goodput_rps"]) if statics else None
@@ -175,13 +203,23 @@ def run_phased(policies: list[str], phases: tuple[Phase, ...], seed: int, progre
     by = {r["policy"]: r for r in rows}
     tp8 = by.get("static:8")
     adaptive = by.get("adaptive")
-    return {"rows": rows, "best_static": best, "oracle": oracle, "oracle_parts": oracle_parts, "paths": paths,
-            "timeline": timeline,
-            "adaptive_vs_best_static": adaptive["weighted_goodput_rps"] / best["weighted_goodput_rps"]
-            if adaptive and best and best["weighted_goodput_rps"] else None,
-            "adaptive_vs_tp8": adaptive["weighted_goodput_rps"] / tp8["weighted_goodput_rps"]
-            if adaptive and tp8 and tp8["weighted_goodput_rps"] else None,
-            "oracle_vs_best_static": oracle / best["weighted_goodput_rps"] if best and best["weighted_goodput_rps"] else None}
+    return {
+        "rows": rows,
+        "best_static": best,
+        "oracle": oracle,
+        "oracle_parts": oracle_parts,
+        "paths": paths,
+        "timeline": timeline,
+        "adaptive_vs_best_static": adaptive["weighted_goodput_rps"] / best["weighted_goodput_rps"]
+        if adaptive and best and best["weighted_goodput_rps"]
+        else None,
+        "adaptive_vs_tp8": adaptive["weighted_goodput_rps"] / tp8["weighted_goodput_rps"]
+        if adaptive and tp8 and tp8["weighted_goodput_rps"]
+        else None,
+        "oracle_vs_best_static": oracle / best["weighted_goodput_rps"]
+        if best and best["weighted_goodput_rps"]
+        else None,
+    }
 
 
 def headline(rows: list[dict[str, Any]], nodes: int) -> dict[str, Any]:
@@ -190,12 +228,18 @@ def headline(rows: list[dict[str, Any]], nodes: int) -> dict[str, Any]:
     ad = [r for r in rows if r["nodes"] == nodes and r["policy"] == "adaptive"]
     tp8 = {r["rate_rps"]: r for r in rows if r["nodes"] == nodes and r["policy"] == "static:8"}
     worst = min((r for r in ad if r["vs_best_static"] is not None), key=lambda r: r["vs_best_static"], default=None)
-    vs8 = [(r["weighted_goodput_rps"] / tp8[r["rate_rps"]]["weighted_goodput_rps"], r["rate_rps"]) for r in ad
-           if r["rate_rps"] in tp8 and tp8[r["rate_rps"]]["weighted_goodput_rps"]]
+    vs8 = [
+        (r["weighted_goodput_rps"] / tp8[r["rate_rps"]]["weighted_goodput_rps"], r["rate_rps"])
+        for r in ad
+        if r["rate_rps"] in tp8 and tp8[r["rate_rps"]]["weighted_goodput_rps"]
+    ]
     best8 = max(vs8, default=(None, None))
-    return {"min_vs_best_static": worst["vs_best_static"] if worst else None,
-            "min_at_rate_rps": worst["rate_rps"] if worst else None,
-            "max_weighted_ratio_vs_tp8": best8[0], "at_rate_rps": best8[1]}
+    return {
+        "min_vs_best_static": worst["vs_best_static"] if worst else None,
+        "min_at_rate_rps": worst["rate_rps"] if worst else None,
+        "max_weighted_ratio_vs_tp8": best8[0],
+        "at_rate_rps": best8[1],
+    }
 
 
 def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None = None) -> dict[str, Any]:
@@ -223,7 +267,9 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
     progress = Progress(total, "sim tiers")
     rows = sweep(policies, rates, 1, duration_s, seed, progress, config)
     if big_nodes:
-        rows += sweep(big_policies, big_rates, big_nodes, big_duration, seed, progress, replace(config, num_nodes=big_nodes))
+        rows += sweep(
+            big_policies, big_rates, big_nodes, big_duration, seed, progress, replace(config, num_nodes=big_nodes)
+        )
     ph = run_phased(policies, phases, seed, progress, config)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "tiers.csv", rows)
@@ -232,45 +278,96 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
     for n in sorted({r["nodes"] for r in rows}):
         sub = [r for r in rows if r["nodes"] == n]
         shown = ["adaptive", "static:8"] + sorted({r["best_static"] for r in sub if r["best_static"]} - {"static:8"})
-        series_g = {p: ([r["rate_rps"] for r in sub if r["policy"] == p], [r["weighted_goodput_rps"] for r in sub if r["policy"] == p])
-                    for p in shown}
-        panels.append({"xlabel": f"arrival rate (req/s), {n} node(s)", "ylabel": "weighted goodput", "series": series_g})
+        series_g = {
+            p: (
+                [r["rate_rps"] for r in sub if r["policy"] == p],
+                [r["weighted_goodput_rps"] for r in sub if r["policy"] == p],
+            )
+            for p in shown
+        }
+        panels.append(
+            {"xlabel": f"arrival rate (req/s), {n} node(s)", "ylabel": "weighted goodput", "series": series_g}
+        )
     plot_lines(out / "tiers.png", panels, f"{model} on 8x{device} per node, 30% interactive / 70% background")
     _, trace_path = workload(1.0, 1.0, seed)
     head = headline(rows, 1)
-    cols = ["policy", "rate_rps", "goodput_rps", "weighted_goodput_rps", "interactive_attainment",
-            "background_attainment", "reconfigurations", "best_static", "best_static_weighted_goodput_rps", "vs_best_static"]
+    cols = [
+        "policy",
+        "rate_rps",
+        "goodput_rps",
+        "weighted_goodput_rps",
+        "interactive_attainment",
+        "background_attainment",
+        "reconfigurations",
+        "best_static",
+        "best_static_weighted_goodput_rps",
+        "vs_best_static",
+    ]
     summary = []
     for rate in rates:
         at = {r["policy"]: r for r in rows if r["nodes"] == 1 and r["rate_rps"] == rate}
         a, t8 = at["adaptive"], at.get("static:8")
-        summary.append({"rate_rps": rate, "adaptive_wg": a["weighted_goodput_rps"], "best_static": a["best_static"],
-                        "best_static_wg": a["best_static_weighted_goodput_rps"], "adaptive_vs_best_static": a["vs_best_static"],
-                        "tp8_wg": t8["weighted_goodput_rps"] if t8 else None,
-                        "adaptive_vs_tp8": a["weighted_goodput_rps"] / t8["weighted_goodput_rps"] if t8 and t8["weighted_goodput_rps"] else None,
-                        "adaptive_changes": a["reconfigurations"]})
+        summary.append(
+            {
+                "rate_rps": rate,
+                "adaptive_wg": a["weighted_goodput_rps"],
+                "best_static": a["best_static"],
+                "best_static_wg": a["best_static_weighted_goodput_rps"],
+                "adaptive_vs_best_static": a["vs_best_static"],
+                "tp8_wg": t8["weighted_goodput_rps"] if t8 else None,
+                "adaptive_vs_tp8": a["weighted_goodput_rps"] / t8["weighted_goodput_rps"]
+                if t8 and t8["weighted_goodput_rps"]
+                else None,
+                "adaptive_changes": a["reconfigurations"],
+            }
+        )
     source = f"`{device_table}` ({device}, {model})" if device_table else f"data-sheet {device} table"
-    md = ["# sim tiers", "",
-          f"{model}, 8 x {device} per node, step times from the {source}; {len(statics)} static layouts fit: "
-          f"{', '.join(statics)}. Seed {seed}." + (f" Rates x {scale:.3g} (this node prefills {scale:.3g} x as fast as "
-                                                    f"the data-sheet H100 node with Llama-3-70B)." if scale != 1.0 else ""), "",
-          f"## Stationary: Poisson, 30% interactive, lengths from `{trace_path.name}`"
-          f"{' (committed excerpt)' if is_excerpt(trace_path) else ''}, {duration_s:g} s per point", "",
-          f"Adaptive / best static (weighted goodput): worst {_f(head['min_vs_best_static'])}x at {head['min_at_rate_rps']} req/s "
-          f"(goal >= 0.97 everywhere); best adaptive / TP8: {_f(head['max_weighted_ratio_vs_tp8'])}x at {head['at_rate_rps']} req/s.", "",
-          md_table(summary, list(summary[0])), "",
-          "## Phased: " + ", ".join(f"{p.name} {p.duration_s:g} s at {p.rate_per_s:g} req/s, {p.interactive_fraction:.0%} interactive"
-                                    for p in phases),
-          f"(interactive lengths `{ph['paths'][0].name}`, background `{ph['paths'][1].name}`)", "",
-          f"Adaptive {_f(_wg(ph, 'adaptive'))} weighted req/s; best static {ph['best_static']['policy']} "
-          f"{_f(ph['best_static']['weighted_goodput_rps'])}; per-phase oracle {_f(ph['oracle'])} "
-          f"({', '.join(f'{k}: {v[0]}' for k, v in ph['oracle_parts'].items())}); adaptive / best static "
-          f"{_f(ph['adaptive_vs_best_static'])}x (goal 1.5), adaptive / TP8 {_f(ph['adaptive_vs_tp8'])}x (goal 3), "
-          f"oracle / best static {_f(ph['oracle_vs_best_static'])}x.", "",
-          md_table(ph["rows"], list(ph["rows"][0])), "",
-          f"Adaptive layout changes (s, layout): {ph['timeline'].get('changes')}", "",
-          f"Per phase (changes inside, mean TP at start, at end): {ph['timeline'].get('per_phase')}", "",
-          "## All runs", "", md_table(rows, cols), "", progress.summary(), ""]
+    md = [
+        "# sim tiers",
+        "",
+        f"{model}, 8 x {device} per node, step times from the {source}; {len(statics)} static layouts fit: "
+        f"{', '.join(statics)}. Seed {seed}."
+        + (
+            f" Rates x {scale:.3g} (this node prefills {scale:.3g} x as fast as "
+            f"the data-sheet H100 node with Llama-3-70B)."
+            if scale != 1.0
+            else ""
+        ),
+        "",
+        f"## Stationary: Poisson, 30% interactive, lengths from `{trace_path.name}`"
+        f"{' (committed excerpt)' if is_excerpt(trace_path) else ''}, {duration_s:g} s per point",
+        "",
+        f"Adaptive / best static (weighted goodput): worst {_f(head['min_vs_best_static'])}x at {head['min_at_rate_rps']} req/s "
+        f"(goal >= 0.97 everywhere); best adaptive / TP8: {_f(head['max_weighted_ratio_vs_tp8'])}x at {head['at_rate_rps']} req/s.",
+        "",
+        md_table(summary, list(summary[0])),
+        "",
+        "## Phased: "
+        + ", ".join(
+            f"{p.name} {p.duration_s:g} s at {p.rate_per_s:g} req/s, {p.interactive_fraction:.0%} interactive"
+            for p in phases
+        ),
+        f"(interactive lengths `{ph['paths'][0].name}`, background `{ph['paths'][1].name}`)",
+        "",
+        f"Adaptive {_f(_wg(ph, 'adaptive'))} weighted req/s; best static {ph['best_static']['policy']} "
+        f"{_f(ph['best_static']['weighted_goodput_rps'])}; per-phase oracle {_f(ph['oracle'])} "
+        f"({', '.join(f'{k}: {v[0]}' for k, v in ph['oracle_parts'].items())}); adaptive / best static "
+        f"{_f(ph['adaptive_vs_best_static'])}x (goal 1.5), adaptive / TP8 {_f(ph['adaptive_vs_tp8'])}x (goal 3), "
+        f"oracle / best static {_f(ph['oracle_vs_best_static'])}x.",
+        "",
+        md_table(ph["rows"], list(ph["rows"][0])),
+        "",
+        f"Adaptive layout changes (s, layout): {ph['timeline'].get('changes')}",
+        "",
+        f"Per phase (changes inside, mean TP at start, at end): {ph['timeline'].get('per_phase')}",
+        "",
+        "## All runs",
+        "",
+        md_table(rows, cols),
+        "",
+        progress.summary(),
+        "",
+    ]
     (out / "tiers.md").write_text("\n".join(md), encoding="utf-8")
     return {"rows": rows, "headline": head, "phased": ph, "summary": summary, "speed": progress.summary()}
 
