@@ -366,6 +366,8 @@ class Gateway:
                     i,
                     logprobs,
                 )
+                if parsed.continuous_usage:
+                    payload["usage"] = self._usage(gens)
                 first[i] = False
                 await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
         except GenerationError as exc:

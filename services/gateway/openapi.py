@@ -101,7 +101,7 @@ _SAMPLING = {
     "stream": {"type": "boolean", "nullable": True},
     "stream_options": {
         "type": "object",
-        "properties": {"include_usage": {"type": "boolean"}},
+        "properties": {"include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}},
         "nullable": True,
         "description": "only with stream: true (else 400)",
     },

@@ -59,6 +59,8 @@ class ParsedRequest:
     priority: int | None = None  # vLLM's body field (lower = more urgent); mapped onto a tier by the gateway
     user: str = ""
     ignored_fields: tuple[str, ...] = ()  # unknown fields tolerated by NITSUM_GATEWAY_ALLOW_UNKNOWN_FIELDS
+    # vLLM's stream_options.continuous_usage_stats: every streamed chunk carries the usage so far.
+    continuous_usage: bool = False
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -155,7 +157,7 @@ NEUTRAL_VALUES: dict[str, tuple] = {
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
 }
-STREAM_OPTION_FIELDS = frozenset({"include_usage"})
+STREAM_OPTION_FIELDS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
 def _check_fields(body: dict, honoured: frozenset, allow_unknown: bool) -> tuple[str, ...]:
@@ -330,10 +332,11 @@ def _model(body: dict) -> str:
     return model
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
+def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
     stream = _boolean(body, "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
@@ -346,7 +349,13 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         if value is not None and not isinstance(value, bool):
             raise _bad("'stream_options.include_usage' must be a boolean", "stream_options")
         include_usage = bool(value)
-    return stream, include_usage
+        value = options.get("continuous_usage_stats")
+        if value is not None and not isinstance(value, bool):
+            raise _bad("'stream_options.continuous_usage_stats' must be a boolean", "stream_options")
+        continuous = bool(value)
+        if continuous and not include_usage:  # vLLM would ignore it; refused here rather than ignored
+            raise _bad("'stream_options.continuous_usage_stats' needs 'stream_options.include_usage'", "stream_options")
+    return stream, include_usage, continuous
 
 
 def parse_completion(body: Any, default_max_tokens: int = 16, allow_unknown: bool = False) -> ParsedRequest:
@@ -372,7 +381,7 @@ def parse_completion(body: Any, default_max_tokens: int = 16, allow_unknown: boo
     if ids is not None and not ids:
         raise _bad("'prompt' must not be empty", "prompt")
     sampling, given = parse_sampling(body, default_max_tokens, kind="completion")
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     return ParsedRequest(
         "completion",
         _model(body),
@@ -384,6 +393,7 @@ def parse_completion(body: Any, default_max_tokens: int = 16, allow_unknown: boo
         include_usage,
         _boolean(body, "return_token_ids"),
         **common,
+        continuous_usage=continuous,
     )
 
 
@@ -419,7 +429,7 @@ def parse_chat(
             raise _bad(f"messages[{i}].content must be a string or a list of text parts", f"messages.{i}.content")
         clean.append({"role": "system" if role == "developer" else role, "content": content})
     sampling, given = parse_sampling(body, default_max_tokens, "max_completion_tokens", kind="chat")
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     parsed = ParsedRequest(
         "chat",
         _model(body),
@@ -431,6 +441,7 @@ def parse_chat(
         include_usage,
         _boolean(body, "return_token_ids"),
         **common,
+        continuous_usage=continuous,
     )
     return parsed, clean
 

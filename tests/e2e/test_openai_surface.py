@@ -234,6 +234,12 @@ def test_include_usage_only_when_asked(client):
     with_usage = chunks(stream_options={"include_usage": True})
     assert with_usage[-1].usage is not None and with_usage[-1].choices == []
     assert all(c.usage is None for c in with_usage[:-1])
+    # vLLM's continuous_usage_stats (guidellm sends it): every chunk carries the usage so far.
+    continuous = chunks(stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts = [c.usage.completion_tokens for c in continuous]
+    assert all(c.usage is not None for c in continuous) and counts == sorted(counts)
+    assert counts[-1] == with_usage[-1].usage.completion_tokens == 3
+    assert len({c.usage.prompt_tokens for c in continuous}) == 1
 
 
 def test_priority_and_objective_pick_the_tier(client):
