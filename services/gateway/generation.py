@@ -135,6 +135,8 @@ class Generation:
                 await self._reroute("worker_lost", f"worker {self.worker_id} was lost")
                 continue
             chunk: TokenChunk = item
+            if chunk.attempt >= 0 and chunk.attempt != self.reroutes:
+                continue  # a late frame of an earlier attempt (re-routed, possibly to the same worker)
             if chunk.worker_id != self.worker_id:
                 # A worker this request was re-routed away from may still send late chunks: never take them.
                 # Any other worker continuing exactly where we are is a hand-off (a TP change moved the

@@ -77,6 +77,7 @@ class Running:
     decode_worker: str = ""  # P/D: hand the request to this worker after its first token
     max_tokens: int = 0
     tpot_ms: float = 0.0
+    attempt: int = -1  # the SubmitRequest.attempt being served (-1 for adopted streams)
 
 
 class WorkerSession:
@@ -153,6 +154,7 @@ class WorkerSession:
             decode_worker=run.decode_worker,
             max_tokens=req.sampling.max_tokens,
             tpot_ms=req.tpot_ms,
+            attempt=req.attempt,
         )
         if hold:
             self._held[req.request_id] = req
@@ -227,6 +229,7 @@ class WorkerSession:
                 finish_reason="error",
                 error_code=reason,
                 error_message=f"the request was {reason}: it cannot meet its SLO",
+                attempt=state.attempt,
             )
             task = asyncio.ensure_future(self.bus.publish(state.stream_subject, chunk))
             task.add_done_callback(lambda t: t.exception())
@@ -511,6 +514,7 @@ class WorkerSession:
             top_k=len(out.top_logprobs),
             top_logprob_ids=tuple(t for t, _ in out.top_logprobs),
             top_logprob_values=tuple(v for _, v in out.top_logprobs),
+            attempt=state.attempt,
         )
         state.next_index += len(tokens)
         self.metrics.generated_tokens_total().labels(worker=self.worker_id).inc(len(tokens))
@@ -549,6 +553,7 @@ class WorkerSession:
             finish_reason="error",
             error_code=code,
             error_message=message,
+            attempt=state.attempt,
         )
         try:
             await self.bus.publish(state.stream_subject, chunk)

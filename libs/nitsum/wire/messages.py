@@ -143,6 +143,9 @@ class TokenChunk:
     top_k: int = 0
     top_logprob_ids: tuple[int, ...] = ()
     top_logprob_values: tuple[float, ...] = ()
+    # The SubmitRequest.attempt this frame answers (-1: not known, e.g. a stream adopted in a hand-off): a
+    # request re-routed to the worker it left must not take that worker's late frames of the older attempt.
+    attempt: int = -1
 
 
 @dataclass(frozen=True)
