@@ -9,6 +9,14 @@ import pytest
 from nitsum.sim.cluster import ClusterConfig, run_cluster
 from nitsum.sim.experiments.tiers import layout_per_phase, phase_goodput, phased_workload
 from nitsum.workloads import Phase, phase_bounds
+from nitsum.workloads.paths import traces_dir
+
+# The scenario draws its lengths from the full Azure and ServeGen traces; the committed excerpts give another
+# length mix, on which these phase directions do not hold (measured: the surge then keeps TP4x2). So without the
+# real traces the scenario is not the one this test states, and it is skipped rather than re-tuned.
+pytestmark = pytest.mark.skipif(
+    traces_dir() is None, reason="needs the real traces (shared/traces or NITSUM_TRACES_DIR)"
+)
 
 # Background only at 20 req/s (ServeGen lengths), then interactive only at 6 req/s (Azure code lengths), then
 # the batch window again. Llama-3-70B on 8 x H100 (data-sheet table).

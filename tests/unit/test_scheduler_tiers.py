@@ -160,6 +160,10 @@ def test_step_cost_model_fits_measured_steps():
     base, per_token = model.fit()
     assert base == pytest.approx(1.0) and per_token == pytest.approx(1.0)
     assert model.max_tokens_within(10.0) == 9
+    # A client may send any finite target (x-slo-tpot-ms: 1e308): no limit, never an overflow.
+    assert model.max_tokens_within(1e308) == 1 << 30
+    model.set_fit(0.0, 1e-300)
+    assert model.max_tokens_within(1e308) is None
 
 
 def test_request_slo_validation_and_clock_placement():

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 TIERS = ("interactive", "background")
+MAX_TOKENS_LIMIT = 1 << 30  # beyond any step budget: the scheduler's own token budget bounds a step anyway
 
 
 @dataclass(frozen=True)
@@ -93,4 +94,7 @@ class StepCostModel:
         if fit is None:
             return None
         base_ms, per_token_ms = fit
-        return max(0, int((ms - base_ms) / per_token_ms))
+        tokens = (ms - base_ms) / per_token_ms
+        if not math.isfinite(tokens):
+            return None  # a target so loose (e.g. 1e308 ms) that it sets no limit
+        return max(0, int(min(tokens, MAX_TOKENS_LIMIT)))
