@@ -33,6 +33,7 @@ changes speed, never answers.
 from __future__ import annotations
 
 from nitsum.policy.base import BasePolicy, PolicyConfig
+from nitsum.policy.baselines import layout_topology, static_layouts
 from nitsum.policy.costmodel import CostModel
 from nitsum.policy.decisions import GroupSpec, Topology, TopologyDecision
 from nitsum.policy.estimate import NodeLoad, classes_of, evaluate, summarize
@@ -120,6 +121,11 @@ def candidate_shapes(current: Shape, num_devices: int, levels: tuple[int, ...], 
     return out
 
 
+def static_candidates(num_devices: int, levels: tuple[int, ...]) -> list[Topology]:
+    """Every static layout of a node at these TP levels (baselines.static_layouts), as topologies."""
+    return [layout_topology(layout) for layout in static_layouts(num_devices, levels)]
+
+
 class AdaptivePolicy(BasePolicy):
     name = "adaptive"
 
@@ -189,12 +195,21 @@ class AdaptivePolicy(BasePolicy):
             )
         else:
             path, why = "scored", "mixed load"
-        prefill_pending = any(t.queued for t in load.tiers)
+        prefill_pending = any(t.queued for t in load.tiers) or bool(load.streams)
 
         scored: list[tuple[float, float, Shape, Topology]] = []  # (score, change cost, shape, topology)
+        seen: set[Topology] = set()
         for sh in shapes:  # first pass: all-hybrid roles, the common case
             groups = role_variants(sh, False)[0]
+            seen.add(Topology(groups))
             scored.append((*self._score(cost, groups, load, node), sh, Topology(groups)))
+        # ... and every static layout of the node at these levels (all-hybrid partitions, P/D splits with prefill
+        # and decode groups of one size each: `1p+1p+1d×6` is the best layout on the measured CPU table, and no
+        # merge or split path from the current layout reaches it).
+        for top in static_candidates(node.num_devices, levels):
+            if top != current and top not in seen:
+                seen.add(top)
+                scored.append((*self._score(cost, top.groups, load, node), top.shape(), top))
         # Second pass: other role variants for the three best partitions, the best in the fast path's
         # direction, and the current one.
         scored.sort(key=lambda x: -(x[0] - x[1]))
@@ -204,7 +219,8 @@ class AdaptivePolicy(BasePolicy):
         for sh in dict.fromkeys(refine):
             for groups in role_variants(sh, prefill_pending)[1:]:
                 top = Topology(groups)
-                if top != current:
+                if top != current and top not in seen:
+                    seen.add(top)
                     scored.append((*self._score(cost, groups, load, node), sh, top))
         if not scored:
             return keep(f"{why}: no candidate", path)
@@ -229,7 +245,12 @@ class AdaptivePolicy(BasePolicy):
         gain = worth(chosen)
         # A shift of the arrival stream is still inside the measurement window: the rates mix the old load and
         # the new one, so wait until the window holds the new load only.
-        if snap.load_shift_ms is not None:
+        # At boot (the node never changed) there is no old load to wait out: the layout the estimate picks for
+        # the first snapshot with work replaces the boot layout at once (no KV to move yet), and it does not count
+        # as the change this load allows.
+        # (Where arrivals are measured, a first snapshot before any has been counted is no basis to choose from.)
+        boot = node.last_reconfig_ms is None and (bool(snap.arrivals) or snap.load_shift_ms is None)
+        if snap.load_shift_ms is not None and not boot:
             shift = snap.load_shift_ms
             if snap.now_ms - shift < cfg.shift_settle_ms:
                 return TopologyDecision(
@@ -246,7 +267,8 @@ class AdaptivePolicy(BasePolicy):
         if (
             snap.load_shift_ms is not None
             and node.last_reconfig_ms is not None
-            and node.last_reconfig_ms >= snap.load_shift_ms
+            # Only changes after the settle time count: before it, the boot change is the only one allowed.
+            and node.last_reconfig_ms >= snap.load_shift_ms + cfg.shift_settle_ms
         ):
             return TopologyDecision(
                 nid,
