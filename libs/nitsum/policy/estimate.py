@@ -270,9 +270,12 @@ def evaluate(
     horizon_ms: float,
     chunk_tokens: int,
     prefill_batch_tokens: int = 0,
+    admit_levels: tuple[int, ...] = (),
 ) -> Estimate:
     """Score one candidate (module docstring). `prefill_batch_tokens` > 0: prefill-role groups run batches of
-    that many tokens, so a new request first waits, on average, half such a step (head-of-line delay)."""
+    that many tokens, so a new request first waits, on average, half such a step (head-of-line delay).
+    `admit_levels`: the TP levels admission tries for a best-case TTFT (the node's levels that fit; empty:
+    the candidate's): an arriving prompt no level prefills within its target is refused and takes no time."""
     n = len(classes)
     tps = [c[0] for c in classes]
     roles = [c[1] for c in classes]
@@ -384,7 +387,19 @@ def evaluate(
     # 5. the arrival stream over the horizon, against steady-state capacity.
     if load.streams:
         s_score, s_misses = _stream(
-            cost, load.streams, tps, roles, mult, used, slots, order_hi, order_lo, horizon_ms, prefill_ms, hol
+            cost,
+            load.streams,
+            tps,
+            roles,
+            mult,
+            used,
+            slots,
+            order_hi,
+            order_lo,
+            horizon_ms,
+            prefill_ms,
+            hol,
+            admit_levels or tuple(sorted(set(tps))),
         )
         score += s_score
         misses += s_misses
@@ -425,11 +440,16 @@ def _stream(
     horizon_ms: float,
     prefill_ms,
     hol,
+    admit_levels: tuple[int, ...] = (),
 ) -> tuple[float, int]:
     """Rule 5 of the module docstring: (score, expected misses) of the arrivals within the horizon."""
     n = len(tps)
-    pools = [_stream_pool(st, tps, roles, mult, used, slots, prefill_ms, hol) for st in streams]
-    total = sum(st.rate_per_ms * mean for st, (mean, _) in zip(streams, pools, strict=True))
+    pools = []
+    for st in streams:
+        # admission.admit refuses what no level prefills within the target even with nothing queued
+        admitted = [min(cost.prefill_time_ms(k, p) for k in admit_levels) <= st.ttft_ms for p in st.prompt_tokens]
+        pools.append(_stream_pool(st, tps, roles, mult, used, slots, prefill_ms, hol, admitted))
+    total = sum(st.rate_per_ms * pool[0] for st, pool in zip(streams, pools, strict=True))
     # Overloaded (the streams together need more prefill time than the pool has): prefill runs in TTFT-deadline
     # order across the tiers (engine/tiered.py, the simulator), and shedding drops what can no longer meet its
     # target, so every tier is served near its deadline in the same proportion 1 / ρ: background requests near
@@ -439,31 +459,34 @@ def _stream(
     slots_taken = [0.0] * n  # steady-state decode slots taken by higher-priority streams
     score = 0.0
     misses = 0.0
-    for st, (mean_service, fastest) in zip(streams, pools, strict=True):
+    for st, (mean_service, split, group_ms) in zip(streams, pools, strict=True):
         order = order_hi if st.latency_sensitive else order_lo
         expected = st.rate_per_ms * horizon_ms
         u = st.rate_per_ms * mean_service
-        if u <= 0 or math.isinf(u):
+        if u <= 0 or math.isinf(u) or not any(split):
             misses += expected
             continue
         if edf_overload:
-            served, rho, wait = 1.0 / total, 1.0 - 1e-9, st.ttft_ms / 2.0
+            served, rho, wait = 1.0 / total, 1.0 - 1e-9, None
         else:
             served = min(1.0, max(1.0 - util, 0.0) / u)
             rho = util + u
             if rho < 1.0:
-                wait = rho / (2.0 * (1.0 - rho)) * mean_service
+                # Routing sends each request to one group when it arrives (the coordinator and the simulator
+                # alike: no shared queue), so every group is its own queue at the pool's utilisation: a
+                # request waits on the scale of its group's prefill time, not of the pool's completion interval.
+                wait = rho / (2.0 * (1.0 - rho))
             else:
                 # Overloaded: the pool serves the fraction `served` at capacity, and admission and shedding keep
                 # the queue of what is admitted at most about a TTFT target deep (the rest is refused), so the
                 # served part waits about half a target. Scoring it 0 (an unbounded queue) made every
                 # overloaded layout look the same, the one with twice the capacity included.
-                rho, wait = 1.0 - 1e-9, st.ttft_ms / 2.0
+                rho, wait = 1.0 - 1e-9, None
         # The waiting time's distribution, not only its mean: an atom 1 − ρ at zero and an exponential tail
         # of the same mean (P(W > x) = ρ·exp(−x·ρ / E[W])). With the mean alone every quantile flipped from
         # "in time" to "late" at once as ρ crossed a threshold: the cliff that made near-saturated layouts
         # look alternately hopeless and fine from one epoch to the next.
-        in_time = sum(_p_wait_within(st.ttft_ms - f, rho, wait) for f in fastest) / len(fastest)
+        in_time = _in_time(st.ttft_ms, rho, wait, split, group_ms)
         util = min(util + u, 1.0)
         # Decode, steady state (Little): the served-in-time part keeps rate · output tokens · step slots busy.
         # A full class steps at about the TPOT target (max_decode_batch sizes it so), hence tokens/ms per
@@ -487,13 +510,22 @@ def _stream(
     return score, int(round(misses))
 
 
-def _stream_pool(st: StreamLoad, tps, roles, mult, used, slots, prefill_ms, hol) -> tuple[float, list[float]]:
-    """(mean pooled prefill time per request of the stream, the fastest prefill of each prompt quantile)."""
+def _stream_pool(st: StreamLoad, tps, roles, mult, used, slots, prefill_ms, hol, admitted: list[bool]):
+    """(mean pooled prefill time per arriving request of the stream, per prompt quantile [(share, ms)] over the
+    prefill classes: the fraction of the quantile's requests a class takes (its completion rate's share) and
+    its prefill time, head-of-line delay included; and per class its mean prefill time). A quantile admission
+    refuses (`admitted` False) takes no prefill time and has no share anywhere (all of it misses)."""
     inv_rates = []  # mean time between completions of the pool, per prompt quantile
-    fastest = []
-    for p in st.prompt_tokens:
+    split = []
+    service = [0.0] * len(tps)
+    n_ok = max(sum(admitted), 1)
+    for p, ok in zip(st.prompt_tokens, admitted, strict=True):
+        if not ok:
+            inv_rates.append(0.0)
+            split.append([])
+            continue
         rate = 0.0
-        best = math.inf
+        parts = []
         for i in range(len(tps)):
             if roles[i] == "decode":
                 continue
@@ -509,10 +541,28 @@ def _stream_pool(st: StreamLoad, tps, roles, mult, used, slots, prefill_ms, hol)
                 )
                 r_i = min(r_i, turnover)
             rate += r_i
-            best = min(best, s + hol(i))
+            parts.append((i, r_i, s + hol(i)))
+            service[i] += s / n_ok
         inv_rates.append(1.0 / rate if rate > 0 else math.inf)
-        fastest.append(best)
-    return sum(inv_rates) / len(inv_rates), fastest
+        split.append([(i, r_i / rate, ms) for i, r_i, ms in parts] if rate > 0 else [])
+    return sum(inv_rates) / len(inv_rates), split, service
+
+
+def _in_time(ttft_ms: float, rho: float, wait: float | None, split, group_ms: list[float]) -> float:
+    """Fraction of a stream's requests with their first token within ttft_ms: per prompt quantile, over the
+    classes in proportion to what each completes, the chance that its queue's wait leaves room for its
+    prefill. `wait`: the mean wait in units of the class's mean prefill time; None: overloaded (admission and
+    shedding keep the admitted queue about a TTFT target deep, so the served part waits about half a target)."""
+    total = 0.0
+    for parts in split:
+        for i, share, ms in parts:
+            # Shedding drops a queued request once it cannot meet its target, so what is served waited at most
+            # about a target, half of one on average, at any utilisation: near ρ = 1 the M/D/1 mean alone made
+            # a layout look far worse just below saturation than just above it (a flip at 79 s of a steady
+            # background window, measured).
+            mean_wait = ttft_ms / 2.0 if wait is None else min(wait * group_ms[i], ttft_ms / 2.0)
+            total += share * _p_wait_within(ttft_ms - ms, rho, mean_wait)
+    return total / len(split) if split else 0.0
 
 
 def hybrid_prefill_ms(cost: CostModel, tp: int, prompt: int, chunk: int, batch: int, decode_ctx: int) -> float:

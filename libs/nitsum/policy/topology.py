@@ -162,9 +162,7 @@ class AdaptivePolicy(BasePolicy):
         cost = self.cost_for(node)
         current = Topology.of_node(node)
         cur_shape = current.shape()
-        cur_est = evaluate(
-            cost, classes_of(current.groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens
-        )
+        cur_est = self._evaluate(cost, current.groups, load, node)
         # A level whose KV room holds fewer than MIN_BATCH_SEQS typical requests cannot batch: Llama-3-70B at
         # TP2 on H100 keeps ~8.8 k KV tokens after weights, and routing background work there starved it.
         need = MIN_BATCH_SEQS * typical_context_tokens(load)
@@ -314,17 +312,25 @@ class AdaptivePolicy(BasePolicy):
         age = snap.now_ms - snap.load_shift_ms
         return min(max(age, cfg.min_dwell_ms), MAX_REMAINING_HORIZONS * cfg.horizon_ms)
 
+    def _evaluate(self, cost: CostModel, groups, load: NodeLoad, node: NodeView):
+        cfg = self.config
+        # Admission tries every level of the node for a request's best-case TTFT (admission.best_case_ttft_ms).
+        levels = tuple(k for k in node.allowed_tp_levels() if cost.fits(k))
+        return evaluate(
+            cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens, levels
+        )
+
     def _score(
         self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView
     ) -> tuple[float, float]:
         """(estimated weighted goodput over the horizon, λ · reconfiguration cost of moving there)."""
         cfg = self.config
-        est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
+        est = self._evaluate(cost, groups, load, node)
         return est.score, cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
     def _net_score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> float:
         cfg = self.config
-        est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
+        est = self._evaluate(cost, groups, load, node)
         return est.score - cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
 
