@@ -4,6 +4,8 @@ level can prefill in time, and the candidate set holding every static layout (is
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import cost_model, model_spec
 from nitsum.policy.decisions import Topology
@@ -17,9 +19,10 @@ from nitsum.policy.estimate import (
     summarize,
 )
 from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
-from nitsum.policy.topology import AdaptivePolicy, static_candidates
+from nitsum.policy.topology import AdaptivePolicy, faster_prefill_direction, static_candidates
 
 COST = cost_model("llama-3-70b", "h100")
+CPU_TABLE = Path(__file__).resolve().parents[2] / "libs/nitsum/data/costmodel/cpu_tiny_steps.csv"
 
 
 def tier(name: str, buckets, latency: bool) -> TierLoad:
@@ -122,3 +125,18 @@ def test_boot_layout_is_chosen_on_the_first_snapshot_with_measured_arrivals():
     moved = NodeView("n0", 8, 1, 8, node(str(d.target)).groups, "h100", 1000.0)
     [d1] = pol.decide_topology(ClusterSnapshot(5000.0, (moved,), reqs, arrivals=(bg,), load_shift_ms=0.0))
     assert d1.target is None and "settles" in d1.reason
+
+
+def test_a_surge_prefers_the_direction_in_which_its_prompts_prefill_sooner():
+    from nitsum.sim.cluster import ClusterConfig
+
+    # Data-sheet roofline: a higher TP prefills a 1,000-token prompt sooner (consolidate). The measured CPU
+    # table: its TP8 steps are slower than TP1's (the ranks share two cores), so the surge goes down instead.
+    snap = ClusterSnapshot(
+        1000.0, (node("[0-7 TP8 hybrid]"),), (RequestView("i", "interactive", 200.0, 25.0, 10.0, 990.0, 1000, 20),)
+    )
+    load = summarize(snap, snap.nodes[0], 1000.0)
+    assert faster_prefill_direction(COST, (4, 8), load) == 1
+    measured = ClusterConfig(model="tiny", device_kind="cpu", device_table=CPU_TABLE).cost_model()
+    assert measured.prefill_time_ms(8, 1024) > measured.prefill_time_ms(1, 1024)
+    assert faster_prefill_direction(measured, (1, 2, 4, 8), load) == -1

@@ -9,7 +9,8 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
               budgets, mean prompt/output lengths, running decode batch.
     fast path (a decision tree; restricts the direction, so few candidates are scored)
             ─ latency-sensitive backlog ≥ threshold and projected latency misses under the current
-              topology → consider only consolidations (mean TP up)              path "fast"
+              topology → prefer the direction in which its prompts prefill sooner
+              (faster_prefill_direction: consolidations on a roofline)          path "fast"
             ─ no latency-sensitive work at all and throughput work queued
               → consider only splits (mean TP down): maximise batch throughput   path "fast"
             ─ otherwise → every candidate                                         path "scored"
@@ -121,6 +122,16 @@ def candidate_shapes(current: Shape, num_devices: int, levels: tuple[int, ...], 
     return out
 
 
+def faster_prefill_direction(cost: CostModel, levels: tuple[int, ...], load: NodeLoad) -> int:
+    """The direction of a change (+1: mean TP up, -1: down) in which the latency tier's prompts prefill sooner.
+    On a data-sheet roofline that is up (consolidate for a surge); on a measured table it may be down (the
+    measured CPU table's TP>1 steps are slower than TP1's)."""
+    prompts = [t.prompt_tokens for t in load.tiers if t.latency_sensitive and t.queued]
+    prompt = max(prompts, default=1)
+    lo, hi = min(levels), max(levels)
+    return 1 if cost.prefill_time_ms(hi, prompt) <= cost.prefill_time_ms(lo, prompt) else -1
+
+
 def static_candidates(num_devices: int, levels: tuple[int, ...]) -> list[Topology]:
     """Every static layout of a node at these TP levels (baselines.static_layouts), as topologies."""
     return [layout_topology(layout) for layout in static_layouts(num_devices, levels)]
@@ -181,7 +192,7 @@ class AdaptivePolicy(BasePolicy):
         direction = 0
         if load.latency_queued() >= cfg.interactive_backlog_threshold and cur_est.latency_misses > 0:
             direction, path, why = (
-                1,
+                faster_prefill_direction(cost, levels, load),
                 "fast",
                 f"interactive surge: {cur_est.latency_misses} projected latency-tier misses",
             )
