@@ -17,7 +17,9 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
     candidates ─ aligned partitions reachable from the current one in ≤ `max_steps` merges (two aligned
               sibling groups of TP k → one of 2k) or splits (TP k → two of k/2), plus the uniform layout at
               each allowed TP level and the two-lane layouts (half the node at a high TP, half at a low TP);
-              each with the role variants of phases.py (all hybrid; P/D split when prefill is pending).
+              each with the role variants of phases.py (all hybrid; P/D split when prefill is pending or
+              arriving), and every static layout of the node (baselines.static_layouts: all-hybrid
+              partitions, P/D splits with prefill and decode groups of one size each).
     score   ─ estimate.evaluate(): estimated weighted goodput over `horizon_ms` (the backlog, plus the
               arrival stream when the snapshot carries measured `arrivals`), minus
               λ · reconfiguration cost (fixed switch cost + KV bytes of the running requests on groups that
@@ -25,6 +27,9 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
     hysteresis ─ switch only if best − current > max(`hysteresis_margin` (weighted requests),
               `hysteresis_fraction` · |current score|); together with the dwell time this stops flapping
               under an oscillating load or noisy measured arrival rates.
+    shifts  ─ with measured shifts of the stream (`load_shift_ms`): no change until the window settles, then
+              at most one change until the load shifts again; except at boot (the node never changed), where
+              the estimate's layout for the first snapshot with arrivals is taken at once and not counted.
 
 Everything is pure: the decision depends only on the snapshot (which carries `now_ms` and the node's
 `last_reconfig_ms`) and the frozen config. Cost-model results are memoized inside the policy object; that
