@@ -4,6 +4,7 @@ level can prefill in time, and the candidate set holding every static layout (is
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from nitsum.policy.base import PolicyConfig
@@ -140,3 +141,19 @@ def test_a_surge_prefers_the_direction_in_which_its_prompts_prefill_sooner():
     measured = ClusterConfig(model="tiny", device_kind="cpu", device_table=CPU_TABLE).cost_model()
     assert measured.prefill_time_ms(8, 1024) > measured.prefill_time_ms(1, 1024)
     assert faster_prefill_direction(measured, (1, 2, 4, 8), load) == -1
+
+
+def test_a_prefill_group_holds_a_short_prompt_back_by_half_a_step_of_what_waits_not_of_a_full_batch():
+    pd = Topology.parse("[0-3 TP4 prefill][4-7 TP4 decode]")
+    own = COST.prefill_time_ms(4, 512) + COST.step_time_ms(4, 1, 512, 512) / 2.0
+    full_batch = COST.prefill_time_ms(4, 512) + COST.step_time_ms(4, 1, 8192, 8192) / 2.0
+    budget = (own + full_batch) / 2.0  # in time behind its own half step, late behind half an 8,192-token one
+    req = RequestView("i0", "interactive", 200.0, 25.0, 10.0, 1000.0 - (200.0 - budget), 512, 20)
+    snap = ClusterSnapshot(1000.0, (node(str(pd)),), (req,))
+    load = summarize(snap, snap.nodes[0], 1000.0)
+    assert evaluate(COST, classes_of(pd.groups), load, 5000.0, 512, 8192).latency_misses == 0
+    # A queue of 16 such prompts fills the batch: then the head-of-line wait is half a full step again.
+    many = tuple(replace(req, request_id=f"i{k}") for k in range(16))
+    snap = ClusterSnapshot(1000.0, (node(str(pd)),), many)
+    load = summarize(snap, snap.nodes[0], 1000.0)
+    assert evaluate(COST, classes_of(pd.groups), load, 5000.0, 512, 8192).latency_misses == 16

@@ -303,10 +303,17 @@ def evaluate(
             cost, tps[i], cap[i], chunk_tokens, b, quantize_tokens(ctx_sum[i] / mult[i]) if b else 0
         )
 
-    def hol(i: int) -> float:
+    prefill_groups = sum(mult[i] for i in range(n) if roles[i] == "prefill")
+    backlog_tokens = sum(t.queued * t.prompt_tokens for t in load.tiers) / max(prefill_groups, 1)
+
+    def hol(i: int, p: int) -> float:
+        """A prefill group's batch holds what waits when it starts: a new prompt of p tokens first waits, on
+        average, half a step of the queue's share per group and itself, at most a full batch (before: always
+        half a full batch, which on the measured CPU table is seconds even when one request is queued)."""
         if roles[i] != "prefill" or prefill_batch_tokens <= 0:
             return 0.0
-        return cost.step_time_ms(tps[i], 1, prefill_batch_tokens, prefill_batch_tokens) / 2.0
+        tokens = quantize_tokens(min(prefill_batch_tokens, max(p, backlog_tokens)))
+        return cost.step_time_ms(tps[i], 1, tokens, tokens) / 2.0
 
     def prefill_ms(i: int, p: int, pending: bool = False) -> float:
         """One prompt of p tokens on a group of class i, stepped as the simulator's groups step it."""
@@ -325,7 +332,7 @@ def evaluate(
             if roles[i] != "decode":
                 s = prefill_ms(i, p)
                 rate += mult[i] / s
-                shortest = min(shortest, s + hol(i))
+                shortest = min(shortest, s + hol(i, p))
         return rate, shortest
 
     def slots(i: int, tpot: float, ctx: int) -> int:
@@ -541,7 +548,7 @@ def _stream_pool(st: StreamLoad, tps, roles, mult, used, slots, prefill_ms, hol,
                 )
                 r_i = min(r_i, turnover)
             rate += r_i
-            parts.append((i, r_i, s + hol(i)))
+            parts.append((i, r_i, s + hol(i, p)))
             service[i] += s / n_ok
         inv_rates.append(1.0 / rate if rate > 0 else math.inf)
         split.append([(i, r_i / rate, ms) for i, r_i, ms in parts] if rate > 0 else [])
