@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,6 +28,7 @@ from nitsum.transfer.framing import (
     decode_prefix,
     encode_frame,
 )
+from nitsum.transfer.kv_tcp import handshake_tos
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 
@@ -86,6 +87,8 @@ class TcpTransferReceiver:
         self.max_flow_bytes = max_flow_bytes
         self.max_payload_bytes = max_payload_bytes
         self.errors: list[TransferError] = []  # every flow this end failed or was told failed
+        # told (flow id, the TOS its connection's handshake arrived with or None, bytes) after each commit
+        self.on_commit: Callable[[str, int | None, int], None] | None = None
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> int:
@@ -101,6 +104,8 @@ class TcpTransferReceiver:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pending: dict[str, bytearray] = {}
         failed: set[str] = set()  # flows already failed here: their frames still in flight are dropped
+        sock = writer.get_extra_info("socket")
+        tos = handshake_tos(sock) if sock is not None else None  # the class as it arrived on the wire
         try:
             while True:
                 try:
@@ -117,14 +122,19 @@ class TcpTransferReceiver:
                     return
                 if header.flow_id in failed:
                     continue
-                if not await self._handle(header, payload, pending, writer):
+                if not await self._handle(header, payload, pending, writer, tos):
                     failed.add(header.flow_id)
         finally:
             pending.clear()
             writer.close()
 
     async def _handle(
-        self, header: FrameHeader, payload: bytes, pending: dict[str, bytearray], writer: asyncio.StreamWriter
+        self,
+        header: FrameHeader,
+        payload: bytes,
+        pending: dict[str, bytearray],
+        writer: asyncio.StreamWriter,
+        tos: int | None = None,
     ) -> bool:
         """Apply one frame; False when it failed the flow."""
         fid = header.flow_id
@@ -150,6 +160,8 @@ class TcpTransferReceiver:
                 self._fail(TransferError(ErrorCode.SINK, exc.message, fid))
                 await self._send_error(writer, ErrorCode.SINK, exc.message, fid)
                 return False
+            if self.on_commit is not None:
+                self.on_commit(fid, tos, len(data))
             await _write_frame(writer, FrameHeader(FrameKind.ACK, fid, total_bytes=len(data)))
         elif header.kind is FrameKind.ERROR:
             pending.pop(fid, None)
