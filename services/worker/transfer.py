@@ -249,6 +249,7 @@ class _Pending:
     state: bytes
     stream_subject: str
     block_hashes: tuple[int, ...]
+    attempt: int = -1
     started_s: float = field(default_factory=time.monotonic)
     layers: dict[int, bytes] = field(default_factory=dict)
 
@@ -359,6 +360,7 @@ class KvMover:
         stage: str,
         deadline_unix_ms: float | None,
         request_deadline_unix_ms: float | None = None,
+        attempt: int = -1,
     ) -> None:
         """Every layer of `kv` to `dst` as one flow each; raises TransferError unless all landed and `dst`
         adopted them (the ack of the last layer says `complete`)."""
@@ -415,6 +417,7 @@ class KvMover:
                             state=state,
                             stream_subject=stream_subject,
                             block_hashes=block_hashes,
+                            attempt=attempt,
                         ),
                         LAYER_TIMEOUT_S,
                         expected=KvAck,
@@ -443,6 +446,7 @@ class KvMover:
                     stream_subject=stream_subject,
                     block_hashes=block_hashes,
                     via="tcp",
+                    attempt=attempt,
                 )
                 ack = await self.bus.request(
                     self.bus.subjects.worker_kv(dst), layer_msg, LAYER_TIMEOUT_S, expected=KvAck
@@ -484,6 +488,7 @@ class KvMover:
                 "3",
                 now + tpot * 4,
                 now + tpot * max(running.max_tokens - 1, 1),
+                running.attempt,
             )
         except FlowPrunedError as exc:
             reason, pruned = exc.reason or "pruned by the flow-scheduler", True
@@ -557,7 +562,7 @@ class KvMover:
             log.warning("KV layer %d of %s from %s refused: %s", msg.layer, msg.request_id, msg.src_worker, exc)
             return KvAck(msg.request_id, msg.layer, False, f"{exc.code.value}: {exc.message}")
         pending = self.pending.setdefault(
-            key, _Pending(msg.num_layers, msg.state, msg.stream_subject, msg.block_hashes)
+            key, _Pending(msg.num_layers, msg.state, msg.stream_subject, msg.block_hashes, msg.attempt)
         )
         pending.layers[msg.layer] = data
         if len(pending.layers) < pending.num_layers:
@@ -591,7 +596,7 @@ class KvMover:
         export = KVExport(state, int(num_tokens), (int(heads[0]), int(heads[1])), kv)
         produced = len(state["tokens"]) - len(state["prompt"])
         # Registered before the import so the step that follows it finds the stream to publish to.
-        self.session.adopt(request_id, pending.stream_subject, len(state["prompt"]), produced)
+        self.session.adopt(request_id, pending.stream_subject, len(state["prompt"]), produced, pending.attempt)
         try:
             ok = await self.session.call(lambda backend: backend.engine.import_request(export))
         except BaseException:

@@ -90,6 +90,7 @@ class TcpTransferReceiver:
         # told (flow id, the TOS its connection's handshake arrived with or None, bytes) after each commit
         self.on_commit: Callable[[str, int | None, int], None] | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()  # connections being served (closed by `close`)
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
@@ -99,6 +100,8 @@ class TcpTransferReceiver:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._writers):
+                writer.close()  # its _serve ends on the closed stream, not cancelled at the loop's end
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -106,6 +109,7 @@ class TcpTransferReceiver:
         failed: set[str] = set()  # flows already failed here: their frames still in flight are dropped
         sock = writer.get_extra_info("socket")
         tos = handshake_tos(sock) if sock is not None else None  # the class as it arrived on the wire
+        self._writers.add(writer)
         try:
             while True:
                 try:
@@ -126,6 +130,7 @@ class TcpTransferReceiver:
                     failed.add(header.flow_id)
         finally:
             pending.clear()
+            self._writers.discard(writer)
             writer.close()
 
     async def _handle(
@@ -236,6 +241,7 @@ class TcpTransferSender:
         self.timeout_s = timeout_s
         self.source_host = source_host
         self._conns: dict[int, _ClassConnection] = {}  # DSCP -> connection
+        self._connecting = asyncio.Lock()  # flows of one class arriving together share one new connection
 
     def socket_for(self, level: int) -> socket.socket | None:
         conn = self._conns.get(self.dscp_table[level])
@@ -244,10 +250,15 @@ class TcpTransferSender:
     async def _connection(self, level: int) -> _ClassConnection:
         if level not in self.dscp_table:
             raise TransferError(ErrorCode.PROTOCOL, f"no DSCP for level {level}")
-        dscp = self.dscp_table[level]
+        async with self._connecting:
+            return await self._connect(self.dscp_table[level])
+
+    async def _connect(self, dscp: int) -> _ClassConnection:
         conn = self._conns.get(dscp)
         if conn is not None and not conn.task.done():
             return conn
+        if conn is not None:
+            conn.writer.close()  # its reader ended (the receiver closed it): replaced below
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             # Set before connect so the SYN already carries the class.

@@ -422,6 +422,7 @@ class KvLayer:
     stream_subject: str = ""
     block_hashes: tuple[int, ...] = ()
     via: str = ""  # "": the bytes are in shared-memory `segment`; "tcp": they came over the TCP data plane
+    attempt: int = -1  # "pd": the SubmitRequest.attempt the prefill served (the decode worker's frames carry it)
 
 
 @dataclass(frozen=True)
