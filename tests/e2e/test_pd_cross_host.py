@@ -17,6 +17,8 @@ import pytest
 
 from nitsum.natsserver import NatsServer, free_port
 from nitsum.policy.flows import dscp_table, tos_for_dscp
+from nitsum.wire.codec import decode
+from nitsum.wire.messages import LayerProgress
 from tests.e2e.harness import ManualMesh, prompts, stream_completion
 from tests.e2e.test_pd_disagg import DECODE, PREFILL, hybrid_reference
 
@@ -71,13 +73,32 @@ async def run(url: str, batch: list[list[int]], headers: dict[str, str]):
         return await asyncio.gather(*(stream_completion(session, url, p, MAX_TOKENS, headers) for p in batch))
 
 
+async def run_watching_progress(mesh: ManualMesh, batch: list[list[int]], headers: dict[str, str]):
+    """`run`, and every LayerProgress the workers publish meanwhile (as the flow-scheduler gets them)."""
+    import nats
+
+    seen: list[LayerProgress] = []
+    nc = await nats.connect(servers=[mesh.nats.url], allow_reconnect=False, connect_timeout=2)
+    try:
+        await nc.subscribe("nitsum.flow.progress", cb=lambda msg: seen.append(decode(msg.data, LayerProgress)))
+        await nc.flush()
+        results = await run(mesh.url, batch, headers)
+        await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+    return results, seen
+
+
 def test_pd_across_hosts_goes_over_tcp_in_the_permit_class(mesh, tiny_model_dir):
     batch = prompts(3, seed=21)
     expected = hybrid_reference(tiny_model_dir, batch, MAX_TOKENS)
-    results = asyncio.run(run(mesh.url, batch, LOOSE))
+    results, progress = asyncio.run(run_watching_progress(mesh, batch, LOOSE))
     for r, want in zip(results, expected):
         assert r.status == 200 and r.error is None, r
         assert r.token_ids == want  # every token once, in order, across the TCP hand-off
+    # each hand-off told the flow-scheduler its layer (the last of 4: computed), its deadline, and done
+    assert sorted(p.unit_id for p in progress) == sorted(r.request_id for r in results)
+    assert all(p.layer == 4 and p.done and len(p.request_deadlines_unix_ms) == 1 for p in progress), progress
     assert total(mesh, "worker-p", "nitsum_kv_transfers_total", purpose="pd", outcome="ok") == len(batch)
     assert total(mesh, "worker-d", "nitsum_kv_transfers_total", purpose="pd", outcome="failed") == 0
     sent = [(lab, v) for lab, v in samples(mesh, "worker-p", "nitsum_kv_tcp_bytes_total") if lab["direction"] == "sent"]
