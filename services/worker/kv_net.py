@@ -20,6 +20,7 @@ connection's handshake arrived with ("received", level "").
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import time
@@ -42,6 +43,13 @@ SEND_TIMEOUT_S = 10.0  # one layer flow over TCP, connect to ACK
 INBOX_MAX_BYTES = 1 << 30  # received layers not yet claimed by their KvLayer
 INBOX_MAX_AGE_S = 30.0  # a layer whose KvLayer never came is dropped after this
 MAX_FLOW_BYTES = 1 << 30
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
 
 
 class _Inbox:
@@ -99,7 +107,8 @@ class KvNet:
         self.metrics = metrics
         self.token = int.from_bytes(os.urandom(8), "big") >> 1  # never logged
         self.inbox = _Inbox(self.token)
-        bind = "127.0.0.1" if addr.startswith("127.") or addr == "localhost" else ""
+        # loopback (one machine split into hosts): listen there only; else on every interface (the token guards it)
+        bind = addr if _is_loopback(addr) else ""
         self.receiver = TcpTransferReceiver(self.inbox, host=bind, port=0, max_flow_bytes=MAX_FLOW_BYTES)
         self.receiver.on_commit = self._received
         self.peers: dict[str, KvPeerInfo] = {}
