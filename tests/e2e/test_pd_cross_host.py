@@ -80,7 +80,11 @@ async def run_watching_progress(mesh: ManualMesh, batch: list[list[int]], header
     seen: list[LayerProgress] = []
     nc = await nats.connect(servers=[mesh.nats.url], allow_reconnect=False, connect_timeout=2)
     try:
-        await nc.subscribe("nitsum.flow.progress", cb=lambda msg: seen.append(decode(msg.data, LayerProgress)))
+
+        async def on_progress(msg) -> None:
+            seen.append(decode(msg.data, LayerProgress))
+
+        await nc.subscribe("nitsum.flow.progress", cb=on_progress)
         await nc.flush()
         results = await run(mesh.url, batch, headers)
         await asyncio.sleep(0.5)

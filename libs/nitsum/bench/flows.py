@@ -148,7 +148,7 @@ def _testbed(args: argparse.Namespace) -> None:
     print(
         f"\ntestbed: {len(requests)} requests ({args.mix} sizes and tiers), veth at {args.rate_mbit} Mbit/s "
         f"(htb, 3 DSCP classes), offered load {args.utilization}, seed {args.seed}, "
-        f"RMLQ E={args.rmlq_e} U={args.rmlq_u}"
+        f"RMLQ E={args.rmlq_e} U={args.rmlq_u}, pruning {'on' if args.prune else 'off'}"
     )
     print(f"{'scheduler':>10} {'attain all':>10} {'interactive':>11} {'background':>10} {'p50 TTFT ms':>11}")
     base: float | None = None
@@ -160,6 +160,7 @@ def _testbed(args: argparse.Namespace) -> None:
                 "layers": 8,
                 "requests": requests,
                 "rmlq": {"e": args.rmlq_e, "u": args.rmlq_u},
+                "prune": args.prune,
             }
             res = netns.run_plan(bed, load, port=47100 + k, timeout_s=300.0, mode="replay")
             ttft = res["ttft_ms"]
@@ -198,6 +199,9 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--schedulers", nargs="+", default=list(SCHEDULER_NAMES), choices=SCHEDULER_NAMES)
     p.add_argument("--no-testbed", action="store_true", help="decision time only")
+    p.add_argument(
+        "--prune", action="store_true", help="testbed: RMLQ's overload pruning on (a pruned request is a miss)"
+    )
     p.add_argument("--rmlq-e", type=float, default=4.0, help="RMLQ threshold ratio E (paper: 4)")
     p.add_argument("--rmlq-u", type=float, default=0.5, help="RMLQ threshold scale U (paper: 0.5)")
     args = p.parse_args(argv)
