@@ -12,6 +12,9 @@ Discovery: before the first transfer to a peer, one KvPeer → KvPeerInfo round 
 (its host id, receiver address and port, and the receiver's token); cached until a send to it fails.
 Every flow's END frame carries the token in `block_ids`: whoever merely reaches the port cannot place
 bytes in the inbox. The inbox is bounded (bytes and age): what no KvLayer claims is dropped.
+Known limit: the receiver (`TcpTransferReceiver`) buffers a flow's DATA frames before its END frame's token
+is checked, up to MAX_FLOW_BYTES per flow and connection, so whoever reaches the port can make the worker
+hold that much for a while: advertise (NITSUM_KV_ADVERTISE_ADDR) an address on the cluster's own network.
 
 Counters: `nitsum_kv_tcp_bytes_total{purpose,direction,level,tos}`: bytes by the permit level they went at
 and the IP_TOS read back from the sending socket (direction "sent"), and by the TOS the receiving
