@@ -354,6 +354,6 @@ class WorkerService:
         await self.publish_stats()
         engine_stop.set()
         await asyncio.wait(tasks, timeout=5.0)
-        self.mover.close()
+        await self.mover.aclose()
         if isinstance(session.backend, NodeBackend):
             session.backend.runtime.close()  # no KV segment of this worker stays in /dev/shm
