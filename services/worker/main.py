@@ -35,6 +35,8 @@ from nitsum.config import WorkerConfig
 from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import (
     AbortRequest,
+    NodeHandoffCommit,
+    NodeHandoffOffer,
     NodeReform,
     RoleChange,
     RunRequest,
@@ -45,6 +47,7 @@ from nitsum.wire.messages import (
 )
 from nitsum_services.worker.boot import build_backend, build_engine  # noqa: F401 (build_engine: nitsum bench gateway)
 from nitsum_services.worker.migration_flows import MigrationDriver
+from nitsum_services.worker.node_handoff import NodeHandoffs
 from nitsum_services.worker.peer_loss import PeerLossGuard
 from nitsum_services.worker.service import WorkerService
 from nitsum_services.worker.session import WorkerSession
@@ -53,7 +56,16 @@ from nitsum_services.worker.transfer import MAX_IN_FLIGHT, NODE_MAX_IN_FLIGHT, K
 log = logging.getLogger("nitsum.worker")
 
 DRAIN_TIMEOUT_S = 30.0
-CONTROL_MESSAGES = (TopologyPrepare, TopologyCommit, TopologyAbort, RoleChange, NodeReform, StreamOffset)
+CONTROL_MESSAGES = (
+    TopologyPrepare,
+    TopologyCommit,
+    TopologyAbort,
+    RoleChange,
+    NodeReform,
+    StreamOffset,
+    NodeHandoffOffer,
+    NodeHandoffCommit,
+)
 
 
 def engine_role_of(config: WorkerConfig, service_name: str) -> str:
@@ -80,8 +92,9 @@ async def build_service(ctx: ServiceContext, service_name: str) -> WorkerService
     mover = KvMover(session, agent, bus, worker_id, ctx.metrics)
     migrations = MigrationDriver(session, agent, worker_id, ctx.metrics, config.tp_migration_budget_ms)
     mover.corrupt = config.fault_kv_corrupt
-    session.on_handoff = mover.hand_off
-    service = WorkerService(ctx, session, agent, mover, migrations)
+    handoffs = NodeHandoffs(session, bus, worker_id, ctx.metrics)
+    service = WorkerService(ctx, session, agent, mover, migrations, handoffs)
+    session.on_handoff = service.on_handoff
     session.on_topology_change = service.publish_stats
     if isinstance(backend, PeerLossGuard):
         backend.on_dropped = service.requeue
