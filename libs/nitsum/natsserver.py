@@ -51,6 +51,7 @@ def worker_permissions(namespace: str, worker_id: str) -> dict:
             f"{ns}.flow.done",
             f"{ns}.worker.*.kv",
             f"{ns}.worker.*.kvfetch",
+            f"{ns}.worker.*.handoff",
         ],
         "subscribe": [
             f"{ns}.worker.{worker_id}.>",
@@ -86,6 +87,8 @@ def permissions(namespace: str = "nitsum", worker_ids: tuple[str, ...] = ()) -> 
                 f"{ns}.flow.done",
                 f"{ns}.worker.*.kv",
                 f"{ns}.worker.*.kvfetch",
+                f"{ns}.worker.*.handoff",
+                f"{ns}.worker.*.handoff",
             ],
             "subscribe": [
                 f"{ns}.worker.>",

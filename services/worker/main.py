@@ -63,8 +63,6 @@ CONTROL_MESSAGES = (
     RoleChange,
     NodeReform,
     StreamOffset,
-    NodeHandoffOffer,
-    NodeHandoffCommit,
 )
 
 
@@ -113,6 +111,12 @@ def make_body(service_name: str):
         await bus.nc.subscribe(bus.subjects.coordinator_up, cb=service.on_coordinator_up)
         await service.agent.start()
         await service.mover.start()
+        await bus.subscribe(
+            bus.subjects.worker_handoff(worker_id),
+            service.on_handoff_message,
+            expected=(NodeHandoffOffer, NodeHandoffCommit),
+            concurrent=True,
+        )
         engine_stop = asyncio.Event()
         tasks = {ctx.spawn(service.session.run(engine_stop), "engine"), ctx.spawn(service.heartbeat(), "heartbeat")}
         await service.publish_stats()

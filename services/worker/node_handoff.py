@@ -26,6 +26,7 @@ from nitsum.bus import BusError
 from nitsum.node import handoff
 from nitsum.node.messages import NodeCommand
 from nitsum.wire.messages import NodeHandoffCommit, NodeHandoffOffer, NodeHandoffReady, TopologyAck
+from nitsum_services.worker.transfer import _counter
 
 log = logging.getLogger("nitsum.worker.node_handoff")
 
@@ -87,7 +88,7 @@ class NodeHandoffs:
                 raise handoff.HandoffError("this node world has no decode group")
             state, num_tokens, blocks = await self.session.call(lambda b: handoff.source(b.runtime, rid))
             ready = await self.bus.request(
-                self.bus.subjects.worker_control(dst),
+                self.bus.subjects.worker_handoff(dst),
                 NodeHandoffOffer(rid, self.worker_id, num_tokens),
                 OFFER_TIMEOUT_S,
                 expected=NodeHandoffReady,
@@ -97,7 +98,7 @@ class NodeHandoffs:
             reserved = True
             moved = await self.session.call(lambda b: self._copy(b.runtime, rid, blocks, ready))
             ack = await self.bus.request(
-                self.bus.subjects.worker_control(dst),
+                self.bus.subjects.worker_handoff(dst),
                 NodeHandoffCommit(
                     rid,
                     True,
@@ -116,6 +117,7 @@ class NodeHandoffs:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
             self.session.release_pinned(rid)
+        self._count("ok" if not reason else "failed")
         if not reason:
             self.num_sent += 1
             span.add_event(
@@ -129,6 +131,15 @@ class NodeHandoffs:
             await self._cancel(dst, rid)
         log.warning("node-world hand-off of %s to %s failed: %s; the request is re-run elsewhere", rid, dst, reason)
         await self.session.fail(rid, "engine_error", f"kv_transfer_failed: hand-off to {dst or '-'}: {reason}")
+
+    def _count(self, outcome: str) -> None:
+        _counter(
+            self.metrics,
+            "kv_transfers",
+            "nitsum_kv_transfers_total",
+            "KV hand-offs (pd) and prefix fetches (reuse) by outcome",
+            ["purpose", "outcome"],
+        ).labels(purpose="pd", outcome=outcome).inc()
 
     @staticmethod
     def _copy(runtime, rid: str, blocks: list[int], ready: NodeHandoffReady) -> int:
@@ -150,7 +161,7 @@ class NodeHandoffs:
     async def _cancel(self, dst: str, rid: str) -> None:
         try:
             await self.bus.request(
-                self.bus.subjects.worker_control(dst),
+                self.bus.subjects.worker_handoff(dst),
                 NodeHandoffCommit(rid, False),
                 COMMIT_TIMEOUT_S,
                 expected=TopologyAck,

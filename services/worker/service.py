@@ -18,7 +18,6 @@ from nitsum.node.messages import NodeCommand
 from nitsum.service import ServiceContext
 from nitsum.wire.messages import (
     AbortRequest,
-    NodeHandoffCommit,
     NodeHandoffOffer,
     NodeReform,
     RoleChange,
@@ -112,7 +111,7 @@ class WorkerService:
             block_size=config.block_size,
             num_kv_imported=mover.num_imported + self.handoffs.num_adopted,
             num_reused_blocks=mover.num_reused_blocks,
-            num_transfer_failures=mover.num_failures,
+            num_transfer_failures=mover.num_failures + self.handoffs.num_failed,
             node_size=config.node_size if config.node_size > 1 else 0,
             generation=backend.generation,
         )
@@ -187,15 +186,17 @@ class WorkerService:
         else:
             await self.mover.hand_off(running)
 
+    # -- worker.<id>.handoff: P/D from a prefill group of this worker's node world ---------------------
+    async def on_handoff_message(self, msg, _delivery):
+        if isinstance(msg, NodeHandoffOffer):
+            return await self.handoffs.on_offer(msg)
+        return await self.handoffs.on_commit(msg)
+
     async def on_control(self, msg, _delivery):
         if isinstance(msg, RoleChange):
             return await self.change_role(msg)
         if isinstance(msg, NodeReform):
             return await self.reform(msg)
-        if isinstance(msg, NodeHandoffOffer):
-            return await self.handoffs.on_offer(msg)
-        if isinstance(msg, NodeHandoffCommit):
-            return await self.handoffs.on_commit(msg)
         if isinstance(msg, StreamOffset):
             self.remember_offset(msg)
             return None

@@ -433,11 +433,15 @@ class NodeRuntime:
         assert 1 in self.world.levels, "a fallback to TP=1 needs TP=1 among the node's levels (NITSUM_MIN_TP=1)"
         self.close()
         self.world_lost = reason
+        self.roles, self.leaders, self._prepared_roles = {}, {}, None  # standalone: a hybrid worker
         old = self.group
         solo = Group(self.rank, 1)
         self.topology = Topology.uniform(self.world.size, 1)
         if old.tp == 1 and self.engine is not None:
             dropped = []
+            self.engine.set_role(
+                "hybrid"
+            )  # what it holds finishes as it started (a prefill pins only at a first token)
         else:
             dropped = sorted(self.engine.request_ids()) if self.engine is not None else []
             self.runner = self.pool.runner(solo)

@@ -11,7 +11,7 @@ Channels (see subjects.py):
   topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers),
                  NodeReform → TopologyAck (a node world re-formed after it lost a member), StreamOffset,
                  NodeHandoffOffer → NodeHandoffReady and NodeHandoffCommit → TopologyAck (P/D between two
-                 groups of one node world: prefill leader ↔ decode leader, on the control subject)
+                 groups of one node world: prefill leader ↔ decode leader, on worker.<id>.handoff)
   flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler), FlowSubmitBatch →
                  FlowPermitBatch (one round trip for every flow of a request), LayerProgress (prefill worker →
                  flow-scheduler at layer boundaries), FlowPruned (flow-scheduler → gateways: retry the request)
@@ -472,7 +472,7 @@ class ErrorReply:
 
 @dataclass(frozen=True)
 class NodeHandoffOffer:
-    """Prefill group leader → decode group leader of the same node world (control subject): reserve blocks
+    """Prefill group leader → decode group leader of the same node world (`worker.<id>.handoff`): reserve blocks
     for `num_tokens` KV tokens of this request; they will be written straight into your group's caches."""
 
     KIND: ClassVar[str] = "node_handoff_offer"
