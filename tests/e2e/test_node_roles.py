@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from tests.e2e.conftest import start_mesh, stop_mesh
-from tests.e2e.harness import prompts, stream_across_changes, stream_completion
+from tests.e2e.harness import counter_total, prompts, stream_across_changes, stream_completion
 from tests.e2e.test_adaptive_tp import MID, admin, admin_async, metric
 from tests.greedy_ties import check_greedy
 
@@ -142,6 +142,7 @@ def test_combined_tp_and_role_change_with_requests_in_flight_loses_and_duplicate
     async def change(topology):
         return await admin_async(mesh, "set-topology", {"topology": topology, "id": f"t-{time.monotonic()}"})
 
+    moved_before = stream_pauses(mesh)
     results, reports = asyncio.run(stream_across_changes(mesh.url, batch, LENGTHS, [DISAGG, HYBRID], change))
     assert [r["ok"] for r in reports] == [True, True], reports
     # Each change was one transition (one epoch) that changed TP and roles together.
@@ -154,4 +155,15 @@ def test_combined_tp_and_role_change_with_requests_in_flight_loses_and_duplicate
         assert got.status == 200 and got.error is None, got
         assert len(got.token_ids) == n  # no duplicated, no missing token
         check_greedy(mid_dir, prompt, got.token_ids, ref.token_ids, got.request_id)
+    # Streams were in flight: some moved to another worker (2 and 3 merging, the decode group splitting again).
+    assert stream_pauses(mesh) - moved_before >= 1
     wait_layout(mesh, HYBRID)
+
+
+def stream_pauses(mesh) -> float:
+    """Streams the gateway saw move to another worker (the pause each saw is a phase of the reconfiguration
+    metric)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(mesh.url + "/metrics", timeout=10).read().decode()
+    return counter_total(text, "nitsum_reconfiguration_duration_ms_count", phase="stream_pause")
