@@ -88,7 +88,6 @@ def permissions(namespace: str = "nitsum", worker_ids: tuple[str, ...] = ()) -> 
                 f"{ns}.worker.*.kv",
                 f"{ns}.worker.*.kvfetch",
                 f"{ns}.worker.*.handoff",
-                f"{ns}.worker.*.handoff",
             ],
             "subscribe": [
                 f"{ns}.worker.>",

@@ -68,7 +68,8 @@ CONTROL_MESSAGES = (
 
 def engine_role_of(config: WorkerConfig, service_name: str) -> str:
     """A standalone prefill worker prefills and hands off (P/D); every other group serves whole requests
-    (hybrid) and adopts hand-offs. Node-world workers stay hybrid: their groups change at run time."""
+        (hybrid) and adopts hand-offs. Node-world workers start hybrid: their groups' roles come with the topology
+    (`TopologyPrepare`)."""
     role = config.role or ("prefill" if service_name == "prefill-worker" else "decode")
     return "prefill" if role == "prefill" and config.node_size <= 1 else "hybrid"
 

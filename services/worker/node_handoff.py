@@ -38,7 +38,8 @@ RESERVATION_TTL_S = 30.0  # a reserved request whose commit did not come by then
 class NodeHandoffs:
     def __init__(self, session, bus, worker_id: str, metrics) -> None:
         self.session, self.bus, self.worker_id, self.metrics = session, bus, worker_id, metrics
-        self.reserved: dict[str, asyncio.TimerHandle] = {}  # decode side: request -> its expiry
+        # decode side: request -> (its expiry, the epoch it was reserved in)
+        self.reserved: dict[str, tuple[asyncio.TimerHandle, int]] = {}
         self.num_sent = 0
         self.num_adopted = 0
         self.num_failed = 0
@@ -180,19 +181,24 @@ class NodeHandoffs:
         except (handoff.HandoffError, ValueError, AttributeError, RuntimeError) as exc:
             return NodeHandoffReady(rid, False, f"{type(exc).__name__}: {exc}")
         loop = asyncio.get_running_loop()
-        self.reserved[rid] = loop.call_later(RESERVATION_TTL_S, lambda: loop.create_task(self._expire(rid)))
+        timer = loop.call_later(RESERVATION_TTL_S, lambda: loop.create_task(self._expire(rid)))
+        self.reserved[rid] = (timer, self.session.backend.epoch)
         return NodeHandoffReady(rid, True, "", start, tp, blocks, handles)
 
     async def on_commit(self, msg: NodeHandoffCommit) -> TopologyAck:
         rid = msg.request_id
         refuse = lambda why: TopologyAck(self.worker_id, 0, False, "handoff", why)  # noqa: E731
-        timer = self.reserved.pop(rid, None)
-        if timer is None:
+        reserved = self.reserved.pop(rid, None)
+        if reserved is None:
             return refuse(f"no reservation for {rid}")
+        timer, epoch = reserved
         timer.cancel()
         if not msg.ok:
             await self._drop(rid)
             return TopologyAck(self.worker_id, 0, True, "handoff", "reservation dropped")
+        if self.session.backend.epoch != epoch:
+            await self._drop(rid)
+            return refuse(f"this group changed since the reservation (epoch {epoch} -> {self.session.backend.epoch})")
         state = msgpack.unpackb(msg.state, raw=False)
         # Registered before the adoption so that the step that follows it finds the stream to publish to.
         self.session.adopt(rid, "", msg.prompt_len, msg.produced)

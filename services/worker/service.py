@@ -2,7 +2,8 @@
 
 The worker's role lives in one place, its engine (`Engine.role`: what the scheduler does with a finished
 request); `WorkerService.role` reads it, the admin `role` command changes it at a step boundary, and the
-session asks the same engine. Node-world workers serve hybrid groups (their roles change with the topology).
+session asks the same engine. A node-world worker reports its group's role, which changes with the topology
+(Prepare/Commit); its P/D hand-offs go to the decode groups of its world (node_handoff.py).
 Wiring (what is built at boot, the subscription table, the loops) is in main.py.
 """
 
@@ -218,7 +219,7 @@ class WorkerService:
                 0,
                 False,
                 "role",
-                "workers in a node world serve hybrid groups; change the topology instead",
+                "a node-world group's role changes with its topology: use set-topology (e.g. [0-1 TP2 prefill])",
             )
         previous = self.role
         # At a step boundary: requests already admitted finish under the rules they started with.

@@ -69,6 +69,9 @@ def reserve(node: NodeRuntime, request_id: str, num_tokens: int) -> tuple[tuple[
         raise HandoffError(f"worker {node.rank} is not a group leader")
     if node.engine.role == "prefill":
         raise HandoffError(f"group {node.group} is a prefill group")
+    if node.in_transition:
+        # Its reservation would not move with the change, and the change may recycle the arena written into.
+        raise HandoffError(f"a TP change of epoch {node.prepared_epoch} is in progress on worker {node.rank}")
     if node.kv_path != "shm":
         raise HandoffError(f"hand-offs inside a node world need its shm KV path (this world's is {node.kv_path})")
     handles = group_handles(node)
