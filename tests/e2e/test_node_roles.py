@@ -5,8 +5,8 @@ Under `disagg` the policy's layout `[0-1 TP2 prefill][2-3 TP2 decode]` is applie
 (Prepare/Commit with the roles); every prompt is then computed on the prefill group and every later token
 on the decode group -- read from the workers' own counters (prompt tokens computed, tokens generated, KV
 hand-offs adopted) -- and the tokens equal a `static-hybrid` run. A combined TP and role change (one
-epoch: devices 2 and 3 merge into a TP2 decode group while 0-1 turn prefill) and its way back, with requests
-in flight, lose and duplicate nothing."""
+epoch: four TP1 hybrid groups merge into a TP2 prefill and a TP2 decode group) and its way back, with
+requests in flight, lose and duplicate nothing."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 DISAGG = "[0-1 TP2 prefill][2-3 TP2 decode]"  # `disagg` on 4 devices
 HYBRID = "[0-1 TP2 hybrid][2 TP1 hybrid][3 TP1 hybrid]"  # `static-hybrid` on 4 devices
+TP1 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"  # requests spread over four equal groups
 MAX_TOKENS = 12
 LENGTHS = [120, 160, 200, 240]
 
@@ -133,7 +134,7 @@ def test_disagg_computes_prompts_on_the_prefill_group_and_tokens_on_the_decode_g
 
 
 def test_combined_tp_and_role_change_with_requests_in_flight_loses_and_duplicates_nothing(mesh, mid_dir):
-    pinned = admin(mesh, "set-topology", HYBRID)  # pins the node: the policy leaves it to this test
+    pinned = admin(mesh, "set-topology", TP1)  # pins the node: the policy leaves it to this test
     assert pinned["ok"], pinned
     batch = prompts(len(LENGTHS), seed=5)
     reference, _ = asyncio.run(stream_across_changes(mesh.url, batch, LENGTHS, None, None))
@@ -143,21 +144,22 @@ def test_combined_tp_and_role_change_with_requests_in_flight_loses_and_duplicate
         return await admin_async(mesh, "set-topology", {"topology": topology, "id": f"t-{time.monotonic()}"})
 
     moved_before = stream_pauses(mesh)
-    results, reports = asyncio.run(stream_across_changes(mesh.url, batch, LENGTHS, [DISAGG, HYBRID], change))
+    results, reports = asyncio.run(stream_across_changes(mesh.url, batch, LENGTHS, [DISAGG, TP1], change))
     assert [r["ok"] for r in reports] == [True, True], reports
     # Each change was one transition (one epoch) that changed TP and roles together.
     assert [(r["transition"]["from"], r["transition"]["topology"]) for r in reports] == [
-        (HYBRID, DISAGG),
-        (DISAGG, HYBRID),
+        (TP1, DISAGG),
+        (DISAGG, TP1),
     ]
     assert reports[1]["transition"]["epoch"] == reports[0]["transition"]["epoch"] + 1
     for prompt, ref, got, n in zip(batch, reference, results, LENGTHS):
         assert got.status == 200 and got.error is None, got
         assert len(got.token_ids) == n  # no duplicated, no missing token
         check_greedy(mid_dir, prompt, got.token_ids, ref.token_ids, got.request_id)
-    # Streams were in flight: some moved to another worker (2 and 3 merging, the decode group splitting again).
+    # Streams were in flight: some moved to another worker (1 into the prefill group's leader 0 -- past their
+    # first token, they decode on there --, 3 into the decode group's 2, and back at the splits).
     assert stream_pauses(mesh) - moved_before >= 1
-    wait_layout(mesh, HYBRID)
+    wait_layout(mesh, TP1)
 
 
 def stream_pauses(mesh) -> float:
