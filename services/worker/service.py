@@ -178,7 +178,7 @@ class WorkerService:
                 # Whatever the fetch did, the request runs: at worst it computes its whole prompt.
                 self.session.start_held(req.request_id)
 
-    # -- worker.<id>.control --------------------------------------------------------------------------
+    # -- P/D: the session's callback once a prefill finished, and worker.<id>.handoff ------------------
     async def on_handoff(self, running) -> None:
         """The session's P/D callback: a node-world group hands off inside its world, a standalone worker over
         the KV mover."""
@@ -187,13 +187,14 @@ class WorkerService:
         else:
             await self.mover.hand_off(running)
 
-    # -- worker.<id>.handoff: P/D from a prefill group of this worker's node world ---------------------
     async def on_handoff_message(self, msg, _delivery):
+        """A prefill group of this worker's node world offers a request (reserve) or commits / cancels it."""
         if isinstance(msg, NodeHandoffOffer):
             return await self.handoffs.on_offer(msg)
         return await self.handoffs.on_commit(msg)
 
-    async def on_control(self, msg, _delivery):
+    # -- worker.<id>.control --------------------------------------------------------------------------
+    async def on_control(self, msg, _delivery) -> TopologyAck | None:
         if isinstance(msg, RoleChange):
             return await self.change_role(msg)
         if isinstance(msg, NodeReform):
