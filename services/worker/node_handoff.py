@@ -9,7 +9,9 @@ the prefill group), commit (the decode leader adopts the request and streams it 
 workers' hand-off (layer by layer over shared memory, transfer.py) is a separate path.
 
 A hand-off that fails anywhere ends the request's stream with the retryable `engine_error`
-(kv_transfer_failed): the gateway re-submits it with its first token and the coordinator runs it hybrid.
+(kv_transfer_failed): the gateway re-submits it with its first token and the coordinator runs it hybrid. One
+that a TP change of the prefill group overtook is given up quietly: the change moved the pinned request into
+its new group as a running one (node/transition.py), whose leader streams it on.
 Nothing is adopted twice: the decode leader adopts only on the commit, and a reservation whose commit never
 comes is dropped after RESERVATION_TTL_S.
 """
@@ -114,10 +116,17 @@ class NodeHandoffs:
             reserved = False  # the decode leader adopted it or dropped the reservation itself
             if not ack.ok:
                 raise handoff.HandoffError(f"{dst} did not adopt it: {ack.reason}")
+        except handoff.NotPinned as exc:
+            # A TP change moved it (it decodes on in its new group, whose leader streams it) or it was aborted:
+            # nothing is pinned here to release, and nothing to fail.
+            if reserved:
+                await self._cancel(dst, rid)
+            span.add_event("handoff_given_up", {"nitsum.reason": str(exc)})
+            log.info("hand-off of %s to %s given up: %s", rid, dst, exc)
+            return
         except (handoff.HandoffError, BusError, KeyError, RuntimeError, AssertionError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.session.release_pinned(rid)
+        self.session.release_pinned(rid)
         self._count("ok" if not reason else "failed")
         if not reason:
             self.num_sent += 1
@@ -146,8 +155,10 @@ class NodeHandoffs:
     def _copy(runtime, rid: str, blocks: list[int], ready: NodeHandoffReady) -> int:
         """Step thread: the request's KV into the reserved blocks, if it still sits where it was offered from."""
         _state, _num_tokens, now = handoff.source(runtime, rid)
-        if now != blocks:
-            raise handoff.HandoffError("the request's KV moved since the offer (a TP change)")
+        if now != blocks:  # pinned here still, in other blocks: cannot be after a change, but never copy stale KV
+            raise handoff.HandoffError("the request's KV moved since the offer")
+        if runtime.in_transition:  # the prepared change would move the request as well
+            raise handoff.HandoffError(f"a TP change of epoch {runtime.prepared_epoch} is in progress here")
         cmd = NodeCommand(
             "handoff",
             runtime.epoch,
@@ -157,7 +168,11 @@ class NodeHandoffs:
             dst_blocks=tuple(ready.block_ids),
             handles=tuple(ready.handles),
         )
-        return handoff.send(runtime, cmd)
+        moved = handoff.send(runtime, cmd)
+        # Its KV is in the decode group now: it leaves this engine at once, so that no later change here can
+        # move it too (whatever the commit's answer: a failed hand-off re-runs it from its first token).
+        runtime.engine.release(rid)
+        return moved
 
     async def _cancel(self, dst: str, rid: str) -> None:
         try:

@@ -130,3 +130,20 @@ def test_node_commands_carry_one_role_and_leader_per_group_and_refuse_bad_ones()
         NodeCommand("prepare", 4, groups=((0, 4),), roles=("both",))
     with pytest.raises(ValueError, match="destination"):
         NodeCommand("handoff", 4, groups=((2, 2),), blocks=(1, 2), dst_blocks=(3,))
+
+
+def test_a_request_no_longer_pinned_here_is_not_handed_off():
+    def engine(status: str | None):
+        def handoff_source(rid):
+            if status is None:
+                raise KeyError(rid)
+            return {"id": rid, "status": status}, 9, [4, 5, 6]
+
+        return SimpleNamespace(handoff_source=handoff_source)
+
+    node = SimpleNamespace(rank=0, engine=engine("pinned"))
+    assert handoff.source(node, "r") == ({"id": "r", "status": "pinned"}, 9, [4, 5, 6])
+    for gone in (engine("running"), engine(None), None):  # moved into this engine's new group, moved away, a peer
+        node.engine = gone
+        with pytest.raises(handoff.NotPinned):
+            handoff.source(node, "r")

@@ -33,6 +33,11 @@ class HandoffError(Exception):
     """The hand-off cannot be done (why is the message); nothing was adopted."""
 
 
+class NotPinned(HandoffError):
+    """The request is no longer waiting for its hand-off here: a TP change moved it (it decodes on in its new
+    group, which streams it) or it went (aborted)."""
+
+
 def own_handle(node: NodeRuntime) -> str:
     """The handle of the arena behind this worker's cache in use ("" when it is private memory)."""
     arena = node.arenas.in_use
@@ -84,10 +89,16 @@ def reserve(node: NodeRuntime, request_id: str, num_tokens: int) -> tuple[tuple[
 
 
 def source(node: NodeRuntime, request_id: str) -> tuple[dict, int, list[int]]:
-    """Prefill leader: the pinned request's (state, KV tokens, blocks)."""
+    """Prefill leader: the pinned request's (state, KV tokens, blocks); NotPinned when it is not pinned here."""
     if node.engine is None:
-        raise HandoffError(f"worker {node.rank} is not a group leader")
-    return node.engine.handoff_source(request_id)
+        raise NotPinned(f"worker {node.rank} is no longer a group leader")
+    try:
+        state, num_tokens, blocks = node.engine.handoff_source(request_id)
+    except KeyError:
+        raise NotPinned(f"request {request_id} is no longer held here") from None
+    if state["status"] != "pinned":
+        raise NotPinned(f"request {request_id} decodes on here (a TP change moved it)")
+    return state, num_tokens, blocks
 
 
 def send(node: NodeRuntime, cmd: NodeCommand) -> int:
