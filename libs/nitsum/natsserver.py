@@ -52,6 +52,7 @@ def worker_permissions(namespace: str, worker_id: str) -> dict:
             f"{ns}.flow.progress",
             f"{ns}.worker.*.kv",
             f"{ns}.worker.*.kvfetch",
+            f"{ns}.worker.*.handoff",
         ],
         "subscribe": [
             f"{ns}.worker.{worker_id}.>",
@@ -88,6 +89,7 @@ def permissions(namespace: str = "nitsum", worker_ids: tuple[str, ...] = ()) -> 
                 f"{ns}.flow.progress",
                 f"{ns}.worker.*.kv",
                 f"{ns}.worker.*.kvfetch",
+                f"{ns}.worker.*.handoff",
             ],
             "subscribe": [
                 f"{ns}.worker.>",

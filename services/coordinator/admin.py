@@ -67,6 +67,10 @@ class AdminPlane:
                     "epoch": s.epoch,
                     "in_world": s.in_world,
                     "generation": s.generation,
+                    # who computed what: prompt tokens computed, KV hand-offs adopted, transfers failed
+                    "prefill_tokens_computed": s.num_prefill_tokens_computed,
+                    "kv_imported": s.num_kv_imported,
+                    "transfer_failures": s.num_transfer_failures,
                 }
             )
             group = groups.setdefault(

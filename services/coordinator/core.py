@@ -7,6 +7,9 @@ P/D: when the mesh has standalone prefill workers (role "prefill") and standalon
 request is prefilled on a prefill worker and handed to the least loaded hybrid worker of its node, else of
 another node (`RunRequest.decode_worker`; between hosts the KV goes over the TCP data plane); re-submitted
 requests (a failed or pruned hand-off, a lost worker) run hybrid.
+Inside a node world the same holds between groups: a prefill group's leader hands to the least
+loaded leader of a decode group of its world (a hybrid one when it has none), its KV moving cache to
+cache (nitsum.node.handoff).
 KV reuse (stage 1): when another worker of the node has cached more of the prompt's prefix blocks than the
 chosen one (WorkerStats.cached_block_hashes), the chosen one is told to fetch them first (`reuse_from`).
 """
@@ -69,13 +72,32 @@ def pd_plan(
     fresh = req.attempt == 0 and not req.output_token_ids and req.sampling.max_tokens > 1
     if fresh:
         for p in prefill:
-            if not _standalone_ready(p):
+            if p.stats.in_world:
+                decode = _world_decode_leaders(p, hybrid)
+            elif _standalone_ready(p):
+                ready = [d for d in hybrid if _standalone_ready(d)]
+                decode = [d for d in ready if d.stats.node_id == p.stats.node_id] or ready
+            else:
                 continue
-            ready = [d for d in hybrid if _standalone_ready(d)]
-            decode = [d for d in ready if d.stats.node_id == p.stats.node_id] or ready
             if decode:
                 plan.append((p, min(decode, key=lambda w: (w.load(), w.worker_id)).worker_id))
     return plan + [(h, "") for h in hybrid]
+
+
+def _world_decode_leaders(prefill: WorkerRecord, others: list[WorkerRecord]) -> list[WorkerRecord]:
+    """The leaders a node-world prefill group hands off to: its world's decode groups (hybrid ones when it has
+    none), ready ones of the same world generation."""
+    s = prefill.stats
+    same = [
+        d
+        for d in others
+        if d.stats.in_world
+        and d.stats.leader
+        and d.stats.state == "ready"
+        and d.stats.node_id == s.node_id
+        and d.stats.generation == s.generation
+    ]
+    return [d for d in same if d.stats.role == "decode"] or [d for d in same if d.stats.role == "hybrid"]
 
 
 def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[WorkerRecord]) -> tuple[str, tuple[int, ...]]:

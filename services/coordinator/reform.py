@@ -267,7 +267,7 @@ class ReformAgent:
                     group_id_of(node_id, g.start, g.tp),
                     g.start,
                     g.tp,
-                    "hybrid",
+                    g.role,
                     tuple(by_device[d] for d in range(g.start, g.start + g.tp)),
                 )
                 for g in target.groups

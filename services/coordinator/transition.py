@@ -24,6 +24,7 @@ import time
 
 from nitsum.bus import BusError
 from nitsum.policy.decisions import Topology
+from nitsum.policy.snapshot import ROLES
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import GroupAssignment, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare
 from nitsum.wire.node import group_id_of
@@ -34,6 +35,10 @@ PREPARE_TIMEOUT_S = 90.0
 COMMIT_TIMEOUT_S = 90.0
 # Abort acks are awaited in the background: a survivor answers only once its failed collective returned.
 ABORT_TIMEOUT_S = 90.0
+
+
+def roles_of(topology: Topology) -> tuple[str, ...]:
+    return tuple(g.role for g in topology.groups)
 
 
 class TransitionError(Exception):
@@ -78,7 +83,8 @@ class TransitionAgent:
         for r in self.node_records(node_id):
             s = r.stats
             start = s.device_index - s.device_index % s.tp
-            groups[start] = GroupSpec(start, s.tp, "hybrid")
+            if start not in groups or s.leader:  # the leader reports its group's role
+                groups[start] = GroupSpec(start, s.tp, s.role if s.role in ROLES else "hybrid")
         return Topology(tuple(groups[k] for k in sorted(groups)))
 
     def check(self, node_id: str, target: Topology) -> list:
@@ -109,7 +115,7 @@ class TransitionAgent:
                 await asyncio.wait(set(self._abort_tasks), timeout=ABORT_TIMEOUT_S)
             records = self.check(node_id, target)
             current = self.current(node_id)
-            if current.shape() == target.shape():
+            if current.shape() == target.shape() and roles_of(current) == roles_of(target):
                 return {"ok": True, "node_id": node_id, "topology": str(target), "changed": False}
             leaders = [r for r in records if r.stats.leader]
             epoch = max([self.epoch] + [r.stats.epoch for r in records]) + 1
@@ -119,7 +125,7 @@ class TransitionAgent:
                     group_id_of(node_id, g.start, g.tp),
                     g.start,
                     g.tp,
-                    "hybrid",
+                    g.role,
                     tuple(by_device[d] for d in range(g.start, g.start + g.tp)),
                 )
                 for g in target.groups
@@ -179,6 +185,7 @@ class TransitionAgent:
                         "group_id": group_id_of(node_id, g.start, g.tp),
                         "leader": r.stats.device_index == g.start,
                         "epoch": epoch,
+                        "role": g.role,
                     }
                 )
             report = {

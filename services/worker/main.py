@@ -35,6 +35,8 @@ from nitsum.config import WorkerConfig
 from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import (
     AbortRequest,
+    NodeHandoffCommit,
+    NodeHandoffOffer,
     NodeReform,
     RoleChange,
     RunRequest,
@@ -46,6 +48,7 @@ from nitsum.wire.messages import (
 from nitsum_services.worker.boot import build_backend, build_engine  # noqa: F401 (build_engine: nitsum bench gateway)
 from nitsum_services.worker.kv_net import KvNet
 from nitsum_services.worker.migration_flows import MigrationDriver
+from nitsum_services.worker.node_handoff import NodeHandoffs
 from nitsum_services.worker.peer_loss import PeerLossGuard
 from nitsum_services.worker.service import WorkerService
 from nitsum_services.worker.session import WorkerSession
@@ -54,12 +57,20 @@ from nitsum_services.worker.transfer import MAX_IN_FLIGHT, NODE_MAX_IN_FLIGHT, K
 log = logging.getLogger("nitsum.worker")
 
 DRAIN_TIMEOUT_S = 30.0
-CONTROL_MESSAGES = (TopologyPrepare, TopologyCommit, TopologyAbort, RoleChange, NodeReform, StreamOffset)
+CONTROL_MESSAGES = (
+    TopologyPrepare,
+    TopologyCommit,
+    TopologyAbort,
+    RoleChange,
+    NodeReform,
+    StreamOffset,
+)
 
 
 def engine_role_of(config: WorkerConfig, service_name: str) -> str:
     """A standalone prefill worker prefills and hands off (P/D); every other group serves whole requests
-    (hybrid) and adopts hand-offs. Node-world workers stay hybrid: their groups change at run time."""
+        (hybrid) and adopts hand-offs. Node-world workers start hybrid: their groups' roles come with the topology
+    (`TopologyPrepare`)."""
     role = config.role or ("prefill" if service_name == "prefill-worker" else "decode")
     return "prefill" if role == "prefill" and config.node_size <= 1 else "hybrid"
 
@@ -83,8 +94,9 @@ async def build_service(ctx: ServiceContext, service_name: str) -> WorkerService
     mover = KvMover(session, agent, bus, worker_id, ctx.metrics, net=net)
     migrations = MigrationDriver(session, agent, worker_id, ctx.metrics, config.tp_migration_budget_ms)
     mover.corrupt = config.fault_kv_corrupt
-    session.on_handoff = mover.hand_off
-    service = WorkerService(ctx, session, agent, mover, migrations)
+    handoffs = NodeHandoffs(session, bus, worker_id, ctx.metrics)
+    service = WorkerService(ctx, session, agent, mover, migrations, handoffs)
+    session.on_handoff = service.on_handoff
     session.on_topology_change = service.publish_stats
     if isinstance(backend, PeerLossGuard):
         backend.on_dropped = service.requeue
@@ -111,6 +123,12 @@ def make_body(service_name: str):
         await bus.nc.subscribe(bus.subjects.coordinator_up, cb=service.on_coordinator_up)
         await service.agent.start()
         await service.mover.start()
+        await bus.subscribe(
+            bus.subjects.worker_handoff(worker_id),
+            service.on_handoff_message,
+            expected=(NodeHandoffOffer, NodeHandoffCommit),
+            concurrent=True,
+        )
         engine_stop = asyncio.Event()
         tasks = {ctx.spawn(service.session.run(engine_stop), "engine"), ctx.spawn(service.heartbeat(), "heartbeat")}
         await service.publish_stats()

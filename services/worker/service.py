@@ -2,7 +2,8 @@
 
 The worker's role lives in one place, its engine (`Engine.role`: what the scheduler does with a finished
 request); `WorkerService.role` reads it, the admin `role` command changes it at a step boundary, and the
-session asks the same engine. Node-world workers serve hybrid groups (their roles change with the topology).
+session asks the same engine. A node-world worker reports its group's role, which changes with the topology
+(Prepare/Commit); its P/D hand-offs go to the decode groups of its world (node_handoff.py).
 Wiring (what is built at boot, the subscription table, the loops) is in main.py.
 """
 
@@ -18,6 +19,7 @@ from nitsum.node.messages import NodeCommand
 from nitsum.service import ServiceContext
 from nitsum.wire.messages import (
     AbortRequest,
+    NodeHandoffOffer,
     NodeReform,
     RoleChange,
     RunAck,
@@ -33,6 +35,7 @@ from nitsum.wire.node import group_id_of
 from nitsum_services.worker.backend import NodeBackend
 from nitsum_services.worker.boot import die_if_told, join_generation
 from nitsum_services.worker.migration_flows import MigrationDriver
+from nitsum_services.worker.node_handoff import NodeHandoffs
 from nitsum_services.worker.peer_loss import PeerLossGuard, reform_refusal
 from nitsum_services.worker.session import WorkerSession
 from nitsum_services.worker.transfer import KvMover, TransferAgent
@@ -53,12 +56,14 @@ class WorkerService:
         agent: TransferAgent,
         mover: KvMover,
         migrations: MigrationDriver,
+        handoffs: NodeHandoffs,
     ) -> None:
         self.ctx = ctx
         self.config: WorkerConfig = ctx.config
         self.worker_id = self.config.resolved_worker_id()
         self.instance_id = uuid.uuid4().hex[:12]
         self.session, self.agent, self.mover, self.migrations = session, agent, mover, migrations
+        self.handoffs = handoffs  # P/D between the groups of this worker's node world
         self.state = "ready"  # "draining", then "stopped"
         self.reforming = 0  # the node world generation being formed here (0: none)
         self.fetches: set[asyncio.Task] = set()
@@ -66,8 +71,11 @@ class WorkerService:
 
     @property
     def role(self) -> str:
-        engine = self.session.backend.engine
-        return engine.role if engine is not None and not self.session.backend.in_world else "hybrid"
+        backend = self.session.backend
+        if backend.in_world:  # its group's, as the last commit set it (a peer's too)
+            return backend.runtime.role
+        engine = backend.engine
+        return engine.role if engine is not None else "hybrid"
 
     # -- stats --------------------------------------------------------------------------------------
     def stats_message(self) -> WorkerStats:
@@ -102,9 +110,9 @@ class WorkerService:
             in_world=backend.in_world,
             leader=backend.is_leader,
             block_size=config.block_size,
-            num_kv_imported=mover.num_imported,
+            num_kv_imported=mover.num_imported + self.handoffs.num_adopted,
             num_reused_blocks=mover.num_reused_blocks,
-            num_transfer_failures=mover.num_failures,
+            num_transfer_failures=mover.num_failures + self.handoffs.num_failed,
             node_size=config.node_size if config.node_size > 1 else 0,
             generation=backend.generation,
         )
@@ -134,10 +142,15 @@ class WorkerService:
         if self.state != "ready":
             return RunAck(rid, self.worker_id, False, f"worker is {self.state}")
         problem = session.validate(run)
-        if not problem and self.role == "prefill" and not run.decode_worker:
+        in_world = session.backend.in_world
+        if not problem and self.role == "prefill" and not run.decode_worker and not in_world:
             problem = "a prefill worker runs requests only with a decode worker to hand them to"
-        if not problem and (run.decode_worker or run.reuse_from) and session.backend.in_world:
-            problem = "KV hand-offs need a standalone worker"
+        if not problem and in_world and run.decode_worker and self.role != "prefill":
+            problem = "only a prefill group hands requests to a decode worker"
+        if not problem and in_world and run.decode_worker and not self.handoffs.reaches(run.decode_worker):
+            problem = f"{run.decode_worker} is not the leader of a decode group of this node world"
+        if not problem and run.reuse_from and in_world:
+            problem = "stage-1 prefix fetches need a standalone worker"
         if problem:
             return RunAck(rid, self.worker_id, False, problem)
         if run.reuse_from and run.reuse_hashes:
@@ -164,6 +177,21 @@ class WorkerService:
             finally:
                 # Whatever the fetch did, the request runs: at worst it computes its whole prompt.
                 self.session.start_held(req.request_id)
+
+    # -- P/D: the session's callback once a prefill finished, and worker.<id>.handoff ------------------
+    async def on_handoff(self, running) -> None:
+        """The session's P/D callback: a node-world group hands off inside its world, a standalone worker over
+        the KV mover."""
+        if self.session.backend.in_world:
+            await self.handoffs.hand_off(running)
+        else:
+            await self.mover.hand_off(running)
+
+    async def on_handoff_message(self, msg, _delivery):
+        """A prefill group of this worker's node world offers a request (reserve) or commits / cancels it."""
+        if isinstance(msg, NodeHandoffOffer):
+            return await self.handoffs.on_offer(msg)
+        return await self.handoffs.on_commit(msg)
 
     # -- worker.<id>.control --------------------------------------------------------------------------
     async def on_control(self, msg, _delivery) -> TopologyAck | None:
@@ -192,7 +220,7 @@ class WorkerService:
                 0,
                 False,
                 "role",
-                "workers in a node world serve hybrid groups; change the topology instead",
+                "a node-world group's role changes with its topology: use set-topology (e.g. [0-1 TP2 prefill])",
             )
         previous = self.role
         # At a step boundary: requests already admitted finish under the rules they started with.
@@ -275,7 +303,12 @@ class WorkerService:
                 "this worker is not in a node world (NITSUM_NODE_SIZE; a restarted one waits for the "
                 "node's re-formation)"
             )
-        groups = tuple(sorted((g.start, g.tp) for g in msg.groups)) if phase == "prepare" else ()
+        assigned = sorted(msg.groups, key=lambda g: g.start) if phase == "prepare" else []
+        groups = tuple((g.start, g.tp) for g in assigned)
+        if any(g.role not in ROLES for g in assigned):
+            return refuse(f"unknown role in {[g.role for g in assigned]}; roles: {', '.join(ROLES)}")
+        roles = tuple(g.role for g in assigned)
+        leaders = tuple(g.worker_ids[0] if g.worker_ids else "" for g in assigned)
         refused = backend.refusal(phase, msg.epoch, groups) if isinstance(backend, PeerLossGuard) else ""
         if refused:
             return refuse(refused)
@@ -293,7 +326,8 @@ class WorkerService:
         with self.ctx.tracer.start_as_current_span(f"worker.topology.{phase}", attributes=attributes) as span:
             try:
                 ack = await asyncio.wait_for(
-                    self.session.control(NodeCommand(phase, msg.epoch, groups)), CONTROL_TIMEOUT_S
+                    self.session.control(NodeCommand(phase, msg.epoch, groups, roles=roles, leaders=leaders)),
+                    CONTROL_TIMEOUT_S,
                 )
                 if ack.pending:  # KV pre-copy runs between decode steps, under stage-M flow permits
                     ack = await asyncio.wait_for(self.migrations.drive(msg, ack), CONTROL_TIMEOUT_S)

@@ -116,6 +116,12 @@ class WorkerSession:
         engine = self.backend.engine
         return engine is not None and engine.role == "prefill"
 
+    @property
+    def world_prefill(self) -> bool:
+        """A prefill group of a node world: every request it pins at its first token goes to a decode group of
+        the world (the coordinator's choice when it named one, else the node's)."""
+        return self.backend.in_world and self.prefill_role
+
     def validate(self, run: RunRequest) -> str:
         """Why this request cannot run here ("" when it can)."""
         req = run.request
@@ -500,7 +506,7 @@ class WorkerSession:
         # P/D: a prefill worker's run ends at the first token; unless the request itself is done then
         # (a stop token, or max_tokens reached), it continues on the decode worker.
         handoff = bool(
-            state.decode_worker
+            (state.decode_worker or self.world_prefill)
             and out.finished
             and out.finish_reason == "length"
             and state.next_index + len(tokens) < state.max_tokens

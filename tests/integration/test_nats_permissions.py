@@ -190,6 +190,7 @@ async def test_a_worker_identity_reads_and_writes_only_its_own_subjects(worker_n
             "nitsum.flow.submit",
             f"nitsum.worker.{other}.kv",
             f"nitsum.worker.{other}.kvfetch",
+            f"nitsum.worker.{other}.handoff",
         ):
             assert not await _publish_denied(nc, errors, subject), subject
         for subject in (

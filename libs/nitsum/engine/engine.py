@@ -134,6 +134,31 @@ class Engine:
 
         return migration.import_request(self, export)
 
+    # -- P/D between groups of one node world (any TP: the KV moves cache to cache, nitsum.node.handoff) ---
+    def handoff_source(self, request_id: str) -> tuple[dict, int, list[int]]:
+        """(state, KV tokens, the blocks holding them) of a pinned request about to be handed off."""
+        from nitsum.engine import migration
+
+        return migration.handoff_source(self, request_id)
+
+    def reserve_handoff(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Blocks for a request handed here; None when the pool has no room now."""
+        from nitsum.engine import migration
+
+        return migration.reserve_handoff(self, request_id, num_tokens)
+
+    def drop_handoff(self, request_id: str) -> bool:
+        """Free a reservation whose hand-off did not complete."""
+        from nitsum.engine import migration
+
+        return migration.drop_handoff(self, request_id)
+
+    def adopt_handoff(self, state: dict, num_tokens: int) -> None:
+        """Decode a handed-off request whose KV was written into its reserved blocks."""
+        from nitsum.engine import migration
+
+        migration.adopt_handoff(self, state, num_tokens)
+
     # -- request state: what a TP change reads and installs (nothing outside engine/ reads its fields) --------
     @property
     def role(self) -> str:
@@ -293,7 +318,9 @@ class Engine:
                 if params.stop and self._cut_stop_string(seq, len(tail)):
                     finish = "stop"
 
-        pin = self.cfg.role == "prefill"
+        # Only at a request's first token here: one that was past it when its group turned prefill (a role
+        # change) finishes under the rules it started with.
+        pin = self.cfg.role == "prefill" and seq.num_output_tokens == 1
         if pin and finish is None:
             finish = "length"  # a prefill worker's request ends at its first token
         finished = finish is not None

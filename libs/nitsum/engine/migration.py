@@ -263,3 +263,41 @@ def import_request(engine: Any, export: KVExport) -> bool:
     group = Group(0, 1)
     install_state(engine, state, Placement(rid, group, group, tuple(block_ids), export.num_tokens), kv_adopted=True)
     return True
+
+
+# -- P/D between two groups of one node world: the KV moves cache to cache (nitsum.node.handoff) -------------
+def handoff_source(engine: Any, request_id: str) -> tuple[dict[str, Any], int, list[int]]:
+    """A pinned (prefilled) request's state, its KV tokens and the blocks holding them, any TP."""
+    seq = engine._seqs.get(request_id)
+    if seq is None or not engine.kv.has(request_id):
+        raise KeyError(f"request {request_id!r} holds no KV here")
+    blocks = engine.kv.block_table(request_id)[: engine.kv.blocks_for(seq.num_computed_tokens)]
+    return export_state(engine, seq), seq.num_computed_tokens, list(blocks)
+
+
+def reserve_handoff(engine: Any, request_id: str, num_tokens: int) -> list[int] | None:
+    """Blocks for a request about to be handed here (its KV is written into them from outside); None: no room."""
+    if request_id in engine._seqs or engine.kv.has(request_id):
+        raise ValueError(f"duplicate request id {request_id!r}")
+    return engine.kv.allocate(request_id, num_tokens)
+
+
+def drop_handoff(engine: Any, request_id: str) -> bool:
+    """A reservation whose hand-off never completed: its blocks go back. False when there is none."""
+    if request_id in engine._seqs:
+        return False
+    return engine.kv.free(request_id)
+
+
+def adopt_handoff(engine: Any, state: dict[str, Any], num_tokens: int) -> None:
+    """The request whose KV landed in its reserved blocks decodes here from its first token on."""
+    rid = state["id"]
+    if rid in engine._seqs or not engine.kv.has(rid):
+        raise ValueError(f"request {rid!r} has no reservation here")
+    state = dict(state)
+    state["status"] = Status.RUNNING.value
+    state["computed"] = num_tokens
+    state["prefill_target"] = num_tokens
+    blocks = tuple(engine.kv.block_table(rid))
+    group = Group(0, 1)
+    install_state(engine, state, Placement(rid, group, group, blocks, num_tokens), kv_adopted=True)

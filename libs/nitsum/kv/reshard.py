@@ -282,6 +282,15 @@ def _transfers(
     )
 
 
+def handoff_transfers(
+    src: Group, dst: Group, src_blocks: Sequence[int], dst_blocks: Sequence[int], geo: KVGeometry
+) -> tuple[Transfer, ...]:
+    """One request's KV from group `src` to another group `dst` of the same node (a P/D hand-off): the same
+    per-worker head runs a TP change moves, for these blocks only."""
+    assert len(src_blocks) == len(dst_blocks), "one destination block per source block"
+    return _transfers([(src, dst, src_blocks, dst_blocks)], geo)
+
+
 def plan_prepare(
     old: Topology,
     new: Topology,

@@ -106,6 +106,12 @@ class NodeRuntime:
         self.last_prepare_timings_ms: dict[str, float] = {}
         self.last_commit_timings_ms: dict[str, float] = {}  # the same for the last commit (see `Transition.commit`)
         self.world_lost = ""  # why this worker left the node world ("" while it is in it)
+        # Each group's role and leader's worker id, as the last commit set them ((start, tp) -> ...); the
+        # prepared epoch's until its commit. A group not listed is hybrid.
+        self.roles: dict[tuple[int, int], str] = {}
+        self.leaders: dict[tuple[int, int], str] = {}
+        self._prepared_roles: tuple[int, dict, dict] | None = None
+        self.handoff_handles: tuple[int, tuple[str, ...]] | None = None  # (epoch, this group's arena handles)
         self._start_serving(weights, engine)
 
     def _start_serving(self, weights: dict[str, torch.Tensor], engine: Engine | None) -> None:
@@ -202,6 +208,16 @@ class NodeRuntime:
         self._broadcast(cmd)
         return self.apply(cmd)
 
+    def broadcast(self, cmd: NodeCommand) -> None:
+        """Leader: send a command to the group's peers (they run it as they follow)."""
+        self._broadcast(cmd)
+
+    @property
+    def role(self) -> str:
+        """This worker's group's role ("hybrid" unless a commit said otherwise)."""
+        g = self.group
+        return self.roles.get((g.start, g.tp), "hybrid")
+
     def _broadcast(self, cmd: NodeCommand) -> None:
         tp_group = self._tp_group(self.group)
         if tp_group.size > 1:
@@ -237,11 +253,23 @@ class NodeRuntime:
     # -- the transition commands ----------------------------------------------------------------------
     def apply(self, cmd: NodeCommand) -> TransitionAck:
         if cmd.kind == "prepare":
+            pairs = [tuple(g) for g in cmd.groups]
+            self._prepared_roles = (cmd.epoch, dict(zip(pairs, cmd.roles)), dict(zip(pairs, cmd.leaders)))
             ack = self.prepare(cmd.epoch, Topology.of(self.world.size, cmd.groups))
         elif cmd.kind == "commit":
             ack = self.commit(cmd.epoch)
+            if ack.ok:
+                self._take_roles(cmd.epoch)
         elif cmd.kind == "abort":
             ack = self.abort(cmd.epoch)
+        elif cmd.kind in ("handles", "handoff"):
+            from nitsum.node import handoff
+
+            if cmd.kind == "handles":
+                handoff.gather_handles(self)
+                ack = TransitionAck(cmd.epoch, True, "handles")
+            else:
+                ack = handoff.copy(self, cmd)
         else:
             return TransitionAck(cmd.epoch, True, "precopy", "", 0.0, self._run_precopy(cmd))
         self.last_ack = ack
@@ -269,6 +297,15 @@ class NodeRuntime:
         if self.transition is None or self.transition.epoch != epoch:
             return TransitionAck(epoch, False, "commit", f"epoch {epoch} was not prepared")
         return self.transition.commit()
+
+    def _take_roles(self, epoch: int) -> None:
+        """Commit: the epoch's roles are this node's now; a leader's engine follows its group's (requests it
+        holds finish under the rules they started with: a prefill engine only pins at a first token)."""
+        prepared, self._prepared_roles = self._prepared_roles, None
+        roles, leaders = (prepared[1], prepared[2]) if prepared is not None and prepared[0] == epoch else ({}, {})
+        self.roles, self.leaders = roles, leaders
+        if self.engine is not None and self.engine.role != self.role:
+            self.engine.set_role(self.role)
 
     def abort(self, epoch: int) -> TransitionAck:
         # An abort of a later epoch also ends an older prepare still held here (its own abort was lost): the
@@ -396,11 +433,15 @@ class NodeRuntime:
         assert 1 in self.world.levels, "a fallback to TP=1 needs TP=1 among the node's levels (NITSUM_MIN_TP=1)"
         self.close()
         self.world_lost = reason
+        self.roles, self.leaders, self._prepared_roles = {}, {}, None  # standalone: a hybrid worker
         old = self.group
         solo = Group(self.rank, 1)
         self.topology = Topology.uniform(self.world.size, 1)
         if old.tp == 1 and self.engine is not None:
             dropped = []
+            self.engine.set_role(
+                "hybrid"
+            )  # what it holds finishes as it started (a prefill pins only at a first token)
         else:
             dropped = sorted(self.engine.request_ids()) if self.engine is not None else []
             self.runner = self.pool.runner(solo)

@@ -23,6 +23,7 @@ import torch
 
 from nitsum.engine import migration
 from nitsum.engine.runner import ModelRunner
+from nitsum.engine.sequence import Status
 from nitsum.kv.reshard import (
     Group,
     ReshardPlan,
@@ -307,6 +308,11 @@ class Transition:
             engine.resume_at_step(max(s.step_id for s in shares))
             placements = {p.request_id: p for p in delta.placements if p.dst_group == self.my_new}
             states = [st for s in shares for st in msgpack.unpackb(s.states, raw=False) if st["id"] in placements]
+            for st in states:
+                if st["status"] == Status.PINNED.value:
+                    # A P/D hand-off the change cut short (its source engine is gone): it decodes on here, and
+                    # the old leader's hand-off gives up (`nitsum.node.handoff.source` no longer finds it pinned).
+                    st["status"] = Status.RUNNING.value
             engine.install_states(states, placements)
             # Quick: a fresh pool (the full check walks every block: 3-5 ms of a tiny model's TP4 commit).
             engine.check_integrity(quick=True)

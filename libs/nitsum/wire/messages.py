@@ -9,7 +9,9 @@ Channels (see subjects.py):
                  TokenChunk (worker → gateway, one subject per request), AbortRequest (anyone → workers)
   membership     WorkerStats (worker → coordinator, heartbeat), WorkerLost (coordinator → gateways)
   topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers),
-                 NodeReform → TopologyAck (a node world re-formed after it lost a member), StreamOffset
+                 NodeReform → TopologyAck (a node world re-formed after it lost a member), StreamOffset,
+                 NodeHandoffOffer → NodeHandoffReady and NodeHandoffCommit → TopologyAck (P/D between two
+                 groups of one node world: prefill leader ↔ decode leader, on worker.<id>.handoff)
   flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler), FlowSubmitBatch →
                  FlowPermitBatch (one round trip for every flow of a request), LayerProgress (prefill worker →
                  flow-scheduler at layer boundaries), FlowPruned (flow-scheduler → gateways: retry the request)
@@ -497,6 +499,49 @@ class ErrorReply:
     details: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class NodeHandoffOffer:
+    """Prefill group leader → decode group leader of the same node world (`worker.<id>.handoff`): reserve blocks
+    for `num_tokens` KV tokens of this request; they will be written straight into your group's caches."""
+
+    KIND: ClassVar[str] = "node_handoff_offer"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    src_worker: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class NodeHandoffReady:
+    """The decode leader's answer: the reserved blocks, its group (start, tp) and its members' arena handles."""
+
+    KIND: ClassVar[str] = "node_handoff_ready"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    ok: bool
+    reason: str = ""
+    start: int = 0
+    tp: int = 1
+    block_ids: tuple[int, ...] = ()
+    handles: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeHandoffCommit:
+    """Prefill leader → decode leader: the KV landed (`ok`), adopt the request (`state`: its engine state,
+    msgpack) and stream it from output index `produced`; or (not `ok`) drop the reservation. Answered by a
+    TopologyAck (phase "handoff")."""
+
+    KIND: ClassVar[str] = "node_handoff_commit"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    ok: bool
+    state: bytes = b""
+    num_tokens: int = 0
+    prompt_len: int = 0
+    produced: int = 0
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     SamplingSpec,
     SubmitRequest,
@@ -513,6 +558,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     TopologyAbort,
     NodeReform,
     StreamOffset,
+    NodeHandoffOffer,
+    NodeHandoffReady,
+    NodeHandoffCommit,
     RoleChange,
     TopologyAck,
     FlowSubmit,

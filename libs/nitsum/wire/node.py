@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-COMMAND_KINDS = ("prepare", "commit", "abort", "precopy")
+COMMAND_KINDS = ("prepare", "commit", "abort", "precopy", "handles", "handoff")
+ROLES = ("prefill", "decode", "hybrid")
 
 
 def group_id_of(node_id: str, start: int, tp: int) -> str:
@@ -31,7 +32,7 @@ class NodeCommand:
     """A topology command as it travels inside a control step plan."""
 
     KIND: ClassVar[str] = "node_command"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
     kind: str
     epoch: int
@@ -39,10 +40,31 @@ class NodeCommand:
     chunks: tuple[tuple[int, ...], ...] = ()  # precopy: (flow index, chunk index) items to run now
     # precopy: (flow index, DSCP of its permit's level); a flow not here goes across hosts at the lowest level's
     classes: tuple[tuple[int, ...], ...] = ()
+    # prepare: each new group's role, in the order of `groups` (empty: every group hybrid), and the worker id
+    # of each new group's leader (empty: unknown) -- a prefill group's leader hands its requests to a decode one
+    roles: tuple[str, ...] = ()
+    leaders: tuple[str, ...] = ()
+    # handoff (P/D inside the node world; `groups` holds the destination group as its one pair): the request,
+    # its block table in this group's pool, its table in the destination's pool, the destination members'
+    # arena handles (in member order) and the KV tokens moved
+    request_id: str = ""
+    blocks: tuple[int, ...] = ()
+    dst_blocks: tuple[int, ...] = ()
+    handles: tuple[str, ...] = ()
+    num_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in COMMAND_KINDS:
             raise ValueError(f"unknown node command {self.kind!r}")
+        if self.roles and len(self.roles) != len(self.groups):
+            raise ValueError(f"roles: one per group, got {len(self.roles)} for {len(self.groups)} groups")
+        if self.leaders and len(self.leaders) != len(self.groups):
+            raise ValueError(f"leaders: one per group, got {len(self.leaders)} for {len(self.groups)} groups")
+        for role in self.roles:
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+        if self.kind == "handoff" and (len(self.groups) != 1 or len(self.blocks) != len(self.dst_blocks)):
+            raise ValueError("handoff: one destination group and as many destination blocks as source blocks")
         for name in ("groups", "chunks", "classes"):
             _pairs(name, getattr(self, name))
             object.__setattr__(self, name, tuple((int(a), int(b)) for a, b in getattr(self, name)))

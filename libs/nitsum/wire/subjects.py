@@ -51,6 +51,11 @@ class Subjects:
         """worker → the worker holding a prefix (request/reply): KvFetch → KvFetchReply."""
         return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.kvfetch"
 
+    def worker_handoff(self, worker_id: str) -> str:
+        """a node-world prefill leader → a decode leader of its world (request/reply): NodeHandoffOffer →
+        NodeHandoffReady, NodeHandoffCommit → TopologyAck (the KV itself moves cache to cache)."""
+        return f"{self.namespace}.worker.{check_token(worker_id, 'worker id')}.handoff"
+
     def stream(self, request_id: str, worker_id: str = "*") -> str:
         """worker → gateway: TokenChunk frames of one request, `<ns>.stream.<worker id>.<request id>`. A worker
         publishes under its own id (with per-worker NATS identities it may publish nowhere else), so the
