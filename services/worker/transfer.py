@@ -13,8 +13,8 @@ host; `nitsum.transfer.shm`), the small handle over NATS (`worker.<id>.kv`, KvLa
 - KV reuse (stage 1): a worker about to prefill asks the worker holding the prompt's prefix
   (`worker.<id>.kvfetch`); the holder pushes the cached blocks back, the asker imports them into its prefix
   cache, and its engine then computes only the rest of the prompt.
-Cross-host transfers (TCP per class with the permit's DSCP, `nitsum.transfer.tcp`) are not wired here yet:
-P/D and reuse pairs are chosen within one node.
+Cross-host transfers (TCP per class with the permit's DSCP, as `nitsum.transfer.kv_tcp` does for TP changes)
+are not wired here yet: P/D and reuse pairs are chosen within one node.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import struct
 import msgpack
 import pytest
 
+from nitsum.bench.flow_tcp import MemorySink, TcpTransferReceiver, TcpTransferSender
 from nitsum.policy.flows import DSCP_TABLE
 from nitsum.transfer.framing import (
     PREFIX,
@@ -21,7 +22,6 @@ from nitsum.transfer.framing import (
     encode_frame,
 )
 from nitsum.transfer.shm import SEGMENT_PREFIX, ShmHandle, ShmPublisher, receive
-from nitsum.transfer.tcp import MemorySink, TcpTransferReceiver, TcpTransferSender
 
 
 def whole(header: FrameHeader, payload: bytes = b"") -> bytes:

@@ -19,8 +19,8 @@ import asyncio
 import json
 import sys
 
+from nitsum.bench.flow_tcp import MemorySink, TcpTransferReceiver, TcpTransferSender
 from nitsum.transfer.framing import TransferError
-from nitsum.transfer.tcp import MemorySink, TcpTransferReceiver, TcpTransferSender
 
 TICK_MS = 5.0  # replay's scheduler tick (MLU re-evaluation grid)
 

@@ -26,7 +26,8 @@ from nitsum.node import kv_segment
 from nitsum.node.build import RunnerBuild
 from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows
 from nitsum.transfer.framing import TransferError
-from nitsum.transfer.kv_tcp import STAGE_M_DSCP, KvLinks
+from nitsum.transfer.kv_link import KvLinks
+from nitsum.transfer.kv_tcp import STAGE_M_DSCP
 
 if TYPE_CHECKING:
     from nitsum.node.transition import Transition

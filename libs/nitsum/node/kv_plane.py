@@ -15,7 +15,8 @@ import threading
 from nitsum.node import kv_hosts, kv_segment
 from nitsum.parallel import shm_collectives as shm_collectives_lib
 from nitsum.parallel.world import NodeWorld
-from nitsum.transfer.kv_tcp import THREAD_PREFIX, KvReceiver, open_kv_sockets
+from nitsum.transfer.kv_receiver import KvReceiver
+from nitsum.transfer.kv_tcp import THREAD_PREFIX, open_kv_sockets
 
 log = logging.getLogger("nitsum.node.kv_plane")
 

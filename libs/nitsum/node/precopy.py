@@ -37,7 +37,8 @@ import torch
 
 from nitsum.kv.reshard import Transfer
 from nitsum.transfer.framing import TransferError
-from nitsum.transfer.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
+from nitsum.transfer.kv_link import KvLinks
+from nitsum.transfer.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP
 
 # ~2-3 ms of gather-copy on a loaded CPU core (measured ~1.5-2 GiB/s): a small bump on a 25-40 ms decode
 # step of the ~27M-param model, and few enough chunks that pre-copy spans only a handful of steps.

@@ -39,7 +39,7 @@ from nitsum.node.gate import PreCopyGate
 from nitsum.node.kv_paths import KvPath, path_for, serve_remote_sources
 from nitsum.node.messages import TransitionAck, kv_entry, request_kv
 from nitsum.node.precopy import PreCopy
-from nitsum.transfer.kv_tcp import KvLinks
+from nitsum.transfer.kv_link import KvLinks
 from nitsum.wire import codec
 from nitsum.wire.node import Agreement, CommitShare, PrepareShare
 

@@ -1,5 +1,6 @@
-"""KV data plane: framing (msgpack header + CRC32), TCP per priority class with DSCP, shared memory.
+"""KV data plane: framing (msgpack header + CRC32), one TCP plane with a connection per DSCP class, shared memory.
 
-Bulk KV bytes never travel over NATS. `kv_tcp` is the TCP plane the node runtime uses between hosts (its
-receiver writes into torch KV caches); the rest imports neither torch nor NATS (tensors go in as buffers).
+Bulk KV bytes never travel over NATS. The one TCP plane: `kv_tcp` (protocol, frames, classes), `kv_link` (the
+source's end) and `kv_receiver` (the destination's, writing into torch KV caches). The namespace testbed's
+async flow sender (`nitsum.bench.flow_tcp`) is a benchmark tool, not a data plane of the mesh.
 """
