@@ -136,3 +136,13 @@ def test_benchmarks_are_imported_by_no_service_or_library_package():
                 if any(n == "nitsum.bench" or n.startswith("nitsum.bench.") for n in names):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert bad == [], f"imports of nitsum.bench: {bad}"
+
+
+def test_one_group_id_function_for_the_mesh_the_node_world_and_the_simulator():
+    """Workers, the coordinator and the simulator name groups with one function, in one format."""
+    from nitsum.policy import snapshot
+    from nitsum.wire import node
+
+    assert node.group_id_of is snapshot.group_id_of
+    assert snapshot.group_id_of("n0", 4, 2) == "n0-g4-tp2"
+    assert not hasattr(snapshot, "group_id_for")

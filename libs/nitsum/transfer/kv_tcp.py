@@ -1,7 +1,7 @@
 """A TP transition's KV across hosts: the transfer data plane's framing over TCP, one connection per DSCP class.
 
 Workers of one host write migrated blocks straight into each other's new caches (shared memory,
-`kv_segment`). A source on another host cannot: it sends each chunk to the destination's `KvReceiver`,
+`nitsum.transfer.shm`). A source on another host cannot: it sends each chunk to the destination's `KvReceiver`,
 which writes it into the new cache and acks *after* the write. A source counts a chunk done only on its
 ack, so when every source of a commit has its acks the delta has landed everywhere and the barrier after it
 is safe.
