@@ -146,6 +146,8 @@ def stack_layers(layers: Mapping[int, bytes], dtype: str, layer_shape: SequenceA
     torch_dtype = getattr(torch, str(dtype), None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"not a torch dtype: {dtype!r}")
+    if sorted(layers) != list(range(len(layers))):
+        raise ValueError(f"layers {sorted(layers)[:8]} are not 0..{len(layers) - 1}")
     parts = [
         torch.frombuffer(bytearray(layers[i]), dtype=torch.uint8).view(torch_dtype).view(list(layer_shape))
         for i in range(len(layers))
