@@ -72,7 +72,6 @@ def build_backend(config: WorkerConfig, role: str):
     if config.node_size <= 1:
         return PlainBackend(build_engine(config, role), config.device_index)
     from nitsum.kv.reshard import Topology
-    from nitsum.parallel.world import NodeWorld
 
     if config.min_tp != 1:
         # Node workers boot as one TP=1 group each (and a re-formed world adopts TP=1 engines).
@@ -83,16 +82,7 @@ def build_backend(config: WorkerConfig, role: str):
     cfg = _engine_config(config, role)
     if config.node_standby:
         return build_standby(config, cfg)
-    world = NodeWorld(
-        config.device_index,
-        config.node_size,
-        config.node_master_addr,
-        config.node_master_port,
-        device=config.device,
-        min_tp=config.min_tp,
-        max_tp=config.max_tp,
-        timeout_s=config.world_timeout_s,
-    )
+    world = node_world(config)
     weights = node_weights(config, cfg, world.device)
     runtime = node_runtime(config, world, cfg, weights, Topology.uniform(config.node_size, 1))
     engine = runtime.engine
@@ -170,24 +160,30 @@ def build_standby(config: WorkerConfig, cfg) -> StandbyBackend:
     return StandbyBackend(Engine(cfg, runner=runner), config.device_index, weights, cfg)
 
 
+def node_world(config: WorkerConfig, generation: int = 0):
+    """This worker's node world (generation `generation`: 0 at boot, more after a re-formation)."""
+    from nitsum.parallel.world import NodeWorld
+
+    return NodeWorld(
+        config.device_index,
+        config.node_size,
+        config.node_master_addr,
+        config.node_master_port,
+        device=config.device,
+        min_tp=config.min_tp,
+        max_tp=config.max_tp,
+        timeout_s=config.world_timeout_s,
+        generation=generation,
+    )
+
+
 def join_generation(config: WorkerConfig, backend, generation: int):
     """Background thread: build world `generation` of this worker's node and a NodeRuntime over it that
     adopts the backend's TP=1 engine (peer_loss.form_generation). Returns the new PeerLossGuard."""
     from nitsum.kv.reshard import Topology
-    from nitsum.parallel.world import NodeWorld
 
     def make_world():
-        return NodeWorld(
-            config.device_index,
-            config.node_size,
-            config.node_master_addr,
-            config.node_master_port,
-            device=config.device,
-            min_tp=config.min_tp,
-            max_tp=config.max_tp,
-            timeout_s=config.world_timeout_s,
-            generation=generation,
-        )
+        return node_world(config, generation)
 
     def make_runtime(world, cfg, weights, engine, epoch):
         return node_runtime(config, world, cfg, weights, Topology.uniform(config.node_size, 1), engine, epoch)

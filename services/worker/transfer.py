@@ -40,11 +40,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import msgpack
 import torch
 from prometheus_client import Counter
 
 from nitsum.bus import Bus, BusError
+from nitsum.engine.migration import KVExport, layer_bytes, stack_layers
 from nitsum.policy.flows import dscp_table
 from nitsum.telemetry.metrics import Metrics
 from nitsum.transfer.agent import PriorityFlowQueue
@@ -254,26 +254,6 @@ class _Pending:
     layers: dict[int, bytes] = field(default_factory=dict)
 
 
-def _pack_header(export) -> bytes:
-    dtype = str(export.kv.dtype).removeprefix("torch.")
-    return msgpack.packb(
-        [export.state, export.num_tokens, list(export.heads), dtype, list(export.kv.shape[1:])], use_bin_type=True
-    )
-
-
-def _layer_bytes(kv: torch.Tensor, layer: int) -> bytes:
-    return kv[layer].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _stack_layers(layers: dict[int, bytes], dtype: str, layer_shape: list[int]) -> torch.Tensor:
-    torch_dtype = getattr(torch, dtype)
-    parts = [
-        torch.frombuffer(bytearray(layers[i]), dtype=torch.uint8).view(torch_dtype).view(layer_shape)
-        for i in range(len(layers))
-    ]
-    return torch.stack(parts)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
-
-
 class KvMover:
     """P/D hand-offs and stage-1 prefix fetches of one worker, sender and receiver sides."""
 
@@ -367,7 +347,7 @@ class KvMover:
         num_layers = int(kv.shape[0])
         if request_deadline_unix_ms is None:
             request_deadline_unix_ms = deadline_unix_ms
-        payloads = [_layer_bytes(kv, layer) for layer in range(num_layers)]
+        payloads = [layer_bytes(kv, layer) for layer in range(num_layers)]
         peer = await self.net.peer(dst) if self.net is not None else None
         remote = peer is not None and self.net.remote(peer)
         flows = [
@@ -482,7 +462,7 @@ class KvMover:
                 "pd",
                 running.decode_worker,
                 export.kv,
-                _pack_header(export),
+                export.header(),
                 running.stream_subject,
                 (),
                 "3",
@@ -589,11 +569,8 @@ class KvMover:
         return receive(ShmHandle(msg.flow_id, msg.segment, msg.size_bytes, msg.crc32))
 
     async def _adopt(self, request_id: str, pending: _Pending) -> None:
-        from nitsum.engine.migration import KVExport
-
-        state, num_tokens, heads, dtype, layer_shape = msgpack.unpackb(pending.state, raw=False)
-        kv = _stack_layers(pending.layers, dtype, layer_shape)
-        export = KVExport(state, int(num_tokens), (int(heads[0]), int(heads[1])), kv)
+        export = KVExport.from_layers(pending.state, pending.layers)
+        state = export.state
         produced = len(state["tokens"]) - len(state["prompt"])
         # Registered before the import so the step that follows it finds the stream to publish to.
         self.session.adopt(request_id, pending.stream_subject, len(state["prompt"]), produced, pending.attempt)
@@ -616,7 +593,7 @@ class KvMover:
             engine = backend.engine
             cache = engine.runner.kv_cache  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
             shape = [2, num_blocks, *cache.shape[3:]]
-            kv = _stack_layers(pending.layers, str(cache.dtype).removeprefix("torch."), shape)
+            kv = stack_layers(pending.layers, str(cache.dtype).removeprefix("torch."), shape)
             return engine.import_cached_blocks(list(pending.block_hashes), kv)
 
         self.num_reused_blocks += await self.session.call(do_import)

@@ -97,9 +97,9 @@ def metric(mesh, service: str, name: str, **labels: str) -> float:
 
 
 def kv_segments_of(mesh) -> list[str]:
-    from nitsum.node import kv_segment
+    from nitsum.transfer import shm
 
-    return kv_segment.leftovers("p" + service_env(mesh, "worker-0")["NITSUM_NODE_MASTER_PORT"])
+    return shm.leftovers("p" + service_env(mesh, "worker-0")["NITSUM_NODE_MASTER_PORT"])
 
 
 def topology_of(status: dict) -> list[tuple[int, int]]:

@@ -110,10 +110,10 @@ def running_mesh(tmp, model, **env_extra: str):
         yield mesh, port
     finally:
         stop_mesh(mesh.process)
-        from nitsum.node import kv_segment
+        from nitsum.transfer import shm
 
-        for name in [n for g in range(3) for n in kv_segment.leftovers(f"p{port + g}")]:
-            kv_segment.unlink(name)  # only a failure of the test itself can leave one (checked below)
+        for name in [n for g in range(3) for n in shm.leftovers(f"p{port + g}")]:
+            shm.unlink(name)  # only a failure of the test itself can leave one (checked below)
 
 
 @pytest.fixture(scope="module")
@@ -244,9 +244,9 @@ def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
         ),
         "KV not free after the split",
     )
-    from nitsum.node import kv_segment
+    from nitsum.transfer import shm
 
-    assert kv_segment.leftovers(f"p{port + 1}") == [] and kv_segment.leftovers(f"p{port}") == []
+    assert shm.leftovers(f"p{port + 1}") == [] and shm.leftovers(f"p{port}") == []
 
 
 MIXED = "[0-1 TP2 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
@@ -277,14 +277,14 @@ def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed
     assert formed["generation"] == 2 and "node0-3" in formed["outside"], formed
     assert [(s["group"], s["ok"]) for s in formed["splits"]] == [("node0-g0-tp2", True)], formed["splits"]
     merge_and_stream(mesh, expected_after)
-    from nitsum.node import kv_segment
+    from nitsum.transfer import shm
 
     st = wait_for(
         mesh,
         lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]),
         "KV not free",
     )
-    assert [kv_segment.leftovers(f"p{port + g}") for g in range(3)] == [[], [], []]
+    assert [shm.leftovers(f"p{port + g}") for g in range(3)] == [[], [], []]
 
 
 SPLIT2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
@@ -318,14 +318,14 @@ def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp
         # member is outside it).
         assert sorted(formed["outside"]) == ["node0-0", "node0-1", "node0-2", "node0-3"], formed
         merge_and_stream(mesh, expected_after)
-        from nitsum.node import kv_segment
+        from nitsum.transfer import shm
 
         wait_for(
             mesh,
             lambda s: all(w["kv_blocks_free"] == w["kv_blocks_total"] for w in s["workers"] if w["leader"]),
             "KV not free",
         )
-        assert [kv_segment.leftovers(f"p{port + g}") for g in range(2)] == [[], []]
+        assert [shm.leftovers(f"p{port + g}") for g in range(2)] == [[], []]
 
 
 LONG = [520, 600, 560, 640, 580, 540]

@@ -210,7 +210,7 @@ def test_every_kv_block_is_free_afterwards(node_run):
 
 def test_prefill_export_then_decode_import_equals_the_hybrid_path(tiny_dir):
     """The P/D use of the same KV-move primitive: a prefill engine's pinned request, exported (through
-    its msgpack form) and imported into a decode engine, decodes the hybrid path's greedy tokens."""
+    its wire form: header and per-layer bytes) and imported into a decode engine, decodes the hybrid path's greedy tokens."""
     from nitsum.engine.migration import KVExport
 
     prompts = prompts_of_lengths([21, 8, 37], seed=5)
@@ -228,7 +228,8 @@ def test_prefill_export_then_decode_import_equals_the_hybrid_path(tiny_dir):
         for out in prefill.step():
             first[out.request_id] = list(out.new_token_ids)
     for i in range(len(prompts)):
-        export = KVExport.from_bytes(prefill.export_kv(f"r{i}").to_bytes())
+        sent = prefill.export_kv(f"r{i}")
+        export = KVExport.from_layers(sent.header(), {n: sent.layer_bytes(n) for n in range(sent.num_layers)})
         assert export.num_tokens == len(prompts[i])
         assert prefill.release(f"r{i}")
         assert decode.import_request(export)

@@ -7,7 +7,6 @@ import json
 
 import jsonschema_rs
 
-from nitsum.engine import migration
 from nitsum.engine.engine import Engine
 from nitsum.engine.guided import grammar_for
 from nitsum.engine.params import EngineConfig, SamplingParams
@@ -52,9 +51,9 @@ def test_guided_output_validates_and_survives_a_move(tiny_dir):
         head = []
         while len(head) < 4:
             head += [t for out in a.step() if out.request_id == rid for t in out.new_token_ids]
-        state = migration.export_state(a, a._seqs[rid])
+        state = a.export_state(rid)
         a.abort(rid)
-        migration.install_state(b, state, None)
+        b.install_state(state, None)
         tail, _text, finish = _drain(b, rid)
         assert finish == "stop"
         jsonschema_rs.validate(SCHEMA, json.loads(a.tokenizer.decode(head + tail)))

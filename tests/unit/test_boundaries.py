@@ -108,6 +108,21 @@ def test_no_package_reads_another_packages_private_fields():
     assert offences == [], "private fields read across packages:\n" + "\n".join(offences)
 
 
+def test_no_test_reads_the_engines_private_fields():
+    """Tests use the engine's API too (export_state, install_state, request_ids, ...): a private name only
+    `nitsum.engine` defines, read on an object in tests/, is a test reaching into the engine's state."""
+    defined, _ = _scan()
+    engine_only = defined["nitsum.engine"] - set().union(*(n for u, n in defined.items() if u != "nitsum.engine"))
+    offences = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in engine_only:
+                owner = node.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                    offences.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert offences == [], "tests reading the engine's private fields:\n" + "\n".join(offences)
+
+
 def test_engine_imports_nothing_from_node():
     """The engine is built on by the node runtime, never the other way round."""
     bad = []
@@ -136,3 +151,13 @@ def test_benchmarks_are_imported_by_no_service_or_library_package():
                 if any(n == "nitsum.bench" or n.startswith("nitsum.bench.") for n in names):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert bad == [], f"imports of nitsum.bench: {bad}"
+
+
+def test_one_group_id_function_for_the_mesh_the_node_world_and_the_simulator():
+    """Workers, the coordinator and the simulator name groups with one function, in one format."""
+    from nitsum.policy import snapshot
+    from nitsum.wire import node
+
+    assert node.group_id_of is snapshot.group_id_of
+    assert snapshot.group_id_of("n0", 4, 2) == "n0-g4-tp2"
+    assert not hasattr(snapshot, "group_id_for")

@@ -1,4 +1,4 @@
-"""KV arenas (kv_segment.Arena): a worker's cache memory kept across TP changes, mapped by other processes of
+"""KV arenas (shm.Arena): a worker's cache memory kept across TP changes, mapped by other processes of
 the host through /proc/<pid>/fd/<fd> (no name in /dev/shm). Real segments, a real second process."""
 
 from __future__ import annotations
@@ -12,25 +12,26 @@ import uuid
 import pytest
 import torch
 
-from nitsum.node import kv_hosts, kv_segment
+from nitsum.node import kv_hosts
+from nitsum.transfer import shm
 
-pytestmark = pytest.mark.skipif(not kv_segment.available(), reason="needs /dev/shm")
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm")
 
 
 def _name() -> str:
-    return kv_segment.segment_name(f"t{uuid.uuid4().hex[:8]}", 0, 0) + "-arena"
+    return shm.segment_name(f"t{uuid.uuid4().hex[:8]}", 0, 0) + "-arena"
 
 
 def test_an_arena_leaves_no_name_and_another_process_maps_it_by_its_handle():
     name = _name()
-    arena = kv_segment.Arena.create(name, 1 << 20)
+    arena = shm.Arena.create(name, 1 << 20)
     try:
-        assert name not in kv_segment.leftovers()  # unlinked at once: only the descriptor holds it
+        assert name not in shm.leftovers()  # unlinked at once: only the descriptor holds it
         cache = arena.view((4, 8, 16), torch.float32)
         cache[1, 2, 3] = 5.0
         code = (
-            f"import torch; from nitsum.node import kv_segment; "
-            f"t = kv_segment.attach_handle({arena.handle!r}, (4, 8, 16), torch.float32, {os.getpid()}); "
+            f"import torch; from nitsum.transfer import shm; "
+            f"t = shm.attach_handle({arena.handle!r}, (4, 8, 16), torch.float32, {os.getpid()}); "
             f"assert t[1, 2, 3].item() == 5.0; t[3, 7, 15] = 9.0"
         )
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -47,18 +48,18 @@ def test_an_arena_leaves_no_name_and_another_process_maps_it_by_its_handle():
 
 
 def test_a_handle_that_is_not_an_arena_of_that_process_is_refused(tmp_path):
-    arena = kv_segment.Arena.create(_name(), 4096)
+    arena = shm.Arena.create(_name(), 4096)
     try:
         with pytest.raises(OSError, match="not a KV arena handle"):
-            kv_segment.attach_handle(arena.handle, (16,), torch.float32, os.getpid() + 1)  # another pid
+            shm.attach_handle(arena.handle, (16,), torch.float32, os.getpid() + 1)  # another pid
         with pytest.raises(OSError, match="not a KV arena handle"):
-            kv_segment.attach_handle("/etc/passwd", (16,), torch.float32, os.getpid())
+            shm.attach_handle("/etc/passwd", (16,), torch.float32, os.getpid())
         with pytest.raises(OSError, match="less than"):
-            kv_segment.attach_handle(arena.handle, (2048,), torch.float32, os.getpid())  # 8 kB > 4 kB
+            shm.attach_handle(arena.handle, (2048,), torch.float32, os.getpid())  # 8 kB > 4 kB
         plain = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR)
         try:  # a descriptor of this process, but no KV segment
             with pytest.raises(OSError, match="not a KV segment"):
-                kv_segment.attach_handle(f"/proc/{os.getpid()}/fd/{plain}", (1,), torch.float32, os.getpid())
+                shm.attach_handle(f"/proc/{os.getpid()}/fd/{plain}", (1,), torch.float32, os.getpid())
         finally:
             os.close(plain)
     finally:

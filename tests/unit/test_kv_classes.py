@@ -10,7 +10,9 @@ from nitsum.kv.reshard import Transfer
 from nitsum.node.messages import NodeCommand
 from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows, transfer_block_bytes
 from nitsum.policy.flows import DSCP_TABLE, dscp_table, tos_for_dscp
-from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP, KvLinks, KvReceiver, handshake_tos, tos_of
+from nitsum.transfer.kv_link import KvLinks
+from nitsum.transfer.kv_receiver import KvReceiver
+from nitsum.transfer.kv_tcp import LOWEST_DSCP, STAGE_M_DSCP, handshake_tos, tos_of
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 8, 4, 2, 8
 EPOCH = 11

@@ -15,7 +15,9 @@ from nitsum.node.kv_hosts import Member, hosts_of, pair_path, resolve_mode
 from nitsum.policy.flows import tos_for_dscp
 from nitsum.transfer import kv_tcp
 from nitsum.transfer.framing import MAGIC, PREFIX, FrameHeader, FrameKind, TransferError
-from nitsum.transfer.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, KvLinks, KvReceiver, read_frame, write_frame
+from nitsum.transfer.kv_link import KvLinks
+from nitsum.transfer.kv_receiver import KvReceiver
+from nitsum.transfer.kv_tcp import STAGE_M_DSCP, THREAD_PREFIX, read_frame, write_frame
 
 
 def members(hosts, kv_path="auto", shm=True, device="cpu"):

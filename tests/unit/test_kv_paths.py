@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from nitsum.kv.reshard import Group
-from nitsum.node import kv_segment
 from nitsum.node.arenas import KvArenas
 from nitsum.node.kv_paths import P2pPath, ShmArenaPath, ShmSegmentPath, TcpPath, path_for
 from nitsum.node.reaper import Reaper
 from nitsum.node.transition import Transition
+from nitsum.transfer import shm
 
 SHAPE = (2, 2, 4, 4, 1, 8)  # [layers, K/V, blocks, block_size, local kv heads, head_dim]
 ARENA_BYTES = 2 * 2 * 4 * 4 * 2 * 8 * 4  # room for the TP=1 cache (two kv heads) of this layout
 
-needs_shm = pytest.mark.skipif(not kv_segment.available(), reason="needs a writable /dev/shm")
+needs_shm = pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
 
 
 class _Runner:
@@ -93,8 +93,8 @@ def test_shm_segment_path_makes_a_named_sparse_segment_and_reserves_it_in_the_bu
     t = _transition(node, epoch=7)
     ShmSegmentPath().allocate(t)
     try:
-        assert t.segment == kv_segment.segment_name(node.node_tag, 7, 0)
-        assert t.segment in kv_segment.leftovers(node.node_tag)  # named until every source attached it
+        assert t.segment == shm.segment_name(node.node_tag, 7, 0)
+        assert t.segment in shm.leftovers(node.node_tag)  # named until every source attached it
         assert t.arena is None and tuple(t.new_cache.shape) == SHAPE
         assert not t.build.started  # started only once the span agreed
         t.build.wait()  # builds the runner without a cache, then reserves the segment's pages
@@ -102,8 +102,8 @@ def test_shm_segment_path_makes_a_named_sparse_segment_and_reserves_it_in_the_bu
         runner = t.adopt_runner()
         assert runner.kv_cache is t.new_cache
     finally:
-        kv_segment.unlink(t.segment)
-    assert t.segment not in kv_segment.leftovers(node.node_tag)
+        shm.unlink(t.segment)
+    assert t.segment not in shm.leftovers(node.node_tag)
 
 
 @needs_shm
@@ -115,7 +115,7 @@ def test_shm_segment_path_keeps_an_arena_when_this_worker_recycles():
         assert t.arena is not None and t.arena.view(SHAPE, torch.float32).data_ptr() == t.new_cache.data_ptr()
     finally:
         t.build.finish()  # never started: given up (its reservation's descriptor closed)
-        kv_segment.unlink(t.segment)
+        shm.unlink(t.segment)
         node.arenas.release(t.arena)
         node.reaper.drain()
 

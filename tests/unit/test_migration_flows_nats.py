@@ -25,7 +25,9 @@ from nitsum.node.runtime import TransitionAck
 from nitsum.policy.flows import DSCP_TABLE, tos_for_dscp
 from nitsum.service import ServiceContext
 from nitsum.telemetry.metrics import Metrics
-from nitsum.transfer.kv_tcp import LOWEST_DSCP, KvLinks, KvReceiver
+from nitsum.transfer.kv_link import KvLinks
+from nitsum.transfer.kv_receiver import KvReceiver
+from nitsum.transfer.kv_tcp import LOWEST_DSCP
 from nitsum.wire.messages import FlowPermit, FlowPermitBatch, FlowSubmitBatch, GroupAssignment, TopologyPrepare
 from nitsum_services.flow_scheduler.main import body
 from nitsum_services.worker.backend import NodeBackend

@@ -8,7 +8,7 @@ from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import model_spec
 from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import classes_of, evaluate, summarize
-from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView, group_id_of
 from nitsum.policy.topology import AdaptivePolicy, candidate_shapes, mean_tp
 
 TP2X4 = "[0-1 TP2 hybrid][2-3 TP2 hybrid][4-5 TP2 hybrid][6-7 TP2 hybrid]"
@@ -20,7 +20,7 @@ NOW = 100_000.0
 def node_of(top, min_tp=1, last=None, unhealthy=()):
     t = top if isinstance(top, Topology) else Topology.parse(top)
     groups = tuple(
-        GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role, healthy=g.start not in unhealthy)
+        GroupView(group_id_of("n0", g.start, g.tp), g.devices, g.tp, g.role, healthy=g.start not in unhealthy)
         for g in t.groups
     )
     return NodeView("n0", 8, min_tp, 8, groups, "h100", last)

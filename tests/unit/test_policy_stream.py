@@ -8,7 +8,7 @@ import pytest
 from nitsum.policy.costmodel import cost_model
 from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import classes_of, evaluate, summarize
-from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_of
 
 TP8 = "[0-7 TP8 hybrid]"
 TP4X2 = "[0-3 TP4 hybrid][4-7 TP4 hybrid]"
@@ -18,7 +18,7 @@ PROMPTS = (400, 1000, 1200, 2000)  # Azure-conv-like quartile midpoints
 
 def node(top: str) -> NodeView:
     groups = tuple(
-        GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role) for g in Topology.parse(top).groups
+        GroupView(group_id_of("n0", g.start, g.tp), g.devices, g.tp, g.role) for g in Topology.parse(top).groups
     )
     return NodeView("n0", 8, 1, 8, groups, "h100")
 
@@ -69,10 +69,10 @@ def test_prefill_batches_delay_interactive_on_a_prefill_group():
 def test_summarize_skips_a_request_between_groups():
     # Prefilled, on its way to a decode group (group_id None): no group holds its KV; summarize used to crash
     # sorting a None group id among the others.
-    on_group = RequestView("a", "interactive", 200.0, 25.0, 10.0, 0.0, 100, 10, 2, 50.0, group_id_for("n0", 0, 8))
+    on_group = RequestView("a", "interactive", 200.0, 25.0, 10.0, 0.0, 100, 10, 2, 50.0, group_id_of("n0", 0, 8))
     in_flight = RequestView("b", "interactive", 200.0, 25.0, 10.0, 0.0, 100, 10, 1, 60.0, None)
     load = summarize(ClusterSnapshot(100.0, (node(TP8),), (on_group, in_flight)), node(TP8), 1000.0)
-    assert load.kv_tokens_by_group == ((group_id_for("n0", 0, 8), 102),)
+    assert load.kv_tokens_by_group == ((group_id_of("n0", 0, 8), 102),)
 
 
 @pytest.mark.parametrize("nodes, share", [(1, 1.0), (4, 0.25)])
@@ -91,8 +91,8 @@ def test_background_leaves_its_low_tp_lane_once_the_queue_eats_half_its_budget()
     from nitsum.policy.registry import make_policy
 
     pol = make_policy("adaptive", PolicyConfig(model=model_spec("llama-3-70b")))
-    lane = GroupView(group_id_for("n0", 0, 4), (0, 1, 2, 3), 4, "hybrid")  # the low-TP lane
-    big = GroupView(group_id_for("n1", 0, 8), tuple(range(8)), 8, "hybrid")
+    lane = GroupView(group_id_of("n0", 0, 4), (0, 1, 2, 3), 4, "hybrid")  # the low-TP lane
+    big = GroupView(group_id_of("n1", 0, 8), tuple(range(8)), 8, "hybrid")
     nodes = (NodeView("n0", 4, 1, 4, (lane,), "h100"), NodeView("n1", 8, 1, 8, (big,), "h100"))
     new = RequestView("new", "background", 10_000.0, 100.0, 1.0, 0.0, 1000, 100)
 

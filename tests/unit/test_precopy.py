@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nitsum.kv.reshard import Transfer
-from nitsum.node import kv_segment
 from nitsum.node.precopy import PreCopy, plan_flows, transfer_block_bytes
+from nitsum.transfer import shm
 
 # [layers, K/V, blocks, block_size, heads, head_dim]
 LAYERS, BLOCK, HEAD_DIM = 2, 4, 3
@@ -59,53 +59,53 @@ def test_precopy_copies_chunks_one_sided_and_tracks_the_group():
     assert other.complete and other.bytes_sent == 0
 
 
-@pytest.mark.skipif(not kv_segment.available(), reason="needs a writable /dev/shm")
+@pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
 def test_segment_is_shared_across_processes_and_unlinked_without_losing_memory():
     tag = "t" + uuid.uuid4().hex[:8]
-    name = kv_segment.segment_name(tag, 3, 1)
+    name = shm.segment_name(tag, 3, 1)
     shape = (2, 2, 4, 4, 1, 8)
     try:
-        mine = kv_segment.create(name, shape, torch.float32)
-        assert kv_segment.leftovers(tag) == [name] and not mine.any()
+        mine = shm.create(name, shape, torch.float32)
+        assert shm.leftovers(tag) == [name] and not mine.any()
         code = (
-            "import torch; from nitsum.node import kv_segment; "
-            f"t = kv_segment.attach({name!r}, {shape!r}, torch.float32); t[1, 0, 2] = 7.0"
+            "import torch; from nitsum.transfer import shm; "
+            f"t = shm.attach({name!r}, {shape!r}, torch.float32); t[1, 0, 2] = 7.0"
         )
         subprocess.run([sys.executable, "-c", code], check=True)
-        kv_segment.unlink(name)
-        assert kv_segment.leftovers(tag) == []
+        shm.unlink(name)
+        assert shm.leftovers(tag) == []
         assert mine[1, 0, 2].eq(7.0).all() and mine.sum().item() == 7.0 * 4 * 8
         mine[0] = 1.0  # still writable memory after the name is gone
         with pytest.raises(OSError):  # nobody can map it any more
-            kv_segment.attach(name, shape, torch.float32)
+            shm.attach(name, shape, torch.float32)
     finally:
-        kv_segment.unlink(name)
+        shm.unlink(name)
 
 
-@pytest.mark.skipif(not kv_segment.available(), reason="needs a writable /dev/shm")
+@pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
 def test_segment_of_another_size_is_refused_and_a_stale_one_is_replaced():
     tag = "t" + uuid.uuid4().hex[:8]
-    name = kv_segment.segment_name(tag, 1, 0)
+    name = shm.segment_name(tag, 1, 0)
     try:
-        with open(os.path.join(kv_segment.SHM_DIR, name), "wb") as stale:
+        with open(os.path.join(shm.SHM_DIR, name), "wb") as stale:
             stale.write(b"x" * 10)
-        seg = kv_segment.create(name, (4, 4), torch.float32)
-        assert not seg.any() and os.path.getsize(os.path.join(kv_segment.SHM_DIR, name)) == 64
+        seg = shm.create(name, (4, 4), torch.float32)
+        assert not seg.any() and os.path.getsize(os.path.join(shm.SHM_DIR, name)) == 64
         with pytest.raises(OSError, match="expected 128"):
-            kv_segment.attach(name, (4, 8), torch.float32)
+            shm.attach(name, (4, 8), torch.float32)
         with pytest.raises(AssertionError):
-            kv_segment.attach("../etc/passwd", (1,), torch.float32)
+            shm.attach("../etc/passwd", (1,), torch.float32)
         with pytest.raises(OSError, match="no room"):
-            kv_segment.create(kv_segment.segment_name(tag, 2, 0), (1 << 62,), torch.uint8)
+            shm.create(shm.segment_name(tag, 2, 0), (1 << 62,), torch.uint8)
     finally:
-        kv_segment.unlink(name)
+        shm.unlink(name)
     # Sparse at creation, its pages reserved later (after the name is gone, as prepare does it).
-    sparse = kv_segment.segment_name(tag, 3, 0)
+    sparse = shm.segment_name(tag, 3, 0)
     try:
-        seg = kv_segment.create(sparse, (256, 1024), torch.float32, reserve=False)
-        reserve = kv_segment.reserver(sparse)
-        assert os.stat(os.path.join(kv_segment.SHM_DIR, sparse)).st_blocks == 0
-        kv_segment.unlink(sparse)
+        seg = shm.create(sparse, (256, 1024), torch.float32, reserve=False)
+        reserve = shm.reserver(sparse)
+        assert os.stat(os.path.join(shm.SHM_DIR, sparse)).st_blocks == 0
+        shm.unlink(sparse)
         reserve()
         seg[-1, -1] = 3.0
         assert seg.sum().item() == 3.0
@@ -113,8 +113,8 @@ def test_segment_of_another_size_is_refused_and_a_stale_one_is_replaced():
             reserve()  # made once; its descriptor is closed
         reserve.close()  # idempotent
     finally:
-        kv_segment.unlink(sparse)
-    assert kv_segment.leftovers(tag) == []
+        shm.unlink(sparse)
+    assert shm.leftovers(tag) == []
 
 
 def test_a_build_is_ready_with_its_runner_and_done_after_its_reservation():
@@ -146,14 +146,14 @@ def test_a_build_is_ready_with_its_runner_and_done_after_its_reservation():
     assert cancelled == [True] and never.runner is None
 
 
-@pytest.mark.skipif(not kv_segment.available(), reason="needs /dev/shm")
+@pytest.mark.skipif(not shm.available(), reason="needs /dev/shm")
 def test_a_reservation_is_paced_in_pieces_and_stops_at_the_next_one_when_closed(monkeypatch):
-    """A commit leaves its new cache's reservation running (kv_segment.Reserver): in pieces with rests between
+    """A commit leaves its new cache's reservation running (shm.Reserver): in pieces with rests between
     them, so that its page zeroing does not land on a few decode steps; a worker that stops (or drops the
     segment) closes it, and it ends at its next piece, closing its own descriptor."""
     tag = f"t{uuid.uuid4().hex[:8]}"
-    name = kv_segment.segment_name(tag, 1, 0)
-    monkeypatch.setattr(kv_segment, "RESERVE_CHUNK_BYTES", 1 << 20)
+    name = shm.segment_name(tag, 1, 0)
+    monkeypatch.setattr(shm, "RESERVE_CHUNK_BYTES", 1 << 20)
     pieces, second = [], threading.Event()
     real = os.posix_fallocate
 
@@ -164,10 +164,10 @@ def test_a_reservation_is_paced_in_pieces_and_stops_at_the_next_one_when_closed(
             second.set()
             time.sleep(0.2)  # the close below comes while this piece runs
 
-    monkeypatch.setattr(kv_segment.os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(shm.os, "posix_fallocate", fallocate)
     try:
-        kv_segment.create(name, (8, 1 << 20), torch.uint8, reserve=False)  # 8 MiB: 8 pieces
-        reserve = kv_segment.reserver(name)
+        shm.create(name, (8, 1 << 20), torch.uint8, reserve=False)  # 8 MiB: 8 pieces
+        reserve = shm.reserver(name)
         thread = threading.Thread(target=reserve)
         thread.start()
         assert second.wait(10)
@@ -180,12 +180,12 @@ def test_a_reservation_is_paced_in_pieces_and_stops_at_the_next_one_when_closed(
         reserve.close()  # idempotent
         # Unhindered, it backs every page, piece by piece.
         pieces.clear()
-        monkeypatch.setattr(kv_segment.os, "posix_fallocate", real)
-        full = kv_segment.reserver(name)
+        monkeypatch.setattr(shm.os, "posix_fallocate", real)
+        full = shm.reserver(name)
         full()
-        assert os.stat(os.path.join(kv_segment.SHM_DIR, name)).st_blocks * 512 >= 8 << 20
+        assert os.stat(os.path.join(shm.SHM_DIR, name)).st_blocks * 512 >= 8 << 20
     finally:
-        kv_segment.unlink(name)
+        shm.unlink(name)
 
 
 def test_a_build_from_the_pool_is_done_at_once_without_a_thread():

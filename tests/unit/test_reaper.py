@@ -12,11 +12,11 @@ import weakref
 import pytest
 import torch
 
-from nitsum.node import kv_segment
 from nitsum.node.reaper import Reaper, release_pages
+from nitsum.transfer import shm
 
 linux_shm = pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and kv_segment.available()), reason="needs Linux /dev/shm"
+    not (sys.platform.startswith("linux") and shm.available()), reason="needs Linux /dev/shm"
 )
 
 
@@ -27,12 +27,12 @@ def _resident_kb(path: str) -> int:
 
 @linux_shm
 def test_own_segment_pages_are_freed_and_a_peer_mapping_keeps_the_owners_data(tmp_path):
-    name = f"{kv_segment.SEGMENT_PREFIX}reaper-test-{os.getpid()}-e1-w0"
+    name = f"{shm.SEGMENT_PREFIX}reaper-test-{os.getpid()}-e1-w0"
     shape = (64, 4096)  # 1 MiB of float32
     try:
-        owner = kv_segment.create(name, shape, torch.float32)  # reserved: every page allocated
-        peer = kv_segment.attach(name, shape, torch.float32)
-        path = os.path.join(kv_segment.SHM_DIR, name)
+        owner = shm.create(name, shape, torch.float32)  # reserved: every page allocated
+        peer = shm.attach(name, shape, torch.float32)
+        path = os.path.join(shm.SHM_DIR, name)
         owner.fill_(3.0)
         full_kb = _resident_kb(path)
         assert full_kb >= math.prod(shape) * 4 // 1024
@@ -47,7 +47,7 @@ def test_own_segment_pages_are_freed_and_a_peer_mapping_keeps_the_owners_data(tm
         assert _resident_kb(path) < full_kb
         assert float(owner.abs().sum()) == 0.0
     finally:
-        kv_segment.unlink(name)
+        shm.unlink(name)
 
 
 def test_private_memory_is_released_with_dontneed():

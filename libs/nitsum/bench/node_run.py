@@ -39,11 +39,11 @@ import torch
 from nitsum.engine.params import EngineConfig, SamplingParams
 from nitsum.kv.reshard import Topology
 from nitsum.model import loader
-from nitsum.node import kv_segment
 from nitsum.node.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.node.runtime import NodeCommand, NodeRuntime
 from nitsum.parallel.weights import DEFAULT_SHM_DIR, ResidentWeights, SharedWeightStore, boot_weights
 from nitsum.parallel.world import NodeWorld
+from nitsum.transfer import shm
 
 IDLE_SLEEP_S = 0.002
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 "views_of_store": all(holder.contains(p) for p in params),
                 "num_params": len(params),
                 "bytes_read": loader.bytes_read,
-                "kv_segments": kv_segment.leftovers(runtime.node_tag),
+                "kv_segments": shm.leftovers(runtime.node_tag),
                 "kv_segment_fds": _segment_fds(),
                 "arenas_held": runtime.arenas_held,
                 "kv_data_plane": list(runtime.kv_data_plane_open()),
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         report["kv_tos"] = list(runtime.counters.kv_tos)
         report["epoch"] = runtime.epoch
         world.barrier()
-        report["end_kv_segments"] = kv_segment.leftovers(runtime.node_tag)
+        report["end_kv_segments"] = shm.leftovers(runtime.node_tag)
         report["end_kv_data_plane"] = list(runtime.kv_data_plane_open())
     finally:
         runtime.close()
@@ -273,7 +273,7 @@ def _after(report: dict, ack, check, runtime: NodeRuntime) -> None:
     if ack.phase == "commit" and ack.ok:
         check("commit")
     elif ack.phase == "abort":
-        report.setdefault("abort_kv_segments", []).append([ack.epoch, kv_segment.leftovers(report["node_tag"])])
+        report.setdefault("abort_kv_segments", []).append([ack.epoch, shm.leftovers(report["node_tag"])])
         report.setdefault("abort_kv_segment_fds", []).append([ack.epoch, _segment_fds() - runtime.arenas_held])
     if ack.phase == "abort" or not ack.ok:
         report.setdefault("failed_kv_data_plane", []).append([ack.phase, ack.epoch, list(runtime.kv_data_plane_open())])
@@ -287,7 +287,7 @@ def _segment_fds() -> int:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        count += os.path.basename(target).startswith(kv_segment.SEGMENT_PREFIX)
+        count += os.path.basename(target).startswith(shm.SEGMENT_PREFIX)
     return count
 
 

@@ -26,7 +26,7 @@ from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import DEVICE_PRESETS, MODEL_PRESETS, model_spec
 from nitsum.policy.decisions import Topology
 from nitsum.policy.registry import make_policy
-from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView, group_id_of
 
 LAYOUTS_8 = (
     "[0-7 TP8 hybrid]",
@@ -47,7 +47,7 @@ def _layouts(num_devices: int, min_tp: int) -> list[Topology]:
 def build_snapshot(
     rng: random.Random, top: Topology, num_devices: int, min_tp: int, device: str, num_requests: int, now_ms: float
 ) -> ClusterSnapshot:
-    groups = tuple(GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role) for g in top.groups)
+    groups = tuple(GroupView(group_id_of("n0", g.start, g.tp), g.devices, g.tp, g.role) for g in top.groups)
     node = NodeView("n0", num_devices, min_tp, num_devices, groups, device, None)
     reqs = []
     decode_groups = [g for g in groups if g.role != "prefill"] or list(groups)

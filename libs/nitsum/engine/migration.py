@@ -1,141 +1,26 @@
-"""Moving requests and their KV between engines: the executor under a TP change (and, later, P/D import).
+"""Moving KV bytes between engines: the executor under a TP change, and the P/D export's byte form.
 
-Three pieces, all driven by a `nitsum.kv.reshard` plan that every worker computed identically:
-- `snapshot_kv` / `export_states`: what an old group's leader knows about its requests (block tables,
-  computed tokens; then the full request state: tokens, sampling params, generator, detokenizer, text).
-- `execute_transfers`: this worker's part of the plan's KV moves, all pairs at once (every send and
-  receive is posted before any is waited on). A move within one worker is a local copy; between workers
-  it is a point-to-point message over the node's world (gloo on CPU, NCCL peer copies on CUDA).
-- `install_states`: the new group's leader adopts the moved requests into its fresh engine, in order,
-  with the tables the plan chose, so decoding continues with the next token -- none repeated, none lost.
-
-States travel as msgpack-ready dicts (no pickle): a torch generator's state as bytes.
+Only byte moves live here; a request's state (what it is, how an engine adopts it) is the engine's own API
+(`Engine.export_states` / `install_states` / `snapshot_kv` / `export_kv` / `import_request`, built on
+`engine/request_state.py`).
+- `execute_transfers`: this worker's part of a `nitsum.kv.reshard` plan's KV moves, all pairs at once (every
+  send and receive is posted before any is waited on). A move within one worker is a local copy; between
+  workers it is a point-to-point message over the node's world (gloo on CPU, NCCL peer copies on CUDA).
+- `KVExport`: one request's state and KV, in the one form it travels in: a msgpack header and one payload per
+  layer (`header`, `layer_bytes`, `from_layers`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
 
-from nitsum.engine.params import SamplingParams
-from nitsum.engine.sequence import Sequence, Status
-from nitsum.engine.slo import RequestSlo
-from nitsum.kv.reshard import Group, Placement, RequestKV, Transfer, kv_head_range
-from nitsum.model.tokenizer import IncrementalDetokenizer
-
-
-def sequences_in_order(engine: Any) -> list[Sequence]:
-    """Running (in scheduling order), then waiting (queue order), then pinned."""
-    sched = engine.scheduler
-    return [*sched.running, *sched.waiting, *sched.pinned.values()]
-
-
-def snapshot_kv(engine: Any, group: Group) -> list[RequestKV]:
-    kv = engine.kv
-    return [
-        RequestKV(
-            s.request_id,
-            group,
-            s.num_computed_tokens if kv.has(s.request_id) else 0,
-            tuple(kv.block_table(s.request_id)) if kv.has(s.request_id) else (),
-        )
-        for s in sequences_in_order(engine)
-    ]
-
-
-def export_state(engine: Any, seq: Sequence) -> dict[str, Any]:
-    detok = seq.detokenizer
-    return {
-        "id": seq.request_id,
-        "prompt": list(seq.prompt_token_ids),
-        "tokens": list(seq.token_ids),
-        "params": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(seq.params).items()},
-        "computed": seq.num_computed_tokens,
-        "cached_prompt": seq.num_cached_prompt_tokens,
-        "status": seq.status.value,
-        "preemptions": seq.num_preemptions,
-        "generator": bytes(seq.generator.get_state().numpy().tobytes()) if seq.generator is not None else None,
-        "detok": detok.export() if detok is not None else None,
-        "text": seq.text,
-        "emitted": seq.num_text_emitted,
-        "prefill_target": engine.scheduler.prefill_target(seq.request_id),
-        # The SLO travels with its age, not the arrival stamp: engines on other hosts have other clocks.
-        "slo": None
-        if seq.slo is None
-        else {
-            "tier": seq.slo.tier,
-            "ttft_ms": seq.slo.ttft_ms,
-            "tpot_ms": seq.slo.tpot_ms,
-            "age_ms": engine.now_ms() - seq.slo.arrival_ms,
-        },
-    }
-
-
-def export_states(engine: Any) -> list[dict[str, Any]]:
-    return [export_state(engine, s) for s in sequences_in_order(engine)]
-
-
-def install_states(engine: Any, states: SequenceABC[dict[str, Any]], placements: dict[str, Placement]) -> None:
-    """Adopt moved requests, in order. A request placed with `recompute` re-queues like a preempted one."""
-    for state in states:
-        placement = placements.get(state["id"])
-        install_state(engine, state, placement)
-
-
-def install_state(
-    engine: Any, state: dict[str, Any], placement: Placement | None, kv_adopted: bool = False
-) -> Sequence:
-    """Adopt one request; `kv_adopted`: the caller already allocated its table in `engine.kv`."""
-    rid = state["id"]
-    if rid in engine._seqs:
-        raise ValueError(f"duplicate request id {rid!r}")
-    params = SamplingParams(**state["params"])
-    seq = Sequence(rid, list(state["prompt"]), params, arrival_index=engine._arrivals)
-    engine._arrivals += 1
-    seq.token_ids = list(state["tokens"])
-    seq.num_cached_prompt_tokens = state["cached_prompt"]
-    seq.num_preemptions = state["preemptions"]
-    seq.text = state["text"]
-    seq.num_text_emitted = state["emitted"]
-    slo = state.get("slo")
-    if slo is not None:
-        seq.slo = RequestSlo(slo["tier"], slo["ttft_ms"], slo["tpot_ms"], arrival_ms=engine.now_ms() - slo["age_ms"])
-    if state["generator"] is not None:
-        generator = torch.Generator(device="cpu")
-        generator.set_state(torch.frombuffer(bytearray(state["generator"]), dtype=torch.uint8))
-        seq.generator = generator
-    detok = IncrementalDetokenizer(engine.tokenizer)
-    if state["detok"] is not None:
-        detok.restore(state["detok"])
-    seq.detokenizer = detok
-    if params.guide:  # a guided request's matcher replays the output so far
-        seq.matcher = engine.guides.matcher(params.guide, seq.output_token_ids)
-    status = Status(state["status"])
-    has_kv = placement is not None and not placement.recompute and bool(placement.dst_block_ids)
-    if status in (Status.RUNNING, Status.PINNED) and has_kv:
-        assert placement is not None
-        assert placement.num_moved_tokens == state["computed"], (
-            f"{rid}: {placement.num_moved_tokens} KV tokens moved but {state['computed']} computed"
-        )
-        if not kv_adopted:
-            engine.kv.adopt(rid, placement.dst_block_ids)
-        seq.num_computed_tokens = state["computed"]
-        engine.kv.commit(rid, seq.token_ids, seq.num_computed_tokens)
-        seq.status = status
-    elif status is Status.WAITING:
-        seq.status = Status.WAITING
-    else:
-        # No KV came along (no room in the new pool): recompute, as after a preemption.
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.status = Status.WAITING
-    engine._seqs[rid] = seq
-    engine.scheduler.adopt(seq, state["prefill_target"])
-    return seq
+from nitsum.kv.reshard import Group, Transfer, kv_head_range
 
 
 def execute_transfers(
@@ -199,13 +84,31 @@ def heads_of(num_kv_heads: int, group: Group, worker: int) -> tuple[int, int]:
     return kv_head_range(num_kv_heads, group.tp, worker - group.start)
 
 
+# -- one engine's blocks out and in (P/D hand-offs, stage-1 prefix reuse) ---------------------------------
+def gather_blocks(cache: torch.Tensor, block_ids: SequenceABC[int]) -> torch.Tensor:
+    """Blocks `block_ids` of a [layers, K/V, blocks, ...] cache, copied to the CPU: [layers, K/V, n, ...]."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
+    return cache[:, :, index].cpu()
+
+
+def scatter_blocks(
+    cache: torch.Tensor, block_ids: SequenceABC[int], kv: torch.Tensor, positions: SequenceABC[int] | None = None
+) -> None:
+    """Write `kv` ([layers, K/V, n, ...]; only its blocks `positions` when given) into blocks `block_ids`."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
+    if positions is not None:
+        kv = kv[:, :, torch.tensor(list(positions), dtype=torch.long)]
+    cache[:, :, index] = kv.to(device=cache.device, dtype=cache.dtype)
+
+
 # -- P/D disaggregation: one request's KV out of one engine and into another ---------------------------
 @dataclass(frozen=True)
 class KVExport:
     """A request's full state and the KV of its computed tokens, as one rank holds it.
 
     `kv`: [layers, K/V, num_blocks, block_size, heads, head_dim] for global KV heads `heads`; a TP=1
-    engine holds them all. `to_bytes`/`from_bytes` give a msgpack form for the transfer data plane.
+    engine holds them all. On the wire: `header()` (msgpack: state, tokens, heads, dtype, one layer's shape)
+    and `layer_bytes(i)` per layer; `from_layers` puts them back together.
     """
 
     state: dict[str, Any]
@@ -213,91 +116,40 @@ class KVExport:
     heads: tuple[int, int]
     kv: torch.Tensor
 
-    def to_bytes(self) -> bytes:
+    @property
+    def num_layers(self) -> int:
+        return int(self.kv.shape[0])
+
+    def header(self) -> bytes:
         dtype = str(self.kv.dtype).removeprefix("torch.")
-        raw = self.kv.contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
-        return msgpack.packb(
-            [self.state, self.num_tokens, list(self.heads), dtype, list(self.kv.shape), raw], use_bin_type=True
-        )
+        layer_shape = list(self.kv.shape[1:])
+        return msgpack.packb([self.state, self.num_tokens, list(self.heads), dtype, layer_shape], use_bin_type=True)
+
+    def layer_bytes(self, layer: int) -> bytes:
+        return layer_bytes(self.kv, layer)
 
     @staticmethod
-    def from_bytes(payload: bytes) -> KVExport:
-        state, num_tokens, heads, dtype, shape, raw = msgpack.unpackb(payload, raw=False)
-        torch_dtype = getattr(torch, dtype)
-        kv = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype).view(shape)
+    def from_layers(header: bytes, layers: Mapping[int, bytes]) -> KVExport:
+        """The export from its `header()` and every layer's `layer_bytes` (ValueError/RuntimeError: malformed)."""
+        state, num_tokens, heads, dtype, layer_shape = msgpack.unpackb(header, raw=False)
+        kv = stack_layers(layers, dtype, layer_shape)
         return KVExport(state, int(num_tokens), (int(heads[0]), int(heads[1])), kv)
 
 
-def export_kv(engine: Any, request_id: str) -> KVExport:
-    """Copy out a request's state and KV (e.g. a prefill worker's pinned request, for its decode worker)."""
-    assert engine.group.size == 1, "export_kv reads one rank's cache: TP=1 engines only for now"
-    seq = engine._seqs.get(request_id)
-    if seq is None or not engine.kv.has(request_id):
-        raise KeyError(f"request {request_id!r} holds no KV here")
-    state = export_state(engine, seq)
-    blocks = engine.kv.block_table(request_id)[: engine.kv.blocks_for(seq.num_computed_tokens)]
-    cache = engine.runner.kv_cache
-    index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
-    kv = cache[:, :, index].cpu()
-    return KVExport(state, seq.num_computed_tokens, (0, engine.runner.config.num_kv_heads), kv)
+def layer_bytes(kv: torch.Tensor, layer: int) -> bytes:
+    """Layer `layer` of a [layers, ...] KV tensor as raw bytes."""
+    return kv[layer].contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-def import_request(engine: Any, export: KVExport) -> bool:
-    """Adopt an exported request with its KV and continue decoding it here. False: no room now."""
-    assert engine.group.size == 1, "import_request writes one rank's cache: TP=1 engines only for now"
-    state = dict(export.state)
-    rid = state["id"]
-    if rid in engine._seqs:
-        raise ValueError(f"duplicate request id {rid!r}")
-    assert export.heads == (0, engine.runner.config.num_kv_heads), "the export must hold every KV head"
-    block_ids = engine.kv.allocate(rid, export.num_tokens)
-    if block_ids is None:
-        return False
-    cache = engine.runner.kv_cache
-    index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
-    cache[:, :, index] = export.kv.to(device=cache.device, dtype=cache.dtype)
-    # Whatever the source did with it (a prefill worker pins it), it now decodes from its first token.
-    state["status"] = Status.RUNNING.value
-    state["computed"] = export.num_tokens
-    state["prefill_target"] = export.num_tokens
-    group = Group(0, 1)
-    install_state(engine, state, Placement(rid, group, group, tuple(block_ids), export.num_tokens), kv_adopted=True)
-    return True
-
-
-# -- P/D between two groups of one node world: the KV moves cache to cache (nitsum.node.handoff) -------------
-def handoff_source(engine: Any, request_id: str) -> tuple[dict[str, Any], int, list[int]]:
-    """A pinned (prefilled) request's state, its KV tokens and the blocks holding them, any TP."""
-    seq = engine._seqs.get(request_id)
-    if seq is None or not engine.kv.has(request_id):
-        raise KeyError(f"request {request_id!r} holds no KV here")
-    blocks = engine.kv.block_table(request_id)[: engine.kv.blocks_for(seq.num_computed_tokens)]
-    return export_state(engine, seq), seq.num_computed_tokens, list(blocks)
-
-
-def reserve_handoff(engine: Any, request_id: str, num_tokens: int) -> list[int] | None:
-    """Blocks for a request about to be handed here (its KV is written into them from outside); None: no room."""
-    if request_id in engine._seqs or engine.kv.has(request_id):
-        raise ValueError(f"duplicate request id {request_id!r}")
-    return engine.kv.allocate(request_id, num_tokens)
-
-
-def drop_handoff(engine: Any, request_id: str) -> bool:
-    """A reservation whose hand-off never completed: its blocks go back. False when there is none."""
-    if request_id in engine._seqs:
-        return False
-    return engine.kv.free(request_id)
-
-
-def adopt_handoff(engine: Any, state: dict[str, Any], num_tokens: int) -> None:
-    """The request whose KV landed in its reserved blocks decodes here from its first token on."""
-    rid = state["id"]
-    if rid in engine._seqs or not engine.kv.has(rid):
-        raise ValueError(f"request {rid!r} has no reservation here")
-    state = dict(state)
-    state["status"] = Status.RUNNING.value
-    state["computed"] = num_tokens
-    state["prefill_target"] = num_tokens
-    blocks = tuple(engine.kv.block_table(rid))
-    group = Group(0, 1)
-    install_state(engine, state, Placement(rid, group, group, blocks, num_tokens), kv_adopted=True)
+def stack_layers(layers: Mapping[int, bytes], dtype: str, layer_shape: SequenceABC[int]) -> torch.Tensor:
+    """Layers 0..n-1 of `layer_bytes` back into one [layers, *layer_shape] tensor of `dtype`."""
+    torch_dtype = getattr(torch, str(dtype), None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {dtype!r}")
+    if sorted(layers) != list(range(len(layers))):
+        raise ValueError(f"layers {sorted(layers)[:8]} are not 0..{len(layers) - 1}")
+    parts = [
+        torch.frombuffer(bytearray(layers[i]), dtype=torch.uint8).view(torch_dtype).view(list(layer_shape))
+        for i in range(len(layers))
+    ]
+    return torch.stack(parts)

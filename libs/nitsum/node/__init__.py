@@ -15,7 +15,7 @@ Transition (ALGORITHMS.md §1.4), with `span` = this worker's *component* of the
 group (old or new) that holds it (`kv.reshard.component_of`). Components share no worker, KV or request, so each
 runs the steps below inside its own group (2xTP2 -> 4xTP1: two splits, neither waits for the other):
 - `prepare(epoch, new)`: each changed worker takes a KV cache for its new head slice -- in shm mode a view of
-  its spare arena (`kv_segment.Arena`: two per worker, reserved at boot; commit makes the old cache's arena
+  its spare arena (`shm.Arena`: two per worker, reserved at boot; commit makes the old cache's arena
   the spare), else a fresh one; the span all-gathers the old leaders' block tables; every worker computes the
   same `plan_prepare` (the full blocks to move). The new runner comes from the worker's pool: one runner per
   allowed level (weight *views* of the boot store: no weight is read or allocated), built at boot

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-from nitsum.node import kv_segment
 from nitsum.node.reaper import Reaper
+from nitsum.transfer import shm
 
 log = logging.getLogger("nitsum.node.arenas")
 
@@ -26,8 +26,8 @@ class KvArenas:
         self.rank = rank
         self.arena_bytes = arena_bytes
         self.recycle = recycle
-        self.in_use: kv_segment.Arena | None = None
-        self.spare: kv_segment.Arena | None = None
+        self.in_use: shm.Arena | None = None
+        self.spare: shm.Arena | None = None
         self._reaper = reaper
 
     def reserve_at_boot(self, with_in_use: bool) -> None:
@@ -43,25 +43,25 @@ class KvArenas:
             self.release(self.spare)
             self.spare, self.in_use, self.recycle = None, None, False
 
-    def new(self) -> kv_segment.Arena:
-        name = kv_segment.segment_name(self.node_tag, 0, self.rank) + f"-arena-{os.urandom(4).hex()}"
-        return kv_segment.Arena.create(name, self.arena_bytes)
+    def new(self) -> shm.Arena:
+        name = shm.segment_name(self.node_tag, 0, self.rank) + f"-arena-{os.urandom(4).hex()}"
+        return shm.Arena.create(name, self.arena_bytes)
 
-    def named(self, segment: str) -> kv_segment.Arena:
+    def named(self, segment: str) -> shm.Arena:
         """An arena from now on under an epoch's segment name (this worker's spare was gone): not reserved."""
-        return kv_segment.Arena.create(segment, self.arena_bytes, reserve=False, keep_name=True)
+        return shm.Arena.create(segment, self.arena_bytes, reserve=False, keep_name=True)
 
-    def take_spare(self) -> kv_segment.Arena | None:
+    def take_spare(self) -> shm.Arena | None:
         spare, self.spare = self.spare, None
         return spare
 
-    def release(self, arena: kv_segment.Arena | None) -> None:
+    def release(self, arena: shm.Arena | None) -> None:
         """An arena nothing uses any more: its descriptor now, its pages in the reaper (MADV_REMOVE)."""
         if arena is not None:
             arena.close()
             self._reaper.retire(own=[arena.flat])
 
-    def switch(self, new: kv_segment.Arena | None) -> bool:
+    def switch(self, new: shm.Arena | None) -> bool:
         """Commit: the new cache's arena is in use; the old one becomes the spare (its pages stay: nothing to
         free or zero) or is released. True when an old arena backed the old cache (it is not the caller's
         to free then)."""

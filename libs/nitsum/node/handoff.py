@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 from nitsum.engine import migration
 from nitsum.kv.reshard import Group, handoff_transfers
-from nitsum.node import kv_segment
 from nitsum.node.messages import NodeCommand, TransitionAck
 from nitsum.node.precopy import copy_transfers_one_sided
+from nitsum.transfer import shm
 from nitsum.wire import codec
 from nitsum.wire.node import Agreement
 
@@ -128,7 +128,7 @@ def copy(node: NodeRuntime, cmd: NodeCommand) -> TransitionAck:
         for t in transfers:
             if t.dst_worker not in caches:
                 position = t.dst_worker - dst.start
-                cache = kv_segment.attach_handle(
+                cache = shm.attach_handle(
                     cmd.handles[position],
                     node.layout.cache_shape(dst.tp),
                     node.layout.dtype,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from nitsum.node import kv_segment
+from nitsum.transfer.shm import SHM_DIR
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 # Resolved modes: "shm" (one-sided: shared memory between workers of a host, TCP across hosts), "tcp"
@@ -44,7 +44,7 @@ class Member:
     kv_path: str  # as configured: "auto" | "shm" | "tcp" | "p2p"
     addr: str  # its KV receiver, for sources on other hosts
     port: int
-    pid: int = 0  # its process (its KV arenas are mapped through /proc/<pid>/fd: kv_segment.Arena)
+    pid: int = 0  # its process (its KV arenas are mapped through /proc/<pid>/fd: shm.Arena)
     pidns: int = 0  # its pid namespace (inode of /proc/self/ns/pid; 0: unknown): such a path needs the same one
     tpc: bool = True  # NITSUM_TP_SHM_COLLECTIVES: a group gets a shared-memory channel only if all its members say so
     token: int = field(default=0, repr=False)  # its KV receiver's secret (kv_tcp: a hello must carry it)
@@ -97,7 +97,7 @@ def maps_arenas_of(members: tuple[Member, ...], rank: int, readers: tuple[frozen
 
 
 def can_read_fds(pid: int) -> bool:
-    """Whether this process may open process `pid`'s /proc/<pid>/fd entries, as `kv_segment.attach_handle` does:
+    """Whether this process may open process `pid`'s /proc/<pid>/fd entries, as `shm.attach_handle` does:
     /proc mounted with hidepid, another user id or a security module can refuse it where /dev/shm is shared."""
     try:
         entries = os.listdir(f"/proc/{pid}/fd")
@@ -133,7 +133,7 @@ def local_host_id(override: str = "") -> str:
     except OSError:
         boot = "?"
     try:
-        shm = f"shm{os.stat(kv_segment.SHM_DIR).st_dev}"
+        shm = f"shm{os.stat(SHM_DIR).st_dev}"
     except OSError:
         shm = "noshm"
     return f"{socket.gethostname()}/{boot}/{shm}"

@@ -22,11 +22,12 @@ import torch
 
 from nitsum.engine import migration
 from nitsum.kv.reshard import ReshardPlan
-from nitsum.node import kv_segment
 from nitsum.node.build import RunnerBuild
 from nitsum.node.precopy import PreCopy, copy_transfers_one_sided, plan_flows
+from nitsum.transfer import shm
 from nitsum.transfer.framing import TransferError
-from nitsum.transfer.kv_tcp import STAGE_M_DSCP, KvLinks
+from nitsum.transfer.kv_link import KvLinks
+from nitsum.transfer.kv_tcp import STAGE_M_DSCP
 
 if TYPE_CHECKING:
     from nitsum.node.transition import Transition
@@ -71,7 +72,7 @@ class OneSidedPath(KvPath):
             problems = t.agree(problem)
         finally:
             if t.segment is not None:
-                kv_segment.unlink(t.segment)  # every source attached it (or gave up): the name goes
+                shm.unlink(t.segment)  # every source attached it (or gave up): the name goes
         t.timings_ms["agreed"] = t.elapsed_ms()
         if problems:
             return problems
@@ -146,14 +147,14 @@ class ShmSegmentPath(OneSidedPath):
         # Sparse here (microseconds); the build thread reserves its pages before anything but pre-copy writes
         # into it (/dev/shm's room was checked: a full one refuses the epoch now).
         node = t.node
-        segment = t.segment = kv_segment.segment_name(node.node_tag, t.epoch, node.rank)
+        segment = t.segment = shm.segment_name(node.node_tag, t.epoch, node.rank)
         shape = node.layout.cache_shape(t.my_new.tp)
         if node.arenas.recycle:  # an arena from now on (this worker's spare was gone)
             t.arena = node.arenas.named(segment)
             t.new_cache = t.arena.view(shape, node.layout.dtype)
         else:
-            t.new_cache = kv_segment.create(segment, shape, node.layout.dtype, reserve=False)
-        reserve = kv_segment.reserver(segment)
+            t.new_cache = shm.create(segment, shape, node.layout.dtype, reserve=False)
+        reserve = shm.reserver(segment)
         t.build = RunnerBuild(
             lambda: node.pool.runner(t.my_new, with_cache=False), start=False, cancel=reserve.close, after=reserve
         )
@@ -231,12 +232,12 @@ def map_new_caches(t: Transition) -> dict[int, tuple[torch.Tensor, tuple[int, in
                 assert t.new_cache is not None, "a changed worker allocated its new cache"
                 cache = t.new_cache
             elif w in t.handles:
-                cache = kv_segment.attach_handle(
+                cache = shm.attach_handle(
                     t.handles[w], node.layout.cache_shape(g.tp), node.layout.dtype, node.members[w].pid
                 )
             else:
-                cache = kv_segment.attach(
-                    kv_segment.segment_name(node.node_tag, t.epoch, w),
+                cache = shm.attach(
+                    shm.segment_name(node.node_tag, t.epoch, w),
                     node.layout.cache_shape(g.tp),
                     node.layout.dtype,
                     allow_larger=True,

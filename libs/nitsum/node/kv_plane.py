@@ -12,10 +12,12 @@ import logging
 import os
 import threading
 
-from nitsum.node import kv_hosts, kv_segment
+from nitsum.node import kv_hosts
 from nitsum.parallel import shm_collectives as shm_collectives_lib
 from nitsum.parallel.world import NodeWorld
-from nitsum.transfer.kv_tcp import THREAD_PREFIX, KvReceiver, open_kv_sockets
+from nitsum.transfer import shm
+from nitsum.transfer.kv_receiver import KvReceiver
+from nitsum.transfer.kv_tcp import THREAD_PREFIX, open_kv_sockets
 
 log = logging.getLogger("nitsum.node.kv_plane")
 
@@ -33,7 +35,7 @@ class KvPlane:
         shm_collectives: bool,
     ) -> None:
         self.rank = world.rank
-        self.shm_possible = world.device == "cpu" and kv_segment.available()
+        self.shm_possible = world.device == "cpu" and shm.available()
         addr = kv_hosts.advertise_addr(advertise, master_addr)
         self.receiver: KvReceiver | None = None
         if world.device == "cpu" and kv_path != "p2p":

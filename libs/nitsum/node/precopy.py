@@ -5,7 +5,7 @@ worker) pair, and each flow is cut into chunks of at most `chunk_bytes` (whole b
 `plan_flows` is a pure function of the plan, so every worker computes the same flows and chunk indices.
 
 A source writes a chunk one-sidedly into the destination's new cache, which lives in shared memory
-(`kv_segment`) when both are on one host: no receive has to be posted, so a chunk runs whenever the
+(`nitsum.transfer.shm`) when both are on one host: no receive has to be posted, so a chunk runs whenever the
 *source's* group is between two of its own steps. A destination on another host has a receiver thread that
 writes the chunks arriving over TCP (`kv_tcp.KvLinks`) and acks each after the write; the source counts a
 chunk done only on its ack. Across hosts a chunk goes on the pair's connection of its class: the DSCP of the
@@ -37,7 +37,8 @@ import torch
 
 from nitsum.kv.reshard import Transfer
 from nitsum.transfer.framing import TransferError
-from nitsum.transfer.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP, KvLinks
+from nitsum.transfer.kv_link import KvLinks
+from nitsum.transfer.kv_tcp import IO_TIMEOUT_S, LOWEST_DSCP, STAGE_M_DSCP
 
 # ~2-3 ms of gather-copy on a loaded CPU core (measured ~1.5-2 GiB/s): a small bump on a 25-40 ms decode
 # step of the ~27M-param model, and few enough chunks that pre-copy spans only a handful of steps.

@@ -20,7 +20,6 @@ from nitsum.kv.reshard import Group, RequestKV, Topology
 from nitsum.model.loader import read_raw_config
 from nitsum.model.model import Workspace
 from nitsum.model.tokenizer import Tokenizer
-from nitsum.node import kv_segment
 from nitsum.node.arenas import KvArenas
 from nitsum.node.build import PageReservations
 from nitsum.node.counters import KvCounters
@@ -32,6 +31,7 @@ from nitsum.node.reaper import Reaper
 from nitsum.node.runners import RunnerPool
 from nitsum.node.transition import Transition, refuse_in_span
 from nitsum.parallel.world import NodeWorld
+from nitsum.transfer import shm
 
 __all__ = ["COMMAND_KINDS", "KV_PATHS", "NodeCommand", "NodeRuntime", "TransitionAck"]
 
@@ -92,7 +92,7 @@ class NodeRuntime:
             kv_fault_chunk_epochs,
             shm_collectives,
         )
-        arena_bytes = max(kv_segment.nbytes_of(self.layout.cache_shape(tp), self.layout.dtype) for tp in world.levels)
+        arena_bytes = max(shm.nbytes_of(self.layout.cache_shape(tp), self.layout.dtype) for tp in world.levels)
         self.arenas = KvArenas(self.node_tag, self.rank, arena_bytes, self.reaper, self.plane.recycles_arenas())
         self.topology = topology
         self.epoch = epoch  # an adopting worker keeps its epoch: epochs it saw never come back
@@ -414,9 +414,9 @@ class NodeRuntime:
         self.arenas.close()
         self.reaper.drain()
         self.pool.wait_ahead(30.0)
-        for name in kv_segment.leftovers(self.node_tag):
+        for name in shm.leftovers(self.node_tag):
             if name.endswith(f"-w{self.rank}"):
-                kv_segment.unlink(name)
+                shm.unlink(name)
 
     def leave_world(self, reason: str) -> list[str]:
         """A collective failed because a worker of the node world is gone. A process world cannot take a

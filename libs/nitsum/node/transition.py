@@ -34,13 +34,13 @@ from nitsum.kv.reshard import (
     plan_prepare,
     transition_span,
 )
-from nitsum.node import kv_segment
 from nitsum.node.build import EngineAhead, RunnerBuild
 from nitsum.node.gate import PreCopyGate
 from nitsum.node.kv_paths import KvPath, path_for, serve_remote_sources
 from nitsum.node.messages import TransitionAck, kv_entry, request_kv
 from nitsum.node.precopy import PreCopy
-from nitsum.transfer.kv_tcp import KvLinks
+from nitsum.transfer import shm
+from nitsum.transfer.kv_link import KvLinks
 from nitsum.wire import codec
 from nitsum.wire.node import Agreement, CommitShare, PrepareShare
 
@@ -78,7 +78,7 @@ class Transition:
         self.preemptions: dict[str, int] = {}  # old leader: request -> preemptions at prepare
         self.build: RunnerBuild | None = None  # the new runner, built in a thread until commit needs it
         self.segment: str | None = None  # this worker's new-cache segment name (when made afresh)
-        self.arena: Any = None  # the kv_segment.Arena its new cache is a view of
+        self.arena: Any = None  # the shm.Arena its new cache is a view of
         self.handles: dict[int, str] = {}  # worker -> Arena.handle of its new cache (mapped through /proc)
         self.new_cache: torch.Tensor | None = None  # its new KV cache (the runner adopts it at commit)
         self.links: KvLinks | None = None  # source: its TCP links to destinations on other hosts
@@ -356,7 +356,7 @@ class Transition:
         self.stop_build()
         self.release_links()
         if self.segment is not None:
-            kv_segment.unlink(self.segment)
+            shm.unlink(self.segment)
         arena, self.arena = self.arena, None
         if arena is not None:
             # Not back to spare: a source of this epoch whose abort is late may still write a pre-copy round into

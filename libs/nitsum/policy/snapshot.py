@@ -12,8 +12,8 @@ Conventions callers must keep:
   otherwise it is queued or running on that group.
 - `RequestView.first_token_ms is None` means prefill has not produced a token yet.
 - `GroupView.devices` is the aligned, contiguous device range of the group: `devices[0] % tp == 0`.
-- `GroupView.group_id` is chosen by the caller and unique within the snapshot; `group_id_for()` is the
-  suggested spelling (the policy never parses it).
+- `GroupView.group_id` is chosen by the caller and unique within the snapshot; `group_id_of()` is the
+  spelling every caller uses (the policy never parses it).
 """
 
 from __future__ import annotations
@@ -264,9 +264,11 @@ class GroupLoad:
 _NO_LOAD = GroupLoad()
 
 
-def group_id_for(node_id: str, start: int, tp: int) -> str:
-    """Suggested group id: node, first device, TP (e.g. 'n0/d4-tp2')."""
-    return f"{node_id}/d{start}-tp{tp}"
+def group_id_of(node_id: str, start: int, tp: int) -> str:
+    """The id of a node's TP group [start, start + tp), e.g. 'n0-g4-tp2': the one group-id function. A worker
+    reports it in WorkerStats.group_id, the coordinator assigns it in GroupAssignment.group_id, the simulator
+    names its groups with it (all call this function; `nitsum.wire.node` re-exports it for the node world)."""
+    return f"{node_id}-g{start}-tp{tp}"
 
 
 class ArrivalWindow:

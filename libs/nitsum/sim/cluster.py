@@ -36,7 +36,7 @@ from nitsum.policy.snapshot import (
     NodeView,
     RequestView,
     assemble_snapshot,
-    group_id_for,
+    group_id_of,
 )
 from nitsum.policy.steptable import DeviceStepTable, StepRow, load_step_rows, select
 from nitsum.policy.tiers import DEFAULT_TIERS, Tier
@@ -238,7 +238,7 @@ class _Group:
     def __init__(
         self, node: _Node, start: int, tp: int, role: str, cost: CostModel, now: float, paused_until: float
     ) -> None:
-        self.gid = group_id_for(node.node_id, start, tp)
+        self.gid = group_id_of(node.node_id, start, tp)
         self.node = node
         self.start, self.tp, self.role = start, tp, role
         self.cost = cost

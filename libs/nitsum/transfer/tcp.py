@@ -1,4 +1,6 @@
-"""KV bytes across hosts over TCP: one connection per priority class, each tagged IP_TOS = DSCP << 2.
+"""The namespace testbed's flows over TCP (`nitsum.bench.testbed`, `nitsum bench flows`, tests/net): one
+connection per priority class, each tagged IP_TOS = DSCP << 2, with optional pacing. Not a data plane of the mesh
+(the workers' cross-host KV goes over `nitsum.transfer.kv_tcp`); it lives with the benchmarks that use it.
 
 Async shell over `framing`. A flow is DATA frames then END; the receiver answers ACK once its sink
 committed the blocks, or ERROR (and releases whatever it reserved). A sender-side failure mid-flow sends

@@ -11,14 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+# The one group-id function, re-exported for node-world code (defined with the policy snapshot: stdlib only).
+from nitsum.policy.snapshot import group_id_of as group_id_of
+
 COMMAND_KINDS = ("prepare", "commit", "abort", "precopy", "handles", "handoff")
 ROLES = ("prefill", "decode", "hybrid")
-
-
-def group_id_of(node_id: str, start: int, tp: int) -> str:
-    """The id of a node's TP group [start, start + tp): what a worker reports in WorkerStats.group_id and the
-    coordinator assigns in GroupAssignment.group_id (both sides call this one function)."""
-    return f"{node_id}-g{start}-tp{tp}"
 
 
 def _pairs(name: str, value: tuple[tuple[int, ...], ...]) -> None:
