@@ -42,6 +42,7 @@ from nitsum.wire.messages import (
 from nitsum_services.coordinator.membership import Membership, WorkerRecord
 from nitsum_services.coordinator.reform import ReformAgent
 from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp
+from nitsum_services.coordinator.steps import step_table_for
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
 log = logging.getLogger("nitsum.coordinator")
@@ -120,7 +121,8 @@ def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
     dtype = default_dtype(config.device_kind) if config.dtype == "auto" else config.dtype
     bytes_per = 4.0 if dtype == "float32" else 2.0
     return ModelSpec(
-        name=hf.get("_name_or_path") or hf.get("model_type", "model"),
+        # The directory's name, as `nitsum bench profile` names the model in the step tables it writes.
+        name=resolve_model_dir(config.model).name,
         num_layers=int(hf["num_hidden_layers"]),
         hidden_size=int(hf["hidden_size"]),
         num_heads=int(hf["num_attention_heads"]),
@@ -133,8 +135,12 @@ def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
 
 
 def policy_config(config: CoordinatorConfig) -> PolicyConfig:
+    """StepTableError when NITSUM_DEVICE_TABLE (or the committed CPU profile) cannot be used."""
+    model = model_spec_of(config)
+    table, _source = step_table_for(config.device_table, config.device_kind, model)
     return PolicyConfig(
-        model=model_spec_of(config),
+        model=model,
+        step_tables=() if table is None else ((config.device_kind, table),),
         epoch_ms=float(config.reconfig_interval_ms),
         queue_bounds=(("interactive", config.queue_limit_interactive), ("background", config.queue_limit_background)),
     )
