@@ -41,7 +41,7 @@ from nitsum.wire.messages import (
 )
 from nitsum_services.coordinator.membership import Membership, WorkerRecord
 from nitsum_services.coordinator.reform import ReformAgent
-from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp
+from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp, live_arrival_window
 from nitsum_services.coordinator.steps import step_table_for
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
@@ -115,6 +115,26 @@ def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[Worker
     return holder, tuple(hashes[mine:best])
 
 
+def request_view(req: SubmitRequest, now_ms: float) -> RequestView:
+    """What the policy sees of a submitted request (its progress comes later, from the workers' heartbeats).
+    A re-submitted request's tokens so far count as prompt: its new worker computes them as one."""
+    return RequestView(
+        request_id=req.request_id,
+        tier=req.tier,
+        ttft_ms=req.ttft_ms,
+        tpot_ms=req.tpot_ms,
+        weight=req.weight,
+        arrival_ms=now_ms,
+        prompt_tokens=len(req.prompt_token_ids) + len(req.output_token_ids),
+        max_tokens=req.sampling.max_tokens,
+    )
+
+
+def note_arrival(window: ArrivalWindow, view: RequestView) -> None:
+    """A fresh request offered to the mesh (admitted or not), as the simulator notes its arrivals."""
+    window.add(view.arrival_ms, view.tier, view.ttft_ms, view.tpot_ms, view.weight, view.prompt_tokens, view.max_tokens)
+
+
 def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
     """The cost model's view of the served model, from its Hugging Face config.json."""
     hf = json.loads((resolve_model_dir(config.model) / "config.json").read_text())
@@ -162,7 +182,7 @@ class Coordinator:
         self.reforms = ReformAgent(self)  # re-forms a node world that lost a member (services/coordinator/reform.py)
         # Nodes whose topology an operator set by hand: the policy leaves them alone until the next set-policy.
         self.pinned_nodes: set[str] = set()
-        self.arrivals = ArrivalWindow()
+        self.arrivals = live_arrival_window(self.now_ms())
         # Set on queue events that should not wait for the next epoch (a latency-tier request arrives while
         # its tier already has work queued): the policy looks again at once.
         self.trigger = asyncio.Event()
@@ -183,7 +203,7 @@ class Coordinator:
             self.config.min_tp,
             self.config.device_kind,
             self.last_reconfig_ms,
-            self.arrivals.stats(now_ms),
+            self.arrivals,
         )
 
     def full_nodes(self) -> list[NodeView]:
@@ -229,22 +249,11 @@ class Coordinator:
                     req.request_id, False, status=503, retry_after_s=1.0, reason="no worker is ready to serve requests"
                 )
             now_ms = self.now_ms()
-            view = RequestView(
-                request_id=req.request_id,
-                tier=req.tier,
-                ttft_ms=req.ttft_ms,
-                tpot_ms=req.tpot_ms,
-                weight=req.weight,
-                arrival_ms=now_ms,
-                prompt_tokens=len(req.prompt_token_ids) + len(req.output_token_ids),
-                max_tokens=req.sampling.max_tokens,
-            )
+            view = request_view(req, now_ms)
             if req.attempt == 0 and req.ttft_ms <= 1000.0 and self.members.outstanding_by_tier().get(req.tier, 0) > 0:
                 self.trigger.set()
             if req.attempt == 0:
-                self.arrivals.add(
-                    now_ms, req.tier, req.ttft_ms, req.tpot_ms, req.weight, view.prompt_tokens, view.max_tokens
-                )
+                note_arrival(self.arrivals, view)
             snap = self.snapshot()
             if req.attempt == 0:
                 outstanding = self.members.outstanding_by_tier().get(req.tier, 0)
@@ -286,7 +295,9 @@ class Coordinator:
                 if reuse_from:
                     span.set_attribute("nitsum.reuse_from", reuse_from)
                     span.set_attribute("nitsum.reuse_blocks", len(reuse_hashes))
-                self.members.assign(req.request_id, req.tier, worker_id, time.monotonic(), view)
+                self.members.assign(
+                    req.request_id, req.tier, worker_id, time.monotonic(), view, len(req.output_token_ids)
+                )
                 run = RunRequest(req, decode_worker=decode_worker, reuse_from=reuse_from, reuse_hashes=reuse_hashes)
                 try:
                     ack = await self.bus.request(
