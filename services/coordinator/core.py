@@ -486,9 +486,9 @@ class Coordinator:
                 self.transitions.apply(d.node_id, d.target, f"policy {self.policy_spec}: {d.reason}", decide_ms)
             )
             task.add_done_callback(_log_failure)
-        # Only work still waiting at the coordinator is shed; a request a worker has started is never killed
-        # (its tokens are already being paid for, and the client is waiting for them).
-        waiting = {r.request_id for r in snap.requests if r.group_id is None}
+        # Only work not yet prefilled (as heard: the workers refuse to shed a request already streaming) is shed;
+        # a request whose tokens flow is never killed (they are paid for, and the client is reading them).
+        waiting = {r.request_id for r in snap.requests if r.first_token_ms is None}
         for request_id in (r for r in self.policy.shed(snap) if r in waiting):
             log.warning("shedding %s: it cannot meet its SLO", request_id)
             try:

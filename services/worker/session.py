@@ -227,6 +227,9 @@ class WorkerSession:
         state = self.running.get(request_id)
         if state is None:
             return False
+        if reason.split(":")[0] == "shed" and state.first_token_s is not None:
+            # The coordinator hears of first tokens a heartbeat late: a request already streaming is never shed.
+            return False
         if reason.split(":")[0] in self.TOLD_REASONS:
             chunk = TokenChunk(
                 request_id,
