@@ -183,6 +183,7 @@ class Coordinator:
         # Nodes whose topology an operator set by hand: the policy leaves them alone until the next set-policy.
         self.pinned_nodes: set[str] = set()
         self.arrivals = live_arrival_window(self.now_ms())
+        self.shed_asked: set[str] = set()  # requests an epoch asked the workers to shed, while not yet prefilled
         # Set on queue events that should not wait for the next epoch (a latency-tier request arrives while
         # its tier already has work queued): the policy looks again at once.
         self.trigger = asyncio.Event()
@@ -489,7 +490,9 @@ class Coordinator:
         # Only work not yet prefilled (as heard: the workers refuse to shed a request already streaming) is shed;
         # a request whose tokens flow is never killed (they are paid for, and the client is reading them).
         waiting = {r.request_id for r in snap.requests if r.first_token_ms is None}
-        for request_id in (r for r in self.policy.shed(snap) if r in waiting):
+        self.shed_asked &= waiting  # asked once: a worker that refused (already streaming) is not asked again
+        for request_id in (r for r in self.policy.shed(snap) if r in waiting and r not in self.shed_asked):
+            self.shed_asked.add(request_id)
             log.warning("shedding %s: it cannot meet its SLO", request_id)
             try:
                 await self.bus.publish(self.bus.subjects.abort, AbortRequest(request_id, "shed"))
