@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -209,10 +210,12 @@ def run(args, out: Path) -> dict:
                 mesh = start_live_mesh(
                     out / "logs" / name, model_dir=model_dir, nats_url=nats.url, devices=2, policy=pol, env_extra=env
                 )
+                load_before = os.getloadavg()[0]
                 try:
                     trackers, elapsed_s, layouts = asyncio.run(_replay(mesh, specs, pol))
                 finally:
                     mesh.stop()
+                load_after = os.getloadavg()[0]  # the 1-min load average: a shared machine's other jobs show here
                 records = [t.to_record() for t in trackers]
                 report = summarize(records, duration_s=sum(e - s for _, s, e in bounds) / 1000.0)
                 write_all(report, records, out / name, {"policy": pol, "elapsed_s": elapsed_s})
@@ -223,6 +226,7 @@ def run(args, out: Path) -> dict:
                     "phases": per_phase(records, bounds),
                     "layouts": layouts,
                     "changes": sum(1 for a, b in zip(layouts, layouts[1:]) if a[1] != b[1]),
+                    "load_average": [round(load_before, 2), round(load_after, 2)],
                 }
                 print(f"[{pol}] done in {elapsed_s:.0f} s: {results[pol]['changes']} layout changes", flush=True)
         finally:
@@ -254,12 +258,17 @@ def format_table(report: dict) -> str:
 
     tiers = list(report["rules"]["targets"])
     head = " | ".join(f"{t} goodput req/s" for t in tiers)
-    lines = [f"| policy | weighted goodput | {head} | weighted goodput per phase | layout changes |"]
-    lines.append("|---|---|" + "---|" * len(tiers) + "---|---|")
+    lines = [
+        f"| policy | weighted goodput | {head} | weighted goodput per phase | layout changes | load avg before/after |"
+    ]
+    lines.append("|---|---|" + "---|" * len(tiers) + "---|---|---|")
     for pol, r in report["policies"].items():
         cells = " | ".join(f(r["tiers"].get(t, {}).get("goodput_rps")) for t in tiers)
         phases = ", ".join(f"{n} {f(p['weighted_goodput_rps'], '.2f')}" for n, p in r["phases"].items())
-        lines.append(f"| {pol} | {f(r['overall']['weighted_goodput_rps'])} | {cells} | {phases} | {r['changes']} |")
+        load = "/".join(str(x) for x in r.get("load_average", []))
+        lines.append(
+            f"| {pol} | {f(r['overall']['weighted_goodput_rps'])} | {cells} | {phases} | {r['changes']} | {load} |"
+        )
     o = report["oracle"]
     lines.append(
         f"\nper-phase oracle {f(o['weighted_goodput_rps'])} ({o['per_phase']}); best static {report['best_static']}; "
