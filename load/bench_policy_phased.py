@@ -164,7 +164,7 @@ def oracle(results: dict[str, dict], bounds) -> dict:
     return {"per_phase": best, "weighted_goodput_rps": total / span if span else None}
 
 
-def plot_layouts(results: dict[str, dict], path: Path) -> bool:
+def plot_layouts(results: dict[str, dict], path: Path, bounds=()) -> bool:
     try:
         import matplotlib
 
@@ -177,6 +177,9 @@ def plot_layouts(results: dict[str, dict], path: Path) -> bool:
     for policy, r in results.items():
         ts = [t for t, _ in r["layouts"]]
         ax.step(ts, [names.index(lay) for _, lay in r["layouts"]], where="post", label=policy)
+    for name, start, _end in bounds:
+        ax.axvline(start / 1000.0, color="grey", linewidth=0.5)
+        ax.text(start / 1000.0, len(names) - 0.95, f" {name}", fontsize=8, color="grey")
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("seconds into the replay")
     ax.legend(loc="upper right")
@@ -246,7 +249,7 @@ def run(args, out: Path) -> dict:
         if adaptive and best_static and statics[best_static]
         else None,
     }
-    plotted = plot_layouts(results, out / "layouts_over_time.png")
+    plotted = plot_layouts(results, out / "layouts_over_time.png", bounds)
     report["plot"] = "layouts_over_time.png" if plotted else None
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
