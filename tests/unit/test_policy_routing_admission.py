@@ -166,3 +166,13 @@ def dataclasses_replace(r, **kw):
     import dataclasses
 
     return dataclasses.replace(r, **kw)
+
+
+def test_prompts_ahead_count_only_for_the_work_the_group_cannot_have_done_since_they_came():
+    one = (GROUPS[0],)
+    fresh = [inter(f"q{i}", prompt=1000, group_id="big") for i in range(6)]
+    refused = pol().admit(snap(fresh, one), inter("new", prompt=1000))
+    assert not refused.admit and refused.reason.startswith("overloaded")
+    # The same queue as heard, but it came 2 s ago: its prefills are most likely done (heard a heartbeat late).
+    stale = [inter(f"q{i}", age=2000.0, prompt=1000, group_id="big") for i in range(6)]
+    assert pol().admit(snap(stale, one), inter("new", prompt=1000)).admit

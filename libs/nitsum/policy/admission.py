@@ -12,8 +12,9 @@ admit():
    until past its TTFT deadline: it could not even start
 otherwise admit.
 
-The wait ahead (`edf_wait_ms`) is a lower bound: those prompts as one batched prefill step at the group's TP,
-no decode steps between. Under EDF a background request (TTFT 10 s) waits behind every interactive one queued
+The wait ahead (`remaining_wait_ms`) is a lower bound: those prompts as one batched prefill step at the group's
+TP, no decode steps between, less the time since the first of them arrived (the group may have worked on them
+all along; the snapshot hears of finished prefills a heartbeat late). Under EDF a background request (TTFT 10 s) waits behind every interactive one queued
 before its deadline, an interactive one only behind the few with earlier deadlines: overload refuses, and
 sheds, background first.
 
@@ -96,15 +97,26 @@ def edf_wait_ms(cost: CostModel, tp: int, ahead: int, ahead_tokens: int) -> floa
     return cost.step_time_ms(tp, ahead, ahead_tokens, ahead_tokens) if ahead_tokens > 0 else 0.0
 
 
-def _ahead_on(snap: ClusterSnapshot, group_id: str, r: RequestView) -> tuple[int, int]:
-    """(prompts, uncached tokens) queued on a group before r in EDF order (deadline, then arrival)."""
+def _ahead_on(snap: ClusterSnapshot, group_id: str, r: RequestView) -> tuple[int, int, float]:
+    """(prompts, uncached tokens, earliest arrival) queued on a group before r in EDF order (deadline, then
+    arrival)."""
     n = tokens = 0
+    first = snap.now_ms
     key = (r.ttft_deadline_ms, r.arrival_ms)
     for q in snap.requests_by_group.get(group_id, ()):
         if q.first_token_ms is None and q.request_id != r.request_id and (q.ttft_deadline_ms, q.arrival_ms) <= key:
             n += 1
             tokens += q.uncached_prompt_tokens
-    return n, tokens
+            first = min(first, q.arrival_ms)
+    return n, tokens, first
+
+
+def remaining_wait_ms(
+    cost: CostModel, tp: int, ahead: int, tokens: int, first_arrival_ms: float, now_ms: float
+) -> float:
+    """Lower bound of the prefill work still ahead now: the group cannot have spent more than `now - first
+    arrival` on those prompts, whatever the snapshot says (it hears of finished prefills a heartbeat late)."""
+    return max(edf_wait_ms(cost, tp, ahead, tokens) - max(now_ms - first_arrival_ms, 0.0), 0.0)
 
 
 def overload_wait_ms(snap: ClusterSnapshot, nodes: list[NodeView], cost_for: CostFor, r: RequestView) -> float | None:
@@ -120,7 +132,7 @@ def overload_wait_ms(snap: ClusterSnapshot, nodes: list[NodeView], cost_for: Cos
             # Cheap sufficient test first: with every queued prompt ahead of it, it still starts in time.
             if edf_wait_ms(cost, g.tp, load.num_prefill, load.prefill_tokens) <= left_ms:
                 return None
-            wait = edf_wait_ms(cost, g.tp, *_ahead_on(snap, g.group_id, r))
+            wait = remaining_wait_ms(cost, g.tp, *_ahead_on(snap, g.group_id, r), snap.now_ms)
             if wait <= left_ms:
                 return None
             least = wait if least is None else min(least, wait)
@@ -235,10 +247,13 @@ def _late_on_groups(snap: ClusterSnapshot, cost_for: CostFor) -> set[str]:
                 continue
             queued.sort(key=lambda q: (q.ttft_deadline_ms, q.arrival_ms))
             ahead = tokens = 0
+            first = snap.now_ms
             for q in queued:
-                if snap.now_ms + edf_wait_ms(cost, g.tp, ahead, tokens) > q.ttft_deadline_ms:
+                wait = remaining_wait_ms(cost, g.tp, ahead, tokens, first, snap.now_ms)
+                if snap.now_ms + wait > q.ttft_deadline_ms:
                     late.add(q.request_id)  # shed: the ones after it no longer wait for it
                     continue
                 ahead += 1
                 tokens += q.uncached_prompt_tokens
+                first = min(first, q.arrival_ms)
     return late
