@@ -157,10 +157,15 @@ async def _run_policy(mesh, specs: list, policy: str, devices: int) -> tuple[lis
 
 
 def main(argv: list[str]) -> int:
+    if not any(a == "--trace" or a.startswith("--trace=") for a in argv):
+        # The default: the simulator's phased workload on a 2-worker node world (bench_policy_phased.py).
+        from nitsum_load.bench_policy_phased import main as phased_main
+
+        return phased_main(argv)
     from nitsum_load.workload import parse_tier_mix
 
     p = argparse.ArgumentParser(prog="nitsum bench policy --live", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default="azure-conv", help="trace name or path (default azure-conv)")
+    p.add_argument("--trace", required=True, help="trace name or path (azure-conv, ...); without it: the phased run")
     p.add_argument("--requests", type=int, default=60, help="rows of the trace replayed (default 60)")
     p.add_argument("--skip", type=int, default=0, help="rows skipped before the slice (default 0)")
     p.add_argument("--target-rate", type=float, default=1.0, help="mean arrival rate, requests/s (default 1.0)")

@@ -367,6 +367,11 @@ class CoordinatorConfig(CommonConfig):
         "cost-model table: cpu | h100 | h200 | a100",
         check=one_of("cpu", "h100", "h200", "a100"),
     )
+    device_table: str = setting(
+        "NITSUM_DEVICE_TABLE",
+        "",
+        "measured step-time table (CSV, `nitsum bench profile --csv`); empty: on cpu the committed CPU profile",
+    )
 
 
 @dataclass(frozen=True)

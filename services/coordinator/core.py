@@ -45,7 +45,8 @@ from nitsum.wire.messages import (
 )
 from nitsum_services.coordinator.membership import Membership, WorkerRecord
 from nitsum_services.coordinator.reform import ReformAgent
-from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp
+from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp, live_arrival_window
+from nitsum_services.coordinator.steps import step_table_for
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
 log = logging.getLogger("nitsum.coordinator")
@@ -138,13 +139,34 @@ def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[Worker
     return holder, tuple(hashes[mine:best])
 
 
+def request_view(req: SubmitRequest, now_ms: float) -> RequestView:
+    """What the policy sees of a submitted request (its progress comes later, from the workers' heartbeats).
+    A re-submitted request's tokens so far count as prompt: its new worker computes them as one."""
+    return RequestView(
+        request_id=req.request_id,
+        tier=req.tier,
+        ttft_ms=req.ttft_ms,
+        tpot_ms=req.tpot_ms,
+        weight=req.weight,
+        arrival_ms=now_ms,
+        prompt_tokens=len(req.prompt_token_ids) + len(req.output_token_ids),
+        max_tokens=req.sampling.max_tokens,
+    )
+
+
+def note_arrival(window: ArrivalWindow, view: RequestView) -> None:
+    """A fresh request offered to the mesh (admitted or not), as the simulator notes its arrivals."""
+    window.add(view.arrival_ms, view.tier, view.ttft_ms, view.tpot_ms, view.weight, view.prompt_tokens, view.max_tokens)
+
+
 def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
     """The cost model's view of the served model, from its Hugging Face config.json."""
     hf = json.loads((resolve_model_dir(config.model) / "config.json").read_text())
     dtype = default_dtype(config.device_kind) if config.dtype == "auto" else config.dtype
     bytes_per = 4.0 if dtype == "float32" else 2.0
     return ModelSpec(
-        name=hf.get("_name_or_path") or hf.get("model_type", "model"),
+        # The directory's name, as `nitsum bench profile` names the model in the step tables it writes.
+        name=resolve_model_dir(config.model).name,
         num_layers=int(hf["num_hidden_layers"]),
         hidden_size=int(hf["hidden_size"]),
         num_heads=int(hf["num_attention_heads"]),
@@ -157,8 +179,12 @@ def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
 
 
 def policy_config(config: CoordinatorConfig) -> PolicyConfig:
+    """StepTableError when NITSUM_DEVICE_TABLE (or the committed CPU profile) cannot be used."""
+    model = model_spec_of(config)
+    table, _source = step_table_for(config.device_table, config.device_kind, model)
     return PolicyConfig(
-        model=model_spec_of(config),
+        model=model,
+        step_tables=() if table is None else ((config.device_kind, table),),
         epoch_ms=float(config.reconfig_interval_ms),
         queue_bounds=(("interactive", config.queue_limit_interactive), ("background", config.queue_limit_background)),
     )
@@ -180,7 +206,8 @@ class Coordinator:
         self.reforms = ReformAgent(self)  # re-forms a node world that lost a member (services/coordinator/reform.py)
         # Nodes whose topology an operator set by hand: the policy leaves them alone until the next set-policy.
         self.pinned_nodes: set[str] = set()
-        self.arrivals = ArrivalWindow()
+        self.arrivals = live_arrival_window(self.now_ms())
+        self.shed_asked: set[str] = set()  # requests an epoch asked the workers to shed, while not yet prefilled
         # Set on queue events that should not wait for the next epoch (a latency-tier request arrives while
         # its tier already has work queued): the policy looks again at once.
         self.trigger = asyncio.Event()
@@ -201,7 +228,7 @@ class Coordinator:
             self.config.min_tp,
             self.config.device_kind,
             self.last_reconfig_ms,
-            self.arrivals.stats(now_ms),
+            self.arrivals,
         )
 
     def full_nodes(self) -> list[NodeView]:
@@ -247,22 +274,11 @@ class Coordinator:
                     req.request_id, False, status=503, retry_after_s=1.0, reason="no worker is ready to serve requests"
                 )
             now_ms = self.now_ms()
-            view = RequestView(
-                request_id=req.request_id,
-                tier=req.tier,
-                ttft_ms=req.ttft_ms,
-                tpot_ms=req.tpot_ms,
-                weight=req.weight,
-                arrival_ms=now_ms,
-                prompt_tokens=len(req.prompt_token_ids) + len(req.output_token_ids),
-                max_tokens=req.sampling.max_tokens,
-            )
+            view = request_view(req, now_ms)
             if req.attempt == 0 and req.ttft_ms <= 1000.0 and self.members.outstanding_by_tier().get(req.tier, 0) > 0:
                 self.trigger.set()
             if req.attempt == 0:
-                self.arrivals.add(
-                    now_ms, req.tier, req.ttft_ms, req.tpot_ms, req.weight, view.prompt_tokens, view.max_tokens
-                )
+                note_arrival(self.arrivals, view)
             snap = self.snapshot()
             if req.attempt == 0:
                 outstanding = self.members.outstanding_by_tier().get(req.tier, 0)
@@ -304,7 +320,9 @@ class Coordinator:
                 if reuse_from:
                     span.set_attribute("nitsum.reuse_from", reuse_from)
                     span.set_attribute("nitsum.reuse_blocks", len(reuse_hashes))
-                self.members.assign(req.request_id, req.tier, worker_id, time.monotonic(), view)
+                self.members.assign(
+                    req.request_id, req.tier, worker_id, time.monotonic(), view, len(req.output_token_ids)
+                )
                 run = RunRequest(req, decode_worker=decode_worker, reuse_from=reuse_from, reuse_hashes=reuse_hashes)
                 try:
                     ack = await self.bus.request(
@@ -493,10 +511,12 @@ class Coordinator:
                 self.transitions.apply(d.node_id, d.target, f"policy {self.policy_spec}: {d.reason}", decide_ms)
             )
             task.add_done_callback(_log_failure)
-        # Only work still waiting at the coordinator is shed; a request a worker has started is never killed
-        # (its tokens are already being paid for, and the client is waiting for them).
-        waiting = {r.request_id for r in snap.requests if r.group_id is None}
-        for request_id in (r for r in self.policy.shed(snap) if r in waiting):
+        # Only work not yet prefilled (as heard: the workers refuse to shed a request already streaming) is shed;
+        # a request whose tokens flow is never killed (they are paid for, and the client is reading them).
+        waiting = {r.request_id for r in snap.requests if r.first_token_ms is None}
+        self.shed_asked &= waiting  # asked once: a worker that refused (already streaming) is not asked again
+        for request_id in (r for r in self.policy.shed(snap) if r in waiting and r not in self.shed_asked):
+            self.shed_asked.add(request_id)
             log.warning("shedding %s: it cannot meet its SLO", request_id)
             try:
                 await self.bus.publish(self.bus.subjects.abort, AbortRequest(request_id, "shed"))

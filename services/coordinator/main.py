@@ -16,6 +16,7 @@ from nitsum.service import ServiceContext, run_service
 from nitsum.wire.messages import SubmitRequest, WorkerStats
 from nitsum_services.coordinator.admin import AdminPlane
 from nitsum_services.coordinator.core import Coordinator, policy_config
+from nitsum_services.coordinator.steps import StepTableError, step_table_for
 
 log = logging.getLogger("nitsum.coordinator")
 STOP_LOOPS_TIMEOUT_S = 2.0
@@ -23,7 +24,12 @@ STOP_LOOPS_TIMEOUT_S = 2.0
 
 async def body(ctx: ServiceContext) -> None:
     try:
-        make_policy(ctx.config.policy, policy_config(ctx.config))
+        config = policy_config(ctx.config)
+    except StepTableError as exc:
+        raise ConfigError(f"NITSUM_DEVICE_TABLE={ctx.config.device_table!r}: {exc}") from None
+    log.info("step times: %s", step_table_for(ctx.config.device_table, ctx.config.device_kind, config.model)[1])
+    try:
+        make_policy(ctx.config.policy, config)
     except ValueError as exc:
         raise ConfigError(f"NITSUM_POLICY={ctx.config.policy!r}: {exc}") from None
     coordinator = Coordinator(ctx)

@@ -50,6 +50,22 @@ class InflightRequest:
     worker_id: str
     routed_s: float
     view: RequestView | None = None  # what the policy sees (None after a restart: rebuilt from stats only)
+    resumed: int = 0  # output tokens it came with (a re-submission): the workers' stream index counts them
+
+
+def with_progress(
+    view: RequestView, streamed: int, first_token_age_ms: float, now_ms: float, resumed: int
+) -> RequestView:
+    """`view` with a worker's report of it: tokens generated in this attempt, and when its first token came
+    (the earliest time heard: a worker that adopted it later reports a later one)."""
+    output = max(streamed - resumed, 0)
+    first = view.first_token_ms
+    if first_token_age_ms >= 0:
+        heard = now_ms - first_token_age_ms
+        first = heard if first is None else min(first, heard)
+    if output == view.output_tokens and first == view.first_token_ms:
+        return view
+    return replace(view, output_tokens=max(output, view.output_tokens), first_token_ms=first)
 
 
 class Membership:
@@ -85,6 +101,7 @@ class Membership:
             self.workers.pop(stats.worker_id, None)
             return lost
         running = set(stats.running_request_ids)
+        self._progress(stats, now_s)
         for rid in running:
             # Rebuild after a restart: a request we did not route is still ours to track.
             if rid not in self.requests:
@@ -114,14 +131,32 @@ class Membership:
                 del self.requests[rid]
         return lost
 
+    def _progress(self, stats: WorkerStats, now_s: float) -> None:
+        """Decode progress and first-token times of the requests this heartbeat lists (older workers: none)."""
+        ids, streamed, ages = stats.running_request_ids, stats.running_output_tokens, stats.running_first_token_age_ms
+        if len(streamed) != len(ids) or len(ages) != len(ids):
+            return
+        for rid, n, age in zip(ids, streamed, ages):
+            req = self.requests.get(rid)
+            if req is not None and req.view is not None:
+                req.view = with_progress(req.view, n, age, now_s * 1000.0, req.resumed)
+
     def _forget(self, request_id: str, worker_id: str) -> None:
         req = self.requests.get(request_id)
         if req is not None and req.worker_id == worker_id:
             del self.requests[request_id]
 
-    def assign(self, request_id: str, tier: str, worker_id: str, now_s: float, view: RequestView | None = None) -> None:
+    def assign(
+        self,
+        request_id: str,
+        tier: str,
+        worker_id: str,
+        now_s: float,
+        view: RequestView | None = None,
+        resumed: int = 0,
+    ) -> None:
         self.workers[worker_id].assigned[request_id] = now_s
-        self.requests[request_id] = InflightRequest(request_id, tier, worker_id, now_s, view)
+        self.requests[request_id] = InflightRequest(request_id, tier, worker_id, now_s, view, resumed)
 
     def unassign(self, request_id: str, worker_id: str) -> None:
         record = self.workers.get(worker_id)

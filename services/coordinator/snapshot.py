@@ -20,7 +20,14 @@ ROLE_FOR_POLICY = {"prefill": "prefill", "decode": "decode", "hybrid": "hybrid"}
 
 
 ARRIVAL_WINDOW_MS = 5000.0  # the shared nitsum.policy.snapshot.ArrivalWindow's default
-__all__ = ["ARRIVAL_WINDOW_MS", "ArrivalWindow", "build_snapshot", "fitting_max_tp"]
+__all__ = ["ARRIVAL_WINDOW_MS", "ArrivalWindow", "build_snapshot", "fitting_max_tp", "live_arrival_window"]
+
+
+def live_arrival_window(boot_ms: float) -> ArrivalWindow:
+    """The coordinator's arrival window: the simulator's (ClusterConfig.arrival_window_ms), counted from boot as
+    the simulator counts from 0, so the first seconds are not under-counted. Shift detection (the simulator's
+    load_shift_ms) stays off live for now: its settle rule would hold every change for 10 s after boot."""
+    return ArrivalWindow(ARRIVAL_WINDOW_MS, started_ms=boot_ms)
 
 
 def fitting_max_tp(num_devices: int, max_tp: int) -> int:
@@ -37,8 +44,13 @@ def build_snapshot(
     min_tp: int,
     device_kind: str,
     last_reconfig_ms: dict[str, float] | None = None,
-    arrivals: tuple[ArrivalStats, ...] = (),
+    arrivals: ArrivalWindow | tuple[ArrivalStats, ...] = (),
 ) -> ClusterSnapshot:
+    """Groups from their leaders' heartbeats; requests from the coordinator's views, with the progress the
+    workers report (membership.py). A group's running / waiting counts are its requests past / before their
+    first token (the simulator's meaning); requests known only from a heartbeat (a coordinator restart) count
+    as running."""
+    counts = group_counts(members)
     nodes: dict[str, list] = {}
     seen_groups: set[str] = set()
     # One view per group, from its leader (it holds the group's queue and KV numbers).
@@ -53,8 +65,8 @@ def build_snapshot(
             devices=tuple(range(start, start + s.tp)),
             tp=s.tp,
             role=ROLE_FOR_POLICY.get(s.role, "hybrid"),
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_running=counts.get(s.group_id, (0, 0))[0],
+            num_waiting=counts.get(s.group_id, (0, 0))[1],
             kv_blocks_free=s.kv_blocks_free,
             kv_blocks_total=s.kv_blocks_total,
             healthy=s.state in ("ready", "draining"),
@@ -85,3 +97,15 @@ def build_snapshot(
         group_id = members.workers[req.worker_id].stats.group_id if req.worker_id in members.workers else None
         requests.append(RequestView(**{**req.view.__dict__, "group_id": group_id}))
     return assemble_snapshot(now_ms, node_views, requests, arrivals=arrivals)
+
+
+def group_counts(members: Membership) -> dict[str, tuple[int, int]]:
+    """Group id -> (requests past their first token, requests before it)."""
+    out: dict[str, list[int]] = {}
+    for req in members.requests.values():
+        record = members.workers.get(req.worker_id)
+        if record is None:
+            continue
+        c = out.setdefault(record.stats.group_id, [0, 0])
+        c[0 if req.view is None or req.view.first_token_ms is not None else 1] += 1
+    return {g: (c[0], c[1]) for g, c in out.items()}

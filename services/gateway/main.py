@@ -403,6 +403,8 @@ class Gateway:
                 texts[i].append(delta.text)
                 entries[i].extend(delta.logprobs or ())
         except GenerationError as exc:
+            if exc.code == "shed":  # the coordinator's refusal after admission: the same answer as one at once
+                return self._refused(exc, span, slo, headers)
             mark_error(span, f"{exc.code}: {exc.message}")
             self.slo.outcome(slo.tier, "error")
             extra = {"Retry-After": "1"} if exc.status == 503 else {}

@@ -83,6 +83,7 @@ class WorkerService:
         s = session.stats()
         backend = session.backend  # swapped when the node world is re-formed
         start, tp = backend.group
+        running_ids, streamed, first_token_ages = session.progress(time.monotonic())
         return WorkerStats(
             worker_id=self.worker_id,
             node_id=config.node_id,
@@ -98,7 +99,9 @@ class WorkerService:
             num_waiting=s.num_waiting,
             kv_blocks_free=s.num_kv_blocks_free,
             kv_blocks_total=s.num_kv_blocks_total,
-            running_request_ids=tuple(session.running),
+            running_request_ids=running_ids,
+            running_output_tokens=streamed,
+            running_first_token_age_ms=first_token_ages,
             cached_block_hashes=tuple(s.cached_block_hashes[-256:]),  # the most recently cached (reuse hints)
             sent_unix_ms=time.time() * 1000.0,
             step_ms_ewma=session.step_ms_ewma,

@@ -78,6 +78,14 @@ class Running:
     max_tokens: int = 0
     tpot_ms: float = 0.0
     attempt: int = -1  # the SubmitRequest.attempt being served (an adopted stream: the one its prefill served)
+    # When its first token came out (time.monotonic()); None: still prefilling here. A request adopted past
+    # its first token (P/D, TP change) counts from its adoption: the coordinator keeps the earlier time it
+    # heard of, if any (WorkerStats.running_first_token_age_ms).
+    first_token_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.next_index > 0 and self.first_token_s is None:
+            self.first_token_s = time.monotonic()
 
 
 class WorkerSession:
@@ -231,6 +239,9 @@ class WorkerSession:
         state = self.running.get(request_id)
         if state is None:
             return False
+        if reason.split(":")[0] == "shed" and state.first_token_s is not None:
+            # The coordinator hears of first tokens a heartbeat late: a request already streaming is never shed.
+            return False
         if reason.split(":")[0] in self.TOLD_REASONS:
             chunk = TokenChunk(
                 request_id,
@@ -253,6 +264,16 @@ class WorkerSession:
         mark_error(state.span, f"aborted: {reason}")
         state.span.end()
         return True
+
+    def progress(self, now_s: float) -> tuple[tuple[str, ...], tuple[int, ...], tuple[float, ...]]:
+        """(running request ids, tokens each has streamed, ms since each one's first token or -1), aligned:
+        what WorkerStats carries so the coordinator's snapshot knows decode progress and first-token times."""
+        states = list(self.running.values())
+        return (
+            tuple(r.request_id for r in states),
+            tuple(r.next_index for r in states),
+            tuple(-1.0 if r.first_token_s is None else (now_s - r.first_token_s) * 1000.0 for r in states),
+        )
 
     def stats(self):
         return self._stats
@@ -529,6 +550,8 @@ class WorkerSession:
             attempt=state.attempt,
         )
         state.next_index += len(tokens)
+        if tokens and state.first_token_s is None:
+            state.first_token_s = time.monotonic()
         self.metrics.generated_tokens_total().labels(worker=self.worker_id).inc(len(tokens))
         if finished:
             self.running.pop(out.request_id, None)

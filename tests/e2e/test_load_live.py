@@ -107,3 +107,54 @@ def test_load_completions_token_id_prompts_live(live_mesh, tmp_path):
     assert all(r.output_tokens == 4 and len(r.token_times_ms) == 4 for r in records)
     # usage.prompt_tokens: the 12 ids sent, plus a BOS token if the server prepends one.
     assert all(r.prompt_tokens in (12, 13) for r in records), [r.prompt_tokens for r in records]
+
+
+def _long_prompt(i: int, length: int) -> list[int]:
+    return [3 + (i * 31 + j * 17) % 250 for j in range(length)]
+
+
+async def _complete(session, url: str, prompt: list[int], headers: dict) -> tuple[int, dict, dict]:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        return resp.status, dict(resp.headers), await resp.json()
+
+
+def test_overload_answers_background_429_at_once_and_serves_interactive(live_mesh):
+    """A flood of long background prompts (TTFT target 5 s) beyond what the groups can start in time, then
+    short interactive ones (target 1.5 s: earlier deadlines than the flood's, so ahead of it under EDF). The
+    surplus background is answered 429/503 with Retry-After in the OpenAI error shape; every interactive
+    request is served. Admission prices prefills from the committed CPU step table (not this machine's
+    speed), and the flood is far beyond it (~12 s of prefill against a 5 s target), so the split does not
+    depend on timing."""
+    import asyncio
+
+    import aiohttp
+
+    background = {"x-request-tier": "background", "x-slo-ttft-ms": "5000"}
+    interactive = {"x-request-tier": "interactive", "x-slo-ttft-ms": "1500"}
+
+    async def run():
+        timeout = aiohttp.ClientTimeout(total=240)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            flood = [
+                asyncio.ensure_future(_complete(session, live_mesh, _long_prompt(i, 1500), background))
+                for i in range(60)
+            ]
+            await asyncio.sleep(0.5)  # the flood is in (refusals come back at once)
+            urgent = [
+                asyncio.ensure_future(_complete(session, live_mesh, _long_prompt(1000 + i, 16), interactive))
+                for i in range(4)
+            ]
+            return await asyncio.gather(*flood), await asyncio.gather(*urgent)
+
+    flood, urgent = asyncio.run(run())
+    assert [status for status, _, _ in urgent] == [200] * len(urgent), [b for _, _, b in urgent]
+    refused = [(status, headers, body) for status, headers, body in flood if status in (429, 503)]
+    served = [status for status, _, _ in flood if status == 200]
+    assert refused and served, [status for status, _, _ in flood]
+    assert len(refused) + len(served) == len(flood), [status for status, _, _ in flood]
+    for _status, headers, body in refused:
+        assert int(headers["Retry-After"]) >= 1
+        error = body["error"]
+        assert error["type"] in ("rate_limit_error", "service_unavailable") and error["message"], body
+    assert any("overloaded" in body["error"]["message"] for _, _, body in refused)

@@ -90,7 +90,15 @@ def test_burst_moves_tp_up_and_background_brings_it_down(tmp_path):
                 return inter_results, await asyncio.gather(*bg), await asyncio.gather(*bg2)
 
         inter, bg, bg2 = asyncio.run(scenario())
-        assert all(r.status == 200 and r.error is None for r in inter + bg + bg2)
+        assert all(r.status == 200 and r.error is None for r in bg + bg2)
+        # A 90 ms TTFT on a shared CPU: an interactive request that cannot make it is answered at once, refused
+        # (429 overloaded) or shed before its first token (503 / in-stream "shed"), never left to time out.
+        turned_away = [r for r in inter if r.status != 200 or r.error is not None]
+        assert all(
+            r.status in (429, 503) or (r.error and r.error.get("code") == "shed" and not r.token_ids)
+            for r in turned_away
+        ), [(r.status, r.error) for r in turned_away]
+        assert len(turned_away) < len(inter)
         assert all(len(r.token_ids) == 400 for r in bg + bg2)
         transitions = _status(mesh)["transitions"]
         assert transitions, "the policy never changed the topology"

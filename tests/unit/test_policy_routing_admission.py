@@ -125,3 +125,54 @@ def test_shed_beyond_queue_bound_drops_newest_background_first():
     reqs = [bg(f"b{i}", age=10.0 - i) for i in range(4)] + [inter(f"i{i}", age=3.0 - i) for i in range(3)]
     p = pol(queue_bounds=(("interactive", 2), ("background", 2)))
     assert p.shed(snap(reqs)) == ["b2", "b3", "i2"]
+
+
+def _overloaded_groups():
+    """Every group holds background prompts (10 s TTFT) that take > 10 s to prefill, plus two interactive ones."""
+    out = []
+    for g in GROUPS:
+        out += [bg(f"{g.group_id}-b{i}", age=float(i), prompt=4000, group_id=g.group_id) for i in range(400)]
+        out += [inter(f"{g.group_id}-i{i}", prompt=200, group_id=g.group_id) for i in range(2)]
+    return out
+
+
+def test_overload_refuses_background_at_once_and_admits_interactive():
+    s = snap(_overloaded_groups())
+    p = pol()
+    refused = p.admit(s, bg("new-b", prompt=4000))
+    assert not refused.admit and refused.status == 429 and refused.reason.startswith("overloaded")
+    assert 1.0 <= refused.retry_after_s <= 60.0
+    # The same load: an interactive request waits only behind the prompts with earlier TTFT deadlines (EDF).
+    assert p.admit(s, inter("new-i", prompt=200)).admit
+
+
+def test_shedding_on_groups_drops_the_background_that_cannot_start_in_time_first():
+    requests = _overloaded_groups()
+    victims = pol().shed(snap(requests))
+    assert victims, "an overloaded group must shed"
+    tiers = [next(r.tier for r in requests if r.request_id == v) for v in victims]
+    assert set(tiers) == {"background"}  # the interactive ones are ahead under EDF: they start in time
+    # The oldest background prompts (earliest deadlines) are ahead of the rest and are kept.
+    assert not any(v.endswith("-b399") for v in victims)
+    assert all(any(v.startswith(g.group_id) for v in victims) for g in GROUPS)
+
+
+def test_a_request_past_its_first_token_is_never_shed():
+    requests = [dataclasses_replace(r, first_token_ms=NOW - 1.0) for r in _overloaded_groups()]
+    assert pol().shed(snap(requests)) == []
+
+
+def dataclasses_replace(r, **kw):
+    import dataclasses
+
+    return dataclasses.replace(r, **kw)
+
+
+def test_prompts_ahead_count_only_for_the_work_the_group_cannot_have_done_since_they_came():
+    one = (GROUPS[0],)
+    fresh = [inter(f"q{i}", prompt=1000, group_id="big") for i in range(6)]
+    refused = pol().admit(snap(fresh, one), inter("new", prompt=1000))
+    assert not refused.admit and refused.reason.startswith("overloaded")
+    # The same queue as heard, but it came 2 s ago: its prefills are most likely done (heard a heartbeat late).
+    stale = [inter(f"q{i}", age=2000.0, prompt=1000, group_id="big") for i in range(6)]
+    assert pol().admit(snap(stale, one), inter("new", prompt=1000)).admit

@@ -10,9 +10,10 @@ timed region; their lazy indexes are built inside it (the coordinator pays for t
 
 This harness reads the clock (perf_counter_ns); the policy objects it times never do.
 
-`--live` runs the other half instead: per-tier goodput of `adaptive` against `static-tp:1` and `static-tp:4`
-on the live CPU mesh, the same slice of a real trace in the same run (`load/bench_policy_live.py`; its
-options follow `--live`, see `nitsum bench policy --live --help`).
+`--live` runs the other half instead: the simulator's phased workload on a live 2-worker node world, every
+static layout it runs and adaptive in one run, per-tier and per-phase goodput, the layouts over time and the
+per-phase oracle (`load/bench_policy_phased.py`; `--live --trace NAME` replays a trace slice against
+`static-tp:1`, `static-tp:4` and adaptive instead, `load/bench_policy_live.py`; see `--live --help`).
 """
 
 from __future__ import annotations

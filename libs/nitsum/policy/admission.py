@@ -6,11 +6,22 @@ admit():
 3. its SLO cannot be met at any allowed TP, even with  -> 429 (reason says "unattainable"), no retry hint
    an empty queue (best-case prefill > TTFT budget, or
    the fastest decode step > TPOT target)
+4. overloaded: on every group that could prefill it,   -> 429 (reason says "overloaded"), Retry-After = the
+   the prompts ahead of it (not yet prefilled, with an     wait ahead of it on its best group (1-60 s)
+   earlier TTFT deadline: the engines' EDF order) take
+   until past its TTFT deadline: it could not even start
 otherwise admit.
 
-shed(): queued (not yet prefilled) requests that are hopeless — even at the front of the queue on the best
-TP level they would miss their TTFT deadline — plus the newest requests beyond a tier's queue bound. Order:
-lowest tier weight first (background before interactive), then SHED_ORDER, then earliest deadline, then id.
+The wait ahead (`remaining_wait_ms`) is a lower bound: those prompts as one batched prefill step at the group's
+TP, no decode steps between, less the time since the first of them arrived (the group may have worked on them
+all along; the snapshot hears of finished prefills a heartbeat late). Under EDF a background request (TTFT 10 s) waits behind every interactive one queued
+before its deadline, an interactive one only behind the few with earlier deadlines: overload refuses, and
+sheds, background first.
+
+shed(): queued (not yet prefilled) requests that are hopeless — the prompts ahead of one on its group (EDF, as
+above) take until past its TTFT deadline; at the coordinator, or anywhere: even at the front of the queue on the
+best TP level it would miss its TTFT deadline — plus the newest requests beyond a tier's queue bound. Order: lowest tier weight first
+(background before interactive), then SHED_ORDER, then earliest deadline, then id.
 """
 
 from __future__ import annotations
@@ -80,6 +91,54 @@ def _hopeless(now_ms: float, nodes: list[tuple[NodeView, CostModel, int | None]]
     return True
 
 
+def edf_wait_ms(cost: CostModel, tp: int, ahead: int, ahead_tokens: int) -> float:
+    """Lower bound of the time `ahead` prompts of `ahead_tokens` uncached tokens in all take to prefill: one
+    batched step at TP `tp` (prefill steps attend to their own tokens only)."""
+    return cost.step_time_ms(tp, ahead, ahead_tokens, ahead_tokens) if ahead_tokens > 0 else 0.0
+
+
+def _ahead_on(snap: ClusterSnapshot, group_id: str, r: RequestView) -> tuple[int, int, float]:
+    """(prompts, uncached tokens, earliest arrival) queued on a group before r in EDF order (deadline, then
+    arrival)."""
+    n = tokens = 0
+    first = snap.now_ms
+    key = (r.ttft_deadline_ms, r.arrival_ms)
+    for q in snap.requests_by_group.get(group_id, ()):
+        if q.first_token_ms is None and q.request_id != r.request_id and (q.ttft_deadline_ms, q.arrival_ms) <= key:
+            n += 1
+            tokens += q.uncached_prompt_tokens
+            first = min(first, q.arrival_ms)
+    return n, tokens, first
+
+
+def remaining_wait_ms(
+    cost: CostModel, tp: int, ahead: int, tokens: int, first_arrival_ms: float, now_ms: float
+) -> float:
+    """Lower bound of the prefill work still ahead now: the group cannot have spent more than `now - first
+    arrival` on those prompts, whatever the snapshot says (it hears of finished prefills a heartbeat late)."""
+    return max(edf_wait_ms(cost, tp, ahead, tokens) - max(now_ms - first_arrival_ms, 0.0), 0.0)
+
+
+def overload_wait_ms(snap: ClusterSnapshot, nodes: list[NodeView], cost_for: CostFor, r: RequestView) -> float | None:
+    """None when some group could still prefill r by its deadline (EDF); otherwise the least wait ahead of it."""
+    left_ms = r.ttft_deadline_ms - snap.now_ms
+    least: float | None = None
+    for n in nodes:
+        cost = cost_for(n)
+        for g in n.groups:
+            if not g.usable or g.role == "decode" or not cost.fits(g.tp):
+                continue
+            load = snap.load_of(g.group_id)
+            # Cheap sufficient test first: with every queued prompt ahead of it, it still starts in time.
+            if edf_wait_ms(cost, g.tp, load.num_prefill, load.prefill_tokens) <= left_ms:
+                return None
+            wait = remaining_wait_ms(cost, g.tp, *_ahead_on(snap, g.group_id, r), snap.now_ms)
+            if wait <= left_ms:
+                return None
+            least = wait if least is None else min(least, wait)
+    return least
+
+
 def _top_level(node: NodeView, cost: CostModel) -> int | None:
     """Highest allowed TP level whose weights fit (memoized in the cost model)."""
     key = ("top", node.min_tp, node.max_tp)
@@ -118,6 +177,15 @@ def admit(
         return AdmissionDecision(
             rid, False, 429, 0.0, f"SLO unattainable: best-case TPOT {tpot_ms:.1f} ms > target {r.tpot_ms:.1f} ms"
         )
+    wait_ms = overload_wait_ms(snap, nodes, cost_for, r)
+    if wait_ms is not None:
+        return AdmissionDecision(
+            rid,
+            False,
+            429,
+            min(max(wait_ms / 1e3, 1.0), 60.0),
+            f"overloaded: {wait_ms:.0f} ms of prefill ahead of it on every group, TTFT target {r.ttft_ms:.0f} ms",
+        )
     return AdmissionDecision(rid, True, 200, 0.0, "admitted")
 
 
@@ -143,11 +211,12 @@ def shed(snap: ClusterSnapshot, cost_for: CostFor, queue_bounds: dict[str, int])
     queued_by_tier: dict[str, list[RequestView]] = {}
     nodes = _usable_nodes(snap, cost_for)
     now_ms = snap.now_ms
+    late = _late_on_groups(snap, cost_for)
     for r in snap.requests:
         if r.first_token_ms is not None:
             continue
         queued_by_tier.setdefault(r.tier, []).append(r)
-        if _hopeless(now_ms, nodes, r):
+        if r.request_id in late or _hopeless(now_ms, nodes, r):
             victims.append(r)
             victim_ids.add(r.request_id)
     for tier, rs in queued_by_tier.items():
@@ -163,3 +232,28 @@ def shed(snap: ClusterSnapshot, cost_for: CostFor, queue_bounds: dict[str, int])
     # Lower weight first (background before interactive); SHED_ORDER breaks ties between named tiers.
     victims.sort(key=lambda r: (r.weight, order.get(r.tier, len(order)), r.ttft_deadline_ms, r.request_id))
     return [r.request_id for r in victims]
+
+
+def _late_on_groups(snap: ClusterSnapshot, cost_for: CostFor) -> set[str]:
+    """Requests queued on a group that cannot start before their TTFT deadline behind the prompts ahead (EDF)."""
+    late: set[str] = set()
+    for node in snap.nodes:
+        cost = cost_for(node)
+        for g in node.groups:
+            if not cost.fits(g.tp):
+                continue
+            queued = [q for q in snap.requests_by_group.get(g.group_id, ()) if q.first_token_ms is None]
+            if len(queued) < 2:
+                continue
+            queued.sort(key=lambda q: (q.ttft_deadline_ms, q.arrival_ms))
+            ahead = tokens = 0
+            first = snap.now_ms
+            for q in queued:
+                wait = remaining_wait_ms(cost, g.tp, ahead, tokens, first, snap.now_ms)
+                if snap.now_ms + wait > q.ttft_deadline_ms:
+                    late.add(q.request_id)  # shed: the ones after it no longer wait for it
+                    continue
+                ahead += 1
+                tokens += q.uncached_prompt_tokens
+                first = min(first, q.arrival_ms)
+    return late

@@ -109,6 +109,9 @@ class NodeLoad:
     def throughput_queued(self) -> int:
         return sum(t.queued for t in self.tiers if not t.latency_sensitive)
 
+    def throughput_work(self) -> int:
+        return sum(t.queued + t.running for t in self.tiers if not t.latency_sensitive)
+
 
 _TIER = attrgetter("tier")
 _PROMPT = attrgetter("prompt_tokens")

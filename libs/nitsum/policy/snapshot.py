@@ -275,9 +275,9 @@ class ArrivalWindow:
     """Arrivals of the last `window_ms` per tier: what keeps coming, not only what is queued. One class for the
     live coordinator and the simulator, so both give the policy the same `ClusterSnapshot.arrivals`.
 
-    `started_ms`: when measuring began (the simulator: 0). Rates are then counted over
+    `started_ms`: when measuring began (the simulator: 0; the coordinator: its boot). Rates are then counted over
     min(window, now − started) instead of the whole window, so the first seconds are not under-counted.
-    None (the coordinator) divides by the window always.
+    None divides by the window always.
 
     `detect_shifts` (the simulator): track when the stream shifts (`shift_ms`, ClusterSnapshot.load_shift_ms).
     `regime_ms` > 0 (the simulator: 60 s, with detect_shifts): once the stream has been steady (no shift, see `_detect_shift`) for
@@ -388,7 +388,7 @@ def assemble_snapshot(
     epoch: int = 0,
     load_shift_ms: float | None = None,
 ) -> ClusterSnapshot:
-    """The one way a caller builds the policy's snapshot (simulator now; the live coordinator adopts it):
+    """The one way a caller builds the policy's snapshot (the simulator and the live coordinator):
     nodes ordered by id, each node's groups by first device, arrivals measured from a window (or given)."""
     ordered = []
     for n in sorted(nodes, key=lambda n: n.node_id):

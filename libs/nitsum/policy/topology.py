@@ -201,11 +201,14 @@ class AdaptivePolicy(BasePolicy):
                 "fast",
                 f"interactive surge: {cur_est.latency_misses} projected latency-tier misses",
             )
-        elif load.latency_work() == 0 and not latency_stream and load.throughput_queued() > 0:
+        elif load.latency_work() == 0 and not latency_stream and load.throughput_work() > 0:
+            # Batch work only, queued or decoding: split for batch throughput. Decoding counts since the live
+            # snapshot is true (first tokens reported): background that has started is batch work all the same.
             direction, path, why = (
                 -1,
                 "fast",
-                f"throughput backlog ({load.throughput_queued()} queued), no interactive work",
+                f"throughput backlog ({load.throughput_queued()} queued, {load.throughput_work()} in all), "
+                "no interactive work",
             )
         else:
             path, why = "scored", "mixed load"

@@ -325,6 +325,7 @@ class ClusterSim:
         self.arrivals = (
             ArrivalWindow(w, started_ms=0.0, regime_ms=config.arrival_regime_ms, detect_shifts=True) if w > 0 else None
         )
+        self._started = False
         self.reconfigs = 0
         self.pause_ms = 0.0
         self.topologies: list[tuple[float, str, str]] = []
@@ -681,14 +682,25 @@ class ClusterSim:
         return events
 
     # -- run -----------------------------------------------------------------------------------------------
-    def run(self, duration_s: float | None = None) -> ClusterResult:
-        sim = self.sim
+    def _start(self) -> None:
+        if self._started:
+            return
+        self._started = True
         for index, t in enumerate(self.workload):
             # With a service model each request draws its path (in arrival order); it delays what the client
             # sees, not when the engine gets the request (see sim/service.py).
             path, stalled = self.service.path() if self.service is not None else (0.0, False)
-            sim.schedule(t.arrival_ms, self._arrive, (index, t, path, stalled))
-        sim.schedule(0.0, self._epoch, None)
+            self.sim.schedule(t.arrival_ms, self._arrive, (index, t, path, stalled))
+        self.sim.schedule(0.0, self._epoch, None)
+
+    def run_until(self, until_ms: float) -> None:
+        """Advance the run to `until_ms` (its snapshot then shows that instant); `run` continues from there."""
+        self._start()
+        self.sim.run(until_ms=until_ms)
+
+    def run(self, duration_s: float | None = None) -> ClusterResult:
+        sim = self.sim
+        self._start()
         sim.run(until_ms=self.end_arrivals_ms + self.config.drain_ms)
         records = [self._record(r) for r in self.reqs]
         window = duration_s if duration_s is not None else max(self.end_arrivals_ms / 1000.0, 1e-3)

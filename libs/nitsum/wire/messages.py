@@ -198,6 +198,11 @@ class WorkerStats:
     num_transfer_failures: int = 0  # KV transfers that failed at this end (either side)
     node_size: int = 0  # workers of its node's world (NITSUM_NODE_SIZE; 0: a standalone worker)
     generation: int = 0  # generation of the node world it is (or was last) in; 0: the boot world or none
+    # Per running_request_ids entry (same order; empty from an older worker): tokens streamed so far (the
+    # stream index: a re-submitted request counts the tokens it came with), and ms between its first token
+    # here and this message (-1: not yet). The coordinator's snapshot reads decode progress from these.
+    running_output_tokens: tuple[int, ...] = ()
+    running_first_token_age_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

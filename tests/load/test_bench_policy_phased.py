@@ -1,0 +1,85 @@
+"""`nitsum bench policy --live` (phased): its rules (rates, caps, SLO targets) and its scoring (per phase, oracle),
+without a mesh. The live run itself is a benchmark (docs/BENCHMARKS.md), not a test."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from nitsum.metrics import RequestRecord
+from nitsum.policy.tiers import DEFAULT_TIERS
+from nitsum_load.bench_policy_phased import _costs, build, derive_targets, layout_of, oracle, per_phase
+
+
+def _args(**kw):
+    base = {"device_table": None, "phase_s": 5.0, "seed": 0, "max_prompt_tokens": 1024, "max_output_tokens": 64}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_targets_scale_the_tier_table_by_the_profiled_step_times():
+    live, ref = _costs(None)
+    targets = derive_targets(live, ref, 1024)
+    inter, back = targets["interactive"], targets["background"]
+    # one factor per target kind, the same for every tier: the tier table's ratios are kept
+    assert inter[0] / DEFAULT_TIERS["interactive"].ttft_ms == pytest.approx(
+        back[0] / DEFAULT_TIERS["background"].ttft_ms
+    )
+    assert inter[1] / DEFAULT_TIERS["interactive"].tpot_ms == pytest.approx(
+        back[1] / DEFAULT_TIERS["background"].tpot_ms
+    )
+    assert inter[0] > DEFAULT_TIERS["interactive"].ttft_ms  # a CPU is slower than the simulated H100 node
+    assert (inter[2], back[2]) == (10.0, 1.0)
+
+
+def test_the_workload_keeps_the_phases_caps_and_targets():
+    specs, bounds, rules = build(_args())
+    assert [b[0] for b in bounds] == ["surge", "batch", "mixed", "surge2"]
+    assert bounds[-1][2] == 20_000.0
+    assert all(s.prompt_tokens <= 1024 and s.output_tokens <= 64 for s in specs)
+    for s in specs:
+        t = rules["targets"][s.tier]
+        assert (s.ttft_slo_ms, s.tpot_slo_ms, s.weight) == (t["ttft_ms"], t["tpot_ms"], t["weight"])
+    surge = [s for s in specs if s.arrival_ms < 5000]
+    batch = [s for s in specs if 5000 <= s.arrival_ms < 10_000]
+    share = lambda xs: sum(s.tier == "interactive" for s in xs) / len(xs)  # noqa: E731
+    assert share(surge) > 0.7 > 0.3 > share(batch)
+
+
+def _rec(rid, tier, send, ok):
+    w = DEFAULT_TIERS[tier].weight
+    return RequestRecord(
+        request_id=rid,
+        tier=tier,
+        ttft_slo_ms=1000.0,
+        tpot_slo_ms=1000.0,
+        weight=w,
+        send_ms=send,
+        first_token_ms=send + (10.0 if ok else 5000.0),
+        finish_ms=send + (20.0 if ok else 5010.0),
+        output_tokens=2,
+        prompt_tokens=4,
+    )
+
+
+def test_per_phase_scoring_and_the_oracle_take_each_phase_best_static_layout():
+    bounds = [("a", 0.0, 1000.0), ("b", 1000.0, 2000.0)]
+    runs = {
+        "static-tp:1": [_rec("1", "interactive", 10.0, True), _rec("2", "background", 1010.0, False)],
+        "static-tp:2": [_rec("1", "interactive", 10.0, False), _rec("2", "background", 1010.0, True)],
+    }
+    results = {p: {"phases": per_phase(r, bounds)} for p, r in runs.items()}
+    assert results["static-tp:1"]["phases"]["a"]["weighted_goodput_rps"] == pytest.approx(10.0)
+    o = oracle(results, bounds)
+    assert o["per_phase"] == {"a": "static-tp:1", "b": "static-tp:2"}
+    assert o["weighted_goodput_rps"] == pytest.approx((10.0 + 1.0) / 2)
+
+
+def test_layout_names():
+    status = {
+        "groups": [
+            {"group_id": "n-g1-tp1", "tp": 1, "role": "hybrid"},
+            {"group_id": "n-g0-tp1", "tp": 1, "role": "prefill"},
+        ]
+    }
+    assert layout_of(status) == "TP1p+TP1"
