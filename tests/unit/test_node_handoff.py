@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from nitsum.kv.reshard import Group, KVGeometry, Topology
-from nitsum.node import handoff, kv_segment
+from nitsum.node import handoff
 from nitsum.node.counters import KvCounters
+from nitsum.transfer import shm
 from nitsum.wire import codec
 from nitsum.wire.node import Agreement, NodeCommand
 
@@ -55,7 +56,7 @@ def _node(rank: int, group: Group, cache: torch.Tensor, others: list | None = No
 @pytest.fixture
 def arenas(tmp_path):
     made = [
-        kv_segment.Arena.create(f"{kv_segment.SEGMENT_PREFIX}test-handoff-{os.getpid()}-{i}", 1 << 16) for i in range(2)
+        shm.Arena.create(f"{shm.SEGMENT_PREFIX}test-handoff-{os.getpid()}-{i}", 1 << 16) for i in range(2)
     ]
     yield made
     for arena in made:

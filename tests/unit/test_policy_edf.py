@@ -19,7 +19,7 @@ from nitsum.policy.estimate import (
     quantize_tokens,
     summarize,
 )
-from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_for
+from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_of
 from nitsum.policy.topology import AdaptivePolicy, faster_prefill_direction, static_candidates
 
 COST = cost_model("llama-3-70b", "h100")
@@ -65,7 +65,7 @@ def test_hybrid_prefill_is_priced_as_the_simulators_step():
 
 def node(top: str) -> NodeView:
     groups = tuple(
-        GroupView(group_id_for("n0", g.start, g.tp), g.devices, g.tp, g.role) for g in Topology.parse(top).groups
+        GroupView(group_id_of("n0", g.start, g.tp), g.devices, g.tp, g.role) for g in Topology.parse(top).groups
     )
     return NodeView("n0", 8, 1, 8, groups, "h100")
 
