@@ -62,6 +62,7 @@ class Generation:
     left_workers: set[str] = field(default_factory=set)
     successors: set[str] = field(default_factory=set)
     on_foreign_frame: object = None  # called with the sender of a frame that is not taken
+    on_single_frame: object = None  # called (no argument) for each frame on the request's own stream subject
     num_cached_prompt_tokens: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -80,11 +81,9 @@ class Generation:
         """Subscribe to the stream, then submit; raises GenerationError when the mesh refuses."""
 
         async def on_chunk(chunk: TokenChunk, delivery) -> None:
-            sender = self.bus.subjects.stream_sender(delivery.subject)
-            if sender != chunk.worker_id or chunk.request_id != self.request_id:
-                self._foreign(sender or delivery.subject)
-                return
-            self._queue.put_nowait(chunk)
+            if self.on_single_frame is not None:
+                self.on_single_frame()
+            self.take(chunk, self.bus.subjects.stream_sender(delivery.subject) or delivery.subject)
 
         self._sub = await self.bus.subscribe(self.bus.subjects.stream(self.request_id), on_chunk, expected=TokenChunk)
         self.registry.add(self)
@@ -93,6 +92,14 @@ class Generation:
         except GenerationError:
             await self.close()
             raise
+
+    def take(self, chunk: TokenChunk, sender: str) -> None:
+        """A chunk from `sender` (the worker its subject names): on its own stream subject, or in a batch
+        on the gateway's frames subject (FrameDispatcher). Both see the same checks."""
+        if sender != chunk.worker_id or chunk.request_id != self.request_id:
+            self._foreign(sender)
+            return
+        self._queue.put_nowait(chunk)
 
     async def _submit(self, request: SubmitRequest) -> None:
         try:
