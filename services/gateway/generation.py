@@ -132,7 +132,7 @@ class Generation:
         """Yield Delta objects until the request finishes; raises GenerationError on a final failure."""
         while not self.finished:
             try:
-                item = await asyncio.wait_for(self._queue.get(), timeout=self.stream_timeout_s)
+                item = await self._next_item()
             except TimeoutError:
                 await self._reroute(
                     "worker_silent", f"no token from {self.worker_id} for {self.stream_timeout_s:.0f} s"
@@ -188,6 +188,15 @@ class Generation:
                 self.finish_reason = chunk.finish_reason or "stop"
             if fresh or chunk.finished:
                 yield Delta(fresh, text, self.finish_reason if chunk.finished else None, logprobs)
+
+    async def _next_item(self):
+        """The next chunk (or "worker_lost"); TimeoutError after stream_timeout_s of silence. A chunk already
+        queued is taken at once, and the wait is a timeout scope, not wait_for's extra task per token."""
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            async with asyncio.timeout(self.stream_timeout_s):
+                return await self._queue.get()
 
     async def _reroute(self, code: str, why: str) -> None:
         old = self.worker_id

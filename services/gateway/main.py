@@ -294,6 +294,10 @@ class Gateway:
     async def _deltas(self, gens: list[Generation]):
         """(choice index, Delta) from every generation as they come; the first is already started, the
         others start once it has produced its first token (or finished). Raises the first GenerationError."""
+        if len(gens) == 1:  # no pump task and queue between the stream and the response: one hop less per token
+            async for item in self._single_deltas(gens[0]):
+                yield item
+            return
         queue: asyncio.Queue = asyncio.Queue()
         prefilled = asyncio.Event()
 
@@ -336,6 +340,24 @@ class Gateway:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _single_deltas(self, gen: Generation):
+        """`_deltas` of one generation, read in the handler's own task (same errors, same abort at the end)."""
+        reason = "request_ended"
+        try:
+            async for delta in gen.deltas():
+                yield 0, delta
+        except GenerationError:
+            raise
+        except asyncio.CancelledError:
+            reason = "client_disconnected"
+            raise
+        except Exception as exc:  # a bug must end the request with an error, not leave it waiting
+            log.exception("%s: choice 0 failed", gen.request_id)
+            raise GenerationError(500, "gateway_error", f"{type(exc).__name__}: {exc}") from None
+        finally:
+            if gen.worker_id and not gen.finished:
+                await gen.abort(reason)
 
     def _logprobs(self, kind: str, delta, text_offset: int) -> dict | None:
         if delta.logprobs is None:
