@@ -54,8 +54,6 @@ COMMIT_HOLD_MIN_STEP_MS = 12.0
 STEADY_STEPS = 16  # steps a steady step time is the median of (`steady_step_ms`)
 # A peer's turn of the step thread follows the leader's plans for at most this long (see `_iteration`).
 FOLLOW_BATCH_S = 0.25
-# A standalone worker whose steps (median and EWMA) are shorter than this runs them on the event loop (`_turn`).
-INLINE_STEP_MAX_MS = 2.0
 
 
 def request_slo(req: SubmitRequest) -> RequestSlo | None:
@@ -379,7 +377,7 @@ class WorkerSession:
             leader_before = self.backend.is_leader
             t0 = time.perf_counter()
             try:
-                outputs, rejected, self._stats, acks, _kind, calls = await self._turn(loop)
+                outputs, rejected, self._stats, acks, _kind, calls = await loop.run_in_executor(None, self._iteration)
             except Exception as exc:  # an engine failure fails the requests in flight, loudly
                 log.exception("engine step failed")
                 await self.fail_all("engine_error", f"{type(exc).__name__}: {exc}")
@@ -411,26 +409,6 @@ class WorkerSession:
             if not self.backend.is_leader:
                 self._refuse_queued("not a group leader any more")
         await self.publisher.flush()
-
-    async def _turn(self, loop):
-        """One `_iteration`: in the step thread, or right here on the event loop when it is a plain step of a
-        standalone worker whose steps are short (under INLINE_STEP_MAX_MS: a small model on CPU). Handing a
-        sub-millisecond step to a thread and back cost more than the step itself (two GIL hand-offs per step:
-        about 0.5 ms a token in issue 23's profile of the tiny model). Inline, the loop first gives the frames
-        publisher its turn (the last step's tokens go out before this step), then steps."""
-        if self._inline_turn():
-            await asyncio.sleep(0)
-            return self._iteration()
-        return await loop.run_in_executor(None, self._iteration)
-
-    def _inline_turn(self) -> bool:
-        backend = self.backend
-        if not backend.is_leader or backend.in_world or backend.precopy_active:
-            return False
-        if self.steady_step_ms() >= INLINE_STEP_MAX_MS or self.step_ms_ewma >= INLINE_STEP_MAX_MS:
-            return False
-        with self._inbox_lock:  # KV exports/imports and topology commands keep the step thread
-            return not any(op in ("call", "control") for op, _ in self._inbox)
 
     def steady_step_ms(self) -> float:
         """A steady step of this group: the median of its last STEADY_STEPS steps that produced tokens. A few
