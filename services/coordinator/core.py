@@ -3,9 +3,10 @@
 Every decision is made by the same `nitsum.policy` objects the simulator runs: the coordinator builds a
 ClusterSnapshot (membership + requests in flight), asks the policy, and carries the answer out.
 
-P/D: when standalone prefill workers (role "prefill") and standalone hybrid workers share a node, a fresh
-request is prefilled on a prefill worker and handed to the least loaded hybrid worker of its node
-(`RunRequest.decode_worker`); re-submitted requests (a failed hand-off, a lost worker) run hybrid.
+P/D: when the mesh has standalone prefill workers (role "prefill") and standalone hybrid workers, a fresh
+request is prefilled on a prefill worker and handed to the least loaded hybrid worker of its node, else of
+another node (`RunRequest.decode_worker`; between hosts the KV goes over the TCP data plane); re-submitted
+requests (a failed or pruned hand-off, a lost worker) run hybrid.
 KV reuse (stage 1): when another worker of the node has cached more of the prompt's prefix blocks than the
 chosen one (WorkerStats.cached_block_hashes), the chosen one is told to fetch them first (`reuse_from`).
 """
@@ -59,8 +60,8 @@ def pd_plan(
     req: SubmitRequest, candidates: list[WorkerRecord], preferred_group: str | None
 ) -> list[tuple[WorkerRecord, str]]:
     """(worker, decode worker or "") in the order to try them. P/D pairs first (prefill worker, least loaded
-    hybrid worker of its node) for fresh requests with more than one token to generate; then hybrid workers.
-    Prefill workers never run a request alone."""
+    hybrid worker of its node, else of any node: a hand-off across hosts goes over TCP) for fresh requests with
+    more than one token to generate; then hybrid workers. Prefill workers never run a request alone."""
     key = lambda w: (w.stats.group_id != preferred_group, w.load(), w.worker_id)  # noqa: E731
     prefill = sorted((w for w in candidates if w.stats.role == "prefill"), key=key)
     hybrid = sorted((w for w in candidates if w.stats.role != "prefill"), key=key)
@@ -70,7 +71,8 @@ def pd_plan(
         for p in prefill:
             if not _standalone_ready(p):
                 continue
-            decode = [d for d in hybrid if _standalone_ready(d) and d.stats.node_id == p.stats.node_id]
+            ready = [d for d in hybrid if _standalone_ready(d)]
+            decode = [d for d in ready if d.stats.node_id == p.stats.node_id] or ready
             if decode:
                 plan.append((p, min(decode, key=lambda w: (w.load(), w.worker_id)).worker_id))
     return plan + [(h, "") for h in hybrid]

@@ -44,6 +44,7 @@ from nitsum.wire.messages import (
     TopologyPrepare,
 )
 from nitsum_services.worker.boot import build_backend, build_engine  # noqa: F401 (build_engine: nitsum bench gateway)
+from nitsum_services.worker.kv_net import KvNet
 from nitsum_services.worker.migration_flows import MigrationDriver
 from nitsum_services.worker.peer_loss import PeerLossGuard
 from nitsum_services.worker.service import WorkerService
@@ -77,7 +78,9 @@ async def build_service(ctx: ServiceContext, service_name: str) -> WorkerService
     agent = TransferAgent(
         bus, worker_id, ctx.metrics, max_in_flight=NODE_MAX_IN_FLIGHT if backend.in_world else MAX_IN_FLIGHT
     )
-    mover = KvMover(session, agent, bus, worker_id, ctx.metrics)
+    # Node-world workers refuse KV hand-offs (they move KV in TP changes, over their world's own plane).
+    net = None if backend.in_world else kv_net_of(config, bus, worker_id, agent, ctx)
+    mover = KvMover(session, agent, bus, worker_id, ctx.metrics, net=net)
     migrations = MigrationDriver(session, agent, worker_id, ctx.metrics, config.tp_migration_budget_ms)
     mover.corrupt = config.fault_kv_corrupt
     session.on_handoff = mover.hand_off
@@ -86,6 +89,14 @@ async def build_service(ctx: ServiceContext, service_name: str) -> WorkerService
     if isinstance(backend, PeerLossGuard):
         backend.on_dropped = service.requeue
     return service
+
+
+def kv_net_of(config: WorkerConfig, bus, worker_id: str, agent: TransferAgent, ctx: ServiceContext) -> KvNet:
+    """The TCP data plane for KV hand-offs to workers on other hosts (NITSUM_HOST_ID, NITSUM_KV_ADVERTISE_ADDR)."""
+    from nitsum.node import kv_hosts
+
+    addr = kv_hosts.advertise_addr(config.kv_advertise_addr, config.node_master_addr)
+    return KvNet(bus, worker_id, kv_hosts.local_host_id(config.host_id), addr, agent.dscp, ctx.metrics)
 
 
 def make_body(service_name: str):

@@ -355,6 +355,6 @@ class WorkerService:
         engine_stop.set()
         await asyncio.wait(tasks, timeout=5.0)
         await session.publisher.close()  # the last frames (the failures just reported) reach NATS before it drains
-        self.mover.close()
+        await self.mover.aclose()
         if isinstance(session.backend, NodeBackend):
             session.backend.runtime.close()  # no KV segment of this worker stays in /dev/shm

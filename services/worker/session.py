@@ -78,7 +78,7 @@ class Running:
     decode_worker: str = ""  # P/D: hand the request to this worker after its first token
     max_tokens: int = 0
     tpot_ms: float = 0.0
-    attempt: int = -1  # the SubmitRequest.attempt being served (-1 for adopted streams)
+    attempt: int = -1  # the SubmitRequest.attempt being served (an adopted stream: the one its prefill served)
 
 
 class WorkerSession:
@@ -185,14 +185,20 @@ class WorkerSession:
     async def fail(self, request_id: str, code: str, message: str) -> None:
         await self._finish_error(request_id, code, message)
 
-    def adopt(self, request_id: str, stream_subject: str, prompt_len: int, produced: int) -> None:
-        """P/D decode side: stream an imported request from output index `produced` on."""
+    def adopt(self, request_id: str, stream_subject: str, prompt_len: int, produced: int, attempt: int = -1) -> None:
+        """P/D decode side: stream an imported request from output index `produced` on, its frames marked with
+        the attempt the prefill worker served (so a gateway that re-routed it meanwhile drops them)."""
         span = self.tracer.start_span(
             "worker.generate",
             attributes={"nitsum.request_id": request_id, "nitsum.worker": self.worker_id, "nitsum.imported": True},
         )
         self.running[request_id] = Running(
-            request_id, self.stream_subject(request_id, stream_subject), prompt_len, produced, span
+            request_id,
+            self.stream_subject(request_id, stream_subject),
+            prompt_len,
+            produced,
+            span,
+            attempt=attempt,
         )
 
     def stream_subject(self, request_id: str, given: str) -> str:

@@ -13,8 +13,23 @@ host; `nitsum.transfer.shm`), the small handle over NATS (`worker.<id>.kv`, KvLa
 - KV reuse (stage 1): a worker about to prefill asks the worker holding the prompt's prefix
   (`worker.<id>.kvfetch`); the holder pushes the cached blocks back, the asker imports them into its prefix
   cache, and its engine then computes only the rest of the prompt.
-Cross-host transfers (TCP per class with the permit's DSCP, `nitsum.transfer.tcp`) are not wired here yet:
-P/D and reuse pairs are chosen within one node.
+Between hosts (the peer's host id differs, learnt once per peer: `kv_net.KvNet.peer`) every layer's bytes
+go over the TCP data plane in the DSCP class of the level the flow has when it gets its turn (`kv_net`); the
+KvLayer over NATS then says `via="tcp"` and carries their CRC32.
+
+Permits and pruning: every layer is one flow. A flow waiting for its turn that the flow-scheduler promotes
+moves up (so promotions take effect at layer boundaries: a layer in flight keeps its class). A pruned
+permit (code "overload_pruned", at submit or pushed later) stops the request's flows that have not gone
+yet: a P/D hand-off then fails with a retryable error (the gateway re-submits the request, the
+coordinator re-plans it hybrid), a stage-1 fetch is abandoned (the asker computes the prefix).
+Layer progress: a prefill worker reports each hand-off to the flow-scheduler (LayerProgress on
+`flow.progress`, off the step thread) once its compute finished and its layers are submitted: the last
+layer, `done`, and the request's deadline (the engine computes every layer of a prefill in one forward, so
+that is the one layer boundary a flow exists at).
+Deadlines of a hand-off: its flows' own (`deadline_unix_ms`, RMLQ's urgency) are 4 TPOTs after the prefill,
+as before; the request's (`request_deadlines_unix_ms`, what pruning tests) is the latest the decode worker
+could resume and still meet the TPOT target over the request's remaining tokens (were decoding free): a
+request pruned against it cannot meet its target in any case. A stage-1 fetch has the TTFT deadline for both.
 """
 
 from __future__ import annotations
@@ -45,6 +60,9 @@ from nitsum.wire.messages import (
     KvFetch,
     KvFetchReply,
     KvLayer,
+    KvPeer,
+    KvPeerInfo,
+    LayerProgress,
 )
 
 log = logging.getLogger("nitsum.worker.transfer")
@@ -59,7 +77,15 @@ MAX_IN_FLIGHT = 2  # flows this agent sends at once; the rest wait in strict pri
 # pairs that can move together wait for each other (8 workers: at most 8 x 8 pairs).
 NODE_MAX_IN_FLIGHT = 64
 NUM_LEVELS = 8
-# Test-only fault injection: the sender corrupts the checksum of every P/D layer, so the receiver refuses it.
+PRUNED_CODE = "overload_pruned"  # FlowPermit.code of a request the flow-scheduler pruned (retry it)
+
+
+class FlowPrunedError(TransferError):
+    """The flow-scheduler pruned this flow's request: nothing more of it is sent."""
+
+    def __init__(self, flow_id: str, reason: str) -> None:
+        super().__init__(ErrorCode.PEER, f"pruned by the flow-scheduler: {reason}", flow_id)
+        self.reason = reason
 
 
 def _counter(metrics: Metrics, key: str, name: str, doc: str, labels: list[str]) -> Counter:
@@ -94,6 +120,8 @@ class TransferAgent:
         self.num_fallbacks = 0
         self.num_promotions = 0
         self.sent_order: list[str] = []  # flow ids in the order they got their turn (tests, tracing)
+        self.turn_levels: dict[str, int] = {}  # flow id -> the level it went at (last few; tests, tracing)
+        self.num_pruned = 0
 
     async def start(self) -> None:
         await self.bus.subscribe(self.bus.subjects.flow_permit(self.worker_id), self._on_permit, expected=FlowPermit)
@@ -128,11 +156,20 @@ class TransferAgent:
         ]
 
     async def run(self, flow_id: str, permit: FlowPermit, send: Callable[[int], Awaitable[int]]) -> int:
-        """Wait for the flow's turn (strict priority), `send(level)` → bytes, report completion."""
+        """Wait for the flow's turn (strict priority), `send(level)` → bytes, report completion. A pruned
+        permit (now or pushed while the flow waits) raises FlowPrunedError instead; the scheduler already
+        forgot the flow."""
+        if permit.pruned and permit.code == PRUNED_CODE:
+            self._pruned(flow_id)
+            raise FlowPrunedError(flow_id, permit.reason)
         await self._wait_turn(flow_id, max(1, permit.level))
         ok, sent, error = False, 0, ""
+        level = self.levels[flow_id]
+        self.turn_levels[flow_id] = level
+        while len(self.turn_levels) > 4096:
+            self.turn_levels.pop(next(iter(self.turn_levels)))
         try:
-            sent = await send(self.levels[flow_id])
+            sent = await send(level)
             ok = True
             return sent
         except (TransferError, BusError, OSError) as exc:
@@ -177,8 +214,28 @@ class TransferAgent:
             if not future.done():
                 future.set_result(None)
 
+    def _pruned(self, flow_id: str) -> None:
+        self.num_pruned += 1
+        _counter(
+            self.metrics,
+            "flow_pruned_stopped",
+            "nitsum_flow_pruned_stopped_total",
+            "flows this agent did not send because the flow-scheduler pruned their request",
+            [],
+        ).inc()
+
     async def _on_permit(self, permit: FlowPermit, _delivery) -> None:
-        """A promotion from the flow-scheduler: a waiting flow moves up; one in flight keeps its class."""
+        """A promotion from the flow-scheduler: a waiting flow moves up; one in flight keeps its class.
+        A pruned permit withdraws a waiting flow (its `run` raises FlowPrunedError)."""
+        if permit.pruned and permit.code == PRUNED_CODE:
+            future = self._turn.get(permit.flow_id)
+            if future is not None and self.queue.remove(permit.flow_id):
+                del self._turn[permit.flow_id]
+                self.levels.pop(permit.flow_id, None)
+                self._pruned(permit.flow_id)
+                if not future.done():
+                    future.set_exception(FlowPrunedError(permit.flow_id, permit.reason))
+            return
         if self.queue.promote(permit.flow_id, permit.level):
             self.levels[permit.flow_id] = permit.level
             self.num_promotions += 1
@@ -192,6 +249,7 @@ class _Pending:
     state: bytes
     stream_subject: str
     block_hashes: tuple[int, ...]
+    attempt: int = -1
     started_s: float = field(default_factory=time.monotonic)
     layers: dict[int, bytes] = field(default_factory=dict)
 
@@ -219,12 +277,17 @@ def _stack_layers(layers: dict[int, bytes], dtype: str, layer_shape: list[int]) 
 class KvMover:
     """P/D hand-offs and stage-1 prefix fetches of one worker, sender and receiver sides."""
 
-    def __init__(self, session, agent: TransferAgent, bus: Bus, worker_id: str, metrics: Metrics) -> None:
+    def __init__(
+        self, session, agent: TransferAgent, bus: Bus, worker_id: str, metrics: Metrics, net=None, host_id: str = ""
+    ) -> None:
         self.session = session
         self.agent = agent
         self.bus = bus
         self.worker_id = worker_id
         self.metrics = metrics
+        self.net = net  # kv_net.KvNet: transfers to workers on other hosts (None: shared memory only)
+        self.host_id = net.host_id if net is not None else host_id
+        self._background: set[asyncio.Task] = set()
         self.publisher = ShmPublisher()
         self.pending: dict[tuple[str, str], _Pending] = {}
         self.num_imported = 0
@@ -233,8 +296,10 @@ class KvMover:
         self.corrupt = False  # fault injection (NITSUM_FAULT_KV_CORRUPT), set by the worker from its config
 
     async def start(self) -> None:
+        if self.net is not None:
+            await self.net.start()
         await self.bus.subscribe(
-            self.bus.subjects.worker_kv(self.worker_id), self.on_layer, expected=KvLayer, concurrent=True
+            self.bus.subjects.worker_kv(self.worker_id), self.on_kv, expected=(KvLayer, KvPeer), concurrent=True
         )
         await self.bus.subscribe(
             self.bus.subjects.worker_kv_fetch(self.worker_id), self.on_fetch, expected=KvFetch, concurrent=True
@@ -242,6 +307,34 @@ class KvMover:
 
     def close(self) -> None:
         self.publisher.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        if self.net is not None:
+            await self.net.close()
+
+    async def on_kv(self, msg: KvLayer | KvPeer, delivery) -> KvAck | KvPeerInfo:
+        if isinstance(msg, KvPeer):
+            return self.net.info() if self.net is not None else KvPeerInfo(self.worker_id, self.host_id)
+        return await self.on_layer(msg, delivery)
+
+    def report_progress(
+        self, unit_id: str, layer: int, deadline_unix_ms: float | None, done: bool = False, flows=()
+    ) -> None:
+        """LayerProgress to the flow-scheduler, in the background (never on the step thread, never raises)."""
+        msg = LayerProgress(
+            unit_id, layer, (deadline_unix_ms,) if deadline_unix_ms is not None else (), tuple(flows), done
+        )
+
+        async def publish() -> None:
+            try:
+                await self.bus.publish(self.bus.subjects.flow_progress, msg)
+            except Exception as exc:  # advice only: the scheduler then works from submits and completions
+                log.debug("layer progress of %s not sent: %s", unit_id, exc)
+
+        task = asyncio.create_task(publish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _count(self, purpose: str, outcome: str) -> None:
         _counter(
@@ -266,11 +359,17 @@ class KvMover:
         block_hashes: tuple[int, ...],
         stage: str,
         deadline_unix_ms: float | None,
+        request_deadline_unix_ms: float | None = None,
+        attempt: int = -1,
     ) -> None:
         """Every layer of `kv` to `dst` as one flow each; raises TransferError unless all landed and `dst`
         adopted them (the ack of the last layer says `complete`)."""
         num_layers = int(kv.shape[0])
+        if request_deadline_unix_ms is None:
+            request_deadline_unix_ms = deadline_unix_ms
         payloads = [_layer_bytes(kv, layer) for layer in range(num_layers)]
+        peer = await self.net.peer(dst) if self.net is not None else None
+        remote = peer is not None and self.net.remote(peer)
         flows = [
             FlowSubmit(
                 flow_id=f"{request_id}.{purpose}.{layer}",
@@ -282,17 +381,24 @@ class KvMover:
                 dst=dst,
                 target_layer=layer,
                 deadline_unix_ms=deadline_unix_ms,
-                request_deadlines_unix_ms=(deadline_unix_ms,) if deadline_unix_ms is not None else (),
+                request_deadlines_unix_ms=(request_deadline_unix_ms,) if request_deadline_unix_ms is not None else (),
+                # across hosts the flow runs on the two hosts' NIC links; on one host on the workers' own
+                src_host=self.host_id if remote else "",
+                dst_host=peer.host_id if remote else "",
             )
             for layer in range(num_layers)
         ]
         permits = await self.agent.permits(flows)
+        if stage == "3":  # compute is done: every layer is available, its flows move on the timer now
+            self.report_progress(request_id, num_layers, request_deadline_unix_ms, done=True)
         acks: list[KvAck] = []
 
         async def one(layer: int) -> int:
             flow = flows[layer]
 
-            async def send(_level: int) -> int:
+            async def send(level: int) -> int:
+                if remote:
+                    return await send_tcp(level)
                 handle = self.publisher.publish(flow.flow_id, payloads[layer])
                 crc = handle.crc32 ^ 1 if self.corrupt and purpose == "pd" else handle.crc32
                 try:
@@ -311,6 +417,7 @@ class KvMover:
                             state=state,
                             stream_subject=stream_subject,
                             block_hashes=block_hashes,
+                            attempt=attempt,
                         ),
                         LAYER_TIMEOUT_S,
                         expected=KvAck,
@@ -322,12 +429,40 @@ class KvMover:
                 acks.append(ack)
                 return handle.size_bytes
 
+            async def send_tcp(level: int) -> int:
+                crc = await self.net.send(peer, flow.flow_id, payloads[layer], level, purpose)
+                crc = crc ^ 1 if self.corrupt and purpose == "pd" else crc
+                layer_msg = KvLayer(
+                    request_id,
+                    self.worker_id,
+                    purpose,
+                    layer,
+                    num_layers,
+                    flow.flow_id,
+                    "",
+                    len(payloads[layer]),
+                    crc,
+                    state=state,
+                    stream_subject=stream_subject,
+                    block_hashes=block_hashes,
+                    via="tcp",
+                    attempt=attempt,
+                )
+                ack = await self.bus.request(
+                    self.bus.subjects.worker_kv(dst), layer_msg, LAYER_TIMEOUT_S, expected=KvAck
+                )
+                if not ack.ok:
+                    raise TransferError(ErrorCode.PEER, f"{dst}: {ack.reason}", flow.flow_id)
+                acks.append(ack)
+                return len(payloads[layer])
+
             return await self.agent.run(flow.flow_id, permits[layer], send)
 
         results = await asyncio.gather(*(one(layer) for layer in range(num_layers)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            first = errors[0]
+            pruned = [e for e in errors if isinstance(e, FlowPrunedError)]
+            first = pruned[0] if pruned else errors[0]
             if isinstance(first, TransferError):
                 raise first
             raise TransferError(ErrorCode.PEER, f"{type(first).__name__}: {first}", request_id)
@@ -338,10 +473,10 @@ class KvMover:
         """Prefill side of P/D: export the pinned request, ship it, release it here. Never raises."""
         rid = running.request_id
         span = running.span
-        reason = ""
+        reason, pruned = "", False
         try:
             export = await self.session.call(lambda backend: backend.engine.export_kv(rid))
-            deadline = _now_unix_ms() + max(running.tpot_ms, 1.0) * 4
+            now, tpot = _now_unix_ms(), max(running.tpot_ms, 1.0)
             await self._send_layers(
                 rid,
                 "pd",
@@ -351,8 +486,12 @@ class KvMover:
                 running.stream_subject,
                 (),
                 "3",
-                deadline,
+                now + tpot * 4,
+                now + tpot * max(running.max_tokens - 1, 1),
+                running.attempt,
             )
+        except FlowPrunedError as exc:
+            reason, pruned = exc.reason or "pruned by the flow-scheduler", True
         except (TransferError, BusError, KeyError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
@@ -362,14 +501,13 @@ class KvMover:
             self._count("pd", "ok")
             self.session.handed_off(rid)
             return
-        self._count("pd", "failed")
+        self._count("pd", "pruned" if pruned else "failed")
         log.warning(
             "KV hand-off of %s to %s failed: %s; the request is re-run elsewhere", rid, running.decode_worker, reason
         )
         # A retryable code: the gateway re-submits it (with the first token) and the coordinator runs it hybrid.
-        await self.session.fail(
-            rid, "engine_error", f"kv_transfer_failed: hand-off to {running.decode_worker}: {reason}"
-        )
+        what = "kv_transfer_pruned" if pruned else "kv_transfer_failed"
+        await self.session.fail(rid, "engine_error", f"{what}: hand-off to {running.decode_worker}: {reason}")
 
     async def on_fetch(self, msg: KvFetch, _delivery) -> KvFetchReply:
         """Holder side of stage 1: push the cached blocks of this prefix to the asker."""
@@ -386,7 +524,7 @@ class KvMover:
                 msg.request_id, "reuse", msg.dst_worker, kv, b"", "", tuple(found), "1", msg.deadline_unix_ms
             )
         except (TransferError, BusError) as exc:
-            self._count("reuse", "failed")
+            self._count("reuse", "pruned" if isinstance(exc, FlowPrunedError) else "failed")
             return KvFetchReply(msg.request_id, False, reason=f"{type(exc).__name__}: {exc}")
         self._count("reuse", "ok")
         return KvFetchReply(msg.request_id, True, len(found))
@@ -417,14 +555,14 @@ class KvMover:
         self._expire()
         key = (msg.request_id, msg.purpose)
         try:
-            data = receive(ShmHandle(msg.flow_id, msg.segment, msg.size_bytes, msg.crc32))
+            data = self._layer_data(msg)
         except TransferError as exc:
             self.pending.pop(key, None)
             self._count(msg.purpose, "failed")
             log.warning("KV layer %d of %s from %s refused: %s", msg.layer, msg.request_id, msg.src_worker, exc)
             return KvAck(msg.request_id, msg.layer, False, f"{exc.code.value}: {exc.message}")
         pending = self.pending.setdefault(
-            key, _Pending(msg.num_layers, msg.state, msg.stream_subject, msg.block_hashes)
+            key, _Pending(msg.num_layers, msg.state, msg.stream_subject, msg.block_hashes, msg.attempt)
         )
         pending.layers[msg.layer] = data
         if len(pending.layers) < pending.num_layers:
@@ -441,6 +579,15 @@ class KvMover:
             return KvAck(msg.request_id, msg.layer, False, f"{type(exc).__name__}: {exc}")
         return KvAck(msg.request_id, msg.layer, True, complete=True)
 
+    def _layer_data(self, msg: KvLayer) -> bytes:
+        if msg.via == "tcp":
+            if self.net is None:
+                raise TransferError(ErrorCode.PROTOCOL, "this worker has no TCP KV receiver", msg.flow_id)
+            return self.net.take(msg.flow_id, msg.size_bytes, msg.crc32)
+        if msg.via:
+            raise TransferError(ErrorCode.PROTOCOL, f"unknown KV path {msg.via!r}", msg.flow_id)
+        return receive(ShmHandle(msg.flow_id, msg.segment, msg.size_bytes, msg.crc32))
+
     async def _adopt(self, request_id: str, pending: _Pending) -> None:
         from nitsum.engine.migration import KVExport
 
@@ -449,7 +596,7 @@ class KvMover:
         export = KVExport(state, int(num_tokens), (int(heads[0]), int(heads[1])), kv)
         produced = len(state["tokens"]) - len(state["prompt"])
         # Registered before the import so the step that follows it finds the stream to publish to.
-        self.session.adopt(request_id, pending.stream_subject, len(state["prompt"]), produced)
+        self.session.adopt(request_id, pending.stream_subject, len(state["prompt"]), produced, pending.attempt)
         try:
             ok = await self.session.call(lambda backend: backend.engine.import_request(export))
         except BaseException:

@@ -60,9 +60,20 @@ async def run_on(nats_url: str, request_id: str, prompt: list[int], exclude: tup
     return reply.worker_id, tokens
 
 
-@pytest.fixture
-def mesh2(tmp_path, tiny_model_dir):
-    mesh = ManualMesh(tmp_path, tiny_model_dir, num_workers=2).start()
+@pytest.fixture(params=["one-host", "two-hosts"])
+def mesh2(request, tmp_path, tiny_model_dir):
+    mesh = ManualMesh(tmp_path, tiny_model_dir, num_workers=2)
+    if request.param == "two-hosts":  # NITSUM_HOST_ID apart: the prefix blocks go over TCP, not shared memory
+        hosts = ("host-a", "host-b")
+        mesh.add_worker = lambda i: mesh.add(
+            f"worker-{i}",
+            "decode-worker",
+            NITSUM_WORKER_ID=f"node0-{i}",
+            NITSUM_DEVICE_INDEX=str(i),
+            NITSUM_HOST_ID=hosts[i],
+        )
+    mesh.two_hosts = request.param == "two-hosts"
+    mesh.start()
     mesh.add("flow-scheduler", "flow-scheduler").start()
     # Up before the test's fetch asks it for permits (else the worker falls back to the lowest level, unscheduled).
     deadline = time.monotonic() + 60
@@ -103,6 +114,12 @@ def test_a_worker_fetches_a_cached_prefix_instead_of_computing_it(mesh2, tiny_mo
     # only the 10 tokens after the fetched prefix were computed (74 without the fetch)
     assert after.num_prefill_tokens_computed - before[W1].num_prefill_tokens_computed == len(second) - 64
     assert metric(mesh2, "worker-0", "nitsum_kv_transfers_total", purpose="reuse", outcome="ok") == 1
+    tcp_sent = metric(mesh2, "worker-0", "nitsum_kv_tcp_bytes_total", purpose="reuse", direction="sent")
+    tcp_received = metric(mesh2, "worker-1", "nitsum_kv_tcp_bytes_total", purpose="reuse", direction="received")
+    if mesh2.two_hosts:  # 4 layers of 4 blocks, every byte over TCP, as many received as sent
+        assert tcp_sent > 0 and tcp_received == tcp_sent
+    else:
+        assert tcp_sent == 0 and tcp_received == 0
     assert (
         metric(mesh2, "flow-scheduler", "nitsum_flow_permits_total", stage="1")
         - metric(mesh2, "flow-scheduler", "nitsum_flow_promotions_total", stage="1")

@@ -1,16 +1,16 @@
 """Two hosts for real: network namespaces A and B joined by a veth pair (10.231.0.x, nothing leaves the machine), each
 with one member of a two-server NATS cluster and its own worker (own NITSUM_HOST_ID and node). Host A also runs the
-gateway and the coordinator. A's nats-server is SIGKILLed while requests stream: the gateway, the coordinator and A's
-worker move to B's server across the veth, and every stream ends with exactly the tokens of the same greedy requests
-served before the fault.
-
-(Prefilling on one host and decoding on the other needs the cross-host P/D data plane: not part of this test.)
+gateway and the coordinator. A's worker is a prefill worker, B's a decode worker: every request is prefilled on A
+and its KV handed to B over the TCP data plane across the veth (P/D between hosts), and B streams it on. A's
+nats-server is SIGKILLed while requests stream: the gateway, the coordinator and A's worker move to B's server
+across the veth, and every stream ends with exactly the tokens of the same greedy requests served before the fault.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +69,22 @@ def _client(bed, url: str, nats_url: str, mid: int) -> subprocess.Popen:
     )
 
 
+def _metric_in(bed, ns: str, port: str, name: str, **labels: str) -> float:
+    """A counter of a service inside namespace `ns` (its metrics listen there), summed over matching samples."""
+    code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=5).read().decode())"
+    text = subprocess.run(
+        [*bed.exec_prefix(ns), sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+    )
+    assert text.returncode == 0, text.stderr[-2000:]
+    total = 0.0
+    for line in text.stdout.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
     with netns.veth_testbed(rate_mbit=1000.0, tag=f"{os.getpid() % 100000}m") as bed:
         a = Member("nats-a", bed.addr_a, 4222, 6222)
@@ -103,27 +119,34 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
                 return {**base, "NITSUM_METRICS_PORT": str(free_port()), **extra}
 
             procs["coordinator"] = _serve(pa, "coordinator", env(NITSUM_NATS_URL=on_a), tmp_path / "coordinator.log")
+            worker_env = {}
             procs["worker-a"] = _serve(
                 pa,
-                "decode-worker",
-                env(
-                    NITSUM_NATS_URL=on_a,
-                    NITSUM_WORKER_ID="host-a-0",
-                    NITSUM_NODE_ID="node-a",
-                    NITSUM_HOST_ID="host-a",
-                    NITSUM_KV_ADVERTISE_ADDR=bed.addr_a,
+                "prefill-worker",
+                worker_env.setdefault(
+                    "a",
+                    env(
+                        NITSUM_NATS_URL=on_a,
+                        NITSUM_WORKER_ID="host-a-0",
+                        NITSUM_NODE_ID="node-a",
+                        NITSUM_HOST_ID="host-a",
+                        NITSUM_KV_ADVERTISE_ADDR=bed.addr_a,
+                    ),
                 ),
                 tmp_path / "worker-a.log",
             )
             procs["worker-b"] = _serve(
                 pb,
                 "decode-worker",
-                env(
-                    NITSUM_NATS_URL=on_b,
-                    NITSUM_WORKER_ID="host-b-0",
-                    NITSUM_NODE_ID="node-b",
-                    NITSUM_HOST_ID="host-b",
-                    NITSUM_KV_ADVERTISE_ADDR=bed.addr_b,
+                worker_env.setdefault(
+                    "b",
+                    env(
+                        NITSUM_NATS_URL=on_b,
+                        NITSUM_WORKER_ID="host-b-0",
+                        NITSUM_NODE_ID="node-b",
+                        NITSUM_HOST_ID="host-b",
+                        NITSUM_KV_ADVERTISE_ADDR=bed.addr_b,
+                    ),
                 ),
                 tmp_path / "worker-b.log",
             )
@@ -152,6 +175,10 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
             assert run.returncode == 0, err[-3000:]
             results = json.loads(out.strip().splitlines()[-1])["results"]
             alive = {name: p.poll() is None for name, p in procs.items() if name != "nats-a"}
+            port_a, port_b = worker_env["a"]["NITSUM_METRICS_PORT"], worker_env["b"]["NITSUM_METRICS_PORT"]
+            handed = _metric_in(bed, bed.ns_a, port_a, "nitsum_kv_transfers_total", purpose="pd", outcome="ok")
+            tcp_sent = _metric_in(bed, bed.ns_a, port_a, "nitsum_kv_tcp_bytes_total", purpose="pd", direction="sent")
+            tcp_got = _metric_in(bed, bed.ns_b, port_b, "nitsum_kv_tcp_bytes_total", purpose="pd", direction="received")
         finally:
             for _name, p in reversed(list(procs.items())):
                 if p.poll() is None:
@@ -165,6 +192,9 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
         assert got["status"] == 200 and got["error"] is None, got
         assert got["tokens"] == ref_r["tokens"]
     assert all(alive.values()), alive
+    # every request (3 for the reference, 3 across the fault) prefilled on A, decoded on B, its KV over the veth
+    assert handed == len(reference) + len(results), handed
+    assert tcp_sent > 0 and tcp_got == tcp_sent, (tcp_sent, tcp_got)
     assert "Authorization Violation" not in (tmp_path / "nats-b.log").read_text()
     for name in ("gateway", "coordinator", "worker-a"):
         assert f"reconnected to NATS at {bed.addr_b}:4222" in (tmp_path / f"{name}.log").read_text(), name

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack
+from dataclasses import replace
 
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig, FlowSchedulerConfig
@@ -128,3 +129,57 @@ async def test_batched_permits_from_the_flow_scheduler_are_counted(nats_server):
             await hook()
         await bus.drain()
         await fs_bus.drain()
+
+
+async def test_a_pruned_permit_withdraws_waiting_flows_and_refuses_new_ones(nats_server):
+    from nitsum_services.worker.transfer import FlowPrunedError
+
+    bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "w0")
+    peer = await Bus.connect(CommonConfig(nats_url=nats_server.url), "fs")
+    try:
+        agent = TransferAgent(bus, "w0", Metrics("w0"), max_in_flight=1)
+        await agent.start()
+        gate = asyncio.Event()
+        sent: list[str] = []
+
+        async def blocked(_level: int) -> int:
+            await gate.wait()
+            sent.append("busy")
+            return 1
+
+        def quick(fid: str):
+            async def send(_level: int) -> int:
+                sent.append(fid)
+                return 2
+
+            return send
+
+        first = asyncio.create_task(agent.run("busy", FlowPermit("busy", 5, 0), blocked))
+        await asyncio.sleep(0.05)
+        keep = asyncio.create_task(agent.run("keep", FlowPermit("keep", 5, 0), quick("keep")))
+        cut = asyncio.create_task(agent.run("cut", FlowPermit("cut", 3, 0), quick("cut")))
+        await asyncio.sleep(0.05)
+        # pushed while "cut" waits: it leaves the queue and never sends; "busy" (in flight) is not touched
+        pruned = FlowPermit("cut", 8, 1, pruned=True, reason="overload", code="overload_pruned")
+        await peer.publish("nitsum.flow.permit.w0", pruned)
+        await peer.publish("nitsum.flow.permit.w0", replace(pruned, flow_id="busy"))
+        await peer.flush()
+        await asyncio.sleep(0.1)
+        gate.set()
+        assert await first == 1 and await keep == 2
+        try:
+            await cut
+            raise AssertionError("a pruned flow was sent")
+        except FlowPrunedError as exc:
+            assert "overload" in str(exc)
+        # a permit that comes back pruned at submit: the flow never waits for a turn
+        try:
+            await agent.run("late", replace(pruned, flow_id="late"), quick("late"))
+            raise AssertionError("a flow refused at submit was sent")
+        except FlowPrunedError:
+            pass
+        assert sent == ["busy", "keep"] and agent.num_pruned == 2
+        assert len(agent.queue) == 0 and agent.in_flight == 0
+    finally:
+        await bus.drain()
+        await peer.drain()

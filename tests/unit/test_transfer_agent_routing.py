@@ -70,8 +70,16 @@ def test_resubmits_single_tokens_and_meshes_without_prefill_workers_run_hybrid()
     assert _ids(pd_plan(_req(attempt=1, output=(5,)), workers, None)) == [("d0", "")]
     assert _ids(pd_plan(_req(max_tokens=1), workers, None)) == [("d0", "")]
     assert _ids(pd_plan(_req(), [_worker("a"), _worker("b")], "b-g")) == [("b", ""), ("a", "")]
-    # a prefill worker whose node has no standalone decode worker is not used at all
+    # a prefill worker with no standalone decode worker anywhere is not used at all
     assert _ids(pd_plan(_req(), [_worker("p0", "prefill"), _worker("d0", in_world=True)], None)) == [("d0", "")]
+
+
+def test_a_prefill_worker_without_a_decode_worker_on_its_node_pairs_with_one_of_another_node():
+    workers = [_worker("p0", "prefill"), _worker("d0", node="n1", running=2), _worker("d1", node="n2")]
+    assert _ids(pd_plan(_req(), workers, None)) == [("p0", "d1"), ("d1", ""), ("d0", "")]
+    # a node-world worker of its node does not count: the standalone one elsewhere is taken
+    workers = [_worker("p0", "prefill"), _worker("w0", in_world=True), _worker("d1", node="n2")]
+    assert _ids(pd_plan(_req(), workers, None))[0] == ("p0", "d1")
 
 
 def test_reuse_hint_names_the_holder_of_the_longest_prefix_and_only_the_missing_blocks():

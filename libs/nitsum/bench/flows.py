@@ -100,18 +100,26 @@ def generated_load(
     num_requests: int,
     rate_mbit: float,
     utilization: float = 0.85,
+    mix: str = "aligned",
 ) -> list[dict[str, object]]:
-    """Tight interactive requests (small P2D, SLO 2× their unloaded time) among loose background ones
-    (big P2D, SLO 4×). Poisson arrivals offer `utilization` of the link, so it is contended in bursts.
+    """Tight interactive requests (SLO 2× their unloaded time) among loose background ones (SLO 4×).
+    `mix` "aligned": every interactive request is a small one (small reuse and P2D), every background one a
+    big one -- size and urgency coincide, SJF's best case. "independent": a request's size class (small or
+    big, the same two ranges) is drawn apart from its tier, so half the urgent requests are big ones.
+    Poisson arrivals offer `utilization` of the link (same mean size either way), so it is contended in
+    bursts.
     """
+    if mix not in ("aligned", "independent"):
+        raise ValueError(f"mix must be 'aligned' or 'independent', got {mix!r}")
     rng = random.Random(seed)
     link_bytes_per_ms = rate_mbit * 1e6 / 8 / 1000.0
     out: list[dict[str, object]] = []
     t_ms = 0.0
     for i in range(num_requests):
         tight = rng.random() < 0.5
-        reuse = rng.randint(20_000, 60_000) if tight else rng.randint(100_000, 300_000)
-        p2d = rng.randint(100_000, 250_000) if tight else rng.randint(600_000, 1_200_000)
+        small = tight if mix == "aligned" else rng.random() < 0.5
+        reuse = rng.randint(20_000, 60_000) if small else rng.randint(100_000, 300_000)
+        p2d = rng.randint(100_000, 250_000) if small else rng.randint(600_000, 1_200_000)
         alone_ms = (reuse + p2d) / link_bytes_per_ms + 40.0
         out.append(
             {
@@ -136,10 +144,11 @@ def _testbed(args: argparse.Namespace) -> None:
     if reason is not None:
         print(f"\ntestbed: skipped ({reason})")
         return
-    requests = generated_load(args.seed, args.requests, args.rate_mbit, args.utilization)
+    requests = generated_load(args.seed, args.requests, args.rate_mbit, args.utilization, args.mix)
     print(
-        f"\ntestbed: {len(requests)} requests, veth at {args.rate_mbit} Mbit/s (htb, 3 DSCP classes), "
-        f"offered load {args.utilization}, seed {args.seed}, RMLQ E={args.rmlq_e} U={args.rmlq_u}"
+        f"\ntestbed: {len(requests)} requests ({args.mix} sizes and tiers), veth at {args.rate_mbit} Mbit/s "
+        f"(htb, 3 DSCP classes), offered load {args.utilization}, seed {args.seed}, "
+        f"RMLQ E={args.rmlq_e} U={args.rmlq_u}, pruning {'on' if args.prune else 'off'}"
     )
     print(f"{'scheduler':>10} {'attain all':>10} {'interactive':>11} {'background':>10} {'p50 TTFT ms':>11}")
     base: float | None = None
@@ -151,6 +160,7 @@ def _testbed(args: argparse.Namespace) -> None:
                 "layers": 8,
                 "requests": requests,
                 "rmlq": {"e": args.rmlq_e, "u": args.rmlq_u},
+                "prune": args.prune,
             }
             res = netns.run_plan(bed, load, port=47100 + k, timeout_s=300.0, mode="replay")
             ttft = res["ttft_ms"]
@@ -181,8 +191,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--requests", type=int, default=40, help="requests in the testbed load")
     p.add_argument("--rate-mbit", type=float, default=20.0, help="testbed link rate")
     p.add_argument("--utilization", type=float, default=0.85, help="offered load of the testbed link")
+    p.add_argument(
+        "--mix",
+        choices=("aligned", "independent"),
+        default="aligned",
+        help="testbed load: urgent requests are the small ones (aligned) or sized apart from their tier",
+    )
     p.add_argument("--schedulers", nargs="+", default=list(SCHEDULER_NAMES), choices=SCHEDULER_NAMES)
     p.add_argument("--no-testbed", action="store_true", help="decision time only")
+    p.add_argument(
+        "--prune", action="store_true", help="testbed: RMLQ's overload pruning on (a pruned request is a miss)"
+    )
     p.add_argument("--rmlq-e", type=float, default=4.0, help="RMLQ threshold ratio E (paper: 4)")
     p.add_argument("--rmlq-u", type=float, default=0.5, help="RMLQ threshold scale U (paper: 0.5)")
     args = p.parse_args(argv)

@@ -84,25 +84,52 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
     loop = asyncio.get_running_loop()
     gate = asyncio.Condition()
     wanting: set[str] = set()
+    # Overload pruning as the live flow-scheduler runs it (load["prune"]): on every flow's arrival and departure,
+    # the scheduler's worst-case check over the requests with flows on the link, each delayed by its remaining
+    # bytes over the link rate; a pruned request stops sending and counts as missed (live, it is re-run).
+    pruning = bool(load.get("prune"))
+    pruned: set[str] = set()
+    request_of: dict[str, str] = {}
+
+    def prune_check() -> None:
+        if not pruning:
+            return
+        est: dict[str, float] = {}
+        for fid in wanting:
+            st = sched.state(fid)
+            if st is not None:
+                est[request_of[fid]] = est.get(request_of[fid], 0.0) + st.remaining_bytes * 8.0 / link_bps * 1000.0
+        pruned.update(sched.prune(now_ms(), est))
 
     def now_ms() -> float:
         return (loop.time() - t0) * 1000.0
 
-    async def transfer(spec: FlowSpec) -> None:
+    async def transfer(spec: FlowSpec) -> bool:
+        """Send one flow under the scheduler; False when its request was pruned (what is left is not sent)."""
+        if spec.request_id in pruned:
+            return False
         sched.on_arrival(spec, now_ms())  # the scheduler must know the flow to rank it
         wanting.add(spec.flow_id)
+        request_of[spec.flow_id] = spec.request_id
+        prune_check()
         sent = 0
         try:
             while sent < spec.size_bytes:
+                if spec.request_id in pruned:
+                    return False
                 async with gate:  # host-side strict priority: wait while a smaller key wants to send
                     while True:
                         keys = sched.service_keys(now_ms())
                         rates = sched.rates(now_ms(), {"link": link_bps}) or {}
                         mine = keys.get(spec.flow_id)
                         # Paced flows (Karuna) take only their rate: they never hold others back.
+                        if spec.request_id in pruned:
+                            break
                         if mine is None or all(keys.get(f, mine) >= mine or f in rates for f in wanting):
                             break
                         await gate.wait()
+                if spec.request_id in pruned:
+                    return False
                 level = sched.priorities(now_ms()).get(spec.flow_id, sched.num_levels)
                 n = min(chunk, spec.size_bytes - sent)
                 await tx.send(f"{spec.flow_id}#{sent}", bytes(n), level=level, rate_bps=rates.get(spec.flow_id))
@@ -112,9 +139,12 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
                     gate.notify_all()
         finally:
             wanting.discard(spec.flow_id)
+            request_of.pop(spec.flow_id, None)
             sched.on_complete(spec.flow_id, now_ms())
+            prune_check()
             async with gate:
                 gate.notify_all()
+        return True
 
     ttft_ms: dict[str, float] = {}
 
@@ -125,7 +155,7 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
         deadline_ms = arrival_ms + float(r["slo_ms"])  # type: ignore[arg-type]
         unit = f"u-{rid}"
         sched.on_layer_boundary(unit, 0, now_ms())
-        await transfer(
+        reused = await transfer(
             FlowSpec(
                 f"{rid}-reuse",
                 rid,
@@ -140,12 +170,15 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
                 request_deadline_ms=deadline_ms,
             )
         )
+        if not reused:
+            sched.on_unit_done(unit, now_ms())
+            return  # pruned: no TTFT, a miss
         layer_s = float(r["compute_ms"]) / num_layers / 1000.0  # type: ignore[arg-type]
         for layer in range(1, num_layers + 1):
             await asyncio.sleep(layer_s)
             sched.on_layer_boundary(unit, layer, now_ms())
         sched.on_unit_done(unit, now_ms())
-        await transfer(
+        handed = await transfer(
             FlowSpec(
                 f"{rid}-p2d",
                 rid,
@@ -159,6 +192,8 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
                 request_deadlines_ms=(deadline_ms,),
             )
         )
+        if not handed:
+            return
         ttft_ms[rid] = now_ms() - arrival_ms
 
     async def ticker() -> None:

@@ -9,19 +9,24 @@ Two halves:
   buckets) — independent of the number of requests, which is what keeps a decision under a millisecond.
 
 The fluid model (ours; ALGORITHMS.md leaves it open):
-1. Tiers are served in priority order: latency-sensitive first, then by weight.
+1. Decode slots go to tiers in priority order (latency-sensitive first, then by weight), the running
+   requests of every tier first (they hold their slots: no preemption); prefill runs in one TTFT-deadline
+   order across the tiers, as the engine (engine/tiered.py) and the simulator schedule it.
 2. Running requests need decode slots. A group of TP k offers max_decode_batch(k, tightest TPOT assigned to
    it, context) slots (hybrid groups lose a chunk of prefill tokens per step while prefill is pending).
    Latency-sensitive tiers fill the highest-TP groups first, the others the lowest-TP groups first. A
    running request without a slot is projected to miss its TPOT.
 3. Queued requests are prefilled by the prefill-capable groups, pooled: with R = Σ 1/service time and L the
-   shortest service time, the n-th request (EDF order) has its first token at base + max(L, n/R), where
-   base is the prefill time already claimed by higher tiers. Those within their TTFT budget then need a
+   shortest service time, a request has its first token at T + max(L, 1/R), T the pool time taken by the
+   requests of any tier ahead of it in EDF order (`edf_prefill`). A hybrid group's service time is its
+   chunks beside its decodes, priced as the simulator's step (`hybrid_prefill_ms`). Those within their TTFT budget then need a
    decode slot; slots turn over as running requests finish within the horizon.
 4. A request projected to meet both TTFT and TPOT counts weight × (0.5 + 0.5 · the fraction of its
    remaining tokens produced within the horizon): meeting the SLO counts most, finishing sooner breaks ties.
 5. Stream (only when the snapshot carries `arrivals`): the requests expected to arrive within the horizon,
-   per tier in the same priority order, against the candidate's steady-state capacity. A tier's stream uses
+   per tier in the same priority order, against the candidate's steady-state capacity. When the streams
+   together overload the pool (Σ u ≥ 1), EDF with shedding serves every tier the same fraction 1 / Σ u near
+   its deadline instead (a background request near its deadline overtakes a fresh interactive one). A tier's stream uses
    u = rate · mean pooled prefill time of the pool (averaged over its prompt-length quantiles); higher tiers
    have taken U already, so a fraction min(1, (1 − U) / u) of it is served at all. Its queueing delay is the
    M/D/1 wait ρ/(2(1 − ρ)) · mean service at ρ = U + u (unbounded at ρ ≥ 1: the queue grows without end);
@@ -265,16 +270,18 @@ def evaluate(
     horizon_ms: float,
     chunk_tokens: int,
     prefill_batch_tokens: int = 0,
+    admit_levels: tuple[int, ...] = (),
 ) -> Estimate:
     """Score one candidate (module docstring). `prefill_batch_tokens` > 0: prefill-role groups run batches of
-    that many tokens, so a new request first waits, on average, half such a step (head-of-line delay)."""
+    that many tokens, so a new request first waits, on average, half such a step (head-of-line delay).
+    `admit_levels`: the TP levels admission tries for a best-case TTFT (the node's levels that fit; empty:
+    the candidate's): an arriving prompt no level prefills within its target is refused and takes no time."""
     n = len(classes)
     tps = [c[0] for c in classes]
     roles = [c[1] for c in classes]
     mult = [c[2] for c in classes]
     used = [0] * n  # decode slots taken (over all groups of the class)
     cap = [math.inf] * n  # tightest TPOT assigned to the class
-    busy_ms = [0.0] * n  # prefill time claimed per group of the class
     ctx_sum = [0] * n  # KV tokens of the decode slots taken
     entries: list[tuple[int, float, float, float]] = []  # (class, count·weight, tokens left, start offset ms)
     pending_prefill = any(t.queued for t in load.tiers)
@@ -296,10 +303,37 @@ def evaluate(
             cost, tps[i], cap[i], chunk_tokens, b, quantize_tokens(ctx_sum[i] / mult[i]) if b else 0
         )
 
-    def hol(i: int) -> float:
+    prefill_groups = sum(mult[i] for i in range(n) if roles[i] == "prefill")
+    backlog_tokens = sum(t.queued * t.prompt_tokens for t in load.tiers) / max(prefill_groups, 1)
+
+    def hol(i: int, p: int) -> float:
+        """A prefill group's batch holds what waits when it starts: a new prompt of p tokens first waits, on
+        average, half a step of the queue's share per group and itself, at most a full batch (before: always
+        half a full batch, which on the measured CPU table is seconds even when one request is queued)."""
         if roles[i] != "prefill" or prefill_batch_tokens <= 0:
             return 0.0
-        return cost.step_time_ms(tps[i], 1, prefill_batch_tokens, prefill_batch_tokens) / 2.0
+        tokens = quantize_tokens(min(prefill_batch_tokens, max(p, backlog_tokens)))
+        return cost.step_time_ms(tps[i], 1, tokens, tokens) / 2.0
+
+    def prefill_ms(i: int, p: int, pending: bool = False) -> float:
+        """One prompt of p tokens on a group of class i, stepped as the simulator's groups step it."""
+        if roles[i] != "hybrid":
+            return cost.prefill_time_ms(tps[i], p)
+        b = max(used[i] // mult[i], 1) if used[i] else 0
+        if b == 0:
+            return cost.prefill_time_ms(tps[i], p, chunk_tokens=chunk_tokens)  # no decodes: full chunks
+        ctx = quantize_tokens(ctx_sum[i] / mult[i])
+        return hybrid_prefill_ms(cost, tps[i], p, max(chunk(i, pending), 1), b, ctx)
+
+    def pool(p: int) -> tuple[float, float]:
+        """(prompts of p tokens per ms the prefill-capable groups complete together, the fastest one's ms)."""
+        rate, shortest = 0.0, math.inf
+        for i in range(n):
+            if roles[i] != "decode":
+                s = prefill_ms(i, p)
+                rate += mult[i] / s
+                shortest = min(shortest, s + hol(i, p))
+        return rate, shortest
 
     def slots(i: int, tpot: float, ctx: int) -> int:
         # Decodes come first: a hybrid step keeps only the minimum chunk beside a full decode batch.
@@ -325,75 +359,54 @@ def evaluate(
                 count -= take
         return out
 
+    # 1. running requests keep decoding: they hold their slots (no preemption), whatever their tier.
+    got_running: dict[str, int] = {}
     for t in load.tiers:
-        order = order_hi if t.latency_sensitive else order_lo
-        # 1. running requests keep decoding.
-        placed = place(t, t.running, t.running_ctx_tokens, order)
-        got = sum(k for _, k in placed)
+        placed = place(t, t.running, t.running_ctx_tokens, order_hi if t.latency_sensitive else order_lo)
+        got_running[t.tier] = sum(k for _, k in placed)
         for i, k in placed:
             entries.append((i, k * t.weight, t.running_left_tokens, 0.0))
+    # 2. queued requests: pooled prefill in one earliest-TTFT-deadline order across the tiers, as the engine
+    # (engine/tiered.py) and the simulator schedule it.
+    prefill = edf_prefill(load.tiers, pool)
+    for t in load.tiers:
+        order = order_hi if t.latency_sensitive else order_lo
+        got = got_running[t.tier]
         lost = t.running - got
-        # 2. queued requests: pooled prefill, EDF.
-        if t.queued:
-            rate = 0.0
-            base_acc = 0.0
-            shortest = math.inf
-            service = [0.0] * n
-            for i in order:
-                if roles[i] == "decode":
-                    continue
-                s = cost.prefill_time_ms(tps[i], t.prompt_tokens)
-                if roles[i] == "hybrid" and used[i] > 0:
-                    # Chunked prefill shares steps with this class's decode batch.
-                    per_group = max(used[i] // mult[i], 1)
-                    c = max(chunk(i), 1)
-                    steps = -(-t.prompt_tokens // c)
-                    s = steps * cost.step_time_ms(
-                        tps[i], per_group, per_group + c, per_group * t.running_ctx_tokens + c
-                    )
-                service[i] = s
-                r_i = mult[i] / s
-                rate += r_i
-                base_acc += r_i * busy_ms[i]
-                shortest = min(shortest, s + hol(i))
-            met = 0
-            if rate > 0:
-                base = base_acc / rate
-                cum = 0
-                for budget, count in t.buckets:
-                    if budget >= base + shortest:
-                        ok = int((budget - base) * rate) - cum
-                        met += min(max(ok, 0), count)
-                    cum += count
-                # Every queued request takes prefill time, late or not; the pool drains together.
-                drain_ms = t.queued / rate
-                for i in range(n):
-                    if service[i] > 0:
-                        busy_ms[i] += drain_ms
-                offset = base + max(shortest, t.queued / rate / 2.0)
-            else:
-                offset = 0.0
-            # 3. the ones in time need a decode slot; running work turning over frees slots.
-            ctx = quantize_tokens(t.prompt_tokens + t.queued_out_tokens / 2.0)
-            if met:
-                placed = place(t, met, ctx, order)
-                got_q = sum(k for _, k in placed)
-                for i, k in placed:
-                    entries.append((i, k * t.weight, t.queued_out_tokens, offset))
-                # Slots freed by finishing running requests (at most as many as run now) serve the
-                # rest in time, but they finish past the horizon: half credit.
-                turnover = min(met - got_q, got)
-                score += turnover * t.weight * 0.5
-                lost += t.queued - got_q - turnover
-            else:
-                lost += t.queued
+        met, offset = prefill.get(t.tier, (0, 0.0))
+        # 3. the ones in time need a decode slot; running work turning over frees slots.
+        ctx = quantize_tokens(t.prompt_tokens + t.queued_out_tokens / 2.0)
+        if met:
+            placed = place(t, met, ctx, order)
+            got_q = sum(k for _, k in placed)
+            for i, k in placed:
+                entries.append((i, k * t.weight, t.queued_out_tokens, offset))
+            # Slots freed by finishing running requests (at most as many as run now) serve the
+            # rest in time, but they finish past the horizon: half credit.
+            turnover = min(met - got_q, got)
+            score += turnover * t.weight * 0.5
+            lost += t.queued - got_q - turnover
+        else:
+            lost += t.queued
         misses += lost
         if t.latency_sensitive:
             latency_misses += lost
     # 5. the arrival stream over the horizon, against steady-state capacity.
     if load.streams:
         s_score, s_misses = _stream(
-            cost, load.streams, tps, roles, mult, used, ctx_sum, slots, order_hi, order_lo, horizon_ms, chunk, hol
+            cost,
+            load.streams,
+            tps,
+            roles,
+            mult,
+            used,
+            slots,
+            order_hi,
+            order_lo,
+            horizon_ms,
+            prefill_ms,
+            hol,
+            admit_levels or tuple(sorted(set(tps))),
         )
         score += s_score
         misses += s_misses
@@ -428,72 +441,59 @@ def _stream(
     roles: list[str],
     mult: list[int],
     used: list[int],
-    ctx_sum: list[int],
     slots,
     order_hi: list[int],
     order_lo: list[int],
     horizon_ms: float,
-    chunk,
+    prefill_ms,
     hol,
+    admit_levels: tuple[int, ...] = (),
 ) -> tuple[float, int]:
     """Rule 5 of the module docstring: (score, expected misses) of the arrivals within the horizon."""
     n = len(tps)
+    pools = []
+    for st in streams:
+        # admission.admit refuses what no level prefills within the target even with nothing queued
+        admitted = [min(cost.prefill_time_ms(k, p) for k in admit_levels) <= st.ttft_ms for p in st.prompt_tokens]
+        pools.append(_stream_pool(st, tps, roles, mult, used, slots, prefill_ms, hol, admitted))
+    total = sum(st.rate_per_ms * pool[0] for st, pool in zip(streams, pools, strict=True))
+    # Overloaded (the streams together need more prefill time than the pool has): prefill runs in TTFT-deadline
+    # order across the tiers (engine/tiered.py, the simulator), and shedding drops what can no longer meet its
+    # target, so every tier is served near its deadline in the same proportion 1 / ρ: background requests near
+    # their deadline overtake fresh interactive ones. Below saturation the tighter targets come first.
+    edf_overload = total >= 1.0
     util = 0.0  # prefill-pool time fraction taken by higher-priority streams
     slots_taken = [0.0] * n  # steady-state decode slots taken by higher-priority streams
     score = 0.0
     misses = 0.0
-    for st in streams:
+    for st, (mean_service, split, group_ms) in zip(streams, pools, strict=True):
         order = order_hi if st.latency_sensitive else order_lo
         expected = st.rate_per_ms * horizon_ms
-        inv_rates = []  # mean time between completions of the pool, per prompt quantile
-        fastest = []
-        for p in st.prompt_tokens:
-            rate = 0.0
-            best = math.inf
-            for i in order:
-                if roles[i] == "decode":
-                    continue
-                s = cost.prefill_time_ms(tps[i], p)
-                if roles[i] == "hybrid" and used[i] > 0:
-                    per_group = max(used[i] // mult[i], 1)
-                    # The stream brings prefill work whether or not any is queued now: the chunk a hybrid
-                    # step carries beside its decodes (with chunk(i) alone, an idle queue priced a prompt
-                    # at one token per step, and one running request made the whole stream miss).
-                    c = max(chunk(i, pending=True), 1)
-                    ctx_dec = quantize_tokens(ctx_sum[i] / mult[i])
-                    s = -(-p // c) * cost.step_time_ms(tps[i], per_group, per_group + c, ctx_dec + c)
-                r_i = mult[i] / s
-                if roles[i] == "hybrid":
-                    # A hybrid group decodes what it prefills: in steady state it can take on no more
-                    # requests than its decode slots turn over (Llama-3-70B TP2 on H100 holds ~8 k KV tokens).
-                    turnover = slots(i, st.tpot_ms, quantize_tokens(p + st.output_tokens / 2.0)) / max(
-                        st.output_tokens * st.tpot_ms, 1.0
-                    )
-                    r_i = min(r_i, turnover)
-                rate += r_i
-                best = min(best, s + hol(i))
-            inv_rates.append(1.0 / rate if rate > 0 else math.inf)
-            fastest.append(best)
-        mean_service = sum(inv_rates) / len(inv_rates)
         u = st.rate_per_ms * mean_service
-        if u <= 0 or math.isinf(u):
+        if u <= 0 or math.isinf(u) or not any(split):
             misses += expected
             continue
-        served = min(1.0, max(1.0 - util, 0.0) / u)
-        rho = util + u
-        if rho < 1.0:
-            wait = rho / (2.0 * (1.0 - rho)) * mean_service
+        if edf_overload:
+            served, rho, wait = 1.0 / total, 1.0 - 1e-9, None
         else:
-            # Overloaded: the pool serves the fraction `served` at capacity, and admission and shedding keep
-            # the queue of what is admitted at most about a TTFT target deep (the rest is refused), so the
-            # served part waits about half a target. Scoring it 0 (an unbounded queue) made every overloaded
-            # layout look the same, the one with twice the capacity included.
-            rho, wait = 1.0 - 1e-9, st.ttft_ms / 2.0
+            served = min(1.0, max(1.0 - util, 0.0) / u)
+            rho = util + u
+            if rho < 1.0:
+                # Routing sends each request to one group when it arrives (the coordinator and the simulator
+                # alike: no shared queue), so every group is its own queue at the pool's utilisation: a
+                # request waits on the scale of its group's prefill time, not of the pool's completion interval.
+                wait = rho / (2.0 * (1.0 - rho))
+            else:
+                # Overloaded: the pool serves the fraction `served` at capacity, and admission and shedding keep
+                # the queue of what is admitted at most about a TTFT target deep (the rest is refused), so the
+                # served part waits about half a target. Scoring it 0 (an unbounded queue) made every
+                # overloaded layout look the same, the one with twice the capacity included.
+                rho, wait = 1.0 - 1e-9, None
         # The waiting time's distribution, not only its mean: an atom 1 − ρ at zero and an exponential tail
         # of the same mean (P(W > x) = ρ·exp(−x·ρ / E[W])). With the mean alone every quantile flipped from
         # "in time" to "late" at once as ρ crossed a threshold: the cliff that made near-saturated layouts
         # look alternately hopeless and fine from one epoch to the next.
-        in_time = sum(_p_wait_within(st.ttft_ms - f, rho, wait) for f in fastest) / len(fastest)
+        in_time = _in_time(st.ttft_ms, rho, wait, split, group_ms)
         util = min(util + u, 1.0)
         # Decode, steady state (Little): the served-in-time part keeps rate · output tokens · step slots busy.
         # A full class steps at about the TPOT target (max_decode_batch sizes it so), hence tokens/ms per
@@ -515,3 +515,98 @@ def _stream(
         score += st.weight * good * STREAM_CREDIT
         misses += expected - good
     return score, int(round(misses))
+
+
+def _stream_pool(st: StreamLoad, tps, roles, mult, used, slots, prefill_ms, hol, admitted: list[bool]):
+    """(mean pooled prefill time per arriving request of the stream, per prompt quantile [(share, ms)] over the
+    prefill classes: the fraction of the quantile's requests a class takes (its completion rate's share) and
+    its prefill time, head-of-line delay included; and per class its mean prefill time). A quantile admission
+    refuses (`admitted` False) takes no prefill time and has no share anywhere (all of it misses)."""
+    inv_rates = []  # mean time between completions of the pool, per prompt quantile
+    split = []
+    service = [0.0] * len(tps)
+    n_ok = max(sum(admitted), 1)
+    for p, ok in zip(st.prompt_tokens, admitted, strict=True):
+        if not ok:
+            inv_rates.append(0.0)
+            split.append([])
+            continue
+        rate = 0.0
+        parts = []
+        for i in range(len(tps)):
+            if roles[i] == "decode":
+                continue
+            # The stream brings prefill work whether or not any is queued now: the chunk a hybrid step carries
+            # beside its decodes (pending=True; with none, an idle queue priced a prompt at one token per step).
+            s = prefill_ms(i, p, True)
+            r_i = mult[i] / s
+            if roles[i] == "hybrid":
+                # A hybrid group decodes what it prefills: in steady state it can take on no more requests
+                # than its decode slots turn over (Llama-3-70B TP2 on H100 holds ~8 k KV tokens).
+                turnover = slots(i, st.tpot_ms, quantize_tokens(p + st.output_tokens / 2.0)) / max(
+                    st.output_tokens * st.tpot_ms, 1.0
+                )
+                r_i = min(r_i, turnover)
+            rate += r_i
+            parts.append((i, r_i, s + hol(i, p)))
+            service[i] += s / n_ok
+        inv_rates.append(1.0 / rate if rate > 0 else math.inf)
+        split.append([(i, r_i / rate, ms) for i, r_i, ms in parts] if rate > 0 else [])
+    return sum(inv_rates) / len(inv_rates), split, service
+
+
+def _in_time(ttft_ms: float, rho: float, wait: float | None, split, group_ms: list[float]) -> float:
+    """Fraction of a stream's requests with their first token within ttft_ms: per prompt quantile, over the
+    classes in proportion to what each completes, the chance that its queue's wait leaves room for its
+    prefill. `wait`: the mean wait in units of the class's mean prefill time; None: overloaded (admission and
+    shedding keep the admitted queue about a TTFT target deep, so the served part waits about half a target)."""
+    total = 0.0
+    for parts in split:
+        for i, share, ms in parts:
+            # Shedding drops a queued request once it cannot meet its target, so what is served waited at most
+            # about a target, half of one on average, at any utilisation: near ρ = 1 the M/D/1 mean alone made
+            # a layout look far worse just below saturation than just above it (a flip at 79 s of a steady
+            # background window, measured).
+            mean_wait = ttft_ms / 2.0 if wait is None else min(wait * group_ms[i], ttft_ms / 2.0)
+            total += share * _p_wait_within(ttft_ms - ms, rho, mean_wait)
+    return total / len(split) if split else 0.0
+
+
+def hybrid_prefill_ms(cost: CostModel, tp: int, prompt: int, chunk: int, batch: int, decode_ctx: int) -> float:
+    """A prompt prefilled in `chunk`-token pieces beside `batch` decodes (attending to `decode_ctx` tokens),
+    as the simulator's hybrid step prices it: the prefilling sequence counts in the batch, and each chunk also
+    attends to the prompt prefilled so far (on average half of it)."""
+    steps = -(-prompt // chunk)
+    ctx = decode_ctx + quantize_tokens(prompt / 2.0 + chunk / 2.0)
+    return steps * cost.step_time_ms(tp, batch + 1, batch + chunk, ctx)
+
+
+def edf_prefill(tiers, pool) -> dict[str, tuple[int, float]]:
+    """Queued requests of every tier prefilled by the pool in one earliest-TTFT-deadline order (the engine's
+    and the simulator's order): per tier (requests whose first token is projected within their budget, mean
+    offset ms of their first tokens). `pool(prompt_tokens)` -> (completions per ms, fastest prefill ms).
+    Late requests still take their prefill time (they are first in EDF order: their deadline has passed)."""
+    items = []
+    pools = {}
+    for k, t in enumerate(tiers):
+        if t.queued:
+            pools[t.tier] = pool(t.prompt_tokens)
+            items.extend((budget, k, count, t.tier) for budget, count in t.buckets)
+    items.sort(key=lambda x: (x[0], x[1]))
+    clock = 0.0  # pool time consumed by the requests ahead in EDF order
+    met: dict[str, int] = {}
+    span: dict[str, list[float]] = {}
+    for budget, _, count, tier in items:
+        rate, shortest = pools[tier]
+        if rate <= 0:
+            continue
+        if budget >= shortest:
+            # The k-th request from here has its first token at clock + k / rate (the pool's fluid drain).
+            met[tier] = met.get(tier, 0) + min(max(int((budget - clock) * rate), 0), count)
+        span.setdefault(tier, [clock, clock])
+        clock += count / rate
+        span[tier][1] = clock
+    out = {}
+    for tier, (first, last) in span.items():
+        out[tier] = (met.get(tier, 0), first + max(pools[tier][1], (last - first) / 2.0))
+    return out

@@ -9,14 +9,17 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
               budgets, mean prompt/output lengths, running decode batch.
     fast path (a decision tree; restricts the direction, so few candidates are scored)
             ─ latency-sensitive backlog ≥ threshold and projected latency misses under the current
-              topology → consider only consolidations (mean TP up)              path "fast"
+              topology → prefer the direction in which its prompts prefill sooner
+              (faster_prefill_direction: consolidations on a roofline)          path "fast"
             ─ no latency-sensitive work at all and throughput work queued
               → consider only splits (mean TP down): maximise batch throughput   path "fast"
             ─ otherwise → every candidate                                         path "scored"
     candidates ─ aligned partitions reachable from the current one in ≤ `max_steps` merges (two aligned
               sibling groups of TP k → one of 2k) or splits (TP k → two of k/2), plus the uniform layout at
               each allowed TP level and the two-lane layouts (half the node at a high TP, half at a low TP);
-              each with the role variants of phases.py (all hybrid; P/D split when prefill is pending).
+              each with the role variants of phases.py (all hybrid; P/D split when prefill is pending or
+              arriving), and every static layout of the node (baselines.static_layouts: all-hybrid
+              partitions, P/D splits with prefill and decode groups of one size each).
     score   ─ estimate.evaluate(): estimated weighted goodput over `horizon_ms` (the backlog, plus the
               arrival stream when the snapshot carries measured `arrivals`), minus
               λ · reconfiguration cost (fixed switch cost + KV bytes of the running requests on groups that
@@ -24,6 +27,9 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
     hysteresis ─ switch only if best − current > max(`hysteresis_margin` (weighted requests),
               `hysteresis_fraction` · |current score|); together with the dwell time this stops flapping
               under an oscillating load or noisy measured arrival rates.
+    shifts  ─ with measured shifts of the stream (`load_shift_ms`): no change until the window settles, then
+              at most one change until the load shifts again; except at boot (the node never changed), where
+              the estimate's layout for the first snapshot with arrivals is taken at once and not counted.
 
 Everything is pure: the decision depends only on the snapshot (which carries `now_ms` and the node's
 `last_reconfig_ms`) and the frozen config. Cost-model results are memoized inside the policy object; that
@@ -33,6 +39,7 @@ changes speed, never answers.
 from __future__ import annotations
 
 from nitsum.policy.base import BasePolicy, PolicyConfig
+from nitsum.policy.baselines import layout_topology, static_layouts
 from nitsum.policy.costmodel import CostModel
 from nitsum.policy.decisions import GroupSpec, Topology, TopologyDecision
 from nitsum.policy.estimate import NodeLoad, classes_of, evaluate, summarize
@@ -120,6 +127,21 @@ def candidate_shapes(current: Shape, num_devices: int, levels: tuple[int, ...], 
     return out
 
 
+def faster_prefill_direction(cost: CostModel, levels: tuple[int, ...], load: NodeLoad) -> int:
+    """The direction of a change (+1: mean TP up, -1: down) in which the latency tier's prompts prefill sooner.
+    On a data-sheet roofline that is up (consolidate for a surge); on a measured table it may be down (the
+    measured CPU table's TP>1 steps are slower than TP1's)."""
+    prompts = [t.prompt_tokens for t in load.tiers if t.latency_sensitive and t.queued]
+    prompt = max(prompts, default=1)
+    lo, hi = min(levels), max(levels)
+    return 1 if cost.prefill_time_ms(hi, prompt) <= cost.prefill_time_ms(lo, prompt) else -1
+
+
+def static_candidates(num_devices: int, levels: tuple[int, ...]) -> list[Topology]:
+    """Every static layout of a node at these TP levels (baselines.static_layouts), as topologies."""
+    return [layout_topology(layout) for layout in static_layouts(num_devices, levels)]
+
+
 class AdaptivePolicy(BasePolicy):
     name = "adaptive"
 
@@ -156,9 +178,7 @@ class AdaptivePolicy(BasePolicy):
         cost = self.cost_for(node)
         current = Topology.of_node(node)
         cur_shape = current.shape()
-        cur_est = evaluate(
-            cost, classes_of(current.groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens
-        )
+        cur_est = self._evaluate(cost, current.groups, load, node)
         # A level whose KV room holds fewer than MIN_BATCH_SEQS typical requests cannot batch: Llama-3-70B at
         # TP2 on H100 keeps ~8.8 k KV tokens after weights, and routing background work there starved it.
         need = MIN_BATCH_SEQS * typical_context_tokens(load)
@@ -177,7 +197,7 @@ class AdaptivePolicy(BasePolicy):
         direction = 0
         if load.latency_queued() >= cfg.interactive_backlog_threshold and cur_est.latency_misses > 0:
             direction, path, why = (
-                1,
+                faster_prefill_direction(cost, levels, load),
                 "fast",
                 f"interactive surge: {cur_est.latency_misses} projected latency-tier misses",
             )
@@ -189,12 +209,21 @@ class AdaptivePolicy(BasePolicy):
             )
         else:
             path, why = "scored", "mixed load"
-        prefill_pending = any(t.queued for t in load.tiers)
+        prefill_pending = any(t.queued for t in load.tiers) or bool(load.streams)
 
         scored: list[tuple[float, float, Shape, Topology]] = []  # (score, change cost, shape, topology)
+        seen: set[Topology] = set()
         for sh in shapes:  # first pass: all-hybrid roles, the common case
             groups = role_variants(sh, False)[0]
+            seen.add(Topology(groups))
             scored.append((*self._score(cost, groups, load, node), sh, Topology(groups)))
+        # ... and every static layout of the node at these levels (all-hybrid partitions, P/D splits with prefill
+        # and decode groups of one size each: `1p+1p+1d×6` is the best layout on the measured CPU table, and no
+        # merge or split path from the current layout reaches it).
+        for top in static_candidates(node.num_devices, levels):
+            if top != current and top not in seen:
+                seen.add(top)
+                scored.append((*self._score(cost, top.groups, load, node), top.shape(), top))
         # Second pass: other role variants for the three best partitions, the best in the fast path's
         # direction, and the current one.
         scored.sort(key=lambda x: -(x[0] - x[1]))
@@ -204,7 +233,8 @@ class AdaptivePolicy(BasePolicy):
         for sh in dict.fromkeys(refine):
             for groups in role_variants(sh, prefill_pending)[1:]:
                 top = Topology(groups)
-                if top != current:
+                if top != current and top not in seen:
+                    seen.add(top)
                     scored.append((*self._score(cost, groups, load, node), sh, top))
         if not scored:
             return keep(f"{why}: no candidate", path)
@@ -229,7 +259,12 @@ class AdaptivePolicy(BasePolicy):
         gain = worth(chosen)
         # A shift of the arrival stream is still inside the measurement window: the rates mix the old load and
         # the new one, so wait until the window holds the new load only.
-        if snap.load_shift_ms is not None:
+        # At boot (the node never changed) there is no old load to wait out: the layout the estimate picks for
+        # the first snapshot with work replaces the boot layout at once (no KV to move yet), and it does not count
+        # as the change this load allows.
+        # (Where arrivals are measured, a first snapshot before any has been counted is no basis to choose from.)
+        boot = node.last_reconfig_ms is None and (bool(snap.arrivals) or snap.load_shift_ms is None)
+        if snap.load_shift_ms is not None and not boot:
             shift = snap.load_shift_ms
             if snap.now_ms - shift < cfg.shift_settle_ms:
                 return TopologyDecision(
@@ -246,7 +281,8 @@ class AdaptivePolicy(BasePolicy):
         if (
             snap.load_shift_ms is not None
             and node.last_reconfig_ms is not None
-            and node.last_reconfig_ms >= snap.load_shift_ms
+            # Only changes after the settle time count: before it, the boot change is the only one allowed.
+            and node.last_reconfig_ms >= snap.load_shift_ms + cfg.shift_settle_ms
         ):
             return TopologyDecision(
                 nid,
@@ -292,17 +328,25 @@ class AdaptivePolicy(BasePolicy):
         age = snap.now_ms - snap.load_shift_ms
         return min(max(age, cfg.min_dwell_ms), MAX_REMAINING_HORIZONS * cfg.horizon_ms)
 
+    def _evaluate(self, cost: CostModel, groups, load: NodeLoad, node: NodeView):
+        cfg = self.config
+        # Admission tries every level of the node for a request's best-case TTFT (admission.best_case_ttft_ms).
+        levels = tuple(k for k in node.allowed_tp_levels() if cost.fits(k))
+        return evaluate(
+            cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens, levels
+        )
+
     def _score(
         self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView
     ) -> tuple[float, float]:
         """(estimated weighted goodput over the horizon, λ · reconfiguration cost of moving there)."""
         cfg = self.config
-        est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
+        est = self._evaluate(cost, groups, load, node)
         return est.score, cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
     def _net_score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> float:
         cfg = self.config
-        est = evaluate(cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens)
+        est = self._evaluate(cost, groups, load, node)
         return est.score - cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,6 +28,7 @@ from nitsum.transfer.framing import (
     decode_prefix,
     encode_frame,
 )
+from nitsum.transfer.kv_tcp import handshake_tos
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 
@@ -86,7 +87,10 @@ class TcpTransferReceiver:
         self.max_flow_bytes = max_flow_bytes
         self.max_payload_bytes = max_payload_bytes
         self.errors: list[TransferError] = []  # every flow this end failed or was told failed
+        # told (flow id, the TOS its connection's handshake arrived with or None, bytes) after each commit
+        self.on_commit: Callable[[str, int | None, int], None] | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()  # connections being served (closed by `close`)
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
@@ -96,11 +100,16 @@ class TcpTransferReceiver:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._writers):
+                writer.close()  # its _serve ends on the closed stream, not cancelled at the loop's end
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pending: dict[str, bytearray] = {}
         failed: set[str] = set()  # flows already failed here: their frames still in flight are dropped
+        sock = writer.get_extra_info("socket")
+        tos = handshake_tos(sock) if sock is not None else None  # the class as it arrived on the wire
+        self._writers.add(writer)
         try:
             while True:
                 try:
@@ -117,14 +126,20 @@ class TcpTransferReceiver:
                     return
                 if header.flow_id in failed:
                     continue
-                if not await self._handle(header, payload, pending, writer):
+                if not await self._handle(header, payload, pending, writer, tos):
                     failed.add(header.flow_id)
         finally:
             pending.clear()
+            self._writers.discard(writer)
             writer.close()
 
     async def _handle(
-        self, header: FrameHeader, payload: bytes, pending: dict[str, bytearray], writer: asyncio.StreamWriter
+        self,
+        header: FrameHeader,
+        payload: bytes,
+        pending: dict[str, bytearray],
+        writer: asyncio.StreamWriter,
+        tos: int | None = None,
     ) -> bool:
         """Apply one frame; False when it failed the flow."""
         fid = header.flow_id
@@ -150,6 +165,8 @@ class TcpTransferReceiver:
                 self._fail(TransferError(ErrorCode.SINK, exc.message, fid))
                 await self._send_error(writer, ErrorCode.SINK, exc.message, fid)
                 return False
+            if self.on_commit is not None:
+                self.on_commit(fid, tos, len(data))
             await _write_frame(writer, FrameHeader(FrameKind.ACK, fid, total_bytes=len(data)))
         elif header.kind is FrameKind.ERROR:
             pending.pop(fid, None)
@@ -224,6 +241,7 @@ class TcpTransferSender:
         self.timeout_s = timeout_s
         self.source_host = source_host
         self._conns: dict[int, _ClassConnection] = {}  # DSCP -> connection
+        self._connecting = asyncio.Lock()  # flows of one class arriving together share one new connection
 
     def socket_for(self, level: int) -> socket.socket | None:
         conn = self._conns.get(self.dscp_table[level])
@@ -232,10 +250,15 @@ class TcpTransferSender:
     async def _connection(self, level: int) -> _ClassConnection:
         if level not in self.dscp_table:
             raise TransferError(ErrorCode.PROTOCOL, f"no DSCP for level {level}")
-        dscp = self.dscp_table[level]
+        async with self._connecting:
+            return await self._connect(self.dscp_table[level])
+
+    async def _connect(self, dscp: int) -> _ClassConnection:
         conn = self._conns.get(dscp)
         if conn is not None and not conn.task.done():
             return conn
+        if conn is not None:
+            conn.writer.close()  # its reader ended (the receiver closed it): replaced below
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             # Set before connect so the SYN already carries the class.

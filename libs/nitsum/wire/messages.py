@@ -15,7 +15,9 @@ Channels (see subjects.py):
                  FlowPermitBatch (one round trip for every flow of a request), LayerProgress (prefill worker →
                  flow-scheduler at layer boundaries), FlowPruned (flow-scheduler → gateways: retry the request)
   KV hand-off    KvLayer → KvAck (worker ↔ worker: one layer of a P/D hand-off or of a stage-1 prefix fetch,
-                 its bytes in shared memory), KvFetch → KvFetchReply (a worker asks another for cached blocks)
+                 its bytes in shared memory on one host, over the TCP data plane across hosts), KvFetch →
+                 KvFetchReply (a worker asks another for cached blocks), KvPeer → KvPeerInfo (where a worker's
+                 KV receiver listens and which host it is on)
   generic        ErrorReply (a coded failure answer to any request)
 """
 
@@ -432,6 +434,33 @@ class KvLayer:
     state: bytes = b""
     stream_subject: str = ""
     block_hashes: tuple[int, ...] = ()
+    via: str = ""  # "": the bytes are in shared-memory `segment`; "tcp": they came over the TCP data plane
+    attempt: int = -1  # "pd": the SubmitRequest.attempt the prefill served (the decode worker's frames carry it)
+
+
+@dataclass(frozen=True)
+class KvPeer:
+    """Worker → worker (request/reply on `worker.<id>.kv` → KvPeerInfo): which host are you on, and where does
+    your KV receiver listen? Asked once per peer before the first KV transfer to it."""
+
+    KIND: ClassVar[str] = "kv_peer"
+    VERSION: ClassVar[int] = 1
+    src_worker: str
+    src_host: str = ""
+
+
+@dataclass(frozen=True)
+class KvPeerInfo:
+    """A worker's KV endpoint: its host id (same as the asker's: shared memory; else TCP to `addr`:`port`,
+    every flow's END frame carrying `token`, the receiver's secret, told only over the authenticated bus)."""
+
+    KIND: ClassVar[str] = "kv_peer_info"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    host_id: str
+    addr: str = ""
+    port: int = 0  # 0: no TCP receiver (then only shared memory works)
+    token: int = 0
 
 
 @dataclass(frozen=True)
@@ -509,6 +538,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     LayerProgress,
     FlowPruned,
     KvLayer,
+    KvPeer,
+    KvPeerInfo,
     KvAck,
     KvFetch,
     KvFetchReply,

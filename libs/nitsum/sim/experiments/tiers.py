@@ -54,9 +54,10 @@ def workload(rate_per_s: float, duration_s: float, seed: int):
     return assign_tiers(reqs, TIER_MIX, seed=seed), trace_path
 
 
-def phased_workload(phases: tuple[Phase, ...] = PHASES, seed: int = 0):
-    inter_path = default_trace_path(INTERACTIVE_TRACE)
-    back_path = default_trace_path(BACKGROUND_TRACE)
+def phased_workload(phases: tuple[Phase, ...] = PHASES, seed: int = 0, prefer_excerpt: bool = False):
+    """`prefer_excerpt`: the committed excerpts even where the real traces exist (a scenario CI runs alike)."""
+    inter_path = default_trace_path(INTERACTIVE_TRACE, prefer_excerpt=prefer_excerpt)
+    back_path = default_trace_path(BACKGROUND_TRACE, prefer_excerpt=prefer_excerpt)
     inter = read_azure(inter_path)
     back = servegen_arrivals(back_path, duration_s=600.0, seed=seed, tier="background")
     return phased(phases, inter, back, seed=seed), (inter_path, back_path)
