@@ -156,10 +156,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--gateways", type=int, default=1, help="gateway processes of the mesh the bench starts (nitsum up)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per-request timeout")
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
-    for name in ("requests", "concurrency", "prompt_tokens"):
+    for name in ("requests", "concurrency", "prompt_tokens", "gateways"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
@@ -178,8 +179,8 @@ def main(argv: list[str]) -> int:
     url = args.url
     if url is None:
         run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-gateway-"))
-        print(f"starting nitsum up --devices 1 (logs in {run_dir}) ...", flush=True)
-        mesh = start_mesh(run_dir, devices=1, extra_args=("--model", args.model))
+        print(f"starting nitsum up --devices 1 --gateways {args.gateways} (logs in {run_dir}) ...", flush=True)
+        mesh = start_mesh(run_dir, devices=1, extra_args=("--model", args.model, "--gateways", str(args.gateways)))
         url = mesh.url
     try:
         print(f"gateway {url}: the same requests ...", flush=True)

@@ -299,6 +299,12 @@ class CommonConfig:
 class GatewayConfig(CommonConfig):
     host: str = setting("NITSUM_GATEWAY_HOST", "0.0.0.0", "HTTP listen address")
     port: int = setting("NITSUM_GATEWAY_PORT", 8000, "HTTP listen port", check=port)
+    reuse_port: bool = setting(
+        "NITSUM_GATEWAY_REUSE_PORT",
+        False,
+        "share the listen port with other gateway processes (SO_REUSEPORT: the kernel spreads connections); "
+        "`nitsum up --gateways N` sets it",
+    )
     model: str = setting("NITSUM_MODEL", "tiny", "model directory (Hugging Face format) or 'tiny'")
     served_model_name: str = setting(
         "NITSUM_SERVED_MODEL_NAME", "", "model name in the API (default: the directory name)"

@@ -85,10 +85,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", default="", help="logs and spans go here (default: NITSUM_HOME/run/<time>)")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for /ready")
     p.add_argument("--prefill-workers", type=int, default=0, help="how many of the workers start as prefill-workers")
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes sharing the HTTP port (SO_REUSEPORT; each serves the streams it submitted; default 1)",
+    )
     p.add_argument("--no-node-world", action="store_true", help="standalone TP=1 workers: no run-time TP changes")
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error("--devices must be >= 1")
+    if args.gateways < 1:
+        p.error("--gateways must be >= 1")
     if args.max_tp is None:
         args.max_tp = min(args.devices, 4)
     if args.max_tp < 1 or args.max_tp & (args.max_tp - 1) or args.max_tp > args.devices:
@@ -211,14 +219,7 @@ def main(argv: list[str]) -> int:
                 run_dir / f"worker-{i}.log",
             )
         )
-    children.append(
-        Child(
-            "gateway",
-            "gateway",
-            env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host),
-            run_dir / "gateway.log",
-        )
-    )
+    children.extend(_gateways(args, env_for, run_dir))
 
     stopping = {"flag": False}
 
@@ -253,6 +254,18 @@ def main(argv: list[str]) -> int:
             _remove_weight_store(model_dir, default_dtype(args.device) if dtype == "auto" else dtype)
         print("nitsum up: stopped", flush=True)
     return code
+
+
+def _gateways(args: argparse.Namespace, env_for, run_dir: Path) -> list[Child]:
+    """`--gateways N` gateway processes on one port (with N > 1 they share it: SO_REUSEPORT), all under the
+    gateway's NATS identity; the first keeps the name `gateway`, the others are `gateway-1` ... `gateway-<N-1>`."""
+    shared = {"NITSUM_GATEWAY_REUSE_PORT": "1"} if args.gateways > 1 else {}
+    children = []
+    for i in range(args.gateways):
+        name = "gateway" if i == 0 else f"gateway-{i}"
+        env = env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host, **shared)
+        children.append(Child(name, "gateway", env, run_dir / f"{name}.log"))
+    return children
 
 
 def _worker_ids(devices: int) -> tuple[str, ...]:

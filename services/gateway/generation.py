@@ -62,6 +62,7 @@ class Generation:
     left_workers: set[str] = field(default_factory=set)
     successors: set[str] = field(default_factory=set)
     on_foreign_frame: object = None  # called with the sender of a frame that is not taken
+    on_single_frame: object = None  # called (no argument) for each frame on the request's own stream subject
     num_cached_prompt_tokens: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -80,11 +81,9 @@ class Generation:
         """Subscribe to the stream, then submit; raises GenerationError when the mesh refuses."""
 
         async def on_chunk(chunk: TokenChunk, delivery) -> None:
-            sender = self.bus.subjects.stream_sender(delivery.subject)
-            if sender != chunk.worker_id or chunk.request_id != self.request_id:
-                self._foreign(sender or delivery.subject)
-                return
-            self._queue.put_nowait(chunk)
+            if self.on_single_frame is not None:
+                self.on_single_frame()
+            self.take(chunk, self.bus.subjects.stream_sender(delivery.subject) or delivery.subject)
 
         self._sub = await self.bus.subscribe(self.bus.subjects.stream(self.request_id), on_chunk, expected=TokenChunk)
         self.registry.add(self)
@@ -93,6 +92,14 @@ class Generation:
         except GenerationError:
             await self.close()
             raise
+
+    def take(self, chunk: TokenChunk, sender: str) -> None:
+        """A chunk from `sender` (the worker its subject names): on its own stream subject, or in a batch
+        on the gateway's frames subject (FrameDispatcher). Both see the same checks."""
+        if sender != chunk.worker_id or chunk.request_id != self.request_id:
+            self._foreign(sender)
+            return
+        self._queue.put_nowait(chunk)
 
     async def _submit(self, request: SubmitRequest) -> None:
         try:
@@ -125,7 +132,7 @@ class Generation:
         """Yield Delta objects until the request finishes; raises GenerationError on a final failure."""
         while not self.finished:
             try:
-                item = await asyncio.wait_for(self._queue.get(), timeout=self.stream_timeout_s)
+                item = await self._next_item()
             except TimeoutError:
                 await self._reroute(
                     "worker_silent", f"no token from {self.worker_id} for {self.stream_timeout_s:.0f} s"
@@ -181,6 +188,15 @@ class Generation:
                 self.finish_reason = chunk.finish_reason or "stop"
             if fresh or chunk.finished:
                 yield Delta(fresh, text, self.finish_reason if chunk.finished else None, logprobs)
+
+    async def _next_item(self):
+        """The next chunk (or "worker_lost"); TimeoutError after stream_timeout_s of silence. A chunk already
+        queued is taken at once, and the wait is a timeout scope, not wait_for's extra task per token."""
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            async with asyncio.timeout(self.stream_timeout_s):
+                return await self._queue.get()
 
     async def _reroute(self, code: str, why: str) -> None:
         old = self.worker_id

@@ -22,6 +22,7 @@ from nitsum.policy.tiers import UnknownTierError, resolve_slo
 from nitsum.service import ServiceContext, run_service
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import SamplingSpec, SubmitRequest, WorkerLost
+from nitsum_services.gateway.frames import FrameDispatcher
 from nitsum_services.gateway.generation import Generation, GenerationError, GenerationRegistry
 from nitsum_services.gateway.model_info import ModelInfo
 from nitsum_services.gateway.openapi import OPENAPI
@@ -53,6 +54,21 @@ class Gateway:
         self.draining = False
         self.slo = SloAccounting(ctx.metrics)
         self.objectives = parse_objectives(self.config.objectives)
+        # Workers send this gateway's token frames to its own subject (one batch per step, `FrameDispatcher`):
+        # with several gateways (`nitsum up --gateways N`) each one's requests name its id.
+        self.gateway_id = "gw-" + uuid.uuid4().hex[:12]
+        self.frames = FrameDispatcher(
+            ctx.bus,
+            self.registry,
+            self.gateway_id,
+            self._count_foreign,
+            on_batch=ctx.metrics.stream_frames_total().labels(kind="batch").inc,
+        )
+
+    def _count_foreign(self, _sender: str) -> None:
+        self.ctx.metrics.dropped_frames_total().labels(
+            subject=f"{self.ctx.bus.subjects.namespace}.stream.*.*", code="foreign_stream_frame"
+        ).inc()
 
     # ---- helpers -------------------------------------------------------------------------------
     async def _json_body(self, request: web.Request):
@@ -221,7 +237,7 @@ class Gateway:
                 )
                 for i in range(parsed.n)
             ]
-            headers = {"x-request-id": request_id, "x-request-tier": slo.tier}
+            headers = {"x-request-id": request_id, "x-request-tier": slo.tier, "x-nitsum-gateway": self.gateway_id}
             if parsed.ignored_fields:
                 headers["x-nitsum-ignored-fields"] = ",".join(parsed.ignored_fields)
             try:
@@ -250,7 +266,7 @@ class Gateway:
             tpot_ms=slo.tpot_ms,
             weight=slo.weight,
             arrival_unix_ms=arrival_unix_ms,
-            stream_subject=self.ctx.bus.subjects.stream(request_id),
+            stream_subject=self.ctx.bus.subjects.gateway_frames(self.gateway_id),
         )
         gen = Generation(
             self.ctx.bus,
@@ -262,11 +278,8 @@ class Gateway:
         )
         # The decode pause a stream sees when its request moves to another worker (TP change, P/D).
         gen.on_handoff_gap = self.ctx.metrics.reconfiguration_duration_ms().labels(phase="stream_pause").observe
-        gen.on_foreign_frame = lambda _sender: (
-            self.ctx.metrics.dropped_frames_total()
-            .labels(subject=f"{self.ctx.bus.subjects.namespace}.stream.*.*", code="foreign_stream_frame")
-            .inc()
-        )
+        gen.on_foreign_frame = self._count_foreign
+        gen.on_single_frame = self.ctx.metrics.stream_frames_total().labels(kind="single").inc
         return gen
 
     def _refused(self, exc: GenerationError, span, slo, headers: dict) -> web.Response:
@@ -281,6 +294,10 @@ class Gateway:
     async def _deltas(self, gens: list[Generation]):
         """(choice index, Delta) from every generation as they come; the first is already started, the
         others start once it has produced its first token (or finished). Raises the first GenerationError."""
+        if len(gens) == 1:  # no pump task and queue between the stream and the response: one hop less per token
+            async for item in self._single_deltas(gens[0]):
+                yield item
+            return
         queue: asyncio.Queue = asyncio.Queue()
         prefilled = asyncio.Event()
 
@@ -323,6 +340,24 @@ class Gateway:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _single_deltas(self, gen: Generation):
+        """`_deltas` of one generation, read in the handler's own task (same errors, same abort at the end)."""
+        reason = "request_ended"
+        try:
+            async for delta in gen.deltas():
+                yield 0, delta
+        except GenerationError:
+            raise
+        except asyncio.CancelledError:
+            reason = "client_disconnected"
+            raise
+        except Exception as exc:  # a bug must end the request with an error, not leave it waiting
+            log.exception("%s: choice 0 failed", gen.request_id)
+            raise GenerationError(500, "gateway_error", f"{type(exc).__name__}: {exc}") from None
+        finally:
+            if gen.worker_id and not gen.finished:
+                await gen.abort(reason)
 
     def _logprobs(self, kind: str, delta, text_offset: int) -> dict | None:
         if delta.logprobs is None:
@@ -559,10 +594,18 @@ async def body(ctx: ServiceContext) -> None:
             log.warning("worker %s lost: re-routing %d request(s)", msg.worker_id, n)
 
     await ctx.bus.subscribe(ctx.bus.subjects.worker_lost, on_worker_lost, expected=WorkerLost)
+    await gateway.frames.start()
     runner = web.AppRunner(build_app(gateway, config.resolved_api_keys()), access_log=None, handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    log.info("gateway listening on http://%s:%d (model %s)", config.host, config.port, model.name)
+    await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None).start()
+    log.info(
+        "gateway %s listening on http://%s:%d (model %s%s)",
+        gateway.gateway_id,
+        config.host,
+        config.port,
+        model.name,
+        ", port shared with other gateways" if config.reuse_port else "",
+    )
 
     async def drain() -> None:
         gateway.draining = True

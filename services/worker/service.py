@@ -391,6 +391,7 @@ class WorkerService:
         await self.publish_stats()
         engine_stop.set()
         await asyncio.wait(tasks, timeout=5.0)
+        await session.publisher.close()  # the last frames (the failures just reported) reach NATS before it drains
         await self.mover.aclose()
         if isinstance(session.backend, NodeBackend):
             session.backend.runtime.close()  # no KV segment of this worker stays in /dev/shm

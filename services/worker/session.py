@@ -32,6 +32,7 @@ from nitsum.engine.slo import RequestSlo
 from nitsum.telemetry.metrics import Metrics
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import RunRequest, SubmitRequest, TokenChunk
+from nitsum_services.worker.publisher import FramePublisher
 
 log = logging.getLogger("nitsum.worker")
 
@@ -116,6 +117,7 @@ class WorkerSession:
         # adopted one continues its stream at engine count + offset (StreamOffset from the coordinator).
         self.stream_offsets: OrderedDict[str, int] = OrderedDict()
         self._handoffs: set[asyncio.Task] = set()
+        self.publisher = FramePublisher(bus, worker_id)  # token frames go out from its task, not the step loop
 
     # ---- called from the event loop -------------------------------------------------------------
     @property
@@ -159,9 +161,8 @@ class WorkerSession:
             },
         )
         self.running[req.request_id] = Running(
-            # Frames go out under this worker's id (its NATS identity may publish only there), not req.stream_subject.
             req.request_id,
-            self.bus.subjects.stream(req.request_id, self.worker_id),
+            self.stream_subject(req.request_id, req.stream_subject),
             len(req.prompt_token_ids),
             len(req.output_token_ids),
             span,
@@ -207,12 +208,21 @@ class WorkerSession:
         )
         self.running[request_id] = Running(
             request_id,
-            self.bus.subjects.stream(request_id, self.worker_id),
+            self.stream_subject(request_id, stream_subject),
             prompt_len,
             produced,
             span,
             attempt=attempt,
         )
+
+    def stream_subject(self, request_id: str, given: str) -> str:
+        """Where this worker sends a request's frames: always under its own id (its NATS identity may publish
+        only there), to the gateway's batched frames subject when `given` (the request's stream subject) names
+        one, else to the request's own stream subject."""
+        gateway = self.bus.subjects.frames_gateway(given)
+        if gateway:
+            return self.bus.subjects.gateway_frames(gateway, self.worker_id)
+        return self.bus.subjects.stream(request_id, self.worker_id)
 
     def forget(self, request_id: str) -> None:
         state = self.running.pop(request_id, None)
@@ -254,8 +264,7 @@ class WorkerSession:
                 error_message=f"the request was {reason}: it cannot meet its SLO",
                 attempt=state.attempt,
             )
-            task = asyncio.ensure_future(self.bus.publish(state.stream_subject, chunk))
-            task.add_done_callback(lambda t: t.exception())
+            self.publisher.send(state.stream_subject, chunk)
         self.running.pop(request_id, None)
         self._held.pop(request_id, None)
         self._put(("abort", request_id))
@@ -432,6 +441,7 @@ class WorkerSession:
                 await self._publish(out)
             if not self.backend.is_leader:
                 self._refuse_queued("not a group leader any more")
+        await self.publisher.flush()
 
     def steady_step_ms(self) -> float:
         """A steady step of this group: the median of its last STEADY_STEPS steps that produced tokens. A few
@@ -560,10 +570,7 @@ class WorkerSession:
             state.span.end()
             if self.prefill_role:
                 self.release_pinned(out.request_id)
-        try:
-            await self.bus.publish(state.stream_subject, chunk)
-        except Exception as exc:  # NATS down: the gateway's stream timeout re-routes the request
-            log.warning("could not publish tokens of %s: %s", out.request_id, exc)
+        self.publisher.send(state.stream_subject, chunk)  # sent while the next step runs
         if handoff:
             if self.on_handoff is None:
                 await self._finish_error(out.request_id, "engine_error", "this worker cannot hand requests off")
@@ -590,10 +597,7 @@ class WorkerSession:
             error_message=message,
             attempt=state.attempt,
         )
-        try:
-            await self.bus.publish(state.stream_subject, chunk)
-        except Exception as exc:
-            log.warning("could not report the failure of %s: %s", request_id, exc)
+        self.publisher.send(state.stream_subject, chunk)
 
     async def fail_all(self, code: str, message: str) -> None:
         for request_id in list(self.running):

@@ -185,6 +185,17 @@ class Metrics:
             ),
         )
 
+    def stream_frames_total(self) -> Counter:
+        return self._get(
+            "stream_frames",
+            lambda: Counter(
+                "nitsum_stream_frames_total",
+                "token frames a gateway received: kind=batch (TokenBatch, one per worker step) or single (TokenChunk)",
+                ["kind"],
+                registry=self.registry,
+            ),
+        )
+
     # process health (the soak benchmark watches it stay flat)
     def asyncio_tasks(self) -> Gauge:
         return self._get(

@@ -60,13 +60,33 @@ def _fields(cls: type) -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(cls) if f.init)
 
 
+_PRIMITIVES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """The init fields of a dataclass type (None for any other type)."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return tuple(f.name for f in _fields(cls))
+
+
 def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in _fields(type(value))}
+    cls = value.__class__
+    if cls in _PRIMITIVES:
+        return value
+    if cls is tuple or cls is list:
+        # msgpack packs a tuple as it packs a list: arrays of plain values go as they are.
+        if all(v.__class__ in _PRIMITIVES for v in value):
+            return value
+        return [_to_wire(v) for v in value]
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_wire(v) for k, v in value.items()}
+    names = _field_names(cls) if not isinstance(value, type) else None
+    if names is not None:
+        return {name: _to_wire(getattr(value, name)) for name in names}
     return value
 
 
@@ -89,67 +109,135 @@ def _bad(path: str, expected: str, value: Any) -> DecodeError:
 
 
 def _from_wire(tp: Any, value: Any, path: str) -> Any:
+    return _decoder(tp)(value, path)
+
+
+@functools.cache
+def _decoder(tp: Any):
+    """A function (value, path) -> the value checked (and built) as `tp`, or DecodeError; made once per type."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        non_none = [a for a in args if a is not type(None)]
-        if len(non_none) == 1:
-            return _from_wire(non_none[0], value, path)
-        raise DecodeError(f"field {path}: unsupported union {tp}", "bad_field")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _bad(path, "bool", value)
-        return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _bad(path, "int", value)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(path, "float", value)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _bad(path, "str", value)
-        return value
-    if tp is bytes:
-        if not isinstance(value, bytes):
-            raise _bad(path, "bytes", value)
-        return value
+        return _union_decoder(tp)
+    if tp in _SCALAR_DECODERS:
+        return _SCALAR_DECODERS[tp]
     if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise _bad(path, "array", value)
-        assert len(args) == 2 and args[1] is Ellipsis, f"only tuple[T, ...] is supported on the wire ({tp})"
-        return tuple(_from_wire(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+        return _tuple_decoder(tp)
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise _bad(path, "map", value)
-        return {_from_wire(key_tp, k, f"{path}.key"): _from_wire(val_tp, v, f"{path}[{k!r}]") for k, v in value.items()}
+        key_dec, val_dec = _decoder(key_tp), _decoder(val_tp)
+
+        def dec_dict(value, path):
+            if not isinstance(value, dict):
+                raise _bad(path, "map", value)
+            return {key_dec(k, f"{path}.key"): val_dec(v, f"{path}[{k!r}]") for k, v in value.items()}
+
+        return dec_dict
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    raise DecodeError(f"field {path}: unsupported type {tp}", "bad_field")
+        return _dataclass_decoder(tp)
+
+    def unsupported(value, path):
+        raise DecodeError(f"field {path}: unsupported type {tp}", "bad_field")
+
+    return unsupported
+
+
+def _union_decoder(tp: Any):
+    args = typing.get_args(tp)
+    allows_none = type(None) in args
+    non_none = [a for a in args if a is not type(None)]
+    inner = _decoder(non_none[0]) if len(non_none) == 1 else None
+
+    def dec_union(value, path):
+        if value is None and allows_none:
+            return None
+        if inner is None:
+            raise DecodeError(f"field {path}: unsupported union {tp}", "bad_field")
+        return inner(value, path)
+
+    return dec_union
+
+
+def _dec_bool(value, path):
+    if not isinstance(value, bool):
+        raise _bad(path, "bool", value)
+    return value
+
+
+def _dec_int(value, path):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(path, "int", value)
+    return value
+
+
+def _dec_float(value, path):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(path, "float", value)
+    return float(value)
+
+
+def _dec_str(value, path):
+    if not isinstance(value, str):
+        raise _bad(path, "str", value)
+    return value
+
+
+def _dec_bytes(value, path):
+    if not isinstance(value, bytes):
+        raise _bad(path, "bytes", value)
+    return value
+
+
+_SCALAR_DECODERS = {bool: _dec_bool, int: _dec_int, float: _dec_float, str: _dec_str, bytes: _dec_bytes}
+# Values msgpack gives that a scalar decoder returns unchanged (the fast path skips the call; floats from ints
+# and anything else take the decoder).
+_PASS = {bool: bool, int: int, float: float, str: str, bytes: bytes}
+
+
+def _tuple_decoder(tp: Any):
+    args = typing.get_args(tp)
+    assert len(args) == 2 and args[1] is Ellipsis, f"only tuple[T, ...] is supported on the wire ({tp})"
+    elem = _decoder(args[0])
+    same = _PASS.get(args[0])
+
+    def dec_tuple(value, path):
+        if not isinstance(value, (list, tuple)):
+            raise _bad(path, "array", value)
+        if same is not None and all(v.__class__ is same for v in value):
+            return tuple(value)
+        return tuple(elem(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+    return dec_tuple
+
+
+def _dataclass_decoder(cls: type):
+    hints = _hints(cls)
+    specs = []
+    for f in _fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        specs.append((f.name, _PASS.get(hints[f.name]), hints[f.name], required))
+    known = frozenset(name for name, *_ in specs)
+
+    def dec_dataclass(fields_map, path):
+        if not isinstance(fields_map, dict):
+            raise _bad(path, "map", fields_map)
+        if not known.issuperset(fields_map):
+            unknown = set(fields_map) - known
+            raise DecodeError(f"{path}: unknown field(s) {sorted(map(str, unknown))}", "bad_field")
+        kwargs = {}
+        for name, same, tp, required in specs:
+            if name not in fields_map:
+                if required:
+                    raise DecodeError(f"{path}: missing required field {name!r}", "bad_field")
+                continue
+            value = fields_map[name]
+            kwargs[name] = value if value.__class__ is same else _decoder(tp)(value, f"{path}.{name}")
+        return cls(**kwargs)
+
+    return dec_dataclass
 
 
 def _build(cls: type[T], fields_map: Any, path: str) -> T:
-    if not isinstance(fields_map, dict):
-        raise _bad(path, "map", fields_map)
-    hints = _hints(cls)
-    known = {f.name: f for f in _fields(cls)}
-    unknown = set(fields_map) - set(known)
-    if unknown:
-        raise DecodeError(f"{path}: unknown field(s) {sorted(map(str, unknown))}", "bad_field")
-    kwargs = {}
-    for name, f in known.items():
-        if name not in fields_map:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise DecodeError(f"{path}: missing required field {name!r}", "bad_field")
-            continue
-        kwargs[name] = _from_wire(hints[name], fields_map[name], f"{path}.{name}")
-    return cls(**kwargs)
+    return _decoder(cls)(fields_map, path)
 
 
 def decode(frame: bytes, expected: type[T] | tuple[type, ...] | None = None, max_bytes: int = MAX_FRAME_BYTES) -> T:

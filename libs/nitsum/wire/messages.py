@@ -6,7 +6,8 @@ tuples of those, dicts of str to those, and `X | None`) so that msgpack round-tr
 
 Channels (see subjects.py):
   request path   SubmitRequest → SubmitReply (gateway ↔ coordinator), RunRequest → RunAck (coordinator ↔ worker),
-                 TokenChunk (worker → gateway, one subject per request), AbortRequest (anyone → workers)
+                 TokenChunk (worker → gateway, one subject per request), TokenBatch (worker → gateway: one frame
+                 per step for all its requests), AbortRequest (anyone → workers)
   membership     WorkerStats (worker → coordinator, heartbeat), WorkerLost (coordinator → gateways)
   topology       TopologyPrepare / TopologyCommit / TopologyAbort → TopologyAck (coordinator ↔ workers),
                  NodeReform → TopologyAck (a node world re-formed after it lost a member), StreamOffset,
@@ -150,6 +151,18 @@ class TokenChunk:
     # The SubmitRequest.attempt this frame answers (-1: not known, e.g. a stream adopted in a hand-off): a
     # request re-routed to the worker it left must not take that worker's late frames of the older attempt.
     attempt: int = -1
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Worker → one gateway on `Subjects.gateway_frames`: the chunks of one engine step (or of the steps its
+    publisher fell behind by) for every request that gateway serves, in the order they were produced. Each
+    chunk keeps its own request id, index, attempt, usage and error fields, exactly as a TokenChunk alone."""
+
+    KIND: ClassVar[str] = "token_batch"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    chunks: tuple[TokenChunk, ...]
 
 
 @dataclass(frozen=True)
@@ -554,6 +567,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     RunRequest,
     RunAck,
     TokenChunk,
+    TokenBatch,
     AbortRequest,
     WorkerStats,
     WorkerLost,

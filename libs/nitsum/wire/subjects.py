@@ -68,6 +68,21 @@ class Subjects:
         parts = subject.split(".")
         return parts[2] if len(parts) == 4 and parts[1] == "stream" else ""
 
+    def gateway_frames(self, gateway_id: str, worker_id: str = "*") -> str:
+        """worker → one gateway: TokenBatch frames (one per engine step, every request of that gateway),
+        `<ns>.stream.<worker id>.gw.<gateway id>` -- five tokens, so no per-request subscription (four) matches
+        it, and under the worker's own `<ns>.stream.<id>.>` permission. A gateway puts this subject (with `*`)
+        in SubmitRequest.stream_subject; the default `*` is the gateway's subscription."""
+        worker = worker_id if worker_id == "*" else check_token(worker_id, "worker id")
+        return f"{self.namespace}.stream.{worker}.gw.{check_token(gateway_id, 'gateway id')}"
+
+    def frames_gateway(self, subject: str) -> str:
+        """The gateway id of a `gateway_frames` subject ("" for anything else, e.g. a per-request stream)."""
+        parts = subject.split(".")
+        if len(parts) == 5 and parts[0] == self.namespace and parts[1] == "stream" and parts[3] == "gw":
+            return parts[4] if _TOKEN.match(parts[4]) else ""
+        return ""
+
     @property
     def abort(self) -> str:
         """anyone → all workers (broadcast): AbortRequest."""
