@@ -55,9 +55,7 @@ def _node(rank: int, group: Group, cache: torch.Tensor, others: list | None = No
 
 @pytest.fixture
 def arenas(tmp_path):
-    made = [
-        shm.Arena.create(f"{shm.SEGMENT_PREFIX}test-handoff-{os.getpid()}-{i}", 1 << 16) for i in range(2)
-    ]
+    made = [shm.Arena.create(f"{shm.SEGMENT_PREFIX}test-handoff-{os.getpid()}-{i}", 1 << 16) for i in range(2)]
     yield made
     for arena in made:
         arena.close()
