@@ -12,9 +12,9 @@ Discovery: before the first transfer to a peer, one KvPeer → KvPeerInfo round 
 (its host id, receiver address and port, and the receiver's token); cached until a send to it fails.
 Every flow's END frame carries the token in `block_ids`: whoever merely reaches the port cannot place
 bytes in the inbox. The inbox is bounded (bytes and age): what no KvLayer claims is dropped.
-Known limit: the receiver (`TcpTransferReceiver`) buffers a flow's DATA frames before its END frame's token
-is checked, up to MAX_FLOW_BYTES per flow and connection, so whoever reaches the port can make the worker
-hold that much for a while: advertise (NITSUM_KV_ADVERTISE_ADDR) an address on the cluster's own network.
+The first DATA frame carries the token as well and the receiver checks it before it buffers anything
+(`TcpTransferReceiver.admit`): a stranger's flow is refused at its first frame (at most one frame's payload,
+the framing's bound, is read). Still, advertise (NITSUM_KV_ADVERTISE_ADDR) an address on the cluster's network.
 
 Counters: `nitsum_kv_tcp_bytes_total{purpose,direction,level,tos}`: bytes by the permit level they went at
 and the IP_TOS read back from the sending socket (direction "sent"), and by the TOS the receiving
@@ -63,9 +63,13 @@ class _Inbox:
         self.flows: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self.num_bytes = 0
 
-    def commit(self, flow_id: str, block_ids: tuple[int, ...], data: bytes) -> None:
+    def admit(self, flow_id: str, block_ids: tuple[int, ...]) -> None:
+        """A flow's first frame: refused unless it carries this receiver's token."""
         if len(block_ids) != 1 or block_ids[0] != self.token:
             raise TransferError(ErrorCode.SINK, "not this receiver's token", flow_id)
+
+    def commit(self, flow_id: str, block_ids: tuple[int, ...], data: bytes) -> None:
+        self.admit(flow_id, block_ids)
         self.expire()
         if self.num_bytes + len(data) > INBOX_MAX_BYTES:
             raise TransferError(ErrorCode.SINK, f"inbox full ({self.num_bytes} bytes unclaimed)", flow_id)
@@ -114,6 +118,7 @@ class KvNet:
         bind = addr if _is_loopback(addr) else ""
         self.receiver = TcpTransferReceiver(self.inbox, host=bind, port=0, max_flow_bytes=MAX_FLOW_BYTES)
         self.receiver.on_commit = self._received
+        self.receiver.admit = self.inbox.admit
         self.peers: dict[str, KvPeerInfo] = {}
         self.senders: dict[str, TcpTransferSender] = {}
         self.flow_tos: dict[str, int] = {}  # flow id -> IP_TOS of the socket that sent it (last few; tests)

@@ -94,6 +94,34 @@ async def test_tcp_flows_arrive_whole_one_connection_per_class_with_dscp_in_ip_t
         await rx.close()
 
 
+async def test_a_receiver_that_admits_refuses_a_strangers_flow_at_its_first_frame() -> None:
+    """`admit` sees the first DATA frame's block ids (the sender puts them there as well as on END): a flow
+    without the expected ones is refused before its bytes are buffered. Shown by the order of the checks: the
+    stranger's flow is larger than the receiver takes, and still the refusal is the token's, not TOO_LARGE."""
+    sink = MemorySink()
+    rx = TcpTransferReceiver(sink, max_flow_bytes=2000)
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def admit(flow_id: str, block_ids: tuple[int, ...]) -> None:
+        seen.append((flow_id, block_ids))
+        if block_ids != (42,):
+            raise TransferError(ErrorCode.SINK, "not this receiver's token", flow_id)
+
+    rx.admit = admit
+    port = await rx.start()
+    tx = TcpTransferSender("127.0.0.1", port, chunk_bytes=1000)
+    try:
+        with pytest.raises(TransferError):
+            await tx.send("stranger", b"z" * 10_000, level=3, block_ids=(41,))
+        assert [e.code for e in rx.errors] == [ErrorCode.SINK] and "token" in rx.errors[0].message
+        await tx.send("friend", b"k" * 1500, level=3, block_ids=(42,))
+        assert sink.flows == {"friend": b"k" * 1500}
+        assert seen == [("stranger", (41,)), ("friend", (42,))]  # once per flow, at its first frame
+    finally:
+        await tx.close()
+        await rx.close()
+
+
 async def test_corrupted_frame_fails_the_flow_at_both_ends_and_releases_its_blocks() -> None:
     sink = MemorySink()
     rx = TcpTransferReceiver(sink)

@@ -91,6 +91,9 @@ class TcpTransferReceiver:
         self.errors: list[TransferError] = []  # every flow this end failed or was told failed
         # told (flow id, the TOS its connection's handshake arrived with or None, bytes) after each commit
         self.on_commit: Callable[[str, int | None, int], None] | None = None
+        # checks a flow's first DATA frame's `block_ids` (raises TransferError to refuse it) before any of its
+        # bytes are buffered; None: every flow is buffered and only the sink's commit at its END decides
+        self.admit: Callable[[str, tuple[int, ...]], None] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()  # connections being served (closed by `close`)
 
@@ -146,6 +149,13 @@ class TcpTransferReceiver:
         """Apply one frame; False when it failed the flow."""
         fid = header.flow_id
         if header.kind is FrameKind.DATA:
+            if header.offset == 0 and self.admit is not None and fid not in pending:
+                try:
+                    self.admit(fid, header.block_ids)
+                except TransferError as exc:
+                    self._fail(TransferError(ErrorCode.SINK, exc.message, fid))
+                    await self._send_error(writer, ErrorCode.SINK, exc.message, fid)
+                    return False
             buf = pending.setdefault(fid, bytearray())
             if header.offset != len(buf) or len(buf) + len(payload) > self.max_flow_bytes:
                 del pending[fid]
@@ -300,7 +310,13 @@ class TcpTransferSender:
                 chunk = data[off : off + self.chunk_bytes]
                 async with conn.lock:
                     await asyncio.wait_for(
-                        _write_frame(conn.writer, FrameHeader(FrameKind.DATA, flow_id, offset=off), chunk),
+                        # The first DATA frame carries `block_ids` too, so a receiver that checks them
+                        # (`TcpTransferReceiver.admit`) refuses a stranger's flow before buffering it.
+                        _write_frame(
+                            conn.writer,
+                            FrameHeader(FrameKind.DATA, flow_id, offset=off, block_ids=block_ids if off == 0 else ()),
+                            chunk,
+                        ),
                         self.timeout_s,
                     )
                 if fut.done():
