@@ -321,7 +321,7 @@ class Coordinator:
                     span.set_attribute("nitsum.reuse_from", reuse_from)
                     span.set_attribute("nitsum.reuse_blocks", len(reuse_hashes))
                 self.members.assign(
-                    req.request_id, req.tier, worker_id, time.monotonic(), view, len(req.output_token_ids)
+                    req.request_id, req.tier, worker_id, time.monotonic(), view, len(req.output_token_ids), req.attempt
                 )
                 run = RunRequest(req, decode_worker=decode_worker, reuse_from=reuse_from, reuse_hashes=reuse_hashes)
                 try:
@@ -515,7 +515,7 @@ class Coordinator:
         # a request whose tokens flow is never killed (they are paid for, and the client is reading them).
         waiting = {r.request_id for r in snap.requests if r.first_token_ms is None}
         self.shed_asked &= waiting  # asked once: a worker that refused (already streaming) is not asked again
-        for request_id in (r for r in self.policy.shed(snap) if r in waiting and r not in self.shed_asked):
+        for request_id in self.members.sheddable([r for r in self.policy.shed(snap) if r in waiting], self.shed_asked):
             self.shed_asked.add(request_id)
             log.warning("shedding %s: it cannot meet its SLO", request_id)
             try:

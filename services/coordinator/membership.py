@@ -43,6 +43,9 @@ class WorkerRecord:
         return set(self.stats.running_request_ids) | set(self.assigned)
 
 
+SHED_AFTER_ADMISSION = ("background",)  # tiers whose admitted requests may be shed (Membership.sheddable)
+
+
 @dataclass
 class InflightRequest:
     request_id: str
@@ -51,6 +54,7 @@ class InflightRequest:
     routed_s: float
     view: RequestView | None = None  # what the policy sees (None after a restart: rebuilt from stats only)
     resumed: int = 0  # output tokens it came with (a re-submission): the workers' stream index counts them
+    attempt: int = 0  # SubmitRequest.attempt; a re-submission (> 0) is never shed: a fault made it late, not the load
 
 
 def with_progress(
@@ -154,9 +158,26 @@ class Membership:
         now_s: float,
         view: RequestView | None = None,
         resumed: int = 0,
+        attempt: int = 0,
     ) -> None:
         self.workers[worker_id].assigned[request_id] = now_s
-        self.requests[request_id] = InflightRequest(request_id, tier, worker_id, now_s, view, resumed)
+        self.requests[request_id] = InflightRequest(request_id, tier, worker_id, now_s, view, resumed, attempt)
+
+    def sheddable(self, request_ids: list[str], asked: set[str]) -> list[str]:
+        """Of the policy's shed list, in its order, what the coordinator asks the workers to drop: background
+        requests (the tier that trades latency for throughput), not yet asked, on their first submission.
+        An interactive request is refused at admission when it is hopeless, never dropped once admitted: on a
+        burst its TTFT target may slip, but its tokens still come at nearly the promised latency, which a client
+        of any other engine would expect. A re-submission (after a lost worker, a failed or pruned hand-off) was
+        admitted once: the mesh owes it its tokens, a fault made it late, not the load."""
+        return [
+            r
+            for r in request_ids
+            if r not in asked
+            and (req := self.requests.get(r)) is not None
+            and req.attempt == 0
+            and req.tier in SHED_AFTER_ADMISSION
+        ]
 
     def unassign(self, request_id: str, worker_id: str) -> None:
         record = self.workers.get(worker_id)

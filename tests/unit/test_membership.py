@@ -156,3 +156,17 @@ def test_a_heartbeat_from_before_a_recorded_commit_keeps_the_committed_group():
     alone = replace(peer, tp=1, group_id="node0-g1-tp1", leader=True, epoch=2, in_world=False)
     m.on_stats(alone, 0.3)
     assert m.workers["w1"].stats == alone
+
+
+def test_only_first_submissions_of_background_work_are_shed_after_admission_in_the_policys_order():
+    m = Membership(heartbeat_timeout_s=5.0)
+    m.on_stats(_stats(), 0.0)
+    m.assign("fresh-1", "background", "w0", 0.0)
+    m.assign("retried", "background", "w0", 0.0, resumed=3, attempt=1)  # re-submitted after a fault
+    m.assign("fresh-2", "background", "w0", 0.0)
+    m.assign("asked", "background", "w0", 0.0)
+    m.assign("latency", "interactive", "w0", 0.0)  # admitted: refused at admission if hopeless, never dropped after
+    policy_order = ["fresh-2", "retried", "unknown", "latency", "asked", "fresh-1"]
+    assert m.sheddable(policy_order, asked={"asked"}) == ["fresh-2", "fresh-1"]
+    m.assign("retried", "background", "w0", 1.0)  # what a later first submission under the same id would be
+    assert m.sheddable(["retried"], asked=set()) == ["retried"]
