@@ -102,8 +102,10 @@ def _world_decode_leaders(prefill: WorkerRecord, others: list[WorkerRecord]) -> 
 
 
 def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[WorkerRecord]) -> tuple[str, tuple[int, ...]]:
-    """(holder, block hashes to fetch from it) when another worker of the node caches a longer prefix of the
-    prompt than `chosen` by at least MIN_REUSE_BLOCKS blocks; ("", ()) otherwise."""
+    """(holder, block hashes to fetch from it) when another standalone worker caches a longer prefix of the
+    prompt than `chosen` by at least MIN_REUSE_BLOCKS blocks; ("", ()) otherwise. Any node: between hosts the
+    blocks go over the TCP data plane (`services/worker/kv_net.py`), within one through shared memory; of
+    holders with equally long prefixes one of `chosen`'s node is taken (no NIC), then the smallest id."""
     bs = chosen.stats.block_size
     if bs <= 0 or chosen.stats.in_world:
         return "", ()
@@ -121,22 +123,16 @@ def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[Worker
         return n
 
     mine = leading(chosen)
-    best, holder = mine, ""
-    for other in candidates:
-        if (
-            other.worker_id == chosen.worker_id
-            or not _standalone_ready(other)
-            or other.stats.node_id != chosen.stats.node_id
-        ):
-            continue
-        if other.stats.block_size != bs:
-            continue
-        n = leading(other)
-        if n > best or (n == best and holder and other.worker_id < holder):
-            best, holder = n, other.worker_id
-    if not holder or best - mine < MIN_REUSE_BLOCKS:
+    here = chosen.stats.node_id
+    ranked = sorted(
+        (-leading(o), o.stats.node_id != here, o.worker_id)
+        for o in candidates
+        if o.worker_id != chosen.worker_id and _standalone_ready(o) and o.stats.block_size == bs
+    )
+    if not ranked or -ranked[0][0] - mine < MIN_REUSE_BLOCKS:
         return "", ()
-    return holder, tuple(hashes[mine:best])
+    best, _, holder = ranked[0]
+    return holder, tuple(hashes[mine:-best])
 
 
 def request_view(req: SubmitRequest, now_ms: float) -> RequestView:

@@ -90,7 +90,12 @@ def test_reuse_hint_names_the_holder_of_the_longest_prefix_and_only_the_missing_
     holder = _worker("h", cached=tuple(hashes))
     other = _worker("o", cached=tuple(hashes[:2]))
     far = _worker("far", node="n1", cached=tuple(hashes))
-    assert reuse_hint(_req(prompt), me, [me, other, holder, far]) == ("h", tuple(hashes[1:]))
-    # too little to gain (fewer than 2 blocks more than mine), or only on another node: compute it
+    # as long a prefix on this node and on another: this node's (shared memory, no NIC)
+    assert reuse_hint(_req(prompt), me, [me, other, far, holder]) == ("h", tuple(hashes[1:]))
+    # too little to gain (fewer than 2 blocks more than mine): compute it
     assert reuse_hint(_req(prompt), _worker("me", cached=tuple(hashes[:3])), [holder]) == ("", ())
-    assert reuse_hint(_req(prompt), _worker("me"), [far]) == ("", ())
+    # only another node holds it: fetched from there (over TCP between hosts), a longer prefix before a nearer one
+    assert reuse_hint(_req(prompt), _worker("me"), [far]) == ("far", tuple(hashes))
+    assert reuse_hint(_req(prompt), _worker("me"), [other, far]) == ("far", tuple(hashes))
+    # a node-world worker is no holder (its cache is its group's)
+    assert reuse_hint(_req(prompt), _worker("me"), [_worker("w", cached=tuple(hashes), in_world=True)]) == ("", ())
