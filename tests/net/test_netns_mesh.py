@@ -1,6 +1,6 @@
 """Two hosts for real: network namespaces A and B joined by a veth pair (10.231.0.x, nothing leaves the machine), each
 with one member of a two-server NATS cluster and its own worker (own NITSUM_HOST_ID and node). Host A also runs the
-gateway and the coordinator. A's worker is a prefill worker, B's a decode worker: every request is prefilled on A
+gateway and the coordinator. Each host's worker has a /dev/shm of its own. A's worker is a prefill worker, B's a decode worker: every request is prefilled on A
 and its KV handed to B over the TCP data plane across the veth (P/D between hosts), and B streams it on. A's
 nats-server is SIGKILLed while requests stream: the gateway, the coordinator and A's worker move to B's server
 across the veth, and every stream ends with exactly the tokens of the same greedy requests served before the fault.
@@ -45,6 +45,23 @@ def _serve(prefix: list[str], service: str, env: dict[str, str], log: Path) -> s
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
         )
+
+
+def _own_shm(prefix: list[str], host: str) -> list[str]:
+    """Run in the host's namespace with a /dev/shm of its own (a private mount namespace with a fresh tmpfs):
+    shared memory is per host, as on two machines, so nothing between the hosts can go through it."""
+    mount = f'mount -t tmpfs -o size=256m nitsum-shm-{host} /dev/shm && exec "$@"'
+    return [*prefix, "unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh"]
+
+
+def _shm_source(pid: int) -> str:
+    """The mount source of /dev/shm as process `pid` sees it (the last mount there: the one on top)."""
+    source = ""
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == "/dev/shm":
+            source = fields[fields.index("-") + 2]
+    return source
 
 
 def _client(bed, url: str, nats_url: str, mid: int) -> subprocess.Popen:
@@ -121,7 +138,7 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
             procs["coordinator"] = _serve(pa, "coordinator", env(NITSUM_NATS_URL=on_a), tmp_path / "coordinator.log")
             worker_env = {}
             procs["worker-a"] = _serve(
-                pa,
+                _own_shm(pa, "a"),
                 "prefill-worker",
                 worker_env.setdefault(
                     "a",
@@ -136,7 +153,7 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
                 tmp_path / "worker-a.log",
             )
             procs["worker-b"] = _serve(
-                pb,
+                _own_shm(pb, "b"),
                 "decode-worker",
                 worker_env.setdefault(
                     "b",
@@ -162,6 +179,9 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
             out, err = ref.communicate(timeout=200)
             assert ref.returncode == 0, err[-3000:]
             reference = json.loads(out.strip().splitlines()[-1])["results"]
+            # each host's worker has its own shared memory (the process behind Popen is the worker: each step execs;
+            # read once it served, so past the mount)
+            shm_sources = {h: _shm_source(procs[f"worker-{h}"].pid) for h in ("a", "b")}
             assert all(r["status"] == 200 and r["error"] is None and len(r["tokens"]) == 120 for r in reference), (
                 reference
             )
@@ -188,6 +208,7 @@ def test_host_a_nats_killed_mid_stream_nothing_lost(tmp_path, tiny_model_dir):
                     except subprocess.TimeoutExpired:
                         p.kill()
                         p.wait()
+    assert shm_sources == {"a": "nitsum-shm-a", "b": "nitsum-shm-b"}, shm_sources
     for ref_r, got in zip(reference, results):
         assert got["status"] == 200 and got["error"] is None, got
         assert got["tokens"] == ref_r["tokens"]
