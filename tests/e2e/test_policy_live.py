@@ -103,10 +103,12 @@ def test_burst_moves_tp_up_and_background_brings_it_down(tmp_path):
         transitions = _status(mesh)["transitions"]
         assert transitions, "the policy never changed the topology"
         assert all(t["ok"] for t in transitions)
+        # The directions, not which of the policy's paths took them: with P/D splits among its candidates the
+        # scored path may answer the burst first ("mixed load: ... -> [0-1 TP2 prefill][2-3 TP2 decode]")
+        # where the fast path's "interactive surge" used to.
         first = transitions[0]
-        assert "interactive surge" in first["reason"]
-        assert _mean_tp(first["topology"]) > _mean_tp(first["from"])  # up for the burst
+        assert _mean_tp(first["topology"]) > _mean_tp(first["from"]), first  # up for the burst
         later = [t for t in transitions[1:] if _mean_tp(t["topology"]) < _mean_tp(t["from"])]
-        assert later and "throughput backlog" in later[-1]["reason"]  # and down again for background work
+        assert later, transitions  # and down again for the background work
     finally:
         stop_mesh(mesh.process)
