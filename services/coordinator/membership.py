@@ -117,6 +117,13 @@ class Membership:
                 if old is not None:
                     old.assigned.pop(rid, None)
                 moved.worker_id = stats.worker_id
+        # Streams the worker says ended (and that attempt or an older one is what we track): gone at once.
+        for rid, attempt in zip(stats.finished_request_ids, stats.finished_attempts):
+            req = self.requests.get(rid)
+            if rid in running or req is None or req.worker_id != stats.worker_id or req.attempt > attempt:
+                continue  # running again here, moved, or re-submitted since: a newer attempt is tracked
+            record.assigned.pop(rid, None)
+            del self.requests[rid]
         # A request routed before this heartbeat was built and not listed in it has finished.
         grace_s = 1.0
         for rid, routed_s in list(record.assigned.items()):

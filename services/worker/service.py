@@ -84,6 +84,7 @@ class WorkerService:
         backend = session.backend  # swapped when the node world is re-formed
         start, tp = backend.group
         running_ids, streamed, first_token_ages = session.progress(time.monotonic())
+        ended_ids, ended_attempts = session.take_ended()
         return WorkerStats(
             worker_id=self.worker_id,
             node_id=config.node_id,
@@ -102,6 +103,8 @@ class WorkerService:
             running_request_ids=running_ids,
             running_output_tokens=streamed,
             running_first_token_age_ms=first_token_ages,
+            finished_request_ids=ended_ids,
+            finished_attempts=ended_attempts,
             cached_block_hashes=tuple(s.cached_block_hashes[-256:]),  # the most recently cached (reuse hints)
             sent_unix_ms=time.time() * 1000.0,
             step_ms_ewma=session.step_ms_ewma,

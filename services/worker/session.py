@@ -107,6 +107,7 @@ class WorkerSession:
         self.step_ms_ewma = 0.0
         self.recent_step_ms: deque[float] = deque(maxlen=STEADY_STEPS)  # the last steps that produced tokens
         self.num_aborted = 0
+        self._ended: list[tuple[str, int]] = []  # (request id, attempt) ended here since the last heartbeat
         self._stats = backend.stats()
         self._held_at_commit: dict[str, int] = {}
         self._hold_for_commit = False  # the last turn sent a prepare's final ack: wait a little for the commit
@@ -190,6 +191,11 @@ class WorkerSession:
     def release_pinned(self, request_id: str) -> None:
         self._put(("release", request_id))
 
+    def take_ended(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The (request ids, attempts) whose streams ended here since the last call (WorkerStats.finished_*)."""
+        ended, self._ended = self._ended, []
+        return tuple(r for r, _ in ended), tuple(a for _, a in ended)
+
     def handed_off(self, request_id: str) -> None:
         """P/D: the decode worker owns the request now; this worker stops tracking it."""
         state = self.running.pop(request_id, None)
@@ -266,6 +272,7 @@ class WorkerSession:
             )
             self.publisher.send(state.stream_subject, chunk)
         self.running.pop(request_id, None)
+        self._ended.append((request_id, state.attempt))
         self._held.pop(request_id, None)
         self._put(("abort", request_id))
         self.num_aborted += 1
@@ -565,6 +572,7 @@ class WorkerSession:
         self.metrics.generated_tokens_total().labels(worker=self.worker_id).inc(len(tokens))
         if finished:
             self.running.pop(out.request_id, None)
+            self._ended.append((out.request_id, state.attempt))
             state.span.set_attribute("nitsum.output_tokens", state.next_index)
             state.span.set_attribute("nitsum.finish_reason", out.finish_reason or "")
             state.span.end()
@@ -584,6 +592,7 @@ class WorkerSession:
         state = self.running.pop(request_id, None)
         if state is None:
             return
+        self._ended.append((request_id, state.attempt))
         mark_error(state.span, f"{code}: {message}")
         state.span.end()
         chunk = TokenChunk(

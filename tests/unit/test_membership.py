@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from nitsum.wire.messages import WorkerStats
 from nitsum_services.coordinator.membership import Membership
@@ -170,3 +171,21 @@ def test_only_first_submissions_of_background_work_are_shed_after_admission_in_t
     assert m.sheddable(policy_order, asked={"asked"}) == ["fresh-2", "fresh-1"]
     m.assign("retried", "background", "w0", 1.0)  # what a later first submission under the same id would be
     assert m.sheddable(["retried"], asked=set()) == ["retried"]
+
+
+def test_streams_a_heartbeat_says_ended_stop_counting_at_once_unless_a_newer_attempt_is_tracked():
+    m = Membership(heartbeat_timeout_s=5.0)
+    m.on_stats(_stats(), 0.0)
+    m.assign("done", "interactive", "w0", 10.0)
+    m.assign("again", "interactive", "w0", 10.0, attempt=2)  # re-submitted since attempt 1 ended here
+    m.on_stats(_stats("w1", instance="b", device=1), 10.0)
+    m.assign("moved", "interactive", "w1", 10.0)  # tracked on another worker now
+    m.assign("running", "interactive", "w0", 10.0)
+    ended = replace(
+        _stats(running=("running",)),
+        finished_request_ids=("done", "again", "moved", "running", "never-seen"),
+        finished_attempts=(0, 1, 0, 0, 0),
+    )
+    m.on_stats(ended, 10.1)  # well within the grace a heartbeat's silence alone needs
+    assert sorted(m.requests) == ["again", "moved", "running"]
+    assert "done" not in m.workers["w0"].assigned and m.outstanding_by_tier() == {"interactive": 3}

@@ -216,6 +216,11 @@ class WorkerStats:
     # here and this message (-1: not yet). The coordinator's snapshot reads decode progress from these.
     running_output_tokens: tuple[int, ...] = ()
     running_first_token_age_ms: tuple[float, ...] = ()
+    # Requests whose streams ended here (finished, failed, aborted; not handed off or moved) since the last
+    # heartbeat, with the attempt each served: the coordinator stops counting them at once instead of a grace
+    # period after a heartbeat stops listing them.
+    finished_request_ids: tuple[str, ...] = ()
+    finished_attempts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
