@@ -371,13 +371,17 @@ class WorkerService:
         await self.publish_stats()
 
     async def heartbeat(self) -> None:
+        """WorkerStats every heartbeat interval, and sooner once many streams ended since the last one: the
+        coordinator counts a request against its tier's queue bound until it hears its stream ended."""
         period_s = self.config.heartbeat_interval_ms / 1000.0
         while not self.ctx.stop.is_set():
             await self.publish_stats()
+            waits = [asyncio.ensure_future(self.ctx.stop.wait()), asyncio.ensure_future(self.session.many_ended.wait())]
             try:
-                await asyncio.wait_for(self.ctx.stop.wait(), timeout=period_s)
-            except TimeoutError:
-                pass
+                await asyncio.wait(waits, timeout=period_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
     async def drain(self, engine_stop: asyncio.Event, tasks: set[asyncio.Task], timeout_s: float) -> None:
         """Report `draining` (no new work is routed here), let running requests finish, hand the rest back."""

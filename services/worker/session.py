@@ -67,6 +67,11 @@ def request_slo(req: SubmitRequest) -> RequestSlo | None:
         return None
 
 
+# Streams ended and not yet reported after which the worker's heartbeat goes out early: far below any queue
+# bound (the coordinator counts a request until it hears its stream ended), and a light load never reaches it.
+ENDED_REPORT_AT = 32
+
+
 @dataclass
 class Running:
     request_id: str
@@ -108,6 +113,8 @@ class WorkerSession:
         self.recent_step_ms: deque[float] = deque(maxlen=STEADY_STEPS)  # the last steps that produced tokens
         self.num_aborted = 0
         self._ended: list[tuple[str, int]] = []  # (request id, attempt) ended here since the last heartbeat
+        # set once ENDED_REPORT_AT of them wait: the heartbeat then goes out early (WorkerService.heartbeat)
+        self.many_ended = asyncio.Event()
         self._stats = backend.stats()
         self._held_at_commit: dict[str, int] = {}
         self._hold_for_commit = False  # the last turn sent a prepare's final ack: wait a little for the commit
@@ -191,9 +198,15 @@ class WorkerSession:
     def release_pinned(self, request_id: str) -> None:
         self._put(("release", request_id))
 
+    def _ended_here(self, request_id: str, attempt: int) -> None:
+        self._ended.append((request_id, attempt))
+        if len(self._ended) >= ENDED_REPORT_AT:
+            self.many_ended.set()
+
     def take_ended(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The (request ids, attempts) whose streams ended here since the last call (WorkerStats.finished_*)."""
         ended, self._ended = self._ended, []
+        self.many_ended.clear()
         return tuple(r for r, _ in ended), tuple(a for _, a in ended)
 
     def handed_off(self, request_id: str) -> None:
@@ -272,7 +285,7 @@ class WorkerSession:
             )
             self.publisher.send(state.stream_subject, chunk)
         self.running.pop(request_id, None)
-        self._ended.append((request_id, state.attempt))
+        self._ended_here(request_id, state.attempt)
         self._held.pop(request_id, None)
         self._put(("abort", request_id))
         self.num_aborted += 1
@@ -572,7 +585,7 @@ class WorkerSession:
         self.metrics.generated_tokens_total().labels(worker=self.worker_id).inc(len(tokens))
         if finished:
             self.running.pop(out.request_id, None)
-            self._ended.append((out.request_id, state.attempt))
+            self._ended_here(out.request_id, state.attempt)
             state.span.set_attribute("nitsum.output_tokens", state.next_index)
             state.span.set_attribute("nitsum.finish_reason", out.finish_reason or "")
             state.span.end()
@@ -592,7 +605,7 @@ class WorkerSession:
         state = self.running.pop(request_id, None)
         if state is None:
             return
-        self._ended.append((request_id, state.attempt))
+        self._ended_here(request_id, state.attempt)
         mark_error(state.span, f"{code}: {message}")
         state.span.end()
         chunk = TokenChunk(
