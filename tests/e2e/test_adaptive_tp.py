@@ -48,7 +48,8 @@ def mesh4(tmp_path_factory, mid_dir):
     mesh = start_mesh(
         tmp,
         devices=4,
-        extra_args=("--model", str(mid_dir)),
+        # static-tp:1 keeps the boot layout: no policy epoch (queue events trigger them too) takes an epoch number
+        extra_args=("--model", str(mid_dir), "--policy", "static-tp:1"),
         env_extra={"NITSUM_FAULT_PREPARE_EPOCH": "4", "NITSUM_RECONFIG_INTERVAL_MS": "600000"},
     )
     yield mesh

@@ -42,7 +42,7 @@ def mesh(tmp_path_factory):
         tmp,
         make_tiny(tmp / "mid", config_overrides=MID),
         num_workers=4,
-        env_extra={"NITSUM_RECONFIG_INTERVAL_MS": "600000", "NITSUM_MAX_TP": "4"},
+        env_extra={"NITSUM_RECONFIG_INTERVAL_MS": "600000", "NITSUM_MAX_TP": "4", "NITSUM_POLICY": "static-tp:1"},
     )
     mesh.nats = NatsServer(port=free_port(), config_path=None).start(log_path=tmp / "nats.log")
     mesh.port = free_port()

@@ -104,7 +104,8 @@ def running_mesh(tmp, model, **env_extra: str):
         "NITSUM_STREAM_TIMEOUT_S": "90",
         **env_extra,
     }
-    mesh = start_mesh(tmp, devices=4, extra_args=("--model", str(model)), env_extra=env)
+    # static-tp:1 keeps the boot layout: no policy epoch (queue events trigger them too) changes it under the test
+    mesh = start_mesh(tmp, devices=4, extra_args=("--model", str(model), "--policy", "static-tp:1"), env_extra=env)
     port = master_port(mesh)
     try:
         yield mesh, port

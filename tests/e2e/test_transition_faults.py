@@ -57,6 +57,7 @@ def start_world(tmp: Path, model: Path, die_at: str) -> ManualMesh:
         "NITSUM_NODE_SIZE": "4",
         "NITSUM_NODE_MASTER_PORT": str(free_port()),
         "NITSUM_RECONFIG_INTERVAL_MS": "600000",  # only the test changes the topology
+        "NITSUM_POLICY": "static-tp:1",  # the boot layout, kept: no policy epoch (queue events trigger them too) changes roles or TP before the test
         "NITSUM_WORLD_TIMEOUT_S": "20",
         "NITSUM_HEARTBEAT_TIMEOUT_MS": "5000",  # four busy workers on a small machine must not look lost
         "NITSUM_STREAM_TIMEOUT_S": "90",  # a re-route here must come from the fault, not from a slow machine
