@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
-from nitsum.bus import Bus, BusError
+from nitsum.bus import Bus, BusError, NoResponders
 from nitsum.wire.messages import AbortRequest, SamplingSpec, SubmitReply, SubmitRequest, TokenChunk
 
 log = logging.getLogger("nitsum.gateway")
@@ -101,15 +101,31 @@ class Generation:
             return
         self._queue.put_nowait(chunk)
 
-    async def _submit(self, request: SubmitRequest) -> None:
-        try:
-            reply: SubmitReply = await self.bus.request(
-                self.bus.subjects.submit, request, self.submit_timeout_s, expected=SubmitReply
-            )
-        except BusError as exc:
-            raise GenerationError(
-                503, "coordinator_unavailable", f"the coordinator did not answer: {exc}", retry_after_s=1.0
-            ) from None
+    async def _submit(self, request: SubmitRequest, ride_out: bool = False) -> None:
+        """Place `request` through the coordinator. With `ride_out` (a re-route of a stream already under way)
+        a moment with no coordinator listening (it is reconnecting to another NATS server of the cluster, or
+        restarting) is waited out, up to submit_timeout_s in all, instead of failing a started stream."""
+        deadline = time.monotonic() + self.submit_timeout_s
+        pause = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                reply: SubmitReply = await self.bus.request(
+                    self.bus.subjects.submit, request, max(0.1, left), expected=SubmitReply
+                )
+                break
+            except NoResponders as exc:
+                if not ride_out or left <= pause:
+                    raise GenerationError(
+                        503, "coordinator_unavailable", f"the coordinator did not answer: {exc}", retry_after_s=1.0
+                    ) from None
+                log.info("%s: no coordinator listens (failover?); submitting again in %.2f s", self.request_id, pause)
+                await asyncio.sleep(pause)
+                pause = min(1.0, pause * 2)
+            except BusError as exc:
+                raise GenerationError(
+                    503, "coordinator_unavailable", f"the coordinator did not answer: {exc}", retry_after_s=1.0
+                ) from None
         if not reply.accepted:
             code = {429: "rate_limited", 503: "no_capacity", 400: "invalid_request"}.get(reply.status, "rejected")
             raise GenerationError(reply.status or 503, code, reply.reason, retry_after_s=reply.retry_after_s)
@@ -242,11 +258,11 @@ class Generation:
             exclude_workers=(old,) if old else (),
         )
         try:
-            await self._submit(resubmit)
+            await self._submit(resubmit, ride_out=True)
         except GenerationError as exc:
-            if exc.status == 503 and old:
+            if exc.status == 503 and old and exc.code != "coordinator_unavailable":
                 # The only other choice may be the worker we left (it came back): allow it.
-                await self._submit(replace(resubmit, exclude_workers=()))
+                await self._submit(replace(resubmit, exclude_workers=()), ride_out=True)
             else:
                 raise
 

@@ -3,10 +3,14 @@ earlier attempt: they used to look like a new gap and re-route it again until th
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from nitsum.bus import Bus
 from nitsum.config import CommonConfig
 from nitsum.wire.messages import SamplingSpec, SubmitReply, SubmitRequest, TokenChunk
-from nitsum_services.gateway.generation import Generation, GenerationRegistry
+from nitsum_services.gateway.generation import Generation, GenerationError, GenerationRegistry
 
 
 async def test_late_frames_of_an_earlier_attempt_are_not_a_gap(nats_server):
@@ -64,6 +68,76 @@ async def test_late_frames_of_an_earlier_attempt_are_not_a_gap(nats_server):
         rest = [d async for d in stream]
         assert [t for d in rest for t in d.token_ids] == [12, 13, 14]
         assert gen.tokens == [11, 12, 13, 14] and gen.reroutes == 1 and attempts == [0, 1]
+        await gen.close()
+    finally:
+        for bus in (coordinator, gateway, worker):
+            await bus.drain()
+
+
+async def test_reroute_rides_out_a_moment_with_no_coordinator(nats_server):
+    """A NATS failover: the stream's worker is lost while the coordinator is still reconnecting (nobody listens on
+    the submit subject). The re-route waits for it instead of failing a started stream; a first submission with no
+    coordinator is refused at once (503, Retry-After)."""
+    cfg = CommonConfig(nats_url=nats_server.url)
+    gateway = await Bus.connect(cfg, "gateway")
+    worker = await Bus.connect(cfg, "worker")
+    coordinator = await Bus.connect(cfg, "coordinator")
+    attempts: list[int] = []
+
+    async def on_submit(req: SubmitRequest, _delivery):
+        attempts.append(req.attempt)
+        return SubmitReply(req.request_id, True, worker_id=f"w{req.attempt}")
+
+    def request(rid: str) -> SubmitRequest:
+        return SubmitRequest(
+            rid,
+            (1, 2, 3),
+            SamplingSpec(max_tokens=3),
+            "interactive",
+            200.0,
+            25.0,
+            10.0,
+            0.0,
+            gateway.subjects.stream(rid),
+        )
+
+    try:
+        lonely = Generation(gateway, request("cmpl-nobody"), 10.0, 1, 5.0, GenerationRegistry())
+        with pytest.raises(GenerationError) as refused:
+            await lonely.start()
+        assert refused.value.status == 503 and refused.value.code == "coordinator_unavailable"
+
+        sub = await coordinator.subscribe(
+            coordinator.subjects.submit, on_submit, expected=SubmitRequest, concurrent=True
+        )
+        await coordinator.flush()
+        rid = "cmpl-failover"
+        gen = Generation(gateway, request(rid), 10.0, 1, 5.0, GenerationRegistry())
+        await gen.start()
+        stream = gen.deltas()
+        await worker.publish(worker.subjects.stream(rid, "w0"), TokenChunk(rid, "w0", 0, (11,), "x", attempt=0))
+        await worker.flush()
+        assert (await anext(stream)).token_ids == [11]
+        await sub.unsubscribe()  # the coordinator is gone for a moment (reconnecting elsewhere)
+        await coordinator.flush()
+
+        async def come_back():
+            await asyncio.sleep(0.6)
+            await coordinator.subscribe(coordinator.subjects.submit, on_submit, expected=SubmitRequest, concurrent=True)
+            await coordinator.flush()
+            await asyncio.sleep(0.2)
+            await worker.publish(
+                worker.subjects.stream(rid, "w1"),
+                TokenChunk(rid, "w1", 1, (12, 13), "xx", finished=True, finish_reason="length", attempt=1),
+            )
+            await worker.flush()
+
+        back = asyncio.create_task(come_back())
+        gen.worker_lost()  # the re-route meets no coordinator at first
+        rest = [d async for d in stream]
+        await back
+        assert [t for d in rest for t in d.token_ids] == [12, 13]
+        assert gen.tokens == [11, 12, 13] and gen.reroutes == 1 and attempts == [0, 1]
         await gen.close()
     finally:
         for bus in (coordinator, gateway, worker):
