@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from nitsum.bus import Bus
+from nitsum.bus import Bus, BusTimeout, NoResponders
 from nitsum.config import CommonConfig
 from nitsum.wire.messages import SamplingSpec, SubmitReply, SubmitRequest, TokenChunk
 from nitsum_services.gateway.generation import Generation, GenerationError, GenerationRegistry
@@ -120,6 +120,15 @@ async def test_reroute_rides_out_a_moment_with_no_coordinator(nats_server):
         assert (await anext(stream)).token_ids == [11]
         await sub.unsubscribe()  # the coordinator is gone for a moment (reconnecting elsewhere)
         await coordinator.flush()
+        # nats-server routes a connection's publishes by a cache that sees another connection's UNSUB a moment
+        # late: wait until the gateway's own connection is told that nobody listens.
+        for _ in range(100):
+            try:
+                await gateway.request(gateway.subjects.submit, request("cmpl-probe"), 0.2)
+            except NoResponders:
+                break
+            except BusTimeout:
+                continue
 
         async def come_back():
             await asyncio.sleep(0.6)
