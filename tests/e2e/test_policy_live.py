@@ -99,7 +99,9 @@ def test_burst_moves_tp_up_and_background_brings_it_down(tmp_path):
             for r in turned_away
         ), [(r.status, r.error) for r in turned_away]
         assert len(turned_away) < len(inter)
-        assert all(len(r.token_ids) == 400 for r in bg + bg2)
+        assert all(len(r.token_ids) == 400 for r in bg + bg2), [
+            (r.request_id, len(r.token_ids), r.finish_reason) for r in bg + bg2
+        ]
         transitions = _status(mesh)["transitions"]
         assert transitions, "the policy never changed the topology"
         assert all(t["ok"] for t in transitions)
