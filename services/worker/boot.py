@@ -71,7 +71,7 @@ def build_backend(config: WorkerConfig, role: str):
     torch.set_num_threads(config.torch_threads)
     if config.node_size <= 1:
         return PlainBackend(build_engine(config, role), config.device_index)
-    from nitsum.kv.reshard import Topology
+    from nitsum.topology import Topology
 
     if config.min_tp != 1:
         # Node workers boot as one TP=1 group each (and a re-formed world adopts TP=1 engines).
@@ -180,7 +180,7 @@ def node_world(config: WorkerConfig, generation: int = 0):
 def join_generation(config: WorkerConfig, backend, generation: int):
     """Background thread: build world `generation` of this worker's node and a NodeRuntime over it that
     adopts the backend's TP=1 engine (peer_loss.form_generation). Returns the new PeerLossGuard."""
-    from nitsum.kv.reshard import Topology
+    from nitsum.topology import Topology
 
     def make_world():
         return node_world(config, generation)

@@ -19,12 +19,12 @@ def _worker(model_dir: str, port: int, shm_dir: str, out) -> None:
     import torch
 
     from nitsum.engine import Engine, EngineConfig, SamplingParams
-    from nitsum.kv.reshard import Topology
     from nitsum.model import loader
     from nitsum.node.messages import NodeCommand
     from nitsum.node.runtime import NodeRuntime
     from nitsum.parallel.weights import SharedWeightStore, boot_weights
     from nitsum.parallel.world import NodeWorld
+    from nitsum.topology import Topology
 
     torch.set_num_threads(1)
     res: dict = {}

@@ -37,12 +37,12 @@ import time
 import torch
 
 from nitsum.engine.params import EngineConfig, SamplingParams
-from nitsum.kv.reshard import Topology
 from nitsum.model import loader
 from nitsum.node.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.node.runtime import NodeCommand, NodeRuntime
 from nitsum.parallel.weights import DEFAULT_SHM_DIR, ResidentWeights, SharedWeightStore, boot_weights
 from nitsum.parallel.world import NodeWorld
+from nitsum.topology import Topology
 from nitsum.transfer import shm
 
 IDLE_SLEEP_S = 0.002

@@ -17,8 +17,8 @@ import torch
 
 from nitsum.engine.params import EngineConfig
 from nitsum.engine.runner import ModelRunner
-from nitsum.kv.reshard import Group
 from nitsum.model.model import Workspace
+from nitsum.topology import Group
 
 log = logging.getLogger("nitsum.node.runners")
 

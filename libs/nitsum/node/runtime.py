@@ -16,7 +16,7 @@ from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
 from nitsum.engine.runner import ModelRunner
 from nitsum.engine.slo import RequestSlo
-from nitsum.kv.reshard import Group, RequestKV, Topology
+from nitsum.kv.reshard import RequestKV
 from nitsum.model.loader import read_raw_config
 from nitsum.model.model import Workspace
 from nitsum.model.tokenizer import Tokenizer
@@ -31,6 +31,7 @@ from nitsum.node.reaper import Reaper
 from nitsum.node.runners import RunnerPool
 from nitsum.node.transition import Transition, refuse_in_span
 from nitsum.parallel.world import NodeWorld
+from nitsum.topology import Group, Topology
 from nitsum.transfer import shm
 
 __all__ = ["COMMAND_KINDS", "KV_PATHS", "NodeCommand", "NodeRuntime", "TransitionAck"]

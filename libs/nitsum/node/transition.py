@@ -24,21 +24,13 @@ import torch
 from nitsum.engine import migration
 from nitsum.engine.runner import ModelRunner
 from nitsum.engine.sequence import Status
-from nitsum.kv.reshard import (
-    Group,
-    ReshardPlan,
-    Topology,
-    changed_groups,
-    local_target,
-    plan_commit,
-    plan_prepare,
-    transition_span,
-)
+from nitsum.kv.reshard import ReshardPlan, changed_groups, local_target, plan_commit, plan_prepare, transition_span
 from nitsum.node.build import EngineAhead, RunnerBuild
 from nitsum.node.gate import PreCopyGate
 from nitsum.node.kv_paths import KvPath, path_for, serve_remote_sources
 from nitsum.node.messages import TransitionAck, kv_entry, request_kv
 from nitsum.node.precopy import PreCopy
+from nitsum.topology import Group, Topology
 from nitsum.transfer import shm
 from nitsum.transfer.kv_link import KvLinks
 from nitsum.wire import codec
