@@ -1,7 +1,8 @@
 """One worker's share of a node whose TP groups change at run time (`NodeRuntime`); the protocol is told in
 the package's docstring (`nitsum.node`). The runtime holds what lasts across epochs: the world, this worker's
-topology and epoch, its runner and engine (a group's leader) or its leader to follow (a peer), and the pieces
-it is composed of; each epoch's change is one `Transition`.
+topology (its groups' roles with it) and epoch, its runner and engine (a group's leader) or its leader to follow
+(a peer), and the pieces it is composed of; each epoch's change is one `Transition`, driven by the topology
+commands (commands.py).
 """
 
 from __future__ import annotations
