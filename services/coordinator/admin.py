@@ -108,7 +108,7 @@ class AdminPlane:
             return _error(
                 "bad_request", "set-topology needs 'topology', e.g. '[0-1 TP2 hybrid][2 TP1 decode][3 TP1 decode]'"
             )
-        from nitsum.policy.decisions import Topology
+        from nitsum.topology import Topology
         from nitsum_services.coordinator.transition import TransitionError
 
         node_id = body.get("node_id", "node0")

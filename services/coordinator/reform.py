@@ -29,8 +29,8 @@ import logging
 import time
 
 from nitsum.bus import BusError
-from nitsum.policy.decisions import GroupSpec, Topology
 from nitsum.telemetry.tracing import mark_error
+from nitsum.topology import Group, Topology
 from nitsum.wire.messages import (
     GroupAssignment,
     NodeReform,
@@ -257,7 +257,7 @@ class ReformAgent:
         for start, tp in wide:
             group_id = group_id_of(node_id, start, tp)
             current = transitions.current(node_id)
-            singles = tuple(GroupSpec(d, 1, "hybrid") for d in range(start, start + tp))
+            singles = tuple(Group(d, 1, "hybrid") for d in range(start, start + tp))
             target = Topology(tuple(g for g in current.groups if g.start != start) + singles)
             members = [r for r in records if start <= r.stats.device_index < start + tp]
             leader = [r for r in members if r.stats.device_index == start]

@@ -23,9 +23,8 @@ import logging
 import time
 
 from nitsum.bus import BusError
-from nitsum.policy.decisions import Topology
-from nitsum.policy.snapshot import ROLES
 from nitsum.telemetry.tracing import mark_error
+from nitsum.topology import ROLES, Group, Topology
 from nitsum.wire.messages import GroupAssignment, TopologyAbort, TopologyAck, TopologyCommit, TopologyPrepare
 from nitsum.wire.node import group_id_of
 
@@ -77,14 +76,12 @@ class TransitionAgent:
         )
 
     def current(self, node_id: str) -> Topology:
-        from nitsum.policy.decisions import GroupSpec
-
         groups = {}
         for r in self.node_records(node_id):
             s = r.stats
             start = s.device_index - s.device_index % s.tp
             if start not in groups or s.leader:  # the leader reports its group's role
-                groups[start] = GroupSpec(start, s.tp, s.role if s.role in ROLES else "hybrid")
+                groups[start] = Group(start, s.tp, s.role if s.role in ROLES else "hybrid")
         return Topology(tuple(groups[k] for k in sorted(groups)))
 
     def check(self, node_id: str, target: Topology) -> list:

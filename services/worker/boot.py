@@ -71,7 +71,7 @@ def build_backend(config: WorkerConfig, role: str):
     torch.set_num_threads(config.torch_threads)
     if config.node_size <= 1:
         return PlainBackend(build_engine(config, role), config.device_index)
-    from nitsum.kv.reshard import Topology
+    from nitsum.topology import Topology
 
     if config.min_tp != 1:
         # Node workers boot as one TP=1 group each (and a re-formed world adopts TP=1 engines).
@@ -82,6 +82,8 @@ def build_backend(config: WorkerConfig, role: str):
     cfg = _engine_config(config, role)
     if config.node_standby:
         return build_standby(config, cfg)
+    from nitsum.node.boot import node_world
+
     world = node_world(config)
     weights = node_weights(config, cfg, world.device)
     runtime = node_runtime(config, world, cfg, weights, Topology.uniform(config.node_size, 1))
@@ -90,23 +92,11 @@ def build_backend(config: WorkerConfig, role: str):
 
 
 def node_weights(config: WorkerConfig, cfg, device: str):
-    """CPU: the host-wide store's views. CUDA: this device's resident copy of the slices it uses at every
-    allowed level, made once here (ALGORITHMS.md §1.1); every later TP change cuts views of it."""
-    from nitsum.model import loader
-    from nitsum.parallel.weights import SharedWeightStore, boot_weights
-    from nitsum.parallel.world import allowed_levels
+    """The node's boot weights (`nitsum.node.boot.node_weights`) over the host-wide store."""
+    from nitsum.node import boot
+    from nitsum.parallel.weights import SharedWeightStore
 
-    store = SharedWeightStore.open(cfg.model_dir, cfg.dtype)
-    levels = allowed_levels(config.min_tp, config.max_tp or config.node_size)
-    return boot_weights(
-        store,
-        device,
-        config.device_index,
-        levels[0],
-        levels[-1],
-        config=loader.load_config(cfg.model_dir),
-        node_size=config.node_size,
-    )
+    return boot.node_weights(config, SharedWeightStore.open(cfg.model_dir, cfg.dtype), cfg.model_dir, device)
 
 
 def node_runtime(config: WorkerConfig, world, cfg, weights, topology, engine=None, epoch: int = 0):
@@ -160,27 +150,11 @@ def build_standby(config: WorkerConfig, cfg) -> StandbyBackend:
     return StandbyBackend(Engine(cfg, runner=runner), config.device_index, weights, cfg)
 
 
-def node_world(config: WorkerConfig, generation: int = 0):
-    """This worker's node world (generation `generation`: 0 at boot, more after a re-formation)."""
-    from nitsum.parallel.world import NodeWorld
-
-    return NodeWorld(
-        config.device_index,
-        config.node_size,
-        config.node_master_addr,
-        config.node_master_port,
-        device=config.device,
-        min_tp=config.min_tp,
-        max_tp=config.max_tp,
-        timeout_s=config.world_timeout_s,
-        generation=generation,
-    )
-
-
 def join_generation(config: WorkerConfig, backend, generation: int):
     """Background thread: build world `generation` of this worker's node and a NodeRuntime over it that
     adopts the backend's TP=1 engine (peer_loss.form_generation). Returns the new PeerLossGuard."""
-    from nitsum.kv.reshard import Topology
+    from nitsum.node.boot import node_world
+    from nitsum.topology import Topology
 
     def make_world():
         return node_world(config, generation)

@@ -54,10 +54,10 @@ class NodeHandoffs:
         if runtime is None:
             return []
         by_role = {"decode": [], "hybrid": []}
-        for pair, leader in sorted(runtime.leaders.items()):
-            role = runtime.roles.get(pair, "hybrid")
-            if leader and leader != self.worker_id and role in by_role:
-                by_role[role].append(leader)
+        for g in runtime.topology.groups:
+            leader = runtime.leaders.get(g.span, "")
+            if leader and leader != self.worker_id and g.role in by_role:
+                by_role[g.role].append(leader)
         return by_role["decode"] or by_role["hybrid"]
 
     def reaches(self, worker_id: str) -> bool:
@@ -65,10 +65,7 @@ class NodeHandoffs:
         runtime = getattr(self.session.backend, "runtime", None)
         if runtime is None or worker_id == self.worker_id:
             return False
-        return any(
-            leader == worker_id and runtime.roles.get(pair, "hybrid") != "prefill"
-            for pair, leader in runtime.leaders.items()
-        )
+        return any(runtime.leaders.get(g.span) == worker_id and g.role != "prefill" for g in runtime.topology.groups)
 
     def target(self, running) -> str:
         if running.decode_worker:

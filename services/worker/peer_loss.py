@@ -16,6 +16,7 @@ import logging
 import sys
 import traceback
 
+from nitsum.node import fallback
 from nitsum_services.worker.backend import NodeBackend
 
 log = logging.getLogger("nitsum.worker")
@@ -33,7 +34,7 @@ class PeerLossGuard(NodeBackend):
       the coordinator splits it to TP=1 before it re-forms the node's world, which takes TP=1 workers only);
       otherwise, or at TP=1,
     - anywhere else (a step, a keepalive) or when the check fails: the worker leaves the node world
-      (NodeRuntime.leave_world): at TP=1 it keeps its engine and requests; a larger group's leader gets an
+      (nitsum.node.fallback.leave_world): at TP=1 it keeps its engine and requests; a larger group's leader gets an
       empty TP=1 engine over the same weights and the requests it held are re-queued (`on_dropped`:
       the session ends their streams with the retryable `worker_lost`, the gateway re-submits them with
       the tokens already streamed).
@@ -130,14 +131,14 @@ class PeerLossGuard(NodeBackend):
         runtime.close()  # whatever the failed transition prepared goes (KV segment names too)
         # Every other group this worker is in goes now: whoever still waits in one of them (the failed
         # exchange's ring) fails at once rather than at the world timeout, and reaches its own check.
-        runtime.drop_communicators(keep=group if group.tp > 1 else None)
+        fallback.drop_communicators(runtime, keep=group if group.tp > 1 else None)
         if in_transition and group.tp > 1 and self._group_answers(group):
             runtime.world_lost = why
             log.warning(
                 "group %s is whole: it keeps serving at TP=%d; no more TP changes on this node", group, group.tp
             )
             return
-        dropped = runtime.leave_world(why)
+        dropped = fallback.leave_world(runtime, why)
         log.warning("left the node world: serving standalone at TP=1; %d request(s) to re-queue", len(dropped))
         if dropped:
             self.on_dropped(dropped, why)
@@ -209,7 +210,7 @@ def form_generation(backend, make_world, make_runtime):
     old = backend.runtime if isinstance(backend, NodeBackend) else None
     if old is not None:
         # Whatever groups the old world still has may include the dead member: they go (at TP=1 none is used).
-        old.drop_communicators(keep=None)
+        fallback.drop_communicators(old, keep=None)
         cfg, weights, engine, epoch = old.cfg, old.weights, old.engine, old.epoch
     else:
         cfg, weights, engine, epoch = backend.cfg, backend.weights, backend.engine, backend.epoch

@@ -33,12 +33,12 @@ import torch
 
 from nitsum.engine import Engine, EngineConfig, SamplingParams
 from nitsum.engine.runner import ModelRunner
-from nitsum.kv.reshard import Topology
 from nitsum.model import loader
 from nitsum.node.runtime import NodeCommand, NodeRuntime
 from nitsum.parallel.group import TPGroup
 from nitsum.parallel.weights import SharedWeightStore, boot_weights
 from nitsum.parallel.world import NodeWorld
+from nitsum.topology import Topology
 from nitsum_services.worker.backend import StandbyBackend
 from nitsum_services.worker.peer_loss import PeerLossGuard, form_generation
 

@@ -21,6 +21,7 @@ MODULES = (
     "nitsum.policy.flows",
     "nitsum.policy.flow_baselines",
     "nitsum.kv",
+    "nitsum.topology",
     "nitsum.workloads",
     "nitsum.sim",
     "nitsum.sim.engine",

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nitsum.kv.reshard import Group
 from nitsum.node.arenas import KvArenas
 from nitsum.node.kv_paths import P2pPath, ShmArenaPath, ShmSegmentPath, TcpPath, path_for
 from nitsum.node.reaper import Reaper
 from nitsum.node.transition import Transition
+from nitsum.topology import Group
 from nitsum.transfer import shm
 
 SHAPE = (2, 2, 4, 4, 1, 8)  # [layers, K/V, blocks, block_size, local kv heads, head_dim]

@@ -3,19 +3,21 @@
 import pytest
 
 from nitsum.kv.reshard import (
-    Group,
     KVGeometry,
     Placement,
     RequestKV,
-    Topology,
     Transfer,
+    changed_groups,
+    component_of,
     count_moved_bytes,
     kv_head_range,
+    local_target,
     place_requests,
     plan_commit,
     plan_prepare,
     transition_span,
 )
+from nitsum.topology import Group, Topology
 
 GEO = KVGeometry(num_layers=2, num_kv_heads=4, block_size=4)
 POOL = {1: 16, 2: 16, 4: 16}
@@ -198,3 +200,31 @@ def test_unchanged_groups_are_left_alone():
     plan = plan_prepare(old, new, reqs, GEO, POOL)
     assert [p.request_id for p in plan.placements] == ["go"]
     assert {t.src_worker for t in plan.transfers} == {3}
+
+
+def test_a_role_only_change_moves_no_kv():
+    old = Topology.of(4, [(0, 2), (2, 2)], roles=["prefill", "decode"])
+    new = Topology.of(4, [(0, 2), (2, 2)], roles=["prefill", "hybrid"])  # only the second group's role
+    assert old != new
+    reqs = [RequestKV("p", Group(0, 2), 8, (0, 1)), RequestKV("d", Group(2, 2, "decode"), 6, (3, 4))]
+    assert changed_groups(old, new) == ((), ())
+    assert transition_span(old, new) is None
+    assert [component_of(old, new, w) for w in range(4)] == [None] * 4
+    assert local_target(old, new, 2) == old
+    assert place_requests(reqs, old, new) == {}
+    plan = plan_prepare(old, new, reqs, GEO, POOL)
+    assert plan.placements == () and plan.transfers == ()
+    delta = plan_commit(plan, reqs, GEO, POOL)
+    assert delta.placements == () and delta.transfers == ()
+
+
+def test_a_roled_group_that_changes_moves_its_requests_reported_without_role():
+    old = Topology.of(4, [(0, 2), (2, 2)], roles=["prefill", "decode"])
+    new = Topology.of(4, [(0, 2), (2, 1), (3, 1)], roles=["hybrid", "decode", "decode"])
+    # As the wire decodes them: groups without their role.
+    reqs = [RequestKV("p", Group(0, 2), 8, (0, 1)), RequestKV("d", Group(2, 2), 4, (3,))]
+    assert changed_groups(old, new) == ((Group(2, 2, "decode"),), (Group(2, 1, "decode"), Group(3, 1, "decode")))
+    assert transition_span(old, new) == Group(2, 2)
+    assert place_requests(reqs, old, new) == {"d": Group(2, 1, "decode")}
+    plan = plan_prepare(old, new, reqs, GEO, POOL)
+    assert [p.request_id for p in plan.placements] == ["d"] and plan.transfers

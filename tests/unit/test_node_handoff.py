@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nitsum.kv.reshard import Group, KVGeometry, Topology
+from nitsum.kv.reshard import KVGeometry
 from nitsum.node import handoff
 from nitsum.node.counters import KvCounters
+from nitsum.topology import Group, Topology
 from nitsum.transfer import shm
 from nitsum.wire import codec
 from nitsum.wire.node import Agreement, NodeCommand

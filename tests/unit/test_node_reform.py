@@ -230,7 +230,7 @@ def test_leaving_the_process_world_resets_torch_group_names():
 
 
 def test_a_group_that_lost_its_world_takes_only_a_change_inside_itself():
-    from nitsum.kv.reshard import Group, Topology
+    from nitsum.topology import Group, Topology
     from nitsum_services.worker.peer_loss import local_change
 
     # What group 0-1 last knew (the failed merge never committed) vs the coordinator's view now (2 fell back).

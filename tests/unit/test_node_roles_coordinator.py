@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 from types import SimpleNamespace
 
-from nitsum.policy.decisions import Topology
+from nitsum.topology import Topology
 from nitsum.wire.messages import SamplingSpec, SubmitRequest, TopologyAck, TopologyPrepare, WorkerStats
 from nitsum_services.coordinator.core import pd_plan
 from nitsum_services.coordinator.membership import Membership

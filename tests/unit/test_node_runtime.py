@@ -19,12 +19,12 @@ def _worker(model_dir: str, port: int, shm_dir: str, out) -> None:
     import torch
 
     from nitsum.engine import Engine, EngineConfig, SamplingParams
-    from nitsum.kv.reshard import Topology
     from nitsum.model import loader
     from nitsum.node.messages import NodeCommand
     from nitsum.node.runtime import NodeRuntime
     from nitsum.parallel.weights import SharedWeightStore, boot_weights
     from nitsum.parallel.world import NodeWorld
+    from nitsum.topology import Topology
 
     torch.set_num_threads(1)
     res: dict = {}
@@ -59,6 +59,14 @@ def _worker(model_dir: str, port: int, shm_dir: str, out) -> None:
         res["tokens"] = tokens
         res["plain"] = Engine(cfg).generate([PROMPT], greedy)[0]
         res["builds"] = runtime.runner_builds
+        # A role-only change: the role rides in the committed topology, the leader's id in `leaders`; the engine
+        # follows the role, and the runner and engine stay (no KV moves).
+        runner, engine = runtime.runner, runtime.engine
+        runtime.command(NodeCommand("prepare", 5, ((0, 1),), roles=("decode",), leaders=("w0",)))
+        res["role_prepared"] = (runtime.role, runtime.engine.role)
+        runtime.command(NodeCommand("commit", 5))
+        res["role_committed"] = (runtime.role, runtime.engine.role, runtime.leaders, str(runtime.topology))
+        res["role_kept"] = (runtime.runner is runner, runtime.engine is engine, runtime.runner_builds)
     finally:
         runtime.close()
         world.destroy()
@@ -86,3 +94,6 @@ def test_one_worker_node_follows_the_epoch_rules_and_serves_the_plain_engines_to
     assert res["stale_commit"] == "stale epoch 3 (committed 4)"
     assert res["tokens"] == res["plain"] and len(res["tokens"]) == 8
     assert res["builds"] == 1  # one level: only the runner in use was ever built
+    assert res["role_prepared"] == ("hybrid", "hybrid")  # a prepare changes no role
+    assert res["role_committed"] == ("decode", "decode", {(0, 1): "w0"}, "[0 TP1 decode]")
+    assert res["role_kept"] == (True, True, 1)

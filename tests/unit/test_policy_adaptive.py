@@ -6,10 +6,10 @@ import pytest
 
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import model_spec
-from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import classes_of, evaluate, summarize
 from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView, group_id_of
 from nitsum.policy.topology import AdaptivePolicy, candidate_shapes, mean_tp
+from nitsum.topology import Group, Topology
 
 TP2X4 = "[0-1 TP2 hybrid][2-3 TP2 hybrid][4-5 TP2 hybrid][6-7 TP2 hybrid]"
 TP4X2 = "[0-3 TP4 hybrid][4-7 TP4 hybrid]"
@@ -151,9 +151,7 @@ def test_candidates_are_valid_aligned_partitions(start):
     assert shapes and len(set(shapes)) == len(shapes)
     assert Topology.parse(start).shape() not in shapes
     for sh in shapes:
-        Topology(
-            tuple(__import__("nitsum.policy.decisions").policy.decisions.GroupSpec(s, k, "hybrid") for s, k in sh)
-        ).validate(8, 1, 8)
+        Topology(tuple(Group(s, k, "hybrid") for s, k in sh)).validate(8, 1, 8)
 
 
 def test_candidates_respect_min_tp():

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import cost_model, model_spec
-from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import (
     TierLoad,
     classes_of,
@@ -21,6 +20,7 @@ from nitsum.policy.estimate import (
 )
 from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_of
 from nitsum.policy.topology import AdaptivePolicy, faster_prefill_direction, static_candidates
+from nitsum.topology import Topology
 
 COST = cost_model("llama-3-70b", "h100")
 CPU_TABLE = Path(__file__).resolve().parents[2] / "libs/nitsum/data/costmodel/cpu_tiny_steps.csv"

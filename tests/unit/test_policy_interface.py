@@ -2,9 +2,10 @@
 
 import pytest
 
-from nitsum.policy.decisions import GroupSpec, Policy, Topology
+from nitsum.policy.decisions import Policy
 from nitsum.policy.registry import make_policy
 from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView
+from nitsum.topology import Group, Topology
 
 
 def node(groups=None, n=8, min_tp=1, max_tp=8, kind="h100", last=None):
@@ -79,5 +80,5 @@ def test_static_tp_above_max_tp_is_refused():
         make_policy("static-tp:8").initial_topology(node(max_tp=4))
 
 
-def test_groupspec_devices():
-    assert GroupSpec(4, 2, "decode").devices == (4, 5)
+def test_group_devices():
+    assert Group(4, 2, "decode").devices == (4, 5)

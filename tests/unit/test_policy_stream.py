@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from nitsum.policy.costmodel import cost_model
-from nitsum.policy.decisions import Topology
 from nitsum.policy.estimate import classes_of, evaluate, summarize
 from nitsum.policy.snapshot import ArrivalStats, ClusterSnapshot, GroupView, NodeView, RequestView, group_id_of
+from nitsum.topology import Topology
 
 TP8 = "[0-7 TP8 hybrid]"
 TP4X2 = "[0-3 TP4 hybrid][4-7 TP4 hybrid]"

@@ -2,7 +2,8 @@
 
 import pytest
 
-from nitsum.kv.reshard import Group, Topology, component_of, local_target, transition_span
+from nitsum.kv.reshard import component_of, local_target, transition_span
+from nitsum.topology import Group, Topology
 
 TP1 = Topology.uniform(4, 1)
 TP2 = Topology.uniform(4, 2)

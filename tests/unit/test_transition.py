@@ -10,12 +10,13 @@ from types import SimpleNamespace
 
 import torch
 
-from nitsum.kv.reshard import Group, Topology
 from nitsum.node.build import PageReservations, RunnerBuild
+from nitsum.node.commands import refuse_in_span
 from nitsum.node.counters import KvCounters
 from nitsum.node.gate import PreCopyGate
 from nitsum.node.messages import TransitionAck
-from nitsum.node.transition import Transition, refuse_in_span
+from nitsum.node.transition import Transition
+from nitsum.topology import Group, Topology
 from nitsum.wire import codec
 from nitsum.wire.node import PrepareShare
 

@@ -36,13 +36,14 @@ import time
 
 import torch
 
+from nitsum.config import WorkerConfig
 from nitsum.engine.params import EngineConfig, SamplingParams
-from nitsum.kv.reshard import Topology
 from nitsum.model import loader
+from nitsum.node.boot import node_weights, node_world
 from nitsum.node.precopy import DEFAULT_CHUNK_BYTES
 from nitsum.node.runtime import NodeCommand, NodeRuntime
-from nitsum.parallel.weights import DEFAULT_SHM_DIR, ResidentWeights, SharedWeightStore, boot_weights
-from nitsum.parallel.world import NodeWorld
+from nitsum.parallel.weights import DEFAULT_SHM_DIR, ResidentWeights, SharedWeightStore
+from nitsum.topology import Topology
 from nitsum.transfer import shm
 
 IDLE_SLEEP_S = 0.002
@@ -83,27 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.num_threads)
     script = json.loads(open(args.script).read())
     t_boot = time.perf_counter()
-    world = NodeWorld(
-        args.rank,
-        args.world_size,
-        args.master_addr,
-        args.master_port,
+    worker = WorkerConfig(
+        device_index=args.rank,
+        node_size=args.world_size,
+        node_master_addr=args.master_addr,
+        node_master_port=args.master_port,
         device=args.device,
         min_tp=args.min_tp,
         max_tp=args.max_tp,
+        world_timeout_s=60.0,  # NodeWorld's own default: what this scripted worker has always used
     )
+    world = node_world(worker)
     store = SharedWeightStore.open(args.model_dir, "float32", args.shm_dir)
     # The store's views on CPU; on CUDA (or forced here) this device's resident copy of what it may use.
-    weights = boot_weights(
-        store,
-        world.device,
-        args.rank,
-        world.levels[0],
-        world.levels[-1],
-        config=loader.load_config(args.model_dir),
-        node_size=world.size,
-        resident=True if args.resident_weights else None,
-    )
+    weights = node_weights(worker, store, args.model_dir, world.device, True if args.resident_weights else None)
     holder = weights if isinstance(weights, ResidentWeights) else store
     cfg = EngineConfig(
         model_dir=args.model_dir,

@@ -25,9 +25,9 @@ import time
 
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import DEVICE_PRESETS, MODEL_PRESETS, model_spec
-from nitsum.policy.decisions import Topology
 from nitsum.policy.registry import make_policy
 from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView, group_id_of
+from nitsum.topology import Topology
 
 LAYOUTS_8 = (
     "[0-7 TP8 hybrid]",

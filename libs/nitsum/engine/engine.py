@@ -27,10 +27,11 @@ from nitsum.engine.scheduler import Scheduler, SchedulerOutput
 from nitsum.engine.sequence import Sequence, Status
 from nitsum.engine.slo import RequestSlo
 from nitsum.kv import KVCacheManager
-from nitsum.kv.reshard import Group, Placement, RequestKV
+from nitsum.kv.reshard import Placement, RequestKV
 from nitsum.model.loader import read_raw_config
 from nitsum.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from nitsum.parallel import TPGroup
+from nitsum.topology import Group
 
 MAX_REPORTED_HASHES = 1024
 

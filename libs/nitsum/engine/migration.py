@@ -20,7 +20,8 @@ from typing import Any
 import msgpack
 import torch
 
-from nitsum.kv.reshard import Group, Transfer, kv_head_range
+from nitsum.kv.reshard import Transfer, kv_head_range
+from nitsum.topology import Group
 
 
 def execute_transfers(

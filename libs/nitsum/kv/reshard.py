@@ -19,70 +19,20 @@ plan from the same snapshots without a coordinator shipping it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from nitsum.kv.block_pool import BlockPool
-
-
-@dataclass(frozen=True, order=True)
-class Group:
-    """Workers [start, start + tp) serve as one TP=tp group; `start` (the lowest rank) leads it."""
-
-    start: int
-    tp: int
-
-    @property
-    def workers(self) -> range:
-        return range(self.start, self.start + self.tp)
-
-    @property
-    def leader(self) -> int:
-        return self.start
-
-
-@dataclass(frozen=True)
-class Topology:
-    num_workers: int
-    groups: tuple[Group, ...]
-
-    def __post_init__(self) -> None:
-        groups = tuple(sorted(self.groups))
-        object.__setattr__(self, "groups", groups)
-        covered: list[int] = []
-        for g in groups:
-            if g.tp < 1 or g.tp & (g.tp - 1):
-                raise ValueError(f"group {g}: TP must be a power of two")
-            if g.start % g.tp:
-                raise ValueError(f"group {g}: not aligned (start must be divisible by TP)")
-            covered.extend(g.workers)
-        if covered != list(range(self.num_workers)):
-            raise ValueError(f"groups {groups} do not partition workers 0..{self.num_workers - 1}")
-
-    @staticmethod
-    def of(num_workers: int, pairs: Iterable[Sequence[int]]) -> Topology:
-        """From (start, tp) pairs, e.g. `Topology.of(4, [(0, 2), (2, 2)])`."""
-        return Topology(num_workers, tuple(Group(int(s), int(t)) for s, t in pairs))
-
-    @staticmethod
-    def uniform(num_workers: int, tp: int) -> Topology:
-        return Topology(num_workers, tuple(Group(s, tp) for s in range(0, num_workers, tp)))
-
-    def group_of(self, worker: int) -> Group:
-        for g in self.groups:
-            if worker in g.workers:
-                return g
-        raise KeyError(f"worker {worker} outside the node")
-
-    def pairs(self) -> list[list[int]]:
-        return [[g.start, g.tp] for g in self.groups]
+from nitsum.topology import Group, Topology
 
 
 def changed_groups(old: Topology, new: Topology) -> tuple[tuple[Group, ...], tuple[Group, ...]]:
-    """(old groups that stop existing, new groups that start existing); unchanged groups keep serving."""
+    """(old groups that stop existing, new groups that start existing); unchanged groups keep serving.
+
+    Groups compare by `span` only: a group whose role alone changes keeps its KV, requests and runner."""
     assert old.num_workers == new.num_workers, "a transition keeps the node's workers"
-    kept = set(old.groups) & set(new.groups)
-    return (tuple(g for g in old.groups if g not in kept), tuple(g for g in new.groups if g not in kept))
+    kept = {g.span for g in old.groups} & {g.span for g in new.groups}
+    return (tuple(g for g in old.groups if g.span not in kept), tuple(g for g in new.groups if g.span not in kept))
 
 
 def transition_span(old: Topology, new: Topology) -> Group | None:
@@ -121,7 +71,7 @@ def local_target(old: Topology, new: Topology, worker: int) -> Topology:
         return old
     inside = [g for g in new.groups if g.start in component.workers]
     outside = [g for g in old.groups if g.start not in component.workers]
-    return Topology(old.num_workers, tuple(inside + outside))
+    return Topology(tuple(inside + outside))
 
 
 def kv_head_range(num_kv_heads: int, tp: int, position: int) -> tuple[int, int]:
@@ -219,10 +169,11 @@ def place_requests(
     `sticky` placements (from prepare) are kept.
     """
     gone, born = changed_groups(old, new)
+    gone_spans = {g.span for g in gone}
     load = {g: 0 for g in born}
     placed: dict[str, Group] = {}
     for r in requests:
-        if r.group not in gone:
+        if r.group.span not in gone_spans:
             continue
         if sticky and r.request_id in sticky:
             dst = sticky[r.request_id]
@@ -342,7 +293,7 @@ def _plan(
         for p in previous.placements:
             r = now.get(p.request_id)
             n_moved = previous.num_moved_blocks.get(p.request_id, 0)
-            if p.recompute or r is None or r.group != p.src_group:
+            if p.recompute or r is None or r.group.span != p.src_group.span:
                 continue
             before = previous.src_tables.get(p.request_id, ())
             if r.block_ids[:n_moved] != before[:n_moved] or r.num_computed_tokens < n_moved * geo.block_size:

@@ -57,12 +57,16 @@ an epoch that was not prepared).
 Workers outside the span take no part in the collectives; they only advance their epoch and topology.
 
 Roles: the prepare carries each new group's role (prefill, decode or hybrid) and its leader's worker id; at
-commit every worker takes them (`NodeRuntime.roles`, `leaders`) and every leader's engine switches to its
-group's role -- also when only roles change (every worker is then outside the span). A prefill engine pins a
+commit every worker takes them (the roles ride in `NodeRuntime.topology`, the ids in `leaders`) and every
+leader's engine switches to its group's role -- also when only roles change (every worker is then outside the
+span, and no KV moves: reshard planning compares groups by span). A prefill engine pins a
 request at its first token; the worker shell then hands it to a decode group of the world (handoff.py): the
 decode leader reserves blocks, every member of the prefill group writes its heads of the request's blocks into
 the decode members' arenas (the one-sided copy a commit's delta uses), and the decode leader adopts it.
-The pieces, one job each: `Transition` (one per epoch: its phases and state; transition.py), one `KvPath`
-class per KV mode (kv_paths.py), P/D hand-offs between groups (handoff.py), the `PreCopyGate` of a prepare (gate.py), the `RunnerPool` (runners.py), the
-`KvArenas` (arenas.py) and the `CacheLayout` (layout.py). Node-world messages are `nitsum.wire.node`.
+The pieces, one job each: the topology commands and which epoch each may act on (commands.py), `Transition`
+(one per epoch: its phases and state; transition.py) and its commit's switch (switch.py), one `KvPath` class
+per KV mode (kv_paths.py), P/D hand-offs between groups (handoff.py), the `PreCopyGate` of a prepare (gate.py),
+the `RunnerPool` (runners.py), the `KvArenas` (arenas.py), the `CacheLayout` (layout.py), the fall-back to TP=1
+after a peer loss (fallback.py) and a worker's world and boot weights (boot.py). Node-world messages are
+`nitsum.wire.node`.
 """

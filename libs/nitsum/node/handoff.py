@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nitsum.engine import migration
-from nitsum.kv.reshard import Group, handoff_transfers
+from nitsum.kv.reshard import handoff_transfers
 from nitsum.node.messages import NodeCommand, TransitionAck
 from nitsum.node.precopy import copy_transfers_one_sided
+from nitsum.topology import Group
 from nitsum.transfer import shm
 from nitsum.wire import codec
 from nitsum.wire.node import Agreement

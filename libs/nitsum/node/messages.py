@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nitsum.kv.reshard import Group, RequestKV
+from nitsum.kv.reshard import RequestKV
+from nitsum.topology import Group
 from nitsum.wire.node import COMMAND_KINDS, KvEntry, NodeCommand
 
 KV_PATHS = ("auto", "shm", "tcp", "p2p")

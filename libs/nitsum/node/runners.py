@@ -17,8 +17,8 @@ import torch
 
 from nitsum.engine.params import EngineConfig
 from nitsum.engine.runner import ModelRunner
-from nitsum.kv.reshard import Group
 from nitsum.model.model import Workspace
+from nitsum.topology import Group
 
 log = logging.getLogger("nitsum.node.runners")
 
@@ -109,7 +109,7 @@ class RunnerPool:
         for tp in levels:
             group = Group(self.rank - self.rank % tp, tp)
             with self._lock:
-                if group == current() or (group.start, tp) in self._idle:
+                if group.span == current().span or group.span in self._idle:
                     continue
             try:
                 runner = self.build(group)
@@ -119,7 +119,7 @@ class RunnerPool:
                 )
                 return
             with self._lock:
-                self._idle.setdefault((group.start, tp), runner)
+                self._idle.setdefault(group.span, runner)
 
     def forget(self, keys: Iterable[tuple[int, int]]) -> None:
         """Drop the pooled runners of these groups (their process groups are being torn down)."""

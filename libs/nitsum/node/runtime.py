@@ -1,7 +1,8 @@
 """One worker's share of a node whose TP groups change at run time (`NodeRuntime`); the protocol is told in
 the package's docstring (`nitsum.node`). The runtime holds what lasts across epochs: the world, this worker's
-topology and epoch, its runner and engine (a group's leader) or its leader to follow (a peer), and the pieces
-it is composed of; each epoch's change is one `Transition`.
+topology (its groups' roles with it) and epoch, its runner and engine (a group's leader) or its leader to follow
+(a peer), and the pieces it is composed of; each epoch's change is one `Transition`, driven by the topology
+commands (commands.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from nitsum.engine.params import EngineConfig, RequestOutput, SamplingParams
 from nitsum.engine.plan import PLAN_KIND_CONTROL, PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN, PLAN_KIND_STEP, StepPlan
 from nitsum.engine.runner import ModelRunner
 from nitsum.engine.slo import RequestSlo
-from nitsum.kv.reshard import Group, RequestKV, Topology
+from nitsum.kv.reshard import RequestKV
 from nitsum.model.loader import read_raw_config
 from nitsum.model.model import Workspace
 from nitsum.model.tokenizer import Tokenizer
+from nitsum.node import commands
 from nitsum.node.arenas import KvArenas
 from nitsum.node.build import PageReservations
 from nitsum.node.counters import KvCounters
@@ -29,8 +31,9 @@ from nitsum.node.messages import COMMAND_KINDS, KV_PATHS, NodeCommand, Transitio
 from nitsum.node.precopy import DEFAULT_CHUNK_BYTES, MigrationFlow, transfer_block_bytes
 from nitsum.node.reaper import Reaper
 from nitsum.node.runners import RunnerPool
-from nitsum.node.transition import Transition, refuse_in_span
+from nitsum.node.transition import Transition
 from nitsum.parallel.world import NodeWorld
+from nitsum.topology import Group, Topology
 from nitsum.transfer import shm
 
 __all__ = ["COMMAND_KINDS", "KV_PATHS", "NodeCommand", "NodeRuntime", "TransitionAck"]
@@ -106,11 +109,9 @@ class NodeRuntime:
         self.last_prepare_timings_ms: dict[str, float] = {}
         self.last_commit_timings_ms: dict[str, float] = {}  # the same for the last commit (see `Transition.commit`)
         self.world_lost = ""  # why this worker left the node world ("" while it is in it)
-        # Each group's role and leader's worker id, as the last commit set them ((start, tp) -> ...); the
-        # prepared epoch's until its commit. A group not listed is hybrid.
-        self.roles: dict[tuple[int, int], str] = {}
+        # Each group's leader's worker id, as the last commit set them ((start, tp) -> worker id; the prepared
+        # epoch's wait in its Transition). The groups' roles are in `topology`.
         self.leaders: dict[tuple[int, int], str] = {}
-        self._prepared_roles: tuple[int, dict, dict] | None = None
         self.handoff_handles: tuple[int, tuple[str, ...]] | None = None  # (epoch, this group's arena handles)
         self._start_serving(weights, engine)
 
@@ -206,7 +207,7 @@ class NodeRuntime:
         """Leader: run a topology command on every member of the group at this step boundary."""
         assert self.is_leader, "commands enter a group through its leader"
         self._broadcast(cmd)
-        return self.apply(cmd)
+        return commands.apply(self, cmd)
 
     def broadcast(self, cmd: NodeCommand) -> None:
         """Leader: send a command to the group's peers (they run it as they follow)."""
@@ -215,8 +216,7 @@ class NodeRuntime:
     @property
     def role(self) -> str:
         """This worker's group's role ("hybrid" unless a commit said otherwise)."""
-        g = self.group
-        return self.roles.get((g.start, g.tp), "hybrid")
+        return self.group.role
 
     def _broadcast(self, cmd: NodeCommand) -> None:
         tp_group = self._tp_group(self.group)
@@ -243,79 +243,12 @@ class NodeRuntime:
         elif plan.kind == PLAN_KIND_CONTROL:
             cmd = NodeCommand.decode(plan.control)
             if cmd.kind == "precopy":
-                self._run_precopy(cmd)
+                self.run_precopy(cmd)
                 return "precopy"
-            self.last_ack = self.apply(cmd)
+            self.last_ack = commands.apply(self, cmd)
         else:
             assert plan.kind in (PLAN_KIND_NOOP, PLAN_KIND_SHUTDOWN), f"unexpected plan kind {plan.kind}"
         return plan.kind
-
-    # -- the transition commands ----------------------------------------------------------------------
-    def apply(self, cmd: NodeCommand) -> TransitionAck:
-        if cmd.kind == "prepare":
-            pairs = [tuple(g) for g in cmd.groups]
-            self._prepared_roles = (cmd.epoch, dict(zip(pairs, cmd.roles)), dict(zip(pairs, cmd.leaders)))
-            ack = self.prepare(cmd.epoch, Topology.of(self.world.size, cmd.groups))
-        elif cmd.kind == "commit":
-            ack = self.commit(cmd.epoch)
-            if ack.ok:
-                self._take_roles(cmd.epoch)
-        elif cmd.kind == "abort":
-            ack = self.abort(cmd.epoch)
-        elif cmd.kind in ("handles", "handoff"):
-            from nitsum.node import handoff
-
-            if cmd.kind == "handles":
-                handoff.gather_handles(self)
-                ack = TransitionAck(cmd.epoch, True, "handles")
-            else:
-                ack = handoff.copy(self, cmd)
-        else:
-            return TransitionAck(cmd.epoch, True, "precopy", "", 0.0, self._run_precopy(cmd))
-        self.last_ack = ack
-        return ack
-
-    def prepare(self, epoch: int, new: Topology) -> TransitionAck:
-        import time
-
-        t0 = time.perf_counter()
-        self.reap_reservations()
-        if self.transition is not None and epoch > self.epoch:
-            # Its own abort never reached this worker. The span's other members are already waiting in the
-            # exchange: join it as a refusal so that all of them refuse the epoch (a refusal that skipped it
-            # left them waiting there until the world timeout, then out of the node world).
-            return refuse_in_span(self, epoch, new, f"epoch {self.transition.epoch} is in progress", t0)
-        self.prepare_done = None  # an earlier epoch's final ack nobody took (a peer's) is stale now
-        if epoch <= self.epoch:
-            return TransitionAck(epoch, False, "prepare", f"stale epoch {epoch} (committed {self.epoch})")
-        self.transition = Transition(self, epoch, new, t0)
-        return self.transition.prepare()
-
-    def commit(self, epoch: int) -> TransitionAck:
-        if epoch <= self.epoch:
-            return TransitionAck(epoch, False, "commit", f"stale epoch {epoch} (committed {self.epoch})")
-        if self.transition is None or self.transition.epoch != epoch:
-            return TransitionAck(epoch, False, "commit", f"epoch {epoch} was not prepared")
-        return self.transition.commit()
-
-    def _take_roles(self, epoch: int) -> None:
-        """Commit: the epoch's roles are this node's now; a leader's engine follows its group's (requests it
-        holds finish under the rules they started with: a prefill engine only pins at a first token)."""
-        prepared, self._prepared_roles = self._prepared_roles, None
-        roles, leaders = (prepared[1], prepared[2]) if prepared is not None and prepared[0] == epoch else ({}, {})
-        self.roles, self.leaders = roles, leaders
-        if self.engine is not None and self.engine.role != self.role:
-            self.engine.set_role(self.role)
-
-    def abort(self, epoch: int) -> TransitionAck:
-        # An abort of a later epoch also ends an older prepare still held here (its own abort was lost): the
-        # coordinator runs one transition at a time, so it never commits an epoch older than one it has sent.
-        if self.transition is not None and self.transition.epoch <= epoch:
-            self.transition.abort()
-            return TransitionAck(epoch, True, "abort")
-        if epoch <= self.epoch:
-            return TransitionAck(epoch, False, "abort", f"stale epoch {epoch} (committed {self.epoch})")
-        return TransitionAck(epoch, True, "abort", "nothing prepared")
 
     # -- pre-copy between steps (one-sided mode), through the prepare's gate ------------------------------
     @property
@@ -357,7 +290,7 @@ class NodeRuntime:
         chunks = tuple(items) if items is not None else tuple(t.precopy.next_items())
         cmd = NodeCommand("precopy", t.epoch, chunks=chunks, classes=tuple(sorted((classes or {}).items())))
         self._broadcast(cmd)
-        return self._run_precopy(cmd, wait_build)
+        return self.run_precopy(cmd, wait_build)
 
     def precopy_flows_done(self, indices) -> tuple[set[int], bool]:
         """(those of these flows whose every chunk is copied, whether the whole pre-copy is complete)."""
@@ -377,7 +310,8 @@ class NodeRuntime:
         ack, self.prepare_done = self.prepare_done, None
         return ack
 
-    def _run_precopy(self, cmd: NodeCommand, wait_build: bool = False) -> int:
+    def run_precopy(self, cmd: NodeCommand, wait_build: bool = False) -> int:
+        """Run a "precopy" command's chunks (this worker's part); the bytes it sent."""
         t = self.transition
         if t is None or t.epoch != cmd.epoch or t.precopy is None:
             return 0  # aborted or committed meanwhile: nothing left to copy
@@ -401,7 +335,7 @@ class NodeRuntime:
     members = property(lambda self: self.plane.members)
     receiver = property(lambda self: self.plane.receiver)
 
-    # -- stop, and after a member of the node world died ----------------------------------------------
+    # -- stop (after a member of the node world died: `nitsum.node.fallback`) ------------------------------
     def close(self) -> None:
         """At stop: remove any KV segment name of this worker still in /dev/shm (only a crash between
         create and unlink inside a prepare can leave one), drop the prepared state (its KV links and receiver
@@ -417,50 +351,3 @@ class NodeRuntime:
         for name in shm.leftovers(self.node_tag):
             if name.endswith(f"-w{self.rank}"):
                 shm.unlink(name)
-
-    def leave_world(self, reason: str) -> list[str]:
-        """A collective failed because a worker of the node world is gone. A process world cannot take a
-        member back, so this worker serves standalone at TP=1 (as a restarted worker does) and takes part in
-        no further collective of this world, until the node is re-formed: a new world generation among the
-        same devices (NodeWorld(generation=g)) whose NodeRuntime adopts this TP=1 engine (`engine=`). Returns
-        the ids of the requests its engine held and could not keep: the caller re-queues them.
-
-        A TP=1 group holds its requests' whole KV: its runner and engine stay, its requests continue. A
-        larger group's KV was sharded over its members, one of which may be dead: a TP=1 runner over the
-        same weight store (views: nothing is read or copied) and an empty engine take over. A prepared
-        transition is dropped either way (its new cache goes with it, and any KV segment name of this worker
-        a failed exchange left in /dev/shm)."""
-        assert 1 in self.world.levels, "a fallback to TP=1 needs TP=1 among the node's levels (NITSUM_MIN_TP=1)"
-        self.close()
-        self.world_lost = reason
-        self.roles, self.leaders, self._prepared_roles = {}, {}, None  # standalone: a hybrid worker
-        old = self.group
-        solo = Group(self.rank, 1)
-        self.topology = Topology.uniform(self.world.size, 1)
-        if old.tp == 1 and self.engine is not None:
-            dropped = []
-            self.engine.set_role(
-                "hybrid"
-            )  # what it holds finishes as it started (a prefill pins only at a first token)
-        else:
-            dropped = sorted(self.engine.request_ids()) if self.engine is not None else []
-            self.runner = self.pool.runner(solo)
-            self.engine = self.new_engine(solo, self.runner)
-        self.drop_communicators(keep=None)
-        return dropped
-
-    def drop_communicators(self, keep: Group | None) -> int:
-        """After a peer loss: tear down this worker's pre-built process groups, all but `keep`'s. A member still
-        waiting in a collective of one of them (gloo: the dead worker's ring neighbour waits for data that never
-        comes) then fails at once ("connection closed") instead of at the world timeout. gloo closes a group's
-        connections only when its last reference goes: the caller drops what it held (a failed prepare's
-        runner, the traceback) first; the runners built ahead for other levels hold their groups too (a TP=1
-        runner holds none), so the pool forgets them. Returns how many groups went."""
-        import gc
-
-        doomed = self.world.communicator_keys(keep=(keep.start, keep.tp) if keep is not None else None)
-        self.pool.forget(doomed)
-        for key in doomed:
-            self.world.drop_group(*key)
-        gc.collect()  # runners and engines of a failed step may sit in reference cycles
-        return len(doomed)

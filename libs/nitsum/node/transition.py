@@ -8,7 +8,8 @@ and goes when the epoch commits or is dropped. Phases:
 - prepare: `allocate` (this worker's new cache, by its `KvPath`), `exchange` (the old leaders' block tables),
   `plan_prepare`, then the path moves the full blocks (`KvPath.move_full_blocks`);
 - commit: `finish_own_work` (the rest of its pre-copy, the new runner), `exchange_states`, `plan_delta`, the
-  path moves the delta (`KvPath.move_delta`), `adopt` (the new engine takes the requests), `retire`.
+  path moves the delta (`KvPath.move_delta`), then the switch (switch.py): `adopt` (the new engine takes the
+  requests), `retire`.
 """
 
 from __future__ import annotations
@@ -23,22 +24,14 @@ import torch
 
 from nitsum.engine import migration
 from nitsum.engine.runner import ModelRunner
-from nitsum.engine.sequence import Status
-from nitsum.kv.reshard import (
-    Group,
-    ReshardPlan,
-    Topology,
-    changed_groups,
-    local_target,
-    plan_commit,
-    plan_prepare,
-    transition_span,
-)
+from nitsum.kv.reshard import ReshardPlan, changed_groups, local_target, plan_commit, plan_prepare, transition_span
+from nitsum.node import switch
 from nitsum.node.build import EngineAhead, RunnerBuild
 from nitsum.node.gate import PreCopyGate
 from nitsum.node.kv_paths import KvPath, path_for, serve_remote_sources
 from nitsum.node.messages import TransitionAck, kv_entry, request_kv
 from nitsum.node.precopy import PreCopy
+from nitsum.topology import Group, Topology
 from nitsum.transfer import shm
 from nitsum.transfer.kv_link import KvLinks
 from nitsum.wire import codec
@@ -55,8 +48,10 @@ EXPECTED_FAILURES = (RuntimeError, MemoryError, ValueError, OSError)
 class Transition:
     """The state of one prepared epoch on this worker (see the module docstring)."""
 
-    def __init__(self, node: NodeRuntime, epoch: int, new: Topology, t0: float) -> None:
-        self.node, self.epoch, self.new = node, epoch, new
+    def __init__(self, node: NodeRuntime, epoch: int, new: Topology, t0: float, leaders: dict | None = None) -> None:
+        # new: the epoch's topology (its groups' roles with it); leaders: each new group's leader's worker id,
+        # (start, tp) -> id, the node's once the epoch commits
+        self.node, self.epoch, self.new, self.leaders = node, epoch, new, leaders or {}
         self.t0 = self.phase_t0 = t0  # perf_counter at prepare start (the final prepare ack runs from it); phase_t0:
         # at the start of the current phase (prepare, then commit)
         old = node.topology
@@ -232,9 +227,9 @@ class Transition:
             if problem:
                 return self.refusal("commit", problem)
             if self.destination:
-                retired = self.adopt(shares, delta)
-        self.retire(retired)
-        node.topology, node.epoch, node.transition = self.new, self.epoch, None
+                retired = switch.adopt(self, shares, delta)
+        switch.retire(self, retired)
+        node.topology, node.epoch, node.transition, node.leaders = self.new, self.epoch, None, self.leaders
         self.timings_ms["adopted"] = self.elapsed_ms()
         return TransitionAck(
             self.epoch,
@@ -292,58 +287,6 @@ class Transition:
             )
         return plan_commit(plan, requests, node.layout.geometry, node.layout.num_blocks_of)
 
-    def adopt(self, shares: list[CommitShare], delta: ReshardPlan) -> tuple[ModelRunner, Any]:
-        """Roles switch: the new runner is in use, and the new group's leader's engine adopts the requests.
-        Returns the retired (runner, engine)."""
-        node = self.node
-        assert self.runner is not None, "a changed worker built its new runner at prepare"
-        retired = (node.runner, node.engine)
-        node.runner, node.engine = self.runner, None
-        if self.my_new.leader == node.rank:
-            ahead, self.engine_ahead = self.engine_ahead, None
-            engine = ahead.take(self.runner) if ahead is not None else None
-            if engine is None:
-                node.engines_at_commit += 1
-                engine = node.new_engine(self.my_new, self.runner)
-            engine.resume_at_step(max(s.step_id for s in shares))
-            placements = {p.request_id: p for p in delta.placements if p.dst_group == self.my_new}
-            states = [st for s in shares for st in msgpack.unpackb(s.states, raw=False) if st["id"] in placements]
-            for st in states:
-                if st["status"] == Status.PINNED.value:
-                    # A P/D hand-off the change cut short (its source engine is gone): it decodes on here, and
-                    # the old leader's hand-off gives up (`nitsum.node.handoff.source` no longer finds it pinned).
-                    st["status"] = Status.RUNNING.value
-            engine.install_states(states, placements)
-            # Quick: a fresh pool (the full check walks every block: 3-5 ms of a tiny model's TP4 commit).
-            engine.check_integrity(quick=True)
-            node.engine = engine
-        return retired
-
-    def retire(self, retired: tuple[ModelRunner, Any] | None) -> None:
-        """The old cache, the mappings of other workers' new caches and the pre-copy go to the reaper: freeing
-        them here (~10-20 ms of page freeing with the GIL held) was part of the pause (see node.reaper). The
-        old runner itself waits in the pool for the next change to its level."""
-        node = self.node
-        old_runner, old_engine = retired if retired is not None else (None, None)
-        if self.build is not None and not self.build.done:
-            node.reserving.append(self.build)
-        own = [old_runner.kv_cache] if old_runner is not None else []
-        if retired is not None:
-            arena, self.arena = self.arena, None
-            if node.arenas.switch(arena):
-                own = []  # the old cache's arena is the next change's spare (or released)
-        node.reaper.retire(
-            own=own,
-            mapped=[cache for w, (cache, _) in self.dst_caches.items() if w != node.rank],
-            other=[old_engine, self.precopy],
-        )
-        if old_runner is not None:
-            node.pool.shelve(old_runner)
-        del old_runner, old_engine, retired
-        self.dst_caches.clear()
-        self.precopy = None
-        self.release_links()
-
     # -- abort / drop -------------------------------------------------------------------------------
     def abort(self) -> None:
         # A prepare still pre-copying gets its answer now: it never completed.
@@ -400,16 +343,6 @@ class Transition:
             receiver = self.node.receiver
             if receiver is not None and receiver.serving == self.epoch:
                 receiver.close_session()
-
-
-def refuse_in_span(node: NodeRuntime, epoch: int, new: Topology, reason: str, t0: float) -> TransitionAck:
-    """Refuse `epoch`, taking part in its span's exchange when this worker is in the span."""
-    span = transition_span(node.topology, local_target(node.topology, new, node.rank))
-    if span is not None and node.rank in span.workers:
-        share = PrepareShare(False, f"worker {node.rank}: {reason}")
-        parts = node.world.all_gather_bytes(codec.encode(share), span.start, span.tp)
-        reason = "; ".join(s.reason for s in (codec.decode(p, PrepareShare) for p in parts) if not s.ok)
-    return TransitionAck(epoch, False, "prepare", reason, _ms(t0))
 
 
 def _ms(t0: float) -> float:

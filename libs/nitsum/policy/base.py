@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 from nitsum.policy import admission, routing
 from nitsum.policy.costmodel import CostModel, DeviceSpec, ModelSpec, device_spec, model_spec
-from nitsum.policy.decisions import AdmissionDecision, RouteDecision, Topology, TopologyDecision
+from nitsum.policy.decisions import AdmissionDecision, RouteDecision, TopologyDecision, node_topology
 from nitsum.policy.snapshot import ClusterSnapshot, GroupView, NodeView, RequestView
 from nitsum.policy.steptable import DeviceStepTable
+from nitsum.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class BasePolicy:
                     TopologyDecision(node.node_id, None, f"{self.name}: cannot lay out now: {exc}", 0.0, "static")
                 )
                 continue
-            have = Topology.of_node(node)
+            have = node_topology(node)
             if have == want:
                 out.append(TopologyDecision(node.node_id, None, f"{self.name}: static layout", 0.0, "static"))
             else:

@@ -17,8 +17,9 @@ isolates the topology decision. If a node runs another layout (after a policy sw
 from __future__ import annotations
 
 from nitsum.policy.base import BasePolicy, PolicyConfig
-from nitsum.policy.decisions import GroupSpec, Topology, TopologyDecision
+from nitsum.policy.decisions import TopologyDecision
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView
+from nitsum.topology import Group, Topology
 
 
 def _check_level(node: NodeView, tp: int, what: str) -> None:
@@ -29,9 +30,9 @@ def _check_level(node: NodeView, tp: int, what: str) -> None:
         )
 
 
-def _lane(start: int, num_devices: int, tp: int, role: str) -> list[GroupSpec]:
+def _lane(start: int, num_devices: int, tp: int, role: str) -> list[Group]:
     assert num_devices % tp == 0 and start % tp == 0, f"lane of {num_devices} devices at {start} cannot be TP{tp}"
-    return [GroupSpec(s, tp, role) for s in range(start, start + num_devices, tp)]
+    return [Group(s, tp, role) for s in range(start, start + num_devices, tp)]
 
 
 def _half_tp(node: NodeView) -> int:
@@ -146,7 +147,7 @@ def layout_topology(groups: tuple[tuple[int, str], ...]) -> Topology:
     """Groups placed largest TP first (so every group is aligned), in the given order within a TP."""
     placed, start = [], 0
     for tp, role in sorted(groups, key=lambda g: -g[0]):
-        placed.append(GroupSpec(start, tp, role))
+        placed.append(Group(start, tp, role))
         start += tp
     return Topology(tuple(placed))
 

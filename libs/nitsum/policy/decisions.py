@@ -9,123 +9,24 @@ A `Policy` is a synchronous, deterministic object: each method takes a read-only
     shed(snap)            -> list[str]                 request ids to drop now, background tier first
     initial_topology(node) -> Topology                 what to build at boot
 
-`Topology` has a text form used by `nitsum admin set-topology` and in logs:
-`[0-3 TP4 hybrid][4-5 TP2 decode][6 TP1 decode][7 TP1 decode]` (a TP1 group may also be written `[6-6 ...]`).
+`Topology` (`nitsum.topology`, with its text form) is what a topology decision targets; `node_topology(node)`
+is the one a node runs now.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from nitsum.policy.snapshot import ROLES, ClusterSnapshot, NodeView, RequestView
+from nitsum.policy.snapshot import ClusterSnapshot, NodeView, RequestView
+from nitsum.topology import Group, Topology
 
 TOPOLOGY_PATHS: tuple[str, ...] = ("fast", "scored", "static")
 
 
-@dataclass(frozen=True, order=True)
-class GroupSpec:
-    """One group of a target topology: devices [start, start + tp), aligned (start % tp == 0)."""
-
-    start: int
-    tp: int
-    role: str
-
-    @property
-    def end(self) -> int:
-        """Last device index (inclusive)."""
-        return self.start + self.tp - 1
-
-    @property
-    def devices(self) -> tuple[int, ...]:
-        return tuple(range(self.start, self.start + self.tp))
-
-    def __str__(self) -> str:
-        span = f"{self.start}" if self.tp == 1 else f"{self.start}-{self.end}"
-        return f"[{span} TP{self.tp} {self.role}]"
-
-
-_GROUP_RE = re.compile(r"\[\s*(\d+)(?:\s*-\s*(\d+))?\s+TP(\d+)\s+(\w+)\s*\]", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """A partition of one node's devices into aligned groups, ordered by first device."""
-
-    groups: tuple[GroupSpec, ...]
-
-    def __post_init__(self) -> None:
-        # Canonical order makes equal partitions compare equal however they were built.
-        ordered = tuple(sorted(self.groups, key=lambda g: g.start))
-        if ordered != self.groups:
-            object.__setattr__(self, "groups", ordered)
-
-    def __str__(self) -> str:
-        return "".join(str(g) for g in self.groups)
-
-    @property
-    def num_devices(self) -> int:
-        return sum(g.tp for g in self.groups)
-
-    def shape(self) -> tuple[tuple[int, int], ...]:
-        """The partition without roles: ((start, tp), ...)."""
-        return tuple((g.start, g.tp) for g in self.groups)
-
-    def validate(self, num_devices: int, min_tp: int = 1, max_tp: int | None = None) -> None:
-        """Raise ValueError unless this is an aligned partition of exactly devices 0..num_devices-1."""
-        max_tp = num_devices if max_tp is None else max_tp
-        if not self.groups:
-            raise ValueError("topology has no groups")
-        expected = 0
-        for g in self.groups:
-            if g.role not in ROLES:
-                raise ValueError(f"{g}: role must be one of {', '.join(ROLES)}")
-            if g.tp < 1 or g.tp & (g.tp - 1):
-                raise ValueError(f"{g}: TP must be a power of two")
-            if not min_tp <= g.tp <= max_tp:
-                raise ValueError(f"{g}: TP must be between {min_tp} and {max_tp}")
-            if g.start % g.tp:
-                raise ValueError(f"{g}: not aligned (start must be a multiple of TP)")
-            if g.start != expected:
-                raise ValueError(f"{g}: expected a group starting at device {expected} (gap or overlap)")
-            expected = g.start + g.tp
-        if expected != num_devices:
-            raise ValueError(f"topology covers devices 0-{expected - 1}, node has {num_devices}")
-
-    @classmethod
-    def parse(cls, text: str) -> Topology:
-        """Parse '[0-3 TP4 hybrid][4-5 TP2 decode]'; raises ValueError on anything else."""
-        stripped = text.strip()
-        groups: list[GroupSpec] = []
-        pos = 0
-        for m in _GROUP_RE.finditer(stripped):
-            if stripped[pos : m.start()].strip():
-                raise ValueError(f"cannot parse topology {text!r} near {stripped[pos : m.start()]!r}")
-            pos = m.end()
-            start = int(m.group(1))
-            end = int(m.group(2)) if m.group(2) is not None else start
-            tp = int(m.group(3))
-            role = m.group(4).lower()
-            if end - start + 1 != tp:
-                raise ValueError(f"group [{start}-{end}] spans {end - start + 1} devices but says TP{tp}")
-            if role not in ROLES:
-                raise ValueError(f"unknown role {role!r} in {text!r}; roles: {', '.join(ROLES)}")
-            groups.append(GroupSpec(start, tp, role))
-        if stripped[pos:].strip() or not groups:
-            raise ValueError(f"cannot parse topology {text!r}; expected e.g. '[0-3 TP4 hybrid][4-5 TP2 decode]'")
-        return cls(tuple(groups))
-
-    @classmethod
-    def uniform(cls, num_devices: int, tp: int, role: str = "hybrid") -> Topology:
-        """num_devices/tp groups of TP=tp, all with one role."""
-        assert num_devices % tp == 0, f"{num_devices} devices do not split into TP{tp} groups"
-        return cls(tuple(GroupSpec(s, tp, role) for s in range(0, num_devices, tp)))
-
-    @classmethod
-    def of_node(cls, node: NodeView) -> Topology:
-        """The topology a node runs now."""
-        return cls(tuple(GroupSpec(g.devices[0], g.tp, g.role) for g in node.groups))
+def node_topology(node: NodeView) -> Topology:
+    """The topology a node runs now."""
+    return Topology(tuple(Group(g.devices[0], g.tp, g.role) for g in node.groups))
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,7 @@ GroupClass = tuple[int, str, int]
 
 
 def classes_of(groups) -> tuple[GroupClass, ...]:
-    """Collapse a candidate's groups ((tp, role) pairs or GroupSpecs) into interchangeable classes."""
+    """Collapse a candidate's groups ((tp, role) pairs or Groups) into interchangeable classes."""
     counts: dict[tuple[int, str], int] = {}
     for g in groups:
         key = (g.tp, g.role) if hasattr(g, "tp") else (g[0], g[1])

@@ -11,36 +11,36 @@ The scorer (topology.py) tries, for each partition, the variants returned here a
 
 from __future__ import annotations
 
-from nitsum.policy.decisions import GroupSpec
+from nitsum.topology import Group
 
 Shape = tuple[tuple[int, int], ...]  # ((start, tp), ...)
 
 
-def all_hybrid(shape: Shape) -> tuple[GroupSpec, ...]:
-    return tuple(GroupSpec(s, k, "hybrid") for s, k in shape)
+def all_hybrid(shape: Shape) -> tuple[Group, ...]:
+    return tuple(Group(s, k, "hybrid") for s, k in shape)
 
 
-def prefill_decode_split(shape: Shape) -> tuple[GroupSpec, ...] | None:
+def prefill_decode_split(shape: Shape) -> tuple[Group, ...] | None:
     if len(shape) < 2:
         return None
     top = max(k for _, k in shape)
     prefill = {i for i, (_, k) in enumerate(shape) if k == top}
     if len(prefill) == len(shape):
         prefill = set(range(len(shape) // 2))
-    return tuple(GroupSpec(s, k, "prefill" if i in prefill else "decode") for i, (s, k) in enumerate(shape))
+    return tuple(Group(s, k, "prefill" if i in prefill else "decode") for i, (s, k) in enumerate(shape))
 
 
-def prefill_count_splits(shape: Shape) -> list[tuple[GroupSpec, ...]]:
+def prefill_count_splits(shape: Shape) -> list[tuple[Group, ...]]:
     """Role splits of a partition whose groups all have one TP (4 or more of them): the first n prefill, the
     rest decode, for n = a quarter and three quarters of the groups (half is prefill_decode_split's)."""
     n = len(shape)
     if n < 4 or len({k for _, k in shape}) != 1:
         return []
     counts = sorted({max(n // 4, 1), 3 * n // 4} - {n // 2})
-    return [tuple(GroupSpec(s, k, "prefill" if i < c else "decode") for i, (s, k) in enumerate(shape)) for c in counts]
+    return [tuple(Group(s, k, "prefill" if i < c else "decode") for i, (s, k) in enumerate(shape)) for c in counts]
 
 
-def role_variants(shape: Shape, prefill_pending: bool) -> list[tuple[GroupSpec, ...]]:
+def role_variants(shape: Shape, prefill_pending: bool) -> list[tuple[Group, ...]]:
     out = [all_hybrid(shape)]
     if prefill_pending:
         pd = prefill_decode_split(shape)

@@ -23,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-ROLES: tuple[str, ...] = ("prefill", "decode", "hybrid")
+from nitsum.topology import ROLES
+
 DEVICE_KINDS: tuple[str, ...] = ("cpu", "h100", "h200", "a100")
 
 

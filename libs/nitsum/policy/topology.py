@@ -41,10 +41,11 @@ from __future__ import annotations
 from nitsum.policy.base import BasePolicy, PolicyConfig
 from nitsum.policy.baselines import layout_topology, static_layouts
 from nitsum.policy.costmodel import CostModel
-from nitsum.policy.decisions import GroupSpec, Topology, TopologyDecision
+from nitsum.policy.decisions import TopologyDecision, node_topology
 from nitsum.policy.estimate import NodeLoad, classes_of, evaluate, summarize
 from nitsum.policy.phases import Shape, role_variants
 from nitsum.policy.snapshot import ClusterSnapshot, NodeView
+from nitsum.topology import Group, Topology
 
 THROUGHPUT_DWELL_FACTOR = 2.0  # a split for throughput waits this many dwell times after the last change
 MAX_REMAINING_HORIZONS = 4.0  # the phase expected to remain is counted up to this many horizons
@@ -63,8 +64,6 @@ __all__ = [
     "AdaptivePolicy",
     "MIN_BATCH_SEQS",
     "typical_context_tokens",
-    "GroupSpec",
-    "Topology",
     "candidate_shapes",
     "mean_tp",
 ]
@@ -176,7 +175,7 @@ class AdaptivePolicy(BasePolicy):
         if load.idle:
             return keep("idle")
         cost = self.cost_for(node)
-        current = Topology.of_node(node)
+        current = node_topology(node)
         cur_shape = current.shape()
         cur_est = self._evaluate(cost, current.groups, load, node)
         # A level whose KV room holds fewer than MIN_BATCH_SEQS typical requests cannot batch: Llama-3-70B at
@@ -339,21 +338,19 @@ class AdaptivePolicy(BasePolicy):
             cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens, levels
         )
 
-    def _score(
-        self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView
-    ) -> tuple[float, float]:
+    def _score(self, cost: CostModel, groups: tuple[Group, ...], load: NodeLoad, node: NodeView) -> tuple[float, float]:
         """(estimated weighted goodput over the horizon, λ · reconfiguration cost of moving there)."""
         cfg = self.config
         est = self._evaluate(cost, groups, load, node)
         return est.score, cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
-    def _net_score(self, cost: CostModel, groups: tuple[GroupSpec, ...], load: NodeLoad, node: NodeView) -> float:
+    def _net_score(self, cost: CostModel, groups: tuple[Group, ...], load: NodeLoad, node: NodeView) -> float:
         cfg = self.config
         est = self._evaluate(cost, groups, load, node)
         return est.score - cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
 
-def reconfig_ms(cost: CostModel, groups: tuple[GroupSpec, ...], node: NodeView, load: NodeLoad) -> float:
+def reconfig_ms(cost: CostModel, groups: tuple[Group, ...], node: NodeView, load: NodeLoad) -> float:
     """Fixed switch cost + moving the KV of running requests on every group whose devices change."""
     kept = {(g.start, g.tp) for g in groups}
     kv_tokens = dict(load.kv_tokens_by_group)

@@ -25,7 +25,7 @@ from typing import Any
 from nitsum.metrics import Report, RequestRecord, summarize
 from nitsum.policy.base import PolicyConfig
 from nitsum.policy.costmodel import CostModel, DeviceSpec, cost_model, resolve_device
-from nitsum.policy.decisions import Topology
+from nitsum.policy.decisions import node_topology
 from nitsum.policy.estimate import MIN_CHUNK_TOKENS
 from nitsum.policy.registry import make_policy
 from nitsum.policy.snapshot import (
@@ -42,6 +42,7 @@ from nitsum.policy.steptable import DeviceStepTable, StepRow, load_step_rows, se
 from nitsum.policy.tiers import DEFAULT_TIERS, Tier
 from nitsum.sim.engine import Event, Simulator
 from nitsum.sim.service import ServiceModel, ServiceSampler
+from nitsum.topology import Topology
 from nitsum.workloads.request import TraceRequest
 
 
@@ -670,9 +671,7 @@ class ClusterSim:
             if decision.target is None:
                 continue
             node = next(n for n in self.nodes if n.node_id == decision.node_id)
-            if Topology(tuple(sorted((s for s in decision.target.groups), key=lambda s: s.start))) == Topology.of_node(
-                self._node_view(node)
-            ):
+            if decision.target == node_topology(self._node_view(node)):
                 continue
             events.extend(self._reconfigure(node, decision.target))
         if sim.now_ms < self.end_arrivals_ms + self.config.drain_ms and (
