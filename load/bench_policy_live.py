@@ -123,10 +123,23 @@ def _shape_reached(status: dict, policy: str, devices: int) -> bool:
     return len(leaders) == devices // k and all(w.get("tp") == k for w in leaders)
 
 
-async def _run_policy(mesh, specs: list, policy: str, devices: int) -> tuple[list, float, list[dict]]:
-    from nitsum_load.bench_reconfigure import admin_call
+async def replay_client_config(url: str):
+    """The load client's settings for a replay of token-id prompts against the gateway at `url` (its model)."""
     from nitsum_load.cli import discover_model
     from nitsum_load.client import ClientConfig
+
+    return ClientConfig(
+        base_url=url,
+        model=await discover_model(url, None),
+        endpoint="completions",
+        prompt_format="token-ids",
+        return_token_ids=True,
+        request_timeout_s=300.0,
+    )
+
+
+async def _run_policy(mesh, specs: list, policy: str, devices: int) -> tuple[list, float, list[dict]]:
+    from nitsum_load.bench_reconfigure import admin_call
     from nitsum_load.runner import run_open_loop
 
     loop = asyncio.get_running_loop()
@@ -141,14 +154,7 @@ async def _run_policy(mesh, specs: list, policy: str, devices: int) -> tuple[lis
             )
         await asyncio.sleep(0.2)
     before = len((await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0)).get("transitions", []))
-    cfg = ClientConfig(
-        base_url=mesh.url,
-        model=await discover_model(mesh.url, None),
-        endpoint="completions",
-        prompt_format="token-ids",
-        return_token_ids=True,
-        request_timeout_s=300.0,
-    )
+    cfg = await replay_client_config(mesh.url)
     result = await run_open_loop(specs, cfg, drain_timeout_s=180.0)
     status = await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0)
     # The status keeps the last 20 transitions; those made during the replay are the ones after `before`.

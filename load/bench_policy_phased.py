@@ -98,10 +98,8 @@ def layout_of(status: dict) -> str:
 
 
 async def _replay(mesh, specs, policy: str) -> tuple[list, float, list[tuple[float, str]]]:
-    from nitsum_load.bench_policy_live import SHAPE_TIMEOUT_S, _shape_reached
+    from nitsum_load.bench_policy_live import SHAPE_TIMEOUT_S, _shape_reached, replay_client_config
     from nitsum_load.bench_reconfigure import admin_call
-    from nitsum_load.cli import discover_model
-    from nitsum_load.client import ClientConfig
     from nitsum_load.runner import run_open_loop
 
     loop = asyncio.get_running_loop()
@@ -110,14 +108,7 @@ async def _replay(mesh, specs, policy: str) -> tuple[list, float, list[tuple[flo
         if loop.time() > deadline:
             raise RuntimeError(f"{policy}: the coordinator did not reach its shape within {SHAPE_TIMEOUT_S} s")
         await asyncio.sleep(0.2)
-    cfg = ClientConfig(
-        base_url=mesh.url,
-        model=await discover_model(mesh.url, None),
-        endpoint="completions",
-        prompt_format="token-ids",
-        return_token_ids=True,
-        request_timeout_s=300.0,
-    )
+    cfg = await replay_client_config(mesh.url)
     layouts: list[tuple[float, str]] = []
     done = asyncio.Event()
     t0 = time.monotonic()

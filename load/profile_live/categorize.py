@@ -7,12 +7,15 @@ import sys
 CATS = [
     ("engine step (model forward)", ["ModelRunner.execute"]),
     ("engine step (scheduler, sampling, detok)", ["Engine.step", "PlainBackend.step"]),
-    ("step thread other (_iteration, stats)", ["WorkerSession._iteration"]),
-    ("frame build + publish (worker)", ["WorkerSession._publish", "FramePublisher", "WorkerSession._finish_error"]),
+    ("step thread other (turn, stats)", ["StepThread."]),
+    (
+        "frame build + publish (worker)",
+        ["WorkerSession._publish", "FramePublisher", "WorkerSession._finish_error", "Running."],
+    ),
     ("NATS client (flusher, read loop, parse)", ["nats/aio/client.py", "nats/protocol", "nats/aio/transport"]),
     ("codec decode/encode", ["nitsum/wire/codec.py"]),
-    ("gateway: stream SSE + JSON", ["Gateway._stream", "Gateway._collect", "protocol.py"]),
-    ("gateway: Generation / deltas", ["Generation.", "FrameDispatcher", "Gateway._deltas"]),
+    ("gateway: stream SSE + JSON", ["Responder.stream", "Responder.collect", "protocol.py"]),
+    ("gateway: Generation / deltas", ["Generation.", "FrameDispatcher", "choice_deltas"]),
     ("gateway: HTTP (aiohttp)", ["aiohttp/"]),
     (
         "gateway: handler setup (parse, tokenizer, submit)",

@@ -17,20 +17,14 @@ chosen one (WorkerStats.cached_block_hashes), the chosen one is told to fetch th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import time
 import traceback
 
 from nitsum.bus import BusError, RemoteError
-from nitsum.config import CoordinatorConfig, default_dtype
-from nitsum.kv import block_hashes
-from nitsum.modelpath import resolve_model_dir
-from nitsum.policy.base import PolicyConfig
-from nitsum.policy.costmodel import ModelSpec
+from nitsum.config import CoordinatorConfig
 from nitsum.policy.registry import layout_problem, make_policy
-from nitsum.policy.snapshot import ClusterSnapshot, NodeView, RequestView
+from nitsum.policy.snapshot import ClusterSnapshot, NodeView
 from nitsum.service import ServiceContext
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import (
@@ -43,147 +37,15 @@ from nitsum.wire.messages import (
     WorkerLost,
     WorkerStats,
 )
-from nitsum_services.coordinator.membership import Membership, WorkerRecord
+from nitsum_services.coordinator.liveness import LivenessWatch
+from nitsum_services.coordinator.membership import Membership
+from nitsum_services.coordinator.policy_setup import policy_config
 from nitsum_services.coordinator.reform import ReformAgent
-from nitsum_services.coordinator.snapshot import ArrivalWindow, build_snapshot, fitting_max_tp, live_arrival_window
-from nitsum_services.coordinator.steps import step_table_for
+from nitsum_services.coordinator.routing import note_arrival, pd_plan, request_view, reuse_hint
+from nitsum_services.coordinator.snapshot import build_snapshot, fitting_max_tp, live_arrival_window
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
 
 log = logging.getLogger("nitsum.coordinator")
-
-EXPIRE_PERIOD_S = 0.25
-# A prefix fetch costs a round trip per layer; below this many blocks computing them is as cheap.
-MIN_REUSE_BLOCKS = 2
-
-
-def _standalone_ready(record: WorkerRecord) -> bool:
-    return not record.stats.in_world and record.stats.state == "ready"
-
-
-def pd_plan(
-    req: SubmitRequest, candidates: list[WorkerRecord], preferred_group: str | None
-) -> list[tuple[WorkerRecord, str]]:
-    """(worker, decode worker or "") in the order to try them. P/D pairs first (prefill worker, least loaded
-    hybrid worker of its node, else of any node: a hand-off across hosts goes over TCP) for fresh requests with
-    more than one token to generate; then hybrid workers. Prefill workers never run a request alone."""
-    key = lambda w: (w.stats.group_id != preferred_group, w.load(), w.worker_id)  # noqa: E731
-    prefill = sorted((w for w in candidates if w.stats.role == "prefill"), key=key)
-    hybrid = sorted((w for w in candidates if w.stats.role != "prefill"), key=key)
-    plan: list[tuple[WorkerRecord, str]] = []
-    fresh = req.attempt == 0 and not req.output_token_ids and req.sampling.max_tokens > 1
-    if fresh:
-        for p in prefill:
-            if p.stats.in_world:
-                decode = _world_decode_leaders(p, hybrid)
-            elif _standalone_ready(p):
-                ready = [d for d in hybrid if _standalone_ready(d)]
-                decode = [d for d in ready if d.stats.node_id == p.stats.node_id] or ready
-            else:
-                continue
-            if decode:
-                plan.append((p, min(decode, key=lambda w: (w.load(), w.worker_id)).worker_id))
-    return plan + [(h, "") for h in hybrid]
-
-
-def _world_decode_leaders(prefill: WorkerRecord, others: list[WorkerRecord]) -> list[WorkerRecord]:
-    """The leaders a node-world prefill group hands off to: its world's decode groups (hybrid ones when it has
-    none), ready ones of the same world generation."""
-    s = prefill.stats
-    same = [
-        d
-        for d in others
-        if d.stats.in_world
-        and d.stats.leader
-        and d.stats.state == "ready"
-        and d.stats.node_id == s.node_id
-        and d.stats.generation == s.generation
-    ]
-    return [d for d in same if d.stats.role == "decode"] or [d for d in same if d.stats.role == "hybrid"]
-
-
-def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[WorkerRecord]) -> tuple[str, tuple[int, ...]]:
-    """(holder, block hashes to fetch from it) when another standalone worker caches a longer prefix of the
-    prompt than `chosen` by at least MIN_REUSE_BLOCKS blocks; ("", ()) otherwise. Any node: between hosts the
-    blocks go over the TCP data plane (`services/worker/kv_net.py`), within one through shared memory; of
-    holders with equally long prefixes one of `chosen`'s node is taken (no NIC), then the smallest id."""
-    bs = chosen.stats.block_size
-    if bs <= 0 or chosen.stats.in_world:
-        return "", ()
-    tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
-    # The engine computes at least the last token itself, so a whole-prompt prefix is never fetched.
-    hashes = block_hashes(tokens[: len(tokens) - 1], bs)
-    if len(hashes) < MIN_REUSE_BLOCKS:
-        return "", ()
-
-    def leading(record: WorkerRecord) -> int:
-        cached = set(record.stats.cached_block_hashes)
-        n = 0
-        while n < len(hashes) and hashes[n] in cached:
-            n += 1
-        return n
-
-    mine = leading(chosen)
-    here = chosen.stats.node_id
-    ranked = sorted(
-        (-leading(o), o.stats.node_id != here, o.worker_id)
-        for o in candidates
-        if o.worker_id != chosen.worker_id and _standalone_ready(o) and o.stats.block_size == bs
-    )
-    if not ranked or -ranked[0][0] - mine < MIN_REUSE_BLOCKS:
-        return "", ()
-    best, _, holder = ranked[0]
-    return holder, tuple(hashes[mine:-best])
-
-
-def request_view(req: SubmitRequest, now_ms: float) -> RequestView:
-    """What the policy sees of a submitted request (its progress comes later, from the workers' heartbeats).
-    A re-submitted request's tokens so far count as prompt: its new worker computes them as one."""
-    return RequestView(
-        request_id=req.request_id,
-        tier=req.tier,
-        ttft_ms=req.ttft_ms,
-        tpot_ms=req.tpot_ms,
-        weight=req.weight,
-        arrival_ms=now_ms,
-        prompt_tokens=len(req.prompt_token_ids) + len(req.output_token_ids),
-        max_tokens=req.sampling.max_tokens,
-    )
-
-
-def note_arrival(window: ArrivalWindow, view: RequestView) -> None:
-    """A fresh request offered to the mesh (admitted or not), as the simulator notes its arrivals."""
-    window.add(view.arrival_ms, view.tier, view.ttft_ms, view.tpot_ms, view.weight, view.prompt_tokens, view.max_tokens)
-
-
-def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
-    """The cost model's view of the served model, from its Hugging Face config.json."""
-    hf = json.loads((resolve_model_dir(config.model) / "config.json").read_text())
-    dtype = default_dtype(config.device_kind) if config.dtype == "auto" else config.dtype
-    bytes_per = 4.0 if dtype == "float32" else 2.0
-    return ModelSpec(
-        # The directory's name, as `nitsum bench profile` names the model in the step tables it writes.
-        name=resolve_model_dir(config.model).name,
-        num_layers=int(hf["num_hidden_layers"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_heads=int(hf["num_attention_heads"]),
-        num_kv_heads=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
-        intermediate_size=int(hf["intermediate_size"]),
-        vocab_size=int(hf["vocab_size"]),
-        bytes_per_param=bytes_per,
-        kv_bytes_per_elem=bytes_per,
-    )
-
-
-def policy_config(config: CoordinatorConfig) -> PolicyConfig:
-    """StepTableError when NITSUM_DEVICE_TABLE (or the committed CPU profile) cannot be used."""
-    model = model_spec_of(config)
-    table, _source = step_table_for(config.device_table, config.device_kind, model)
-    return PolicyConfig(
-        model=model,
-        step_tables=() if table is None else ((config.device_kind, table),),
-        epoch_ms=float(config.reconfig_interval_ms),
-        queue_bounds=(("interactive", config.queue_limit_interactive), ("background", config.queue_limit_background)),
-    )
 
 
 class Coordinator:
@@ -207,8 +69,7 @@ class Coordinator:
         # Set on queue events that should not wait for the next epoch (a latency-tier request arrives while
         # its tier already has work queued): the policy looks again at once.
         self.trigger = asyncio.Event()
-        # Since when a round trip through NATS has failed (None: the coordinator hears NATS); see `watch`.
-        self.deaf_since: float | None = None
+        self.liveness = LivenessWatch(self)  # declares silent workers lost (`watch`)
 
     # ---- policy ----------------------------------------------------------------------------------
     @staticmethod
@@ -383,63 +244,8 @@ class Coordinator:
 
     # ---- background loops ------------------------------------------------------------------------
     async def watch(self) -> None:
-        """Expire silent workers (announcing their requests for re-routing) and refresh gauges.
-
-        A worker is judged silent only for time during which the coordinator could have heard it:
-        - own stalls: when this loop wakes up well past its period (the coordinator's process or machine did not
-          run: SIGSTOP, a VM pause, a blocked event loop), the excess is credited to every worker (logged);
-        - before announcing a loss it hears NATS first (`expire_silent`): two round trips on its own connection,
-          which also hand every heartbeat that arrived before them to `on_stats`, then a fresh look. If a round
-          trip fails (nats-server stalled or down, or this process stalled meanwhile) nobody is expired: a dead
-          worker and a deaf coordinator look the same. Once NATS answers again every worker's silence counts
-          from then, so a worker that is really gone is announced about one heartbeat timeout later.
-        Gateways keep their own stream timeouts meanwhile.
-        """
-        last = time.monotonic()
-        while not self.ctx.stop.is_set():
-            now = time.monotonic()
-            overslept = now - last - EXPIRE_PERIOD_S
-            if overslept > EXPIRE_PERIOD_S:
-                self.members.credit(overslept, now)
-                log.warning(
-                    "the coordinator did not run for %.2f s (its process or machine stalled): not counted as the workers' silence",
-                    overslept,
-                )
-            await self.expire_silent()
-            self.update_metrics()
-            last = time.monotonic()
-            await _sleep_or_stop(self.ctx.stop, EXPIRE_PERIOD_S)
-
-    async def expire_silent(self) -> None:
-        """Announce the workers silent for longer than the heartbeat timeout, once NATS proves it delivers."""
-        if not self.members.silent(time.monotonic()):
-            if self.deaf_since is not None:  # heartbeats are coming in again
-                log.warning("NATS answers again after %.1f s", time.monotonic() - self.deaf_since)
-                self.deaf_since = None
-            return
-        timeout_s = min(1.0, self.members.heartbeat_timeout_s / 2)
-        t0 = time.monotonic()
-        try:
-            # Twice: a server that resumes from a stall serves its connections in any order, so the first echo
-            # can overtake heartbeats the workers sent during the stall; the second is sent only once the first is
-            # back, by when the server has long read what was waiting on its other connections.
-            for _ in range(2):
-                await self.bus.round_trip(timeout_s)
-        except BusError as exc:
-            if self.deaf_since is None:
-                self.deaf_since = t0
-                log.warning("cannot hear NATS (%s): no worker is declared lost until it answers again", exc)
-            return
-        now = time.monotonic()
-        if self.deaf_since is not None:
-            log.warning(
-                "NATS answers again after %.1f s: every worker's silence counts from now", now - self.deaf_since
-            )
-            self.deaf_since = None
-            self.members.credit(math.inf, now)
-            return
-        for worker_id, request_ids in self.members.expire(now):
-            await self.announce_lost(worker_id, request_ids, "heartbeat timeout")
+        """Expire silent workers (announcing their requests for re-routing) and refresh gauges."""
+        await self.liveness.run()
 
     async def epochs(self) -> None:
         """Every policy epoch: topology decisions and shedding."""
@@ -551,10 +357,3 @@ class Coordinator:
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("transition failed: %s", task.exception())
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-    except TimeoutError:
-        pass

@@ -46,13 +46,14 @@ from nitsum.wire.messages import (
     TopologyPrepare,
 )
 from nitsum_services.worker.boot import build_backend, build_engine  # noqa: F401 (build_engine: nitsum bench gateway)
+from nitsum_services.worker.flow_agent import MAX_IN_FLIGHT, NODE_MAX_IN_FLIGHT, TransferAgent
 from nitsum_services.worker.kv_net import KvNet
 from nitsum_services.worker.migration_flows import MigrationDriver
 from nitsum_services.worker.node_handoff import NodeHandoffs
 from nitsum_services.worker.peer_loss import PeerLossGuard
 from nitsum_services.worker.service import WorkerService
 from nitsum_services.worker.session import WorkerSession
-from nitsum_services.worker.transfer import MAX_IN_FLIGHT, NODE_MAX_IN_FLIGHT, KvMover, TransferAgent
+from nitsum_services.worker.transfer import KvMover
 
 log = logging.getLogger("nitsum.worker")
 

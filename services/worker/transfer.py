@@ -1,9 +1,5 @@
-"""The worker's transfer agent and its KV hand-offs (the async half of Nuska inside a worker).
-
-`TransferAgent`: asks the flow-scheduler for permits (one FlowSubmitBatch per request), queues flows by
-level (`nitsum.transfer.agent.PriorityFlowQueue`: P1 first), takes promotions pushed on
-`flow.permit.<worker>`, and reports every flow's completion. The scheduler is advice, never a gate: when it
-does not answer in time a flow goes at the lowest level anyway (counted in `nitsum_flow_fallbacks_total`).
+"""The worker's KV hand-offs and prefix fetches, riding on its transfer agent (`flow_agent.TransferAgent`: the
+flow-scheduler's permits, flows queued by level, completions reported).
 
 `KvMover`: the two KV paths that ride on the agent, both layer by layer, bytes in shared memory (this
 host; `nitsum.transfer.shm`), the small handle over NATS (`worker.<id>.kv`, KvLayer → KvAck):
@@ -37,25 +33,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import Counter
 
 from nitsum.bus import Bus, BusError
-from nitsum.engine.migration import KVExport, layer_bytes, stack_layers
-from nitsum.policy.flows import dscp_table
+from nitsum.engine.migration import layer_bytes
 from nitsum.telemetry.metrics import Metrics
-from nitsum.transfer.agent import PriorityFlowQueue
 from nitsum.transfer.framing import ErrorCode, TransferError
-from nitsum.transfer.shm import ShmHandle, ShmPublisher, receive
+from nitsum.transfer.shm import ShmPublisher
 from nitsum.wire.messages import (
-    FlowCompletion,
-    FlowPermit,
-    FlowPermitBatch,
     FlowSubmit,
-    FlowSubmitBatch,
     KvAck,
     KvFetch,
     KvFetchReply,
@@ -64,194 +51,17 @@ from nitsum.wire.messages import (
     KvPeerInfo,
     LayerProgress,
 )
+from nitsum_services.worker.flow_agent import FlowPrunedError, TransferAgent, _counter
+from nitsum_services.worker.kv_incoming import IncomingTransfers
 
 log = logging.getLogger("nitsum.worker.transfer")
 
-PERMIT_TIMEOUT_S = 0.5  # past this a flow goes at the lowest level without its permit
 LAYER_TIMEOUT_S = 10.0  # one layer's round trip (receiver copy-out; the last one includes the import)
-PENDING_TIMEOUT_S = 30.0  # a receiver forgets a partial transfer whose sender went quiet
 FETCH_TIMEOUT_S = 5.0  # a stage-1 fetch that takes longer is abandoned: the prefill computes it instead
-MAX_IN_FLIGHT = 2  # flows this agent sends at once; the rest wait in strict priority order
-# A node-world worker's agent carries TP-migration flows only (KV hand-offs need standalone workers); their
-# chunks run in the step thread, one round of every running flow per step, so a low limit would only make
-# pairs that can move together wait for each other (8 workers: at most 8 x 8 pairs).
-NODE_MAX_IN_FLIGHT = 64
-NUM_LEVELS = 8
-PRUNED_CODE = "overload_pruned"  # FlowPermit.code of a request the flow-scheduler pruned (retry it)
-
-
-class FlowPrunedError(TransferError):
-    """The flow-scheduler pruned this flow's request: nothing more of it is sent."""
-
-    def __init__(self, flow_id: str, reason: str) -> None:
-        super().__init__(ErrorCode.PEER, f"pruned by the flow-scheduler: {reason}", flow_id)
-        self.reason = reason
-
-
-def _counter(metrics: Metrics, key: str, name: str, doc: str, labels: list[str]) -> Counter:
-    return metrics.get(key, lambda: Counter(name, doc, labels, registry=metrics.registry))
 
 
 def _now_unix_ms() -> float:
     return time.time() * 1000.0
-
-
-class TransferAgent:
-    def __init__(
-        self,
-        bus: Bus,
-        worker_id: str,
-        metrics: Metrics,
-        num_levels: int = NUM_LEVELS,
-        max_in_flight: int = MAX_IN_FLIGHT,
-        permit_timeout_s: float = PERMIT_TIMEOUT_S,
-    ) -> None:
-        self.bus = bus
-        self.worker_id = worker_id
-        self.metrics = metrics
-        self.num_levels = num_levels
-        self.dscp = dscp_table(num_levels)
-        self.max_in_flight = max_in_flight
-        self.permit_timeout_s = permit_timeout_s
-        self.queue = PriorityFlowQueue()
-        self._turn: dict[str, asyncio.Future] = {}
-        self.levels: dict[str, int] = {}  # flow id -> current level (waiting or in flight)
-        self.in_flight = 0
-        self.num_fallbacks = 0
-        self.num_promotions = 0
-        self.sent_order: list[str] = []  # flow ids in the order they got their turn (tests, tracing)
-        self.turn_levels: dict[str, int] = {}  # flow id -> the level it went at (last few; tests, tracing)
-        self.num_pruned = 0
-
-    async def start(self) -> None:
-        await self.bus.subscribe(self.bus.subjects.flow_permit(self.worker_id), self._on_permit, expected=FlowPermit)
-
-    async def permits(self, flows: list[FlowSubmit]) -> list[FlowPermit]:
-        """Permits for these flows, in order: the flow-scheduler's, or the lowest level if it is silent."""
-        try:
-            reply = await self.bus.request(
-                self.bus.subjects.flow_submit,
-                FlowSubmitBatch(tuple(flows)),
-                self.permit_timeout_s,
-                expected=FlowPermitBatch,
-            )
-            by_id = {p.flow_id: p for p in reply.permits}
-            if all(f.flow_id in by_id for f in flows):
-                return [by_id[f.flow_id] for f in flows]
-            reason = "the flow-scheduler answered for other flows"
-        except BusError as exc:
-            reason = str(exc)
-        self.num_fallbacks += len(flows)
-        _counter(
-            self.metrics,
-            "flow_fallbacks",
-            "nitsum_flow_fallbacks_total",
-            "flows sent at the lowest level because the flow-scheduler did not answer",
-            [],
-        ).inc(len(flows))
-        log.info("no permit for %d flow(s) (%s): sending at P%d", len(flows), reason, self.num_levels)
-        return [
-            FlowPermit(f.flow_id, self.num_levels, self.dscp[self.num_levels], reason="no flow-scheduler")
-            for f in flows
-        ]
-
-    async def run(self, flow_id: str, permit: FlowPermit, send: Callable[[int], Awaitable[int]]) -> int:
-        """Wait for the flow's turn (strict priority), `send(level)` → bytes, report completion. A pruned
-        permit (now or pushed while the flow waits) raises FlowPrunedError instead; the scheduler already
-        forgot the flow."""
-        if permit.pruned and permit.code == PRUNED_CODE:
-            self._pruned(flow_id)
-            raise FlowPrunedError(flow_id, permit.reason)
-        await self._wait_turn(flow_id, max(1, permit.level))
-        ok, sent, error = False, 0, ""
-        level = self.levels[flow_id]
-        self.turn_levels[flow_id] = level
-        while len(self.turn_levels) > 4096:
-            self.turn_levels.pop(next(iter(self.turn_levels)))
-        try:
-            sent = await send(level)
-            ok = True
-            return sent
-        except (TransferError, BusError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            self.levels.pop(flow_id, None)
-            self.in_flight -= 1
-            self._dispatch()
-            try:
-                await self.bus.publish(self.bus.subjects.flow_done, FlowCompletion(flow_id, ok, sent, error))
-            except Exception as exc:  # the scheduler forgets the flow on its own; the transfer is what counts
-                log.debug("completion of %s not sent: %s", flow_id, exc)
-
-    async def _wait_turn(self, flow_id: str, level: int) -> None:
-        future = asyncio.get_running_loop().create_future()
-        self._turn[flow_id] = future
-        self.levels[flow_id] = level
-        self.queue.push(flow_id, level)
-        self._dispatch()
-        try:
-            await future
-        except asyncio.CancelledError:
-            if self.queue.remove(flow_id):
-                self._turn.pop(flow_id, None)
-                self.levels.pop(flow_id, None)
-            else:  # it got its turn as it was cancelled: give the slot back
-                self.levels.pop(flow_id, None)
-                self.in_flight -= 1
-                self._dispatch()
-            raise
-
-    def _dispatch(self) -> None:
-        while self.in_flight < self.max_in_flight:
-            item = self.queue.pop()
-            if item is None:
-                return
-            flow_id, _level = item
-            future = self._turn.pop(flow_id)
-            self.in_flight += 1
-            self.sent_order.append(flow_id)
-            if not future.done():
-                future.set_result(None)
-
-    def _pruned(self, flow_id: str) -> None:
-        self.num_pruned += 1
-        _counter(
-            self.metrics,
-            "flow_pruned_stopped",
-            "nitsum_flow_pruned_stopped_total",
-            "flows this agent did not send because the flow-scheduler pruned their request",
-            [],
-        ).inc()
-
-    async def _on_permit(self, permit: FlowPermit, _delivery) -> None:
-        """A promotion from the flow-scheduler: a waiting flow moves up; one in flight keeps its class.
-        A pruned permit withdraws a waiting flow (its `run` raises FlowPrunedError)."""
-        if permit.pruned and permit.code == PRUNED_CODE:
-            future = self._turn.get(permit.flow_id)
-            if future is not None and self.queue.remove(permit.flow_id):
-                del self._turn[permit.flow_id]
-                self.levels.pop(permit.flow_id, None)
-                self._pruned(permit.flow_id)
-                if not future.done():
-                    future.set_exception(FlowPrunedError(permit.flow_id, permit.reason))
-            return
-        if self.queue.promote(permit.flow_id, permit.level):
-            self.levels[permit.flow_id] = permit.level
-            self.num_promotions += 1
-
-
-@dataclass
-class _Pending:
-    """Layers of one incoming transfer, until the last one lands."""
-
-    num_layers: int
-    state: bytes
-    stream_subject: str
-    block_hashes: tuple[int, ...]
-    attempt: int = -1
-    started_s: float = field(default_factory=time.monotonic)
-    layers: dict[int, bytes] = field(default_factory=dict)
 
 
 class KvMover:
@@ -269,9 +79,7 @@ class KvMover:
         self.host_id = net.host_id if net is not None else host_id
         self._background: set[asyncio.Task] = set()
         self.publisher = ShmPublisher()
-        self.pending: dict[tuple[str, str], _Pending] = {}
-        self.num_imported = 0
-        self.num_reused_blocks = 0
+        self.incoming = IncomingTransfers(session, net, self._count)  # the receiving side
         self.num_failures = 0
         self.corrupt = False  # fault injection (NITSUM_FAULT_KV_CORRUPT), set by the worker from its config
 
@@ -296,7 +104,17 @@ class KvMover:
     async def on_kv(self, msg: KvLayer | KvPeer, delivery) -> KvAck | KvPeerInfo:
         if isinstance(msg, KvPeer):
             return self.net.info() if self.net is not None else KvPeerInfo(self.worker_id, self.host_id)
-        return await self.on_layer(msg, delivery)
+        return await self.incoming.on_layer(msg)
+
+    @property
+    def num_imported(self) -> int:
+        """P/D hand-offs this worker adopted."""
+        return self.incoming.num_imported
+
+    @property
+    def num_reused_blocks(self) -> int:
+        """Prefix blocks fetched from other workers into this one's cache."""
+        return self.incoming.num_reused_blocks
 
     def report_progress(
         self, unit_id: str, layer: int, deadline_unix_ms: float | None, done: bool = False, flows=()
@@ -529,78 +347,3 @@ class KvMover:
             log.info("prefix fetch for %s from %s refused (%s): computing it", request_id, holder, reply.reason)
             return 0
         return reply.num_blocks
-
-    # ---- receiving -------------------------------------------------------------------------------
-    async def on_layer(self, msg: KvLayer, _delivery) -> KvAck:
-        self._expire()
-        key = (msg.request_id, msg.purpose)
-        try:
-            data = self._layer_data(msg)
-        except TransferError as exc:
-            self.pending.pop(key, None)
-            self._count(msg.purpose, "failed")
-            log.warning("KV layer %d of %s from %s refused: %s", msg.layer, msg.request_id, msg.src_worker, exc)
-            return KvAck(msg.request_id, msg.layer, False, f"{exc.code.value}: {exc.message}")
-        pending = self.pending.setdefault(
-            key, _Pending(msg.num_layers, msg.state, msg.stream_subject, msg.block_hashes, msg.attempt)
-        )
-        pending.layers[msg.layer] = data
-        if len(pending.layers) < pending.num_layers:
-            return KvAck(msg.request_id, msg.layer, True)
-        del self.pending[key]
-        try:
-            if msg.purpose == "pd":
-                await self._adopt(msg.request_id, pending)
-            else:
-                await self._import_blocks(pending)
-        except (TransferError, ValueError, AssertionError, RuntimeError) as exc:
-            self._count(msg.purpose, "failed")
-            log.warning("KV of %s from %s not adopted: %s", msg.request_id, msg.src_worker, exc)
-            return KvAck(msg.request_id, msg.layer, False, f"{type(exc).__name__}: {exc}")
-        return KvAck(msg.request_id, msg.layer, True, complete=True)
-
-    def _layer_data(self, msg: KvLayer) -> bytes:
-        if msg.via == "tcp":
-            if self.net is None:
-                raise TransferError(ErrorCode.PROTOCOL, "this worker has no TCP KV receiver", msg.flow_id)
-            return self.net.take(msg.flow_id, msg.size_bytes, msg.crc32)
-        if msg.via:
-            raise TransferError(ErrorCode.PROTOCOL, f"unknown KV path {msg.via!r}", msg.flow_id)
-        return receive(ShmHandle(msg.flow_id, msg.segment, msg.size_bytes, msg.crc32))
-
-    async def _adopt(self, request_id: str, pending: _Pending) -> None:
-        export = KVExport.from_layers(pending.state, pending.layers)
-        state = export.state
-        produced = len(state["tokens"]) - len(state["prompt"])
-        # Registered before the import so the step that follows it finds the stream to publish to.
-        self.session.adopt(request_id, pending.stream_subject, len(state["prompt"]), produced, pending.attempt)
-        try:
-            ok = await self.session.call(lambda backend: backend.engine.import_request(export))
-        except BaseException:
-            self.session.forget(request_id)
-            raise
-        if not ok:
-            self.session.forget(request_id)
-            raise TransferError(ErrorCode.SINK, "no room in the KV cache now", request_id)
-        self.num_imported += 1
-
-    async def _import_blocks(self, pending: _Pending) -> None:
-        # Reuse flows carry raw blocks of the same model, so this engine's cache gives dtype and shape
-        # (a mismatch fails the view with RuntimeError, reported as a failed fetch).
-        num_blocks = len(pending.block_hashes)
-
-        def do_import(backend) -> int:
-            engine = backend.engine
-            cache = engine.runner.kv_cache  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
-            shape = [2, num_blocks, *cache.shape[3:]]
-            kv = stack_layers(pending.layers, str(cache.dtype).removeprefix("torch."), shape)
-            return engine.import_cached_blocks(list(pending.block_hashes), kv)
-
-        self.num_reused_blocks += await self.session.call(do_import)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for key in [k for k, p in self.pending.items() if now - p.started_s > PENDING_TIMEOUT_S]:
-            del self.pending[key]
-            self._count(key[1], "failed")
-            log.warning("partial KV transfer of %s (%s) expired", *key)

@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from nitsum.httpauth import OPEN_ROUTES, key_matches
-from nitsum_services.gateway.main import ROUTES
+from nitsum_services.gateway.app import ROUTES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +43,7 @@ async def test_a_valid_key_passes(keyed_gateway_url):
 
 def test_route_inventory_matches_the_application():
     """If someone adds a route to the app without listing it in ROUTES, this fails."""
-    from nitsum_services.gateway.main import build_app
+    from nitsum_services.gateway.app import build_app
 
     class _Stub:
         config = type("C", (), {"max_body_bytes": 1024})()

@@ -273,9 +273,9 @@ async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats
     the round that sends the final prepare ack holds the next step for the commit the same way. Each hold is
     bounded by a fraction of a steady step; here the bound is long, so the order is certain."""
     from nitsum.node.runtime import NodeCommand
-    from nitsum_services.worker import session as session_module
+    from nitsum_services.worker import holds as holds_module
 
-    monkeypatch.setattr(session_module, "PRECOPY_HOLD_MAX_S", 30.0)
+    monkeypatch.setattr(holds_module, "PRECOPY_HOLD_MAX_S", 30.0)
     fs_bus = await Bus.connect(CommonConfig(nats_url=nats_server.url), "flow-scheduler")
     ctx = ServiceContext(
         "flow-scheduler",
@@ -290,7 +290,7 @@ async def test_the_first_precopy_round_runs_before_the_old_groups_next_step(nats
     runtime = _SteppingLeader()
     metrics = Metrics("w0")
     session = WorkerSession(NodeBackend(runtime, "m", 64), bus, "w0", metrics, trace.get_tracer("test"))
-    session.recent_step_ms.extend([1000.0] * 16)  # a slow old group: the hold's bound is its cap (30 s here)
+    session.holds.recent_step_ms.extend([1000.0] * 16)  # a slow old group: the hold's bound is its cap (30 s here)
     stop = asyncio.Event()
     loop_task = asyncio.create_task(session.run(stop))
     try:

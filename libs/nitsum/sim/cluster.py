@@ -10,288 +10,27 @@ What each piece does (the same decisions as the live coordinator, through the sa
 - P/D hand-off (prefill group -> decode group, routed by `policy.route` with the request prefilled): the KV
   moves over NVLink inside a node, over the NICs between nodes.
 Outputs are `nitsum.metrics.RequestRecord`s, summarized by the one metric schema.
-
-Decode accounting is O(1) per step: a running request's generated count is `step - join_step + base`, and
-finishes come off a heap keyed by the step index at which it emits its last token.
+What a run is configured with is `cluster_config.ClusterConfig`; the state it mutates (requests, groups,
+nodes, and each group's next engine step) is in `cluster_state`.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nitsum.metrics import Report, RequestRecord, summarize
-from nitsum.policy.base import PolicyConfig
-from nitsum.policy.costmodel import CostModel, DeviceSpec, cost_model, resolve_device
 from nitsum.policy.decisions import node_topology
-from nitsum.policy.estimate import MIN_CHUNK_TOKENS
 from nitsum.policy.registry import make_policy
-from nitsum.policy.snapshot import (
-    ArrivalStats,
-    ArrivalWindow,
-    ClusterSnapshot,
-    GroupView,
-    NodeView,
-    RequestView,
-    assemble_snapshot,
-    group_id_of,
-)
-from nitsum.policy.steptable import DeviceStepTable, StepRow, load_step_rows, select
-from nitsum.policy.tiers import DEFAULT_TIERS, Tier
+from nitsum.policy.snapshot import ArrivalStats, ArrivalWindow, ClusterSnapshot, NodeView, assemble_snapshot
+from nitsum.policy.tiers import DEFAULT_TIERS
+from nitsum.sim.cluster_config import ClusterConfig
+from nitsum.sim.cluster_state import SimGroup, SimNode, SimRequest
 from nitsum.sim.engine import Event, Simulator
-from nitsum.sim.service import ServiceModel, ServiceSampler
+from nitsum.sim.service import ServiceSampler
 from nitsum.topology import Topology
 from nitsum.workloads.request import TraceRequest
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    model: str = "llama-3-70b"
-    # A preset ("cpu" is the shipped CPU table; "h100" | "h200" | "a100"), a device table JSON path (what
-    # `nitsum bench profile --out` writes), a loaded DeviceSpec or a CostModel. The policy gets the same table.
-    device_kind: str | Path | DeviceSpec | CostModel = "h100"
-    # A measured step-time table (CSV path or parsed rows; policy/steptable.py): steps of every group are priced
-    # from its rows for (this device's name, this model), and the policy's estimator reads the same table.
-    device_table: str | Path | tuple[StepRow, ...] | None = None
-    num_nodes: int = 1
-    devices_per_node: int = 8
-    min_tp: int = 1
-    max_tp: int = 8
-    chunk_tokens: int = 512  # largest prefill chunk per step on a hybrid group (chunked prefill)
-    # Sarathi-style SLO-aware token budget: a hybrid step's prefill chunk is halved (down to
-    # min_chunk_tokens) until the step fits the tightest TPOT among the group's running requests. With a
-    # fixed 512-token chunk a Llama-3-70B TP8 step takes 26 ms, so every interactive request (25 ms TPOT)
-    # decoding beside a prefill missed its TPOT whatever the topology. False: always chunk_tokens.
-    tpot_aware_chunks: bool = True
-    min_chunk_tokens: int = MIN_CHUNK_TOKENS  # prefill never stalls completely behind a decode batch
-    # True: a hybrid step's chunk_tokens budget also pays for its decode tokens, as nitsum's own engine
-    # schedules (engine/scheduler.py: running sequences take one token each first, prefill gets the rest);
-    # False: the budget is for prefill tokens only (decodes ride along, as in the Sarathi-style model).
-    decode_tokens_in_budget: bool = False
-    prefill_batch_tokens: int = 8192  # prefill tokens per step on a prefill group
-    max_batch: int = 256  # sequences in one decode batch
-    block_size_tokens: int = 16
-    epoch_ms: float = 1000.0  # NITSUM_RECONFIG_INTERVAL_MS
-    reconfig_cost_ms: float | None = None  # None: cost model; else this fixed pause per reconfiguration
-    inter_node_bandwidth_bps: float = 8 * 400e9  # P/D hand-off between nodes (8 x 400 Gb/s NICs)
-    # Arrivals per tier over this sliding window go into each epoch's snapshot (ClusterSnapshot.arrivals),
-    # as a coordinator would measure them; 0 leaves them out (the policy then scores the backlog only).
-    arrival_window_ms: float = 5000.0
-    # ... and over the whole steady stretch since the stream last shifted, up to this long (ArrivalWindow.regime_ms).
-    arrival_regime_ms: float = 60_000.0
-    drain_ms: float = 30_000.0  # after the last arrival, how long in-flight requests may still finish
-    tiers: tuple[tuple[str, Tier], ...] = tuple(DEFAULT_TIERS.items())
-    # What the live mesh adds to the table's engine steps (request path, step noise); None: engine steps only.
-    service: ServiceModel | None = None
-
-    def __post_init__(self) -> None:
-        _ = self.device  # an unknown kind or a missing table file fails here, with the accepted forms named
-        self.step_table()  # a malformed step table fails here, naming its line and column
-        if isinstance(self.device_kind, CostModel) and self.device_kind.model.name != self.model:
-            raise ValueError(
-                f"device_kind is a cost model of {self.device_kind.model.name!r}, the cluster runs {self.model!r}"
-            )
-
-    @property
-    def device(self) -> DeviceSpec:
-        return resolve_device(self.device_kind)
-
-    @property
-    def device_name(self) -> str:
-        """The kind the nodes report (NodeView.device_kind): the preset's name, or the given table's name."""
-        return (
-            self.device_kind
-            if isinstance(self.device_kind, str) and not self.device_kind.endswith(".json")
-            else self.device.name
-        )
-
-    def step_table(self) -> DeviceStepTable | None:
-        if self.device_table is None:
-            return None
-        from nitsum.policy.costmodel import model_spec
-
-        rows = self.device_table if isinstance(self.device_table, tuple) else load_step_rows(self.device_table)
-        source = "device table" if isinstance(self.device_table, tuple) else str(self.device_table)
-        return select(rows, self.device_name, model_spec(self.model), source)
-
-    def cost_model(self) -> CostModel:
-        if isinstance(self.device_kind, CostModel):
-            return self.device_kind
-        base = cost_model(self.model, self.device)
-        steps = self.step_table()
-        return base if steps is None else CostModel(base.model, base.device, steps=steps)
-
-    def policy_config(self) -> PolicyConfig:
-        from nitsum.policy.costmodel import model_spec
-
-        return PolicyConfig(
-            model=model_spec(self.model),
-            epoch_ms=self.epoch_ms,
-            block_size_tokens=self.block_size_tokens,
-            chunk_tokens=self.chunk_tokens,
-            prefill_batch_tokens=self.prefill_batch_tokens,
-            devices=((self.device_name, self.device),),
-            step_tables=() if self.device_table is None else ((self.device_name, self.step_table()),),
-        )
-
-
-class _Req:
-    __slots__ = (
-        "rid",
-        "tier",
-        "ttft_slo",
-        "tpot_slo",
-        "weight",
-        "arrival",
-        "prompt",
-        "output",
-        "prefill_done",
-        "first_token",
-        "finish",
-        "group",
-        "join_step",
-        "base_gen",
-        "error",
-        "in_prefill",
-        "kv_tokens",
-        "deadline",
-        "path_ms",
-        "stalled",
-        "ratio",
-    )
-
-    def __init__(self, rid: str, t: TraceRequest, tier: Tier) -> None:
-        self.rid = rid
-        self.tier = tier.name
-        self.ttft_slo = tier.ttft_ms
-        self.tpot_slo = tier.tpot_ms
-        self.weight = tier.weight
-        self.arrival = t.arrival_ms
-        self.prompt = t.prompt_tokens
-        self.output = t.output_tokens
-        self.prefill_done = 0
-        self.first_token: float | None = None
-        self.finish: float | None = None
-        self.group: _Group | None = None
-        self.join_step = 0
-        self.base_gen = 0
-        self.error: str | None = None
-        self.in_prefill = False
-        self.kv_tokens = 0  # KV reserved on its group (prompt + output, reserved up front: no preemption)
-        self.deadline = t.arrival_ms + tier.ttft_ms  # TTFT deadline: prefill order is EDF
-        self.path_ms = 0.0  # service model: the client sees its tokens this much later
-        self.stalled = False  # service model: ... and all at once
-        self.ratio = 1.0  # service model: its decode steps' slowdown
-
-    def generated(self) -> int:
-        if self.first_token is None:
-            return 0
-        if self.group is None or self.group.running.get(self) is None:
-            return self.base_gen
-        return self.base_gen + self.group.step - self.join_step
-
-    def view(self) -> RequestView:
-        return RequestView(
-            request_id=self.rid,
-            tier=self.tier,
-            ttft_ms=self.ttft_slo,
-            tpot_ms=self.tpot_slo,
-            weight=self.weight,
-            arrival_ms=self.arrival,
-            prompt_tokens=self.prompt,
-            max_tokens=self.output,
-            output_tokens=self.generated(),
-            first_token_ms=self.first_token,
-            group_id=None if self.group is None else self.group.gid,
-        )
-
-
-def _by_deadline(r: _Req) -> float:
-    return r.deadline
-
-
-class _Group:
-    __slots__ = (
-        "gid",
-        "node",
-        "start",
-        "tp",
-        "role",
-        "cost",
-        "waiting",
-        "prefilling",
-        "running",
-        "finish_heap",
-        "step",
-        "ctx_base",
-        "busy",
-        "paused_until",
-        "kv_total",
-        "kv_used",
-        "version",
-        "retired",
-        "seq",
-        "tpot_counts",
-    )
-
-    def __init__(
-        self, node: _Node, start: int, tp: int, role: str, cost: CostModel, now: float, paused_until: float
-    ) -> None:
-        self.gid = group_id_of(node.node_id, start, tp)
-        self.node = node
-        self.start, self.tp, self.role = start, tp, role
-        self.cost = cost
-        self.waiting: list[tuple[float, int, _Req]] = []  # (TTFT deadline, seq, req): EDF
-        self.prefilling: list[_Req] = []
-        self.running: dict[_Req, int] = {}  # req -> step index of its last token
-        self.finish_heap: list[tuple[int, int, _Req]] = []
-        self.step = 0
-        self.ctx_base = 0  # sum over running of (prompt + base_gen - join_step)
-        self.busy = False
-        self.paused_until = paused_until
-        self.kv_total = cost.kv_capacity_tokens(tp)
-        self.kv_used = 0
-        self.version = 0
-        self.retired = False
-        self.seq = 0
-        self.tpot_counts: dict[float, int] = {}  # TPOT target -> running requests with it (tightest = min)
-
-    def add_running_tpot(self, tpot_ms: float) -> None:
-        self.tpot_counts[tpot_ms] = self.tpot_counts.get(tpot_ms, 0) + 1
-
-    def drop_running_tpot(self, tpot_ms: float) -> None:
-        left = self.tpot_counts[tpot_ms] - 1
-        if left:
-            self.tpot_counts[tpot_ms] = left
-        else:
-            del self.tpot_counts[tpot_ms]
-
-    @property
-    def healthy(self) -> bool:
-        return self.kv_total > 0
-
-    def view(self, block: int) -> GroupView:
-        return GroupView(
-            group_id=self.gid,
-            devices=tuple(range(self.start, self.start + self.tp)),
-            tp=self.tp,
-            role=self.role,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self.prefilling),
-            kv_blocks_free=max(self.kv_total - self.kv_used, 0) // block,
-            kv_blocks_total=self.kv_total // block,
-            healthy=self.healthy,
-            draining=False,
-        )
-
-
-class _Node:
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
-        self.groups: list[_Group] = []
-        self.last_reconfig_ms: float | None = None
 
 
 @dataclass
@@ -318,10 +57,10 @@ class ClusterSim:
         self.service = ServiceSampler(config.service) if config.service is not None else None
         self.workload = sorted(workload, key=lambda r: r.arrival_ms)
         self.sim = Simulator()
-        self.nodes = [_Node(f"n{i}") for i in range(config.num_nodes)]
-        self.reqs: list[_Req] = []
-        self.live: dict[str, _Req] = {}
-        self.coordinator_queue: list[_Req] = []
+        self.nodes = [SimNode(f"n{i}") for i in range(config.num_nodes)]
+        self.reqs: list[SimRequest] = []
+        self.live: dict[str, SimRequest] = {}
+        self.coordinator_queue: list[SimRequest] = []
         w = config.arrival_window_ms
         self.arrivals = (
             ArrivalWindow(w, started_ms=0.0, regime_ms=config.arrival_regime_ms, detect_shifts=True) if w > 0 else None
@@ -339,7 +78,7 @@ class ClusterSim:
             self._build(node, topo, 0.0, 0.0)
 
     # -- views ---------------------------------------------------------------------------------------------
-    def _node_view(self, node: _Node) -> NodeView:
+    def _node_view(self, node: SimNode) -> NodeView:
         c = self.config
         return NodeView(
             node_id=node.node_id,
@@ -374,7 +113,7 @@ class ClusterSim:
             return ()
         return self.arrivals.stats(self.sim.now_ms)
 
-    def _group(self, gid: str) -> _Group | None:
+    def _group(self, gid: str) -> SimGroup | None:
         for n in self.nodes:
             for g in n.groups:
                 if g.gid == gid:
@@ -382,14 +121,14 @@ class ClusterSim:
         return None
 
     # -- topology ------------------------------------------------------------------------------------------
-    def _build(self, node: _Node, topo: Topology, now: float, pause_ms: float) -> list[_Group]:
+    def _build(self, node: SimNode, topo: Topology, now: float, pause_ms: float) -> list[SimGroup]:
         topo.validate(self.config.devices_per_node, self.config.min_tp, self.config.max_tp)
         keep = {(g.start, g.tp, g.role): g for g in node.groups}
         new_groups, created = [], []
         for spec in topo.groups:
             g = keep.pop((spec.start, spec.tp, spec.role), None)
             if g is None:
-                g = _Group(node, spec.start, spec.tp, spec.role, self.cost, now, now + pause_ms)
+                g = SimGroup(node, spec.start, spec.tp, spec.role, self.cost, now, now + pause_ms)
                 created.append(g)
             new_groups.append(g)
         for g in keep.values():
@@ -400,11 +139,11 @@ class ClusterSim:
         self.layouts.append((now, node.node_id, topo))
         return created
 
-    def _reconfigure(self, node: _Node, topo: Topology) -> list[Event]:
+    def _reconfigure(self, node: SimNode, topo: Topology) -> list[Event]:
         now = self.sim.now_ms
         old = {(g.start, g.tp, g.role): g for g in node.groups}
         changed = [g for key, g in old.items() if key not in {(s.start, s.tp, s.role) for s in topo.groups}]
-        moving: list[_Req] = []
+        moving: list[SimRequest] = []
         for g in changed:
             moving.extend(r for _, _, r in g.waiting)
             moving.extend(g.prefilling)
@@ -420,17 +159,7 @@ class ClusterSim:
             pause = self.cost.reconfig_cost_ms(kv_bytes, devices)
         # Snapshot each moving request's progress before its group goes away.
         for r in moving:
-            r.base_gen = r.generated()
-            if r.group is not None and r in r.group.running:
-                g_old = r.group
-                g_old.ctx_base -= r.prompt + (r.base_gen - (g_old.step - r.join_step)) - r.join_step
-                del g_old.running[r]
-                g_old.drop_running_tpot(r.tpot_slo)
-            if r.group is not None:
-                r.group.kv_used -= r.kv_tokens
-            r.kv_tokens = 0
-            r.in_prefill = False
-            r.group = None
+            r.detach()
         self._build(node, topo, now, pause)
         node.last_reconfig_ms = now
         self.reconfigs += 1
@@ -446,7 +175,7 @@ class ClusterSim:
     def _arrive(self, sim: Simulator, payload: tuple[int, TraceRequest, float, bool]) -> list[Event]:
         index, t, path_ms, stalled = payload
         tier = self.tiers.get(t.tier) or DEFAULT_TIERS["interactive"]
-        r = _Req(f"r{index}", t, tier)
+        r = SimRequest(f"r{index}", t, tier)
         r.path_ms, r.stalled = path_ms, stalled
         self.reqs.append(r)
         if self.arrivals is not None:
@@ -460,7 +189,7 @@ class ClusterSim:
         return self._place(r, decode=False, snap=snap)
 
     def _place(
-        self, r: _Req, decode: bool, snap: ClusterSnapshot | None = None, ready_at: float | None = None
+        self, r: SimRequest, decode: bool, snap: ClusterSnapshot | None = None, ready_at: float | None = None
     ) -> list[Event]:
         if snap is None:
             snap = self.snapshot(full=decode)
@@ -476,7 +205,7 @@ class ClusterSim:
         r.group = g
         return self._kick(g)
 
-    def _join_decode(self, g: _Group, r: _Req, ready_at: float | None = None) -> list[Event]:
+    def _join_decode(self, g: SimGroup, r: SimRequest, ready_at: float | None = None) -> list[Event]:
         now = self.sim.now_ms
         if ready_at is not None and ready_at > now:
             return [(ready_at, self._join_decode_ev, (g, r, g.version))]
@@ -488,7 +217,7 @@ class ClusterSim:
             return self._place(r, decode=True)
         return self._join_decode_now(g, r)
 
-    def _join_decode_now(self, g: _Group, r: _Req) -> list[Event]:
+    def _join_decode_now(self, g: SimGroup, r: SimRequest) -> list[Event]:
         r.group = g
         need = r.prompt + r.output
         r.kv_tokens = need
@@ -506,7 +235,7 @@ class ClusterSim:
         heapq.heappush(g.finish_heap, (g.step + left, g.seq, r))
         return self._kick(g)
 
-    def _finish(self, r: _Req, now: float) -> list[Event]:
+    def _finish(self, r: SimRequest, now: float) -> list[Event]:
         r.finish = now
         if r.group is not None:
             r.group.kv_used -= r.kv_tokens
@@ -515,58 +244,14 @@ class ClusterSim:
         return []
 
     # -- engine steps --------------------------------------------------------------------------------------
-    def _kick(self, g: _Group) -> list[Event]:
+    def _kick(self, g: SimGroup) -> list[Event]:
         if g.busy or g.retired:
             return []
         now = self.sim.now_ms
         if g.paused_until > now:
             g.busy = True
             return [(g.paused_until, self._resume, (g, g.version))]
-        c = self.config
-        n_dec = len(g.running) if g.role != "prefill" else 0
-        dec_ctx = (g.ctx_base + n_dec * g.step) if n_dec else 0
-        pre = sorted(g.prefilling, key=_by_deadline)  # a copy: admissions below append to g.prefilling
-        if g.role == "prefill":
-            budget = c.prefill_batch_tokens
-        elif g.role == "hybrid":
-            # The chunk attends to the prompt tokens already prefilled: the head of the EDF line's.
-            head = pre[0] if pre else None
-            if g.waiting and (head is None or g.waiting[0][2].deadline < head.deadline):
-                head = g.waiting[0][2]
-            budget = self._hybrid_budget(g, n_dec, dec_ctx + (head.prefill_done if head is not None else 0))
-            if c.decode_tokens_in_budget:
-                budget = max(budget - n_dec, 0)
-        else:
-            budget = 0
-        # Prefill work in earliest-TTFT-deadline order over both the requests already part-way through their
-        # prefill and the waiting ones: an interactive arrival is not stuck behind a long background prompt's
-        # remaining chunks (those keep their KV and resume later).
-        planned: list[tuple[_Req, int]] = []
-        tokens = 0
-        i = 0
-        take_waiting = True
-        while tokens < budget:
-            p = pre[i] if i < len(pre) else None
-            w = g.waiting[0][2] if take_waiting and g.waiting else None
-            if w is not None and (p is None or w.deadline < p.deadline):
-                need = w.prompt + w.output
-                if g.kv_used + need > g.kv_total or len(g.running) + len(g.prefilling) >= c.max_batch:
-                    take_waiting = False
-                    continue
-                heapq.heappop(g.waiting)
-                g.kv_used += need
-                w.kv_tokens = need
-                w.in_prefill = True
-                g.prefilling.append(w)
-                r = w
-            elif p is not None:
-                i += 1
-                r = p
-            else:
-                break
-            n = min(r.prompt - r.prefill_done, budget - tokens)
-            planned.append((r, n))
-            tokens += n
+        planned, tokens, n_dec, dec_ctx = g.plan_step(self.config)
         if not planned and n_dec == 0:
             return []
         ctx = dec_ctx + sum(r.prefill_done + n for r, n in planned)
@@ -575,17 +260,6 @@ class ClusterSim:
             step_ms *= sum(r.ratio for r in g.running) / n_dec  # O(batch): only simulations with a service model
         g.busy = True
         return [(now + step_ms, self._step_done, (g, g.version, planned))]
-
-    def _hybrid_budget(self, g: _Group, n_dec: int, dec_ctx: int) -> int:
-        """Prefill tokens this hybrid step may carry (see ClusterConfig.tpot_aware_chunks)."""
-        c = self.config.chunk_tokens
-        if not self.config.tpot_aware_chunks or n_dec == 0:
-            return c
-        tpot = min(g.tpot_counts)
-        floor = min(self.config.min_chunk_tokens, c)
-        while c > floor and g.cost.step_time_ms(g.tp, n_dec + 1, n_dec + c, dec_ctx + c) > tpot:
-            c = max(c // 2, floor)
-        return c
 
     def _resume(self, sim: Simulator, payload: tuple) -> list[Event]:
         g, version = payload
@@ -634,7 +308,7 @@ class ClusterSim:
         events.extend(self._kick(g))
         return events
 
-    def _handoff(self, r: _Req, src: _Group) -> list[Event]:
+    def _handoff(self, r: SimRequest, src: SimGroup) -> list[Event]:
         """P/D: route to a decode group; the KV travels over NVLink (same node) or the NICs."""
         snap = self.snapshot(full=True)
         d = self.policy.route(snap, r.view())
@@ -701,7 +375,7 @@ class ClusterSim:
         sim = self.sim
         self._start()
         sim.run(until_ms=self.end_arrivals_ms + self.config.drain_ms)
-        records = [self._record(r) for r in self.reqs]
+        records = [r.record() for r in self.reqs]
         window = duration_s if duration_s is not None else max(self.end_arrivals_ms / 1000.0, 1e-3)
         report = summarize(records, duration_s=window, tier_order=tuple(self.tiers))
         return ClusterResult(
@@ -714,38 +388,6 @@ class ClusterSim:
             sim.wall_s,
             self.topologies,
             self.layouts,
-        )
-
-    def _record(self, r: _Req) -> RequestRecord:
-        done = r.finish is not None and r.error is None
-        if r.path_ms or r.stalled:  # service model: the client sees every token path_ms later (all at once)
-            first = None if r.first_token is None else r.first_token + r.path_ms
-            finish = first if r.stalled else None if r.finish is None else r.finish + r.path_ms
-            return RequestRecord(
-                request_id=r.rid,
-                tier=r.tier,
-                ttft_slo_ms=r.ttft_slo,
-                tpot_slo_ms=r.tpot_slo,
-                weight=r.weight,
-                send_ms=r.arrival,
-                first_token_ms=first,
-                finish_ms=finish if done else None,
-                output_tokens=r.output if done else r.generated(),
-                prompt_tokens=r.prompt,
-                error=r.error,
-            )
-        return RequestRecord(
-            request_id=r.rid,
-            tier=r.tier,
-            ttft_slo_ms=r.ttft_slo,
-            tpot_slo_ms=r.tpot_slo,
-            weight=r.weight,
-            send_ms=r.arrival,
-            first_token_ms=r.first_token,
-            finish_ms=r.finish if done else None,
-            output_tokens=r.output if done else r.generated(),
-            prompt_tokens=r.prompt,
-            error=r.error,
         )
 
 

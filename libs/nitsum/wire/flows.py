@@ -1,0 +1,110 @@
+"""Flow messages (transfer agents ↔ flow-scheduler): submits, permits and completions of flows, one round trip per
+request (FlowSubmitBatch → FlowPermitBatch), layer progress, and pruned requests (FlowPruned → gateways).
+
+Part of `nitsum.wire.messages` (import them from there; its module docstring states the rules)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class FlowSubmit:
+    """Transfer agent → flow-scheduler: a flow waiting for a permit."""
+
+    KIND: ClassVar[str] = "flow_submit"
+    VERSION: ClassVar[int] = 1
+    flow_id: str
+    request_id: str
+    unit_id: str
+    stage: str  # "1" | "2" | "3" | "M"
+    size_bytes: int
+    src: str
+    dst: str
+    target_layer: int | None = None
+    deadline_unix_ms: float | None = None
+    request_deadlines_unix_ms: tuple[float, ...] = ()
+    src_host: str = ""  # host ids of the two ends: the flow's links are the src host's uplink and the dst
+    dst_host: str = ""  # host's downlink (capacities from NITSUM_FLOW_LINK_GBPS); "" = the worker ids' links
+
+
+@dataclass(frozen=True)
+class FlowPermit:
+    """Flow-scheduler → transfer agent: the priority level (and DSCP) a flow may now send at."""
+
+    KIND: ClassVar[str] = "flow_permit"
+    VERSION: ClassVar[int] = 1
+    flow_id: str
+    level: int
+    dscp: int
+    pruned: bool = False
+    reason: str = ""
+    code: str = ""  # with pruned: "flow_invalid" (never retry) or "overload_pruned" (retry the request)
+
+
+@dataclass(frozen=True)
+class FlowCompletion:
+    KIND: ClassVar[str] = "flow_done"
+    VERSION: ClassVar[int] = 1
+    flow_id: str
+    ok: bool
+    bytes_sent: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class FlowSubmitBatch:
+    """Transfer agent → flow-scheduler: several flows of one request in one round trip."""
+
+    KIND: ClassVar[str] = "flow_submit_batch"
+    VERSION: ClassVar[int] = 1
+    flows: tuple[FlowSubmit, ...]
+
+
+@dataclass(frozen=True)
+class FlowPermitBatch:
+    KIND: ClassVar[str] = "flow_permit_batch"
+    VERSION: ClassVar[int] = 1
+    permits: tuple[FlowPermit, ...]
+
+
+@dataclass(frozen=True)
+class FlowProgress:
+    """Bytes a flow still has to send (for RMLQ's MLU and the pruning check's delay estimate)."""
+
+    KIND: ClassVar[str] = "flow_progress"
+    VERSION: ClassVar[int] = 1
+    flow_id: str
+    remaining_bytes: int
+
+
+@dataclass(frozen=True)
+class LayerProgress:
+    """Prefill worker → flow-scheduler, at a layer boundary of a unit (a batch): the layer it starts now,
+    counted from the unit's first layer (the numbering of FlowSubmit.target_layer, so RLI = target − layer),
+    the TTFT deadlines of its requests, and its flows' progress. `done`: the unit's compute has finished
+    (its stage-3 flows then move on the scheduler's timer)."""
+
+    KIND: ClassVar[str] = "layer_progress"
+    VERSION: ClassVar[int] = 1
+    unit_id: str
+    layer: int
+    request_deadlines_unix_ms: tuple[float, ...] = ()
+    flows: tuple[FlowProgress, ...] = ()
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class FlowPruned:
+    """Flow-scheduler → gateways / coordinator: overload pruning suppressed a request's flows. The request
+    will miss its TTFT deadline where it is; `code` "overload_pruned" means: retry it (re-plan elsewhere or
+    later); nothing of it is sent any more."""
+
+    KIND: ClassVar[str] = "flow_pruned"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    code: str
+    reason: str
+    flow_ids: tuple[str, ...] = ()
+    retryable: bool = True

@@ -1,0 +1,66 @@
+"""One request's stream on this worker (`Running`): where its frames go, how far it has streamed, and the
+frames it sends (`output_chunk`, `error_chunk`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from nitsum.wire.messages import TokenChunk
+
+
+@dataclass
+class Running:
+    request_id: str
+    stream_subject: str
+    prompt_len: int
+    next_index: int
+    span: trace.Span
+    started_s: float = field(default_factory=time.monotonic)
+    decode_worker: str = ""  # P/D: hand the request to this worker after its first token
+    max_tokens: int = 0
+    tpot_ms: float = 0.0
+    attempt: int = -1  # the SubmitRequest.attempt being served (an adopted stream: the one its prefill served)
+    # When its first token came out (time.monotonic()); None: still prefilling here. A request adopted past
+    # its first token (P/D, TP change) counts from its adoption: the coordinator keeps the earlier time it
+    # heard of, if any (WorkerStats.running_first_token_age_ms).
+    first_token_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.next_index > 0 and self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+
+    def output_chunk(self, out, worker_id: str, finished: bool) -> TokenChunk:
+        """The frame of one step's output for this request, from `next_index` on (the caller advances it)."""
+        return TokenChunk(
+            request_id=out.request_id,
+            worker_id=worker_id,
+            index=self.next_index,
+            token_ids=tuple(out.new_token_ids),
+            text=out.text_delta,
+            finished=finished,
+            finish_reason=(out.finish_reason or "") if finished else "",
+            num_prompt_tokens=self.prompt_len,
+            num_cached_prompt_tokens=out.num_cached_prompt_tokens,
+            logprobs=(out.logprob,) if out.logprob is not None else (),
+            top_k=len(out.top_logprobs),
+            top_logprob_ids=tuple(t for t, _ in out.top_logprobs),
+            top_logprob_values=tuple(v for _, v in out.top_logprobs),
+            attempt=self.attempt,
+        )
+
+    def error_chunk(self, worker_id: str, code: str, message: str) -> TokenChunk:
+        """The last frame of a stream that ends with an error the client hears."""
+        return TokenChunk(
+            request_id=self.request_id,
+            worker_id=worker_id,
+            index=self.next_index,
+            token_ids=(),
+            finished=True,
+            finish_reason="error",
+            error_code=code,
+            error_message=message,
+            attempt=self.attempt,
+        )
