@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from aiohttp import web
@@ -24,6 +25,8 @@ from nitsum_services.gateway.protocol import (
     usage_chunk,
 )
 from nitsum_services.gateway.slo import SloAccounting
+
+log = logging.getLogger("nitsum.gateway")
 
 
 class Responder:
@@ -99,6 +102,17 @@ class Responder:
             for gen in gens:
                 await gen.abort("client_disconnected")
             raise
+        except Exception as exc:  # a bug mid-stream: the client is told, never left with a stream cut short as if done
+            log.exception("%s: the stream failed", request_id)
+            mark_error(span, f"internal: {type(exc).__name__}: {exc}")
+            self.slo.outcome(slo.tier, "error")
+            for gen in gens:
+                await gen.abort("gateway_error")
+            message = f"the gateway failed mid-stream: {type(exc).__name__}"
+            error = {"error": {"message": message, "type": "server_error", "param": None, "code": "internal"}}
+            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            return response
         if parsed.include_usage:
             await response.write(
                 b"data: "

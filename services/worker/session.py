@@ -45,7 +45,6 @@ class WorkerSession:
     TOLD_REASONS = ("shed", "admin")
 
     def __init__(self, backend, bus: Bus, worker_id: str, metrics: Metrics, tracer: trace.Tracer) -> None:
-        self.backend = backend
         self.bus = bus
         self.worker_id = worker_id
         self.metrics = metrics
@@ -61,6 +60,7 @@ class WorkerSession:
         self.many_ended = asyncio.Event()
         self._stats = backend.stats()
         self.step_thread = StepThread(backend, self.inbox, self.holds)
+        self.backend = backend
         self.on_topology_change = None  # async callback after a commit changed this worker's group
         self.on_handoff = None  # P/D: callback(Running) once a prefill finished; it owns the request then
         self._held: dict[str, SubmitRequest] = {}  # accepted, waiting for a stage-1 prefix fetch
@@ -71,6 +71,17 @@ class WorkerSession:
         self.publisher = FramePublisher(bus, worker_id)  # token frames go out from its task, not the step loop
 
     # ---- called from the event loop -------------------------------------------------------------
+
+    @property
+    def backend(self):
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend) -> None:
+        """The worker's backend, replaced when it joins or leaves a node world: the step thread takes the new one."""
+        self._backend = backend
+        self.step_thread.backend = backend
+
     @property
     def prefill_role(self) -> bool:
         """The engine pins every finished request (release it after its hand-off)."""

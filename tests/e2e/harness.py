@@ -221,7 +221,7 @@ async def stream_completion(
         if resp.status != 200:
             return StreamResult(resp.status, [], None, (await resp.json()).get("error"), request_id)
         tokens: list[int] = []
-        finish, error = None, None
+        finish, error, done = None, None, False
         buffer = b""
         async for data in resp.content.iter_any():
             buffer += data
@@ -229,6 +229,7 @@ async def stream_completion(
                 event, buffer = buffer.split(b"\n\n", 1)
                 line = event.decode().removeprefix("data: ")
                 if line == "[DONE]":
+                    done = True
                     continue
                 obj = json.loads(line)
                 if "error" in obj:
@@ -239,6 +240,8 @@ async def stream_completion(
                     finish = choice.get("finish_reason") or finish
                 if on_token is not None:
                     on_token(len(tokens))
+        if not done and error is None:  # the connection closed mid-stream: never a success
+            error = {"code": "no_done", "message": f"the stream ended without [DONE] after {len(tokens)} token(s)"}
         return StreamResult(200, tokens, finish, error, request_id)
 
 

@@ -1,6 +1,8 @@
-"""The namespace testbed's flows over TCP (`nitsum.bench.testbed`, `nitsum bench flows`, tests/net): one
-connection per priority class, each tagged IP_TOS = DSCP << 2, with optional pacing. Not a data plane of the mesh
-(the workers' cross-host KV goes over `nitsum.transfer.kv_tcp`); it lives with the benchmarks that use it.
+"""The TCP data plane's asyncio driver: P/D hand-offs and stage-1 KV reuse between hosts (services/worker/kv_net.py)
+and the namespace testbed's flows (`nitsum.bench.testbed`, `nitsum bench flows`, tests/net). One connection per
+priority class, each tagged IP_TOS = DSCP << 2 (`handshake_tos`, shared with the synchronous driver of TP changes,
+`nitsum.transfer.kv_tcp`: one wire format, `framing`, two drivers, one for the event loop and one for the step
+thread), with optional pacing.
 
 Async shell over `framing`. A flow is DATA frames then END; the receiver answers ACK once its sink
 committed the blocks, or ERROR (and releases whatever it reserved). A sender-side failure mid-flow sends
