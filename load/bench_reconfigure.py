@@ -935,6 +935,9 @@ def engine_main(argv: list[str]) -> int:
         # The part of prepare that stops a group (the prepare step; pre-copy then runs between steps).
         steps = [p[2] for rep in reports for p in rep.get("prepare_steps", []) if p[1] == epoch]
         base = restart[groups[0][1]]
+        # The slowest worker's commit, phase by phase (cumulative ms): where the pause went.
+        timings = [t for rep in reports for e, t in rep.get("commit_timings", []) if e == epoch and t]
+        slowest = max(timings, key=lambda t: max(t.values()), default={})
         rows.append(
             {
                 "transition": f"{name} -> {_describe(groups)}",
@@ -947,6 +950,7 @@ def engine_main(argv: list[str]) -> int:
                 "restart_ms": base,
                 "speedup": base / (prepare_ms + commit_ms),
                 "gap_in_steps": (max(gaps) / step_ms) if gaps else float("nan"),
+                "commit_phases_ms": slowest,
             }
         )
 

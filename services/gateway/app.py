@@ -38,9 +38,11 @@ async def _error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge as exc:
-        return json_error(
+        refusal = json_error(
             413, f"the request body is over the limit ({exc.text})", "invalid_request_error", "body_too_large"
         )
+        refusal.force_close()  # the rest of the body is never read
+        return refusal
     except web.HTTPNotFound:
         return json_error(404, f"no route {request.method} {request.path}", "invalid_request_error", "not_found")
     except web.HTTPMethodNotAllowed:

@@ -33,6 +33,7 @@ from nitsum_services.gateway.slo import SloAccounting
 log = logging.getLogger("nitsum.gateway")
 
 DRAIN_TIMEOUT_S = 60.0
+HANDLER_GRACE_S = 2.0
 
 
 class Gateway:
@@ -119,7 +120,7 @@ class Gateway:
             except ApiError as exc:
                 mark_error(span, exc.code)
                 self.slo.outcome(tier_name, "rejected")
-                return json_error(
+                refusal = json_error(
                     exc.status,
                     exc.message,
                     exc.type,
@@ -127,6 +128,11 @@ class Gateway:
                     exc.param,
                     headers={"x-request-id": request_id, **exc.headers},
                 )
+                if exc.status == 413:
+                    # The body was not read: close the connection rather than keep it open behind an unread
+                    # body (the server's shutdown then waited its whole grace period for that "request").
+                    refusal.force_close()
+                return refusal
             span.set_attribute("nitsum.prompt_tokens", len(prompt_ids))
             fairness = request.headers.get("x-gateway-inference-fairness-id")
             if fairness:
@@ -265,7 +271,14 @@ async def body(ctx: ServiceContext) -> None:
 
     await ctx.bus.subscribe(ctx.bus.subjects.worker_lost, on_worker_lost, expected=WorkerLost)
     await gateway.frames.start()
-    runner = web.AppRunner(build_app(gateway, config.resolved_api_keys()), access_log=None, handler_cancellation=True)
+    # The drain first waits for every generation (streamed or not, up to DRAIN_TIMEOUT_S); what is still in a
+    # handler after that generates nothing (an upload the gateway refused unread, a /v1/models): a short grace.
+    runner = web.AppRunner(
+        build_app(gateway, config.resolved_api_keys()),
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=HANDLER_GRACE_S,
+    )
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port or None).start()
     log.info(
@@ -280,9 +293,15 @@ async def body(ctx: ServiceContext) -> None:
     async def drain() -> None:
         gateway.draining = True
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        if len(gateway.registry):
+            log.info(
+                "draining: waiting for %d stream(s) to end (at most %.0f s)", len(gateway.registry), DRAIN_TIMEOUT_S
+            )
         while len(gateway.registry) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        t0 = time.monotonic()
         await runner.cleanup()
+        log.info("drain: HTTP server closed in %.2f s", time.monotonic() - t0)
 
     ctx.drain_hooks.append(drain)
 

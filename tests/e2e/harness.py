@@ -46,10 +46,17 @@ class Service:
         self.process.send_signal(sig)
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGCONT)
-        self.process.terminate()
+        self.ask_to_stop()
+        return self.wait_stopped(timeout_s)
+
+    def ask_to_stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.terminate()
+
+    def wait_stopped(self, timeout_s: float = 20.0) -> int | None:
+        if self.process is None:
+            return None
         try:
             return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -156,8 +163,12 @@ class ManualMesh:
         raise RuntimeError(f"expected {count} ready workers, have {status}")
 
     def stop(self) -> None:
+        # All at once, as `nitsum up` stops its children: one by one, a node world's follower sat in its
+        # collective waiting for a leader that was told to stop only after it (seconds per test).
         for svc in reversed(list(self.services.values())):
-            svc.stop()
+            svc.ask_to_stop()
+        for svc in reversed(list(self.services.values())):
+            svc.wait_stopped()
         if self.nats is not None:
             self.nats.stop()
         # A node world's workers share the model's weights in /dev/shm; like `nitsum up`, the mesh that made

@@ -265,6 +265,8 @@ def _after(report: dict, ack, check, runtime: NodeRuntime) -> None:
     """Checks after a commit; after an abort, which of this node's KV segments are still in /dev/shm; after
     an abort or a refused prepare or commit, the TCP KV connections and receiver threads still open."""
     if ack.phase == "commit" and ack.ok:
+        # Where this worker's pause went (ms since its commit began, cumulative; see Transition.commit).
+        report.setdefault("commit_timings", []).append([ack.epoch, dict(runtime.last_commit_timings_ms)])
         check("commit")
     elif ack.phase == "abort":
         report.setdefault("abort_kv_segments", []).append([ack.epoch, shm.leftovers(report["node_tag"])])
