@@ -23,8 +23,9 @@ def test_a_child_whose_metrics_port_was_taken_starts_again_on_another(nats_serve
     child = Child("coordinator", "coordinator", env, tmp_path / "coordinator.log")
     child.start()
     try:
-        # Nothing serves this URL: _wait_ready runs to its deadline, restarting the child on the way.
-        code = _wait_ready([child], f"http://127.0.0.1:{free_port()}", "", 20.0, {"flag": False}, tmp_path)
+        # Nothing serves this URL: _wait_ready runs to its deadline, restarting the child on the way (the first
+        # start fails at its bind, a second or two after it began; 10 s leaves room for a loaded machine).
+        code = _wait_ready([child], f"http://127.0.0.1:{free_port()}", "", 10.0, {"flag": False}, tmp_path)
         assert code == 1
         log = child.log_path.read_text()
         assert "address already in use" in log and f", {taken})" in log, log  # the first start did fail on it
