@@ -41,8 +41,9 @@ def _flow(rng: random.Random, i: int, unit: int, now_ms: float, num_links: int) 
 
 
 def _pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs; NaN when there is none (a short run may draw no event of a kind)."""
     s = sorted(xs)
-    return s[min(int(q * len(s)), len(s) - 1)]
+    return s[min(int(q * len(s)), len(s) - 1)] if s else float("nan")
 
 
 def decision_times(name: str, num_flows: int, num_events: int, seed: int) -> dict[str, list[float]]:
