@@ -69,6 +69,9 @@ class PlainBackend:
     def output_counts(self) -> dict[str, int]:
         return {}
 
+    def request_limits(self) -> dict[str, tuple[int, int, float]]:
+        return {}
+
     def idle_tick(self) -> None:
         return None
 
@@ -143,6 +146,11 @@ class NodeBackend:
         """Requests this leader's engine holds -> output tokens so far (adopted ones included)."""
         engine = self.runtime.engine
         return engine.num_output_tokens() if engine is not None else {}
+
+    def request_limits(self) -> dict[str, tuple[int, int, float]]:
+        """Requests this leader's engine holds -> (prompt tokens, max_tokens, TPOT ms) as the engine runs them."""
+        engine = self.runtime.engine
+        return engine.request_limits() if engine is not None else {}
 
     def command(self, cmd):
         self._last_broadcast_s = time.monotonic()

@@ -129,7 +129,7 @@ class WorkerSession:
             len(req.output_token_ids),
             span,
             decode_worker=run.decode_worker,
-            max_tokens=req.sampling.max_tokens,
+            max_tokens=len(req.output_token_ids) + req.sampling.max_tokens,  # in stream indices, as next_index
             tpot_ms=req.tpot_ms,
             attempt=req.attempt,
         )
@@ -308,6 +308,7 @@ class WorkerSession:
         """Reconcile the streams this worker publishes with the requests its engine now holds."""
         self.holds.recent_step_ms.clear()  # the new group's steps are another length: its holds learn them afresh
         held, self.step_thread.held_at_commit = self.step_thread.held_at_commit, {}
+        limits, self.step_thread.limits_at_commit = self.step_thread.limits_at_commit, {}
         for request_id in [r for r in self.running if r not in held]:
             state = self.running.pop(request_id)
             state.span.add_event("migrated", {"nitsum.group": str(self.backend.group)})
@@ -323,8 +324,18 @@ class WorkerSession:
                     },
                 )
                 offset = self.stream_offsets.get(request_id, 0)
+                # Its limits as the engine runs it, in stream indices: a prefill group's adopted request is
+                # handed off at its first token only while it has tokens left (without max_tokens it "ended"
+                # there, a stream cut short as if done).
+                prompt, max_tokens, tpot_ms = limits.get(request_id, (offset, 0, 0.0))
                 self.running[request_id] = Running(
-                    request_id, self.bus.subjects.stream(request_id, self.worker_id), 0, produced + offset, span
+                    request_id,
+                    self.bus.subjects.stream(request_id, self.worker_id),
+                    prompt - offset,
+                    produced + offset,
+                    span,
+                    max_tokens=offset + max_tokens,
+                    tpot_ms=tpot_ms,
                 )
         if self.on_topology_change is not None:
             await self.on_topology_change()

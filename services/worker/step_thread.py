@@ -91,6 +91,8 @@ class StepThread:
         self.holds = holds
         # What this worker holds right at a commit (request id -> output count): the loop adopts streams from it.
         self.held_at_commit: dict[str, int] = {}
+        # ... and what each of them runs under there (prompt tokens, max_tokens, TPOT ms): Engine.request_limits.
+        self.limits_at_commit: dict[str, tuple[int, int, float]] = {}
         self.hold_for_commit = False  # the last turn sent a prepare's final ack: wait a little for the commit
 
     def turn(self):
@@ -116,6 +118,7 @@ class StepThread:
                 if ack.phase == "commit":
                     if ack.ok:
                         self.held_at_commit = backend.output_counts()  # a promoted peer adopts from here
+                        self.limits_at_commit = backend.request_limits()
                     break
             if kind == "shutdown" or backend.is_leader or time.monotonic() > deadline:
                 break
@@ -157,6 +160,7 @@ class StepThread:
                     # What this worker holds right at the cutover, before the next step samples more:
                     # adopted streams continue from exactly these indices.
                     self.held_at_commit = backend.output_counts()
+                    self.limits_at_commit = backend.request_limits()
                 if not backend.is_leader:
                     break  # this worker became a peer: the rest of the inbox is answered by the loop
         if any((ack.phase == "commit" and ack.ok) or (ack.phase == "prepare" and ack.pending) for _future, ack in acks):

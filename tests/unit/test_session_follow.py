@@ -29,6 +29,9 @@ class _Peer:
     def output_counts(self):
         return {"r1": 7}
 
+    def request_limits(self):
+        return {"r1": (12, 40, 25.0)}
+
     def follow(self) -> str:
         kind, ack = self.script.pop(0)
         self.followed.append(kind)
@@ -64,6 +67,7 @@ def test_a_peer_follows_steps_rounds_and_a_prepare_in_one_turn_and_stops_at_the_
     assert (outputs, rejected, calls, kind) == ([], [], [], "control")
     assert [ack.phase for _, ack in acks] == ["prepare", "commit"]
     assert session.step_thread.held_at_commit == {"r1": 7}  # the promoted peer adopts its streams from here
+    assert session.step_thread.limits_at_commit == {"r1": (12, 40, 25.0)}  # and what they run under
 
 
 def test_a_shutdown_or_the_time_limit_ends_a_peer_turn(monkeypatch):
@@ -107,3 +111,25 @@ def test_the_hold_follows_the_steady_step_not_a_few_long_ones():
     assert session.holds.hold_s() == holds_module.PRECOPY_HOLD_STEP_FRACTION * 20.0 / 1000.0
     session.holds.recent_step_ms.extend([400.0] * holds_module.STEADY_STEPS)
     assert session.holds.hold_s() == holds_module.PRECOPY_HOLD_MAX_S
+
+
+def test_streams_adopted_at_a_commit_keep_their_limits():
+    """A stream the new group's leader adopts at a commit knows its prompt, max_tokens and TPOT in stream indices
+    (a re-submitted request's engine counts from the tokens it had streamed): without max_tokens, a prefill
+    group's adopted request "ended" at its first token instead of being handed to a decode group."""
+    from opentelemetry import trace
+
+    from nitsum.bus import Subjects
+
+    session = _session(_Peer([]))
+    session.bus = SimpleNamespace(subjects=Subjects("nitsum"))
+    session.tracer = trace.get_tracer("test")
+    session.backend.group = "(0, 2)"
+    session.stream_offsets["r2"] = 5  # re-submitted after 5 streamed tokens: its engine prompt holds them
+    session.step_thread.held_at_commit = {"r1": 0, "r2": 3}
+    session.step_thread.limits_at_commit = {"r1": (12, 40, 25.0), "r2": (17, 30, 0.0)}
+    asyncio.run(session._after_commit(was_leader=False))
+    r1, r2 = session.running["r1"], session.running["r2"]
+    assert (r1.prompt_len, r1.next_index, r1.max_tokens, r1.tpot_ms) == (12, 0, 40, 25.0)
+    assert (r2.prompt_len, r2.next_index, r2.max_tokens) == (12, 8, 35)
+    assert session.step_thread.limits_at_commit == {} and session.step_thread.held_at_commit == {}

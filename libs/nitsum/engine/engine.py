@@ -221,6 +221,14 @@ class Engine:
         """request id -> tokens it has generated so far."""
         return {rid: seq.num_output_tokens for rid, seq in self._seqs.items()}
 
+    def request_limits(self) -> dict[str, tuple[int, int, float]]:
+        """request id -> (prompt tokens, max_tokens, TPOT target ms or 0.0) as this engine runs it (a re-submitted
+        request's prompt holds the tokens it had streamed before; its max_tokens is what was left then)."""
+        return {
+            rid: (len(seq.prompt_token_ids), seq.params.max_tokens, seq.slo.tpot_ms if seq.slo is not None else 0.0)
+            for rid, seq in self._seqs.items()
+        }
+
     def num_preemptions(self, request_id: str) -> int | None:
         """How often the request was preempted; None when this engine does not hold it."""
         seq = self._seqs.get(request_id)
