@@ -285,7 +285,7 @@ class KvMover:
                 (),
                 "3",
                 now + tpot * 4,
-                now + tpot * max(running.max_tokens - 1, 1),
+                now + tpot * max(running.max_tokens - running.next_index, 1),  # the tokens it has left
                 running.attempt,
             )
         except FlowPrunedError as exc:
