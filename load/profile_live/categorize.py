@@ -14,7 +14,17 @@ CATS = [
     ),
     ("NATS client (flusher, read loop, parse)", ["nats/aio/client.py", "nats/protocol", "nats/aio/transport"]),
     ("codec decode/encode", ["nitsum/wire/codec.py"]),
-    ("gateway: stream SSE + JSON", ["Responder.stream", "Responder.collect", "protocol.py"]),
+    (
+        "gateway: stream SSE + JSON",
+        [
+            "Responder.stream",
+            "Responder.collect",
+            "protocol.py",
+            "gateway/bodies.py",
+            "gateway/sampling.py",
+            "gateway/fields.py",
+        ],
+    ),
     ("gateway: Generation / deltas", ["Generation.", "FrameDispatcher", "choice_deltas"]),
     ("gateway: HTTP (aiohttp)", ["aiohttp/"]),
     (

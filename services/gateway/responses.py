@@ -12,10 +12,7 @@ from aiohttp import web
 
 from nitsum.httpauth import json_error
 from nitsum.telemetry.tracing import mark_error
-from nitsum_services.gateway.choices import choice_deltas
-from nitsum_services.gateway.generation import Generation, GenerationError
-from nitsum_services.gateway.model_info import ModelInfo
-from nitsum_services.gateway.protocol import (
+from nitsum_services.gateway.bodies import (
     chat_logprobs,
     choice,
     chunk,
@@ -24,6 +21,9 @@ from nitsum_services.gateway.protocol import (
     usage,
     usage_chunk,
 )
+from nitsum_services.gateway.choices import choice_deltas
+from nitsum_services.gateway.generation import Generation, GenerationError
+from nitsum_services.gateway.model_info import ModelInfo
 from nitsum_services.gateway.slo import SloAccounting
 
 log = logging.getLogger("nitsum.gateway")

@@ -1,7 +1,7 @@
 """Goodput estimator: how much weighted goodput a candidate topology would deliver for a node's work.
 
 Two halves:
-- `summarize(snap, node, ...)` folds the node's requests (those on its groups plus its share of the
+- `summarize(snap, node, ...)` (nodeload.py) folds the node's requests (those on its groups plus its share of the
   coordinator queue) into a `NodeLoad`: per tier, the queued requests' remaining TTFT budgets (compressed
   into at most `MAX_BUCKETS` earliest-deadline-first buckets), their mean prompt and output lengths, and
   the running requests' count, context and tokens left. One pass over the requests, done once per decision.
@@ -23,7 +23,7 @@ The fluid model (ours; ALGORITHMS.md leaves it open):
    decode slot; slots turn over as running requests finish within the horizon.
 4. A request projected to meet both TTFT and TPOT counts weight × (0.5 + 0.5 · the fraction of its
    remaining tokens produced within the horizon): meeting the SLO counts most, finishing sooner breaks ties.
-5. Stream (only when the snapshot carries `arrivals`): the requests expected to arrive within the horizon,
+5. Stream (stream.py; only when the snapshot carries `arrivals`): the requests expected to arrive within the horizon,
    per tier in the same priority order, against the candidate's steady-state capacity. When the streams
    together overload the pool (Σ u ≥ 1), EDF with shedding serves every tier the same fraction 1 / Σ u near
    its deadline instead (a background request near its deadline overtakes a fresh interactive one). A tier's stream uses
@@ -42,176 +42,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from operator import attrgetter
 
 from nitsum.policy.costmodel import CostModel
-from nitsum.policy.snapshot import ClusterSnapshot, NodeView
+from nitsum.policy.nodeload import MAX_BUCKETS, NodeLoad, StreamLoad, TierLoad, quantize_tokens, summarize
+from nitsum.policy.stream import STREAM_CREDIT, stream_estimate
 
-MAX_BUCKETS = 8
-# A future arrival meeting its SLO counts less than a request already here (it may not come; it finishes
-# later within the horizon): the mean of the 0.5 + 0.5 · fraction-done credit of rule 4.
-STREAM_CREDIT = 0.75
-
-
-def quantize_tokens(n: float) -> int:
-    """Round up to an eighth of an octave, so cost-model memo keys repeat across snapshots."""
-    if n <= 16:
-        return max(int(math.ceil(n)), 1)
-    return int(math.ceil(2.0 ** (math.ceil(8.0 * math.log2(n)) / 8.0)))
-
-
-@dataclass(frozen=True)
-class TierLoad:
-    tier: str
-    weight: float
-    latency_sensitive: bool
-    tpot_ms: float  # mean TPOT target of the tier's requests (per-request overrides averaged)
-    queued: int
-    buckets: tuple[tuple[float, int], ...]  # (smallest remaining TTFT budget in bucket ms, count), EDF order
-    prompt_tokens: int  # mean uncached prompt tokens of queued (quantized)
-    queued_out_tokens: float  # mean max_tokens of queued
-    running: int
-    running_ctx_tokens: int  # mean context of running (quantized)
-    running_left_tokens: float  # mean tokens still to generate
-
-
-@dataclass(frozen=True)
-class StreamLoad:
-    """One tier's expected arrivals (from the snapshot's ArrivalStats, scaled by the node's share)."""
-
-    tier: str
-    weight: float
-    latency_sensitive: bool
-    rate_per_ms: float
-    ttft_ms: float
-    tpot_ms: float
-    prompt_tokens: tuple[int, ...]  # quantized equal-mass quantiles
-    output_tokens: float
-
-
-@dataclass(frozen=True)
-class NodeLoad:
-    tiers: tuple[TierLoad, ...]  # priority order
-    # KV tokens of the requests running on each group (what a reconfiguration of that group must move).
-    kv_tokens_by_group: tuple[tuple[str, int], ...] = ()
-    streams: tuple[StreamLoad, ...] = ()  # priority order; empty when the snapshot has no arrivals
-
-    @property
-    def idle(self) -> bool:
-        return all(t.queued == 0 and t.running == 0 for t in self.tiers)
-
-    def latency_queued(self) -> int:
-        return sum(t.queued for t in self.tiers if t.latency_sensitive)
-
-    def latency_work(self) -> int:
-        return sum(t.queued + t.running for t in self.tiers if t.latency_sensitive)
-
-    def throughput_queued(self) -> int:
-        return sum(t.queued for t in self.tiers if not t.latency_sensitive)
-
-    def throughput_work(self) -> int:
-        return sum(t.queued + t.running for t in self.tiers if not t.latency_sensitive)
-
-
-_TIER = attrgetter("tier")
-_PROMPT = attrgetter("prompt_tokens")
-_CACHED = attrgetter("cached_prompt_tokens")
-_MAX = attrgetter("max_tokens")
-_OUT = attrgetter("output_tokens")
-_TPOT = attrgetter("tpot_ms")
-_DEADLINE = attrgetter("arrival_ms", "ttft_ms")
-
-
-def summarize(snap: ClusterSnapshot, node: NodeView, latency_ttft_ms: float) -> NodeLoad:
-    """Written with comprehensions and map() over attrgetters: this pass is most of a decision's time."""
-    now = snap.now_ms
-    if len(snap.nodes) == 1:
-        reqs = snap.requests
-        from_coordinator = 0
-        share = 1.0
-    else:
-        # The coordinator queue is spread evenly over the nodes.
-        gids = {g.group_id for g in node.groups}
-        reqs = [r for r in snap.requests if r.group_id is None or r.group_id in gids]
-        from_coordinator = sum(1 for r in reqs if r.group_id is None)
-        share = 1.0 / len(snap.nodes)
-    by_tier: dict[str, list] = {}
-    for r in reqs:
-        lst = by_tier.get(r.tier)
-        if lst is None:
-            by_tier[r.tier] = [r]
-        else:
-            lst.append(r)
-    tiers = []
-    running_lists = []
-    for name, rs in by_tier.items():
-        first = rs[0]
-        queued = [r for r in rs if r.first_token_ms is None]
-        running = [r for r in rs if r.first_token_ms is not None] if len(queued) < len(rs) else []
-        nq, nr = len(queued), len(running)
-        running_lists.append(running)
-        q_w = float(nq)
-        if from_coordinator:
-            q_w -= (1.0 - share) * sum(1 for r in queued if r.group_id is None)
-        budgets = [a + t - now for a, t in map(_DEADLINE, queued)]
-        tiers.append(
-            TierLoad(
-                tier=name,
-                weight=first.weight,
-                latency_sensitive=first.ttft_ms <= latency_ttft_ms,
-                tpot_ms=sum(map(_TPOT, rs)) / len(rs),
-                queued=int(round(q_w)),
-                buckets=_buckets(budgets, q_w / nq if nq else 1.0),
-                prompt_tokens=quantize_tokens((sum(map(_PROMPT, queued)) - sum(map(_CACHED, queued))) / nq)
-                if nq
-                else 1,
-                queued_out_tokens=sum(map(_MAX, queued)) / nq if nq else 0.0,
-                running=nr,
-                running_ctx_tokens=quantize_tokens((sum(map(_PROMPT, running)) + sum(map(_OUT, running))) / nr)
-                if nr
-                else 1,
-                running_left_tokens=(sum(map(_MAX, running)) - sum(map(_OUT, running))) / nr if nr else 0.0,
-            )
-        )
-    tiers.sort(key=lambda t: (not t.latency_sensitive, -t.weight, t.tier))
-    kv: dict[str, int] = {}
-    for rs in running_lists:
-        for r in rs:
-            if r.group_id is None:
-                continue  # prefilled, between groups (a P/D hand-off in flight): no group holds its KV yet
-            kv[r.group_id] = kv.get(r.group_id, 0) + r.prompt_tokens + r.output_tokens
-    # Routing spreads arrivals over the nodes: each node expects its share of the stream.
-    node_share = 1.0 / len(snap.nodes)
-    streams = [
-        StreamLoad(
-            a.tier,
-            a.weight,
-            a.ttft_ms <= latency_ttft_ms,
-            a.rate_per_s * node_share / 1e3,
-            a.ttft_ms,
-            a.tpot_ms,
-            tuple(quantize_tokens(p) for p in a.prompt_tokens),
-            a.output_tokens,
-        )
-        for a in snap.arrivals
-        if a.rate_per_s > 0 and a.prompt_tokens
-    ]
-    streams.sort(key=lambda t: (not t.latency_sensitive, -t.weight, t.tier))
-    return NodeLoad(tuple(tiers), tuple(sorted(kv.items())), tuple(streams))
-
-
-def _buckets(budgets: list[float], scale: float) -> tuple[tuple[float, int], ...]:
-    if not budgets:
-        return ()
-    budgets.sort()
-    n = len(budgets)
-    per = -(-n // MAX_BUCKETS)
-    out = []
-    for i in range(0, n, per):
-        count = min(per, n - i)
-        # Smallest budget in the bucket: conservative for every request in it.
-        out.append((budgets[i], max(int(round(count * scale)), 1 if scale >= 1.0 else 0)))
-    return tuple(out)
+__all__ = [
+    "MAX_BUCKETS",
+    "MIN_CHUNK_TOKENS",
+    "STREAM_CREDIT",
+    "Estimate",
+    "GroupClass",
+    "NodeLoad",
+    "StreamLoad",
+    "TierLoad",
+    "classes_of",
+    "edf_prefill",
+    "evaluate",
+    "hybrid_chunk_tokens",
+    "hybrid_prefill_ms",
+    "quantize_tokens",
+    "summarize",
+]
 
 
 # Smallest prefill chunk a hybrid step carries while prefill is pending: decodes come first, but prefill
@@ -396,7 +248,7 @@ def evaluate(
             latency_misses += lost
     # 5. the arrival stream over the horizon, against steady-state capacity.
     if load.streams:
-        s_score, s_misses = _stream(
+        s_score, s_misses = stream_estimate(
             cost,
             load.streams,
             tps,
@@ -426,153 +278,6 @@ def evaluate(
         frac = 1.0 if left <= 0 else min(1.0, tokens / left)
         score += w * (0.5 + 0.5 * frac)
     return Estimate(score, latency_misses, misses)
-
-
-def _p_wait_within(x_ms: float, rho: float, mean_wait_ms: float) -> float:
-    """P(queueing wait <= x) for utilisation rho and mean wait (module docstring, rule 5)."""
-    if x_ms < 0 or rho >= 1.0 or math.isinf(mean_wait_ms):  # (callers pass rho < 1)
-        return 0.0
-    if rho <= 0 or mean_wait_ms <= 0:
-        return 1.0
-    return 1.0 - rho * math.exp(-x_ms * rho / mean_wait_ms)
-
-
-def _stream(
-    cost: CostModel,
-    streams: tuple[StreamLoad, ...],
-    tps: list[int],
-    roles: list[str],
-    mult: list[int],
-    used: list[int],
-    slots,
-    order_hi: list[int],
-    order_lo: list[int],
-    horizon_ms: float,
-    prefill_ms,
-    hol,
-    admit_levels: tuple[int, ...] = (),
-) -> tuple[float, int]:
-    """Rule 5 of the module docstring: (score, expected misses) of the arrivals within the horizon."""
-    n = len(tps)
-    pools = []
-    for st in streams:
-        # admission.admit refuses what no level prefills within the target even with nothing queued
-        admitted = [min(cost.prefill_time_ms(k, p) for k in admit_levels) <= st.ttft_ms for p in st.prompt_tokens]
-        pools.append(_stream_pool(st, tps, roles, mult, used, slots, prefill_ms, hol, admitted))
-    total = sum(st.rate_per_ms * pool[0] for st, pool in zip(streams, pools, strict=True))
-    # Overloaded (the streams together need more prefill time than the pool has): prefill runs in TTFT-deadline
-    # order across the tiers (engine/tiered.py, the simulator), and shedding drops what can no longer meet its
-    # target, so every tier is served near its deadline in the same proportion 1 / ρ: background requests near
-    # their deadline overtake fresh interactive ones. Below saturation the tighter targets come first.
-    edf_overload = total >= 1.0
-    util = 0.0  # prefill-pool time fraction taken by higher-priority streams
-    slots_taken = [0.0] * n  # steady-state decode slots taken by higher-priority streams
-    score = 0.0
-    misses = 0.0
-    for st, (mean_service, split, group_ms) in zip(streams, pools, strict=True):
-        order = order_hi if st.latency_sensitive else order_lo
-        expected = st.rate_per_ms * horizon_ms
-        u = st.rate_per_ms * mean_service
-        if u <= 0 or math.isinf(u) or not any(split):
-            misses += expected
-            continue
-        if edf_overload:
-            served, rho, wait = 1.0 / total, 1.0 - 1e-9, None
-        else:
-            served = min(1.0, max(1.0 - util, 0.0) / u)
-            rho = util + u
-            if rho < 1.0:
-                # Routing sends each request to one group when it arrives (the coordinator and the simulator
-                # alike: no shared queue), so every group is its own queue at the pool's utilisation: a
-                # request waits on the scale of its group's prefill time, not of the pool's completion interval.
-                wait = rho / (2.0 * (1.0 - rho))
-            else:
-                # Overloaded: the pool serves the fraction `served` at capacity, and admission and shedding keep
-                # the queue of what is admitted at most about a TTFT target deep (the rest is refused), so the
-                # served part waits about half a target. Scoring it 0 (an unbounded queue) made every
-                # overloaded layout look the same, the one with twice the capacity included.
-                rho, wait = 1.0 - 1e-9, None
-        # The waiting time's distribution, not only its mean: an atom 1 − ρ at zero and an exponential tail
-        # of the same mean (P(W > x) = ρ·exp(−x·ρ / E[W])). With the mean alone every quantile flipped from
-        # "in time" to "late" at once as ρ crossed a threshold: the cliff that made near-saturated layouts
-        # look alternately hopeless and fine from one epoch to the next.
-        in_time = _in_time(st.ttft_ms, rho, wait, split, group_ms)
-        util = min(util + u, 1.0)
-        # Decode, steady state (Little): the served-in-time part keeps rate · output tokens · step slots busy.
-        # A full class steps at about the TPOT target (max_decode_batch sizes it so), hence tokens/ms per
-        # slot = 1 / TPOT: conservative when the class is not full.
-        demand = st.rate_per_ms * served * in_time * st.output_tokens  # tokens/ms
-        left = demand
-        ctx = quantize_tokens(sum(st.prompt_tokens) / len(st.prompt_tokens) + st.output_tokens / 2.0)
-        for i in order:
-            if left <= 0:
-                break
-            if roles[i] == "prefill":
-                continue
-            free = max(slots(i, st.tpot_ms, ctx) - slots_taken[i], 0.0)
-            take = min(free / st.tpot_ms, left)
-            slots_taken[i] += take * st.tpot_ms
-            left -= take
-        decoded = 1.0 if demand <= 0 else 1.0 - left / demand
-        good = expected * served * in_time * decoded
-        score += st.weight * good * STREAM_CREDIT
-        misses += expected - good
-    return score, int(round(misses))
-
-
-def _stream_pool(st: StreamLoad, tps, roles, mult, used, slots, prefill_ms, hol, admitted: list[bool]):
-    """(mean pooled prefill time per arriving request of the stream, per prompt quantile [(share, ms)] over the
-    prefill classes: the fraction of the quantile's requests a class takes (its completion rate's share) and
-    its prefill time, head-of-line delay included; and per class its mean prefill time). A quantile admission
-    refuses (`admitted` False) takes no prefill time and has no share anywhere (all of it misses)."""
-    inv_rates = []  # mean time between completions of the pool, per prompt quantile
-    split = []
-    service = [0.0] * len(tps)
-    n_ok = max(sum(admitted), 1)
-    for p, ok in zip(st.prompt_tokens, admitted, strict=True):
-        if not ok:
-            inv_rates.append(0.0)
-            split.append([])
-            continue
-        rate = 0.0
-        parts = []
-        for i in range(len(tps)):
-            if roles[i] == "decode":
-                continue
-            # The stream brings prefill work whether or not any is queued now: the chunk a hybrid step carries
-            # beside its decodes (pending=True; with none, an idle queue priced a prompt at one token per step).
-            s = prefill_ms(i, p, True)
-            r_i = mult[i] / s
-            if roles[i] == "hybrid":
-                # A hybrid group decodes what it prefills: in steady state it can take on no more requests
-                # than its decode slots turn over (Llama-3-70B TP2 on H100 holds ~8 k KV tokens).
-                turnover = slots(i, st.tpot_ms, quantize_tokens(p + st.output_tokens / 2.0)) / max(
-                    st.output_tokens * st.tpot_ms, 1.0
-                )
-                r_i = min(r_i, turnover)
-            rate += r_i
-            parts.append((i, r_i, s + hol(i, p)))
-            service[i] += s / n_ok
-        inv_rates.append(1.0 / rate if rate > 0 else math.inf)
-        split.append([(i, r_i / rate, ms) for i, r_i, ms in parts] if rate > 0 else [])
-    return sum(inv_rates) / len(inv_rates), split, service
-
-
-def _in_time(ttft_ms: float, rho: float, wait: float | None, split, group_ms: list[float]) -> float:
-    """Fraction of a stream's requests with their first token within ttft_ms: per prompt quantile, over the
-    classes in proportion to what each completes, the chance that its queue's wait leaves room for its
-    prefill. `wait`: the mean wait in units of the class's mean prefill time; None: overloaded (admission and
-    shedding keep the admitted queue about a TTFT target deep, so the served part waits about half a target)."""
-    total = 0.0
-    for parts in split:
-        for i, share, ms in parts:
-            # Shedding drops a queued request once it cannot meet its target, so what is served waited at most
-            # about a target, half of one on average, at any utilisation: near ρ = 1 the M/D/1 mean alone made
-            # a layout look far worse just below saturation than just above it (a flip at 79 s of a steady
-            # background window, measured).
-            mean_wait = ttft_ms / 2.0 if wait is None else min(wait * group_ms[i], ttft_ms / 2.0)
-            total += share * _p_wait_within(ttft_ms - ms, rho, mean_wait)
-    return total / len(split) if split else 0.0
 
 
 def hybrid_prefill_ms(cost: CostModel, tp: int, prompt: int, chunk: int, batch: int, decode_ctx: int) -> float:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from nitsum.policy.flows import FlowTable, Stage, _Flow, _Unit
+from nitsum.policy.flow_table import FlowTable, _Flow, _Unit
+from nitsum.policy.flow_types import Stage
 
 SIZE_CLASS_BASE_BYTES = 1 << 20  # remaining sizes below this share the top size class
 SIZE_CLASS_RATIO = 4

@@ -2,7 +2,8 @@
 
 ALGORITHMS.md §2 and reference/nuska-paper.txt §4. Owns: `Stage`, `FlowSpec`, `FlowState`, `FlowStats`,
 the `FlowScheduler` protocol that RMLQ and every baseline (`flow_baselines`) implement, MLU with geometric
-promotion thresholds, RLI, cross-stage arbitration, the level → DSCP table, and `RmlqScheduler`.
+promotion thresholds, RLI, cross-stage arbitration, the level → DSCP table, and `RmlqScheduler`
+(the vocabulary lives in flow_types.py, the shared bookkeeping `FlowTable` in flow_table.py; both re-exported).
 
 Levels: K queues, P1 highest. P1 is reserved for explicit-deadline flows (stages 3 and M) whose MLU passed
 the top threshold Q_1; implicit flows (stages 1 and 2) live in P2 … PK (RLI 0 → P2). Flows are only ever
@@ -17,134 +18,42 @@ bandwidths are bits/s. Stdlib only; never reads the clock.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
-from bisect import bisect_left, insort
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from nitsum.policy.flow_order import RequestLoad, prune_overload, robust_effective_deadline
+from nitsum.policy.flow_order import RequestLoad, prune_overload
+from nitsum.policy.flow_table import FlowTable, _Flow, _Unit
+from nitsum.policy.flow_types import (
+    DSCP_LE,
+    DSCP_TABLE,
+    FlowScheduler,
+    FlowSpec,
+    FlowState,
+    FlowStats,
+    Stage,
+    dscp_table,
+    tos_for_dscp,
+)
 
-
-class Stage(enum.Enum):
-    KV_REUSE = "1"  # stage 1: fetch of cached prefix blocks; implicit deadline (before target layer)
-    COLLECTIVE = "2"  # stage 2: all-reduce / all-to-all blocking the next layer; implicit deadline
-    P2D = "3"  # stage 3: prefill → decode KV; explicit deadline (the TTFT deadline)
-    MIGRATION = "M"  # TP-transition KV migration; explicit deadline (the planned cutover)
-
-    @property
-    def explicit(self) -> bool:
-        return self in (Stage.P2D, Stage.MIGRATION)
-
-
-# Level → DSCP. Standard per-hop behaviours in decreasing precedence: EF, AF41, AF31, AF21, AF11,
-# default (0), CS1 (legacy lower effort) and LE (RFC 8622, 1) for the most deferred level.
-_DSCP_LADDER: tuple[int, ...] = (46, 34, 26, 18, 10, 0, 8)
-DSCP_LE = 1
-
-
-def dscp_table(num_levels: int) -> dict[int, int]:
-    """Default level → DSCP for K levels (2 ≤ K ≤ 8): the top K−1 rungs of the ladder, PK = LE."""
-    if not 2 <= num_levels <= len(_DSCP_LADDER) + 1:
-        raise ValueError(f"no default DSCP table for {num_levels} levels; pass one explicitly")
-    table = {lvl: _DSCP_LADDER[lvl - 1] for lvl in range(1, num_levels)}
-    table[num_levels] = DSCP_LE
-    return table
-
-
-DSCP_TABLE: dict[int, int] = dscp_table(8)
-
-
-def tos_for_dscp(dscp: int) -> int:
-    """The IP_TOS byte carrying a DSCP (the low two bits are ECN, left 0)."""
-    assert 0 <= dscp < 64, f"DSCP is 6 bits, got {dscp}"
-    return dscp << 2
-
-
-@dataclass(frozen=True)
-class FlowSpec:
-    """One transfer, as submitted. Explicit stages need `deadline_ms`; implicit ones `target_layer`."""
-
-    flow_id: str
-    request_id: str
-    unit_id: str  # the batch / prefill unit that owns the flow (layer boundaries are per unit)
-    stage: Stage
-    size_bytes: int
-    src: str
-    dst: str
-    path: tuple[str, ...] = ()  # link ids; empty = one default link
-    target_layer: int | None = None  # implicit deadline: needed before this layer runs
-    deadline_ms: float | None = None  # explicit deadline (absolute, caller's clock)
-    request_deadlines_ms: tuple[float, ...] = ()  # TTFT deadlines of the unit's requests, for RED
-    request_deadline_ms: float | None = None  # TTFT deadline of `request_id` itself, for pruning
-
-    def __post_init__(self) -> None:
-        if self.size_bytes < 0:
-            raise ValueError(f"flow {self.flow_id}: size_bytes must be >= 0, got {self.size_bytes}")
-        if self.stage.explicit and self.deadline_ms is None:
-            raise ValueError(f"flow {self.flow_id}: stage {self.stage.value} needs deadline_ms")
-        if self.stage is Stage.KV_REUSE and self.target_layer is None:
-            raise ValueError(f"flow {self.flow_id}: stage 1 needs target_layer")
-
-
-@dataclass(frozen=True)
-class FlowState:
-    """A read-only snapshot of one active flow."""
-
-    flow_id: str
-    request_id: str
-    unit_id: str
-    stage: Stage
-    remaining_bytes: int
-    level: int
-    current_layer: int  # of the owning unit (-1 before its first layer boundary)
-    rli: int | None  # implicit flows only
-    mlu: float | None  # explicit flows only, as of the last evaluation
-    pruned: bool
-
-
-@dataclass
-class FlowStats:
-    """Counters the service exports (nitsum_flow_permits_total{stage,level}, bytes, promotions, pruned).
-
-    A permit is granted whenever a flow is assigned a level: once on arrival and once per promotion.
-    """
-
-    permits: dict[tuple[str, int], int] = field(default_factory=dict)  # (stage value, level) -> count
-    bytes_by_stage: dict[str, int] = field(default_factory=dict)  # stage value -> bytes sent
-    promotions: int = 0
-    pruned_requests: int = 0
-
-    def permit(self, stage: Stage, level: int) -> None:
-        key = (stage.value, level)
-        self.permits[key] = self.permits.get(key, 0) + 1
-
-    def sent(self, stage: Stage, num_bytes: int) -> None:
-        if num_bytes > 0:
-            self.bytes_by_stage[stage.value] = self.bytes_by_stage.get(stage.value, 0) + num_bytes
-
-
-class FlowScheduler(Protocol):
-    """What RMLQ and every baseline implement; the simulator and the transfer agent drive it."""
-
-    name: str
-    num_levels: int
-    stats: FlowStats
-
-    def on_arrival(self, flow: FlowSpec, now_ms: float) -> None: ...
-    def on_progress(self, flow_id: str, remaining_bytes: int, now_ms: float) -> None: ...
-    def on_layer_boundary(self, unit_id: str, current_layer: int, now_ms: float) -> None: ...
-    def on_unit_done(self, unit_id: str, now_ms: float) -> None: ...
-    def on_complete(self, flow_id: str, now_ms: float) -> None: ...
-    def on_tick(self, now_ms: float) -> None: ...
-    def priorities(self, now_ms: float) -> dict[str, int]: ...
-    def service_keys(self, now_ms: float) -> dict[str, tuple[float, ...]]: ...
-    def rates(self, now_ms: float, link_bandwidth_bps: Mapping[str, float]) -> dict[str, float] | None: ...
-    def order(self) -> list[str]: ...
-    def prune(self, now_ms: float, est_delay_ms: Mapping[str, float]) -> list[str]: ...
-    def state(self, flow_id: str) -> FlowState | None: ...
+__all__ = [
+    "DSCP_LE",
+    "DSCP_TABLE",
+    "FlowScheduler",
+    "FlowSpec",
+    "FlowState",
+    "FlowStats",
+    "FlowTable",
+    "RmlqConfig",
+    "RmlqScheduler",
+    "Stage",
+    "dscp_table",
+    "level_for_mlu",
+    "minimal_link_utilization",
+    "relative_layer_index",
+    "tos_for_dscp",
+]
 
 
 @dataclass(frozen=True)
@@ -189,242 +98,6 @@ def minimal_link_utilization(remaining_bytes: int, time_left_ms: float, bottlene
 
 def relative_layer_index(target_layer: int, current_layer: int) -> int:
     return max(target_layer - current_layer, 0)
-
-
-class _Flow:
-    """Mutable per-flow record (internal); `FlowState` is its public snapshot."""
-
-    __slots__ = ("spec", "remaining", "level", "rli", "mlu", "seq", "pruned", "anchor_ms", "timer_gen")
-
-    def __init__(self, spec: FlowSpec, seq: int) -> None:
-        self.spec = spec
-        self.remaining = spec.size_bytes
-        self.level = 0
-        self.rli: int | None = None
-        self.mlu: float | None = None
-        self.seq = seq
-        self.pruned = False
-        self.anchor_ms = 0.0  # origin of this flow's periodic re-evaluation grid
-        self.timer_gen = 0  # bumps on every re-arm: older heap entries are stale
-
-
-class _Unit:
-    __slots__ = ("unit_id", "flows", "layer", "computing", "red", "seq", "deadlines")
-
-    def __init__(self, unit_id: str, seq: int) -> None:
-        self.unit_id = unit_id
-        self.flows: set[str] = set()
-        self.layer = -1
-        self.computing = False
-        self.red = math.inf
-        self.seq = seq
-        self.deadlines: tuple[float, ...] = ()
-
-
-class FlowTable:
-    """Bookkeeping shared by RMLQ and the baselines: flows, units, σ by RED, stats, pruning.
-
-    Subclasses decide `_key(flow)` (the service key; its first element is the level) and may react
-    to layer boundaries. Every handler touches only the flows of one unit or one flow, so the decision
-    time per event does not grow with the number of active flows (σ insertion is a C-level memmove).
-    """
-
-    name = "table"
-
-    def __init__(self, num_levels: int) -> None:
-        self.num_levels = num_levels
-        self.stats = FlowStats()
-        self._flows: dict[str, _Flow] = {}
-        self._units: dict[str, _Unit] = {}
-        self._keys: dict[str, tuple[float, ...]] = {}
-        self._levels: dict[str, int] = {}
-        self._sigma: list[tuple[float, int, str]] = []  # (RED, unit seq, unit id), sorted
-        self._seq = 0
-        self._pruned_requests: set[str] = set()
-
-    # ---- events -------------------------------------------------------------------------
-    def on_arrival(self, flow: FlowSpec, now_ms: float) -> None:
-        assert flow.flow_id not in self._flows, f"flow {flow.flow_id} submitted twice"
-        self.on_tick(now_ms)
-        self._seq += 1
-        rec = _Flow(flow, self._seq)
-        unit = self._unit(flow.unit_id)
-        if not unit.flows:
-            self._sigma_add(unit)
-        unit.flows.add(flow.flow_id)
-        self._flows[flow.flow_id] = rec
-        if flow.request_deadlines_ms and flow.request_deadlines_ms != unit.deadlines:
-            self._set_unit_deadlines(unit, flow.request_deadlines_ms)
-        elif not unit.deadlines and flow.stage.explicit and unit.red == math.inf:
-            self._set_unit_deadlines(unit, (flow.deadline_ms,))  # type: ignore[arg-type]
-        if flow.request_id in self._pruned_requests:
-            rec.pruned = True
-        self._admit(rec, unit, now_ms)
-
-    def on_progress(self, flow_id: str, remaining_bytes: int, now_ms: float) -> None:
-        rec = self._flows.get(flow_id)
-        if rec is None:
-            return  # progress racing a completion is an expected outcome, not an error
-        assert 0 <= remaining_bytes <= rec.remaining, f"flow {flow_id}: remaining bytes grew"
-        self.stats.sent(rec.spec.stage, rec.remaining - remaining_bytes)
-        rec.remaining = remaining_bytes
-        self._progressed(rec, now_ms)
-        self.on_tick(now_ms)
-
-    def on_layer_boundary(self, unit_id: str, current_layer: int, now_ms: float) -> None:
-        self.on_tick(now_ms)
-        unit = self._unit(unit_id)
-        unit.layer = max(unit.layer, current_layer)
-        unit.computing = True
-        for fid in unit.flows:
-            self._reevaluate(self._flows[fid], unit, now_ms)
-
-    def set_unit_deadlines(self, unit_id: str, deadlines_ms: tuple[float, ...], now_ms: float) -> None:
-        """The TTFT deadlines of a unit's requests (a worker's layer report): RED and σ follow them."""
-        self.on_tick(now_ms)
-        unit = self._units.get(unit_id)
-        ds = tuple(sorted(deadlines_ms))
-        if unit is not None and ds and ds != unit.deadlines:
-            self._set_unit_deadlines(unit, ds)
-
-    def on_unit_done(self, unit_id: str, now_ms: float) -> None:
-        """The unit's compute finished: its explicit flows now move on the periodic timer."""
-        self.on_tick(now_ms)
-        unit = self._units.get(unit_id)
-        if unit is None:
-            return
-        unit.computing = False
-        if not unit.flows:
-            del self._units[unit_id]
-            return
-        for fid in unit.flows:
-            self._unit_released(self._flows[fid], now_ms)
-
-    def on_complete(self, flow_id: str, now_ms: float) -> None:
-        rec = self._flows.pop(flow_id, None)
-        if rec is None:
-            return
-        self.stats.sent(rec.spec.stage, rec.remaining)
-        self._keys.pop(flow_id, None)
-        self._levels.pop(flow_id, None)
-        unit = self._units[rec.spec.unit_id]
-        unit.flows.discard(flow_id)
-        if not unit.flows:
-            self._sigma_remove(unit)
-            if not unit.computing:
-                del self._units[unit.unit_id]
-        self.on_tick(now_ms)
-
-    def on_tick(self, now_ms: float) -> None:
-        """Time passed; schedulers with timers act here (called by every handler)."""
-
-    # ---- views --------------------------------------------------------------------------
-    def priorities(self, now_ms: float) -> dict[str, int]:
-        self.on_tick(now_ms)
-        return dict(self._levels)
-
-    def service_keys(self, now_ms: float) -> dict[str, tuple[float, ...]]:
-        self.on_tick(now_ms)
-        return dict(self._keys)
-
-    def rates(self, now_ms: float, link_bandwidth_bps: Mapping[str, float]) -> dict[str, float] | None:
-        return None
-
-    def order(self) -> list[str]:
-        return [u for _, _, u in self._sigma]
-
-    def state(self, flow_id: str) -> FlowState | None:
-        rec = self._flows.get(flow_id)
-        if rec is None:
-            return None
-        return FlowState(
-            flow_id=flow_id,
-            request_id=rec.spec.request_id,
-            unit_id=rec.spec.unit_id,
-            stage=rec.spec.stage,
-            remaining_bytes=rec.remaining,
-            level=rec.level,
-            current_layer=self._units[rec.spec.unit_id].layer,
-            rli=rec.rli,
-            mlu=rec.mlu,
-            pruned=rec.pruned,
-        )
-
-    def active_flows(self) -> int:
-        return len(self._flows)
-
-    def prune(self, now_ms: float, est_delay_ms: Mapping[str, float]) -> list[str]:
-        """Baselines do not prune (Nuska's overload control is part of RMLQ)."""
-        return []
-
-    # ---- internals ----------------------------------------------------------------------
-    def _unit(self, unit_id: str) -> _Unit:
-        unit = self._units.get(unit_id)
-        if unit is None:
-            self._seq += 1
-            unit = _Unit(unit_id, self._seq)
-            self._units[unit_id] = unit
-        return unit
-
-    def _sigma_add(self, unit: _Unit) -> None:
-        insort(self._sigma, (unit.red, unit.seq, unit.unit_id))
-
-    def _sigma_remove(self, unit: _Unit) -> None:
-        entry = (unit.red, unit.seq, unit.unit_id)
-        i = bisect_left(self._sigma, entry)
-        assert i < len(self._sigma) and self._sigma[i] == entry, f"unit {unit.unit_id} not in σ"
-        del self._sigma[i]
-
-    def _set_unit_deadlines(self, unit: _Unit, deadlines: tuple[float, ...]) -> None:
-        in_sigma = bool(unit.flows)
-        if in_sigma:
-            self._sigma_remove(unit)
-        unit.deadlines = deadlines
-        unit.red = self._unit_rank_value(deadlines)
-        if in_sigma:
-            self._sigma_add(unit)
-        for fid in unit.flows:
-            rec = self._flows.get(fid)
-            if rec is not None and rec.level:
-                self._set_key(rec)
-
-    def _unit_rank_value(self, deadlines: tuple[float, ...]) -> float:
-        return robust_effective_deadline(deadlines)
-
-    def _set_level(self, rec: _Flow, level: int) -> None:
-        assert 1 <= level <= self.num_levels, f"level {level} outside 1..{self.num_levels}"
-        if rec.level == level:
-            return
-        if rec.level and level < rec.level:
-            self.stats.promotions += 1
-        rec.level = level
-        self.stats.permit(rec.spec.stage, level)
-        self._set_key(rec)
-
-    def _set_key(self, rec: _Flow) -> None:
-        fid = rec.spec.flow_id
-        if rec.pruned:
-            self._keys.pop(fid, None)
-            self._levels.pop(fid, None)
-            return
-        self._keys[fid] = self._key(rec)
-        self._levels[fid] = rec.level
-
-    # hooks
-    def _admit(self, rec: _Flow, unit: _Unit, now_ms: float) -> None:
-        raise NotImplementedError
-
-    def _key(self, rec: _Flow) -> tuple[float, ...]:
-        raise NotImplementedError
-
-    def _progressed(self, rec: _Flow, now_ms: float) -> None:
-        """Remaining bytes changed (SJF-like keys update here)."""
-
-    def _reevaluate(self, rec: _Flow, unit: _Unit, now_ms: float) -> None:
-        """The unit crossed a layer boundary."""
-
-    def _unit_released(self, rec: _Flow, now_ms: float) -> None:
-        """The unit's compute finished."""
 
 
 class RmlqScheduler(FlowTable):

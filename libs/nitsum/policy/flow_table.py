@@ -1,0 +1,247 @@
+"""`FlowTable`: the bookkeeping RMLQ (flows.py) and the baselines (flow_baselines.py) share: flows, units, σ by
+RED, stats, pruning. Stdlib only."""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections.abc import Mapping
+
+from nitsum.policy.flow_order import robust_effective_deadline
+from nitsum.policy.flow_types import FlowSpec, FlowState, FlowStats
+
+
+class _Flow:
+    """Mutable per-flow record (internal); `FlowState` is its public snapshot."""
+
+    __slots__ = ("spec", "remaining", "level", "rli", "mlu", "seq", "pruned", "anchor_ms", "timer_gen")
+
+    def __init__(self, spec: FlowSpec, seq: int) -> None:
+        self.spec = spec
+        self.remaining = spec.size_bytes
+        self.level = 0
+        self.rli: int | None = None
+        self.mlu: float | None = None
+        self.seq = seq
+        self.pruned = False
+        self.anchor_ms = 0.0  # origin of this flow's periodic re-evaluation grid
+        self.timer_gen = 0  # bumps on every re-arm: older heap entries are stale
+
+
+class _Unit:
+    __slots__ = ("unit_id", "flows", "layer", "computing", "red", "seq", "deadlines")
+
+    def __init__(self, unit_id: str, seq: int) -> None:
+        self.unit_id = unit_id
+        self.flows: set[str] = set()
+        self.layer = -1
+        self.computing = False
+        self.red = math.inf
+        self.seq = seq
+        self.deadlines: tuple[float, ...] = ()
+
+
+class FlowTable:
+    """Bookkeeping shared by RMLQ and the baselines: flows, units, σ by RED, stats, pruning.
+
+    Subclasses decide `_key(flow)` (the service key; its first element is the level) and may react
+    to layer boundaries. Every handler touches only the flows of one unit or one flow, so the decision
+    time per event does not grow with the number of active flows (σ insertion is a C-level memmove).
+    """
+
+    name = "table"
+
+    def __init__(self, num_levels: int) -> None:
+        self.num_levels = num_levels
+        self.stats = FlowStats()
+        self._flows: dict[str, _Flow] = {}
+        self._units: dict[str, _Unit] = {}
+        self._keys: dict[str, tuple[float, ...]] = {}
+        self._levels: dict[str, int] = {}
+        self._sigma: list[tuple[float, int, str]] = []  # (RED, unit seq, unit id), sorted
+        self._seq = 0
+        self._pruned_requests: set[str] = set()
+
+    # ---- events -------------------------------------------------------------------------
+    def on_arrival(self, flow: FlowSpec, now_ms: float) -> None:
+        assert flow.flow_id not in self._flows, f"flow {flow.flow_id} submitted twice"
+        self.on_tick(now_ms)
+        self._seq += 1
+        rec = _Flow(flow, self._seq)
+        unit = self._unit(flow.unit_id)
+        if not unit.flows:
+            self._sigma_add(unit)
+        unit.flows.add(flow.flow_id)
+        self._flows[flow.flow_id] = rec
+        if flow.request_deadlines_ms and flow.request_deadlines_ms != unit.deadlines:
+            self._set_unit_deadlines(unit, flow.request_deadlines_ms)
+        elif not unit.deadlines and flow.stage.explicit and unit.red == math.inf:
+            self._set_unit_deadlines(unit, (flow.deadline_ms,))  # type: ignore[arg-type]
+        if flow.request_id in self._pruned_requests:
+            rec.pruned = True
+        self._admit(rec, unit, now_ms)
+
+    def on_progress(self, flow_id: str, remaining_bytes: int, now_ms: float) -> None:
+        rec = self._flows.get(flow_id)
+        if rec is None:
+            return  # progress racing a completion is an expected outcome, not an error
+        assert 0 <= remaining_bytes <= rec.remaining, f"flow {flow_id}: remaining bytes grew"
+        self.stats.sent(rec.spec.stage, rec.remaining - remaining_bytes)
+        rec.remaining = remaining_bytes
+        self._progressed(rec, now_ms)
+        self.on_tick(now_ms)
+
+    def on_layer_boundary(self, unit_id: str, current_layer: int, now_ms: float) -> None:
+        self.on_tick(now_ms)
+        unit = self._unit(unit_id)
+        unit.layer = max(unit.layer, current_layer)
+        unit.computing = True
+        for fid in unit.flows:
+            self._reevaluate(self._flows[fid], unit, now_ms)
+
+    def set_unit_deadlines(self, unit_id: str, deadlines_ms: tuple[float, ...], now_ms: float) -> None:
+        """The TTFT deadlines of a unit's requests (a worker's layer report): RED and σ follow them."""
+        self.on_tick(now_ms)
+        unit = self._units.get(unit_id)
+        ds = tuple(sorted(deadlines_ms))
+        if unit is not None and ds and ds != unit.deadlines:
+            self._set_unit_deadlines(unit, ds)
+
+    def on_unit_done(self, unit_id: str, now_ms: float) -> None:
+        """The unit's compute finished: its explicit flows now move on the periodic timer."""
+        self.on_tick(now_ms)
+        unit = self._units.get(unit_id)
+        if unit is None:
+            return
+        unit.computing = False
+        if not unit.flows:
+            del self._units[unit_id]
+            return
+        for fid in unit.flows:
+            self._unit_released(self._flows[fid], now_ms)
+
+    def on_complete(self, flow_id: str, now_ms: float) -> None:
+        rec = self._flows.pop(flow_id, None)
+        if rec is None:
+            return
+        self.stats.sent(rec.spec.stage, rec.remaining)
+        self._keys.pop(flow_id, None)
+        self._levels.pop(flow_id, None)
+        unit = self._units[rec.spec.unit_id]
+        unit.flows.discard(flow_id)
+        if not unit.flows:
+            self._sigma_remove(unit)
+            if not unit.computing:
+                del self._units[unit.unit_id]
+        self.on_tick(now_ms)
+
+    def on_tick(self, now_ms: float) -> None:
+        """Time passed; schedulers with timers act here (called by every handler)."""
+
+    # ---- views --------------------------------------------------------------------------
+    def priorities(self, now_ms: float) -> dict[str, int]:
+        self.on_tick(now_ms)
+        return dict(self._levels)
+
+    def service_keys(self, now_ms: float) -> dict[str, tuple[float, ...]]:
+        self.on_tick(now_ms)
+        return dict(self._keys)
+
+    def rates(self, now_ms: float, link_bandwidth_bps: Mapping[str, float]) -> dict[str, float] | None:
+        return None
+
+    def order(self) -> list[str]:
+        return [u for _, _, u in self._sigma]
+
+    def state(self, flow_id: str) -> FlowState | None:
+        rec = self._flows.get(flow_id)
+        if rec is None:
+            return None
+        return FlowState(
+            flow_id=flow_id,
+            request_id=rec.spec.request_id,
+            unit_id=rec.spec.unit_id,
+            stage=rec.spec.stage,
+            remaining_bytes=rec.remaining,
+            level=rec.level,
+            current_layer=self._units[rec.spec.unit_id].layer,
+            rli=rec.rli,
+            mlu=rec.mlu,
+            pruned=rec.pruned,
+        )
+
+    def active_flows(self) -> int:
+        return len(self._flows)
+
+    def prune(self, now_ms: float, est_delay_ms: Mapping[str, float]) -> list[str]:
+        """Baselines do not prune (Nuska's overload control is part of RMLQ)."""
+        return []
+
+    # ---- internals ----------------------------------------------------------------------
+    def _unit(self, unit_id: str) -> _Unit:
+        unit = self._units.get(unit_id)
+        if unit is None:
+            self._seq += 1
+            unit = _Unit(unit_id, self._seq)
+            self._units[unit_id] = unit
+        return unit
+
+    def _sigma_add(self, unit: _Unit) -> None:
+        insort(self._sigma, (unit.red, unit.seq, unit.unit_id))
+
+    def _sigma_remove(self, unit: _Unit) -> None:
+        entry = (unit.red, unit.seq, unit.unit_id)
+        i = bisect_left(self._sigma, entry)
+        assert i < len(self._sigma) and self._sigma[i] == entry, f"unit {unit.unit_id} not in σ"
+        del self._sigma[i]
+
+    def _set_unit_deadlines(self, unit: _Unit, deadlines: tuple[float, ...]) -> None:
+        in_sigma = bool(unit.flows)
+        if in_sigma:
+            self._sigma_remove(unit)
+        unit.deadlines = deadlines
+        unit.red = self._unit_rank_value(deadlines)
+        if in_sigma:
+            self._sigma_add(unit)
+        for fid in unit.flows:
+            rec = self._flows.get(fid)
+            if rec is not None and rec.level:
+                self._set_key(rec)
+
+    def _unit_rank_value(self, deadlines: tuple[float, ...]) -> float:
+        return robust_effective_deadline(deadlines)
+
+    def _set_level(self, rec: _Flow, level: int) -> None:
+        assert 1 <= level <= self.num_levels, f"level {level} outside 1..{self.num_levels}"
+        if rec.level == level:
+            return
+        if rec.level and level < rec.level:
+            self.stats.promotions += 1
+        rec.level = level
+        self.stats.permit(rec.spec.stage, level)
+        self._set_key(rec)
+
+    def _set_key(self, rec: _Flow) -> None:
+        fid = rec.spec.flow_id
+        if rec.pruned:
+            self._keys.pop(fid, None)
+            self._levels.pop(fid, None)
+            return
+        self._keys[fid] = self._key(rec)
+        self._levels[fid] = rec.level
+
+    # hooks
+    def _admit(self, rec: _Flow, unit: _Unit, now_ms: float) -> None:
+        raise NotImplementedError
+
+    def _key(self, rec: _Flow) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def _progressed(self, rec: _Flow, now_ms: float) -> None:
+        """Remaining bytes changed (SJF-like keys update here)."""
+
+    def _reevaluate(self, rec: _Flow, unit: _Unit, now_ms: float) -> None:
+        """The unit crossed a layer boundary."""
+
+    def _unit_released(self, rec: _Flow, now_ms: float) -> None:
+        """The unit's compute finished."""
