@@ -20,6 +20,7 @@ from nitsum.config import CommonConfig, load
 from nitsum.wire.messages import TokenChunk
 
 REQUEST_ID = "r-failover"
+PROBE = "probe"
 
 
 def config(url: str, user: str, password: str) -> CommonConfig:
@@ -66,7 +67,15 @@ async def collect(bus: Bus, count: int, timeout_s: float, ready=None) -> list[in
     got: list[int] = []
     done = asyncio.Event()
 
+    probed = False
+
     async def on_chunk(chunk: TokenChunk, _delivery) -> None:
+        nonlocal probed
+        if chunk.text == PROBE:  # the publisher's "can you hear me" before the stream (see _main)
+            if not probed:
+                probed = True
+                say(event="probed")
+            return
         got.append(chunk.index)
         if chunk.finished:
             done.set()
@@ -88,7 +97,12 @@ async def _main(args) -> None:
     try:
         if args.role == "publish":
             say(event="connected", server=bus.server)
-            sys.stdin.readline()  # go
+            # Probe frames until told to go: the test says go once the collector heard one, so the collector's
+            # interest has crossed the cluster route (a fixed sleep was not always enough on a loaded machine).
+            go = asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            while not go.done():
+                await bus.publish(bus.subjects.stream(REQUEST_ID), TokenChunk(REQUEST_ID, "w0", 0, (), PROBE))
+                await asyncio.wait([go], timeout=0.05)
             say(event="done", **(await publish(bus, args.count, args.interval, args.mark)))
         else:
             got = await collect(bus, args.count, args.timeout, ready=lambda: say(event="ready", server=bus.server))

@@ -247,7 +247,8 @@ def test_two_hosts_in_namespaces_host_a_nats_killed_mid_stream(tmp_path):
             )
             first = json.loads(pub.stdout.readline())
             assert first == {"event": "connected", "server": f"{a.host}:4222"}, first
-            time.sleep(0.5)  # the subscription's interest crosses the route
+            # The publisher probes until the collector hears it: the subscription's interest has crossed the route.
+            assert json.loads(sub.stdout.readline())["event"] == "probed"
             pub.stdin.write("go\n")
             pub.stdin.flush()
             mark = json.loads(pub.stdout.readline())
