@@ -22,7 +22,7 @@ lists every worker ready; (4) for a target other than 4xTP1 (where workers boot)
 trip on the fresh, idle mesh. restart(target) = (1) + (3) + (4). The ratio is restart(target) / the
 transition's admin round trip (client side, so it includes NATS).
 
-`--engine`: the engine-level version (no NATS; worker processes with a scripted coordinator), see below.
+`--engine`: the engine-level version (no NATS; worker processes with a scripted coordinator), in bench_reconfigure_engine.py.
 """
 
 from __future__ import annotations
@@ -34,19 +34,27 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from nitsum.natsserver import free_port
-from nitsum.wire.subjects import Subjects
-from nitsum_load.mesh import run_all, stop_process
+from nitsum_load.live_mesh import (  # noqa: F401  (re-exported: the policy benches and tests take admin_call & co. from here)
+    ADMIN_TIMEOUT_S,
+    MID_OVERRIDES,
+    LiveMesh,
+    admin_call,
+    histogram_sums,
+    make_model,
+    remove_weight_store,
+    start_live_mesh,
+    weight_store_bytes,
+)
 
 TP1X4 = "[0 TP1 hybrid][1 TP1 hybrid][2 TP1 hybrid][3 TP1 hybrid]"
 TP2X2 = "[0-1 TP2 hybrid][2-3 TP2 hybrid]"
@@ -71,15 +79,6 @@ CHAIN_2: tuple[tuple[str, str, str], ...] = (
 SHAPE_NAMES = {TP1X4: "4xTP1", TP2X2: "2xTP2", TP4: "TP4", TP1X2: "2xTP1", TP2: "TP2"}
 CHAINS = {4: CHAIN, 2: CHAIN_2}
 BOOT_SHAPES = {4: TP1X4, 2: TP1X2}  # workers boot as one TP1 group each
-# The ~27M-parameter random Llama of the live policy test: big enough that a weight reload costs something.
-MID_OVERRIDES = {
-    "hidden_size": 512,
-    "num_hidden_layers": 8,
-    "intermediate_size": 1536,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-}
-ADMIN_TIMEOUT_S = 120.0
 # An inter-token gap this long is a stall (a hand-off the gateway did not follow), not a slow step.
 STALL_MS = 1000.0
 
@@ -226,184 +225,8 @@ def format_live_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- shell: a live `nitsum up` (also used by
-# load/bench_policy_live.py)
-
-
-def _http_status(url: str, timeout_s: float) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (urllib.error.URLError, OSError):
-        return 0
-
-
-@dataclass
-class LiveMesh:
-    """One `nitsum up` in its own session (process group) with its own NITSUM_HOME, on our nats-server."""
-
-    url: str
-    nats_url: str
-    process: subprocess.Popen
-    log_path: Path
-    run_dir: Path
-    started_monotonic: float
-    ready_ms: float = 0.0  # process start -> /ready 200
-    workers_ready_ms: float = 0.0  # process start -> the coordinator lists every worker ready
-    extra: dict = field(default_factory=dict)
-
-    def stop(self, timeout_s: float = 30.0) -> float:
-        """Ctrl-C, as a user stops it; kills the process group only if it does not exit. Returns ms taken."""
-        t0 = time.monotonic()
-        stop_process(self.process, timeout_s)
-        return (time.monotonic() - t0) * 1000.0
-
-    def coordinator_metrics_url(self) -> str | None:
-        """The coordinator's /metrics: its pid from processes.json, its port from its environment (Linux)."""
-        try:
-            pid = json.loads((self.run_dir / "processes.json").read_text())["coordinator"]
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (OSError, KeyError, ValueError):
-            return None
-        for item in environ:
-            if item.startswith(b"NITSUM_METRICS_PORT="):
-                return f"http://127.0.0.1:{int(item.split(b'=', 1)[1])}/metrics"
-        return None
-
-
-async def admin_call(nats_url: str, command: str, body: dict, timeout_s: float = ADMIN_TIMEOUT_S, nc=None) -> dict:
-    """One admin-plane request (JSON) on our unauthenticated nats-server; on `nc` when given (an open
-    connection, so a timed call does not include connecting)."""
-    import nats
-
-    own = nc is None
-    if own:
-        nc = await nats.connect(servers=[nats_url], allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5)
-    try:
-        msg = await nc.request(Subjects().admin(command), json.dumps(body).encode(), timeout=timeout_s)
-        return json.loads(msg.data)
-    finally:
-        if own:
-            await nc.close()
-
-
-def _ready_workers(nats_url: str) -> int:
-    try:
-        status = asyncio.run(admin_call(nats_url, "status", {}, timeout_s=2.0))
-    except Exception:  # nats-py raises several unrelated types while the coordinator starts  # noqa: BLE001
-        return 0
-    return sum(1 for w in status.get("workers", []) if w.get("state") == "ready")
-
-
-def start_live_mesh(
-    work: Path,
-    *,
-    model_dir: Path,
-    nats_url: str,
-    devices: int = 4,
-    policy: str = "adaptive",
-    env_extra: dict[str, str] | None = None,
-    ready_timeout_s: float = 180.0,
-) -> LiveMesh:
-    """`nitsum up --devices N --nats URL --model DIR --policy P` on a free port; returns once /ready answers
-    200 and the coordinator lists every worker ready (raises RuntimeError with the log tail otherwise)."""
-    work.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    log_path = work / "up.log"
-    env = dict(os.environ)
-    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-    env["NITSUM_HOME"] = str(work / "home")  # current.json and the like stay inside the benchmark's folder
-    env.update(env_extra or {})
-    cmd = [
-        sys.executable,
-        "-m",
-        "nitsum.cli",
-        "up",
-        "--devices",
-        str(devices),
-        "--port",
-        str(port),
-        "--nats",
-        nats_url,
-        "--model",
-        str(model_dir),
-        "--policy",
-        policy,
-        "--run-dir",
-        str(work / "run"),
-        "--ready-timeout",
-        str(ready_timeout_s),
-    ]
-    t0 = time.monotonic()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    mesh = LiveMesh(f"http://127.0.0.1:{port}", nats_url, process, log_path, work / "run", t0)
-    deadline = t0 + ready_timeout_s + 10
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"nitsum up exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nitsum up not ready within {ready_timeout_s} s:\n{log_path.read_text()[-3000:]}")
-            if not mesh.ready_ms and _http_status(mesh.url + "/ready", 10.0) == 200:
-                mesh.ready_ms = (time.monotonic() - t0) * 1000.0
-            if mesh.ready_ms and _ready_workers(nats_url) >= devices:
-                mesh.workers_ready_ms = (time.monotonic() - t0) * 1000.0
-                return mesh
-            time.sleep(0.1)  # each /ready probe is a real 1-token generation: do not flood the mesh
-    except BaseException:
-        mesh.stop()
-        raise
-
-
-def remove_weight_store(model_dir: Path, dtype: str = "float32") -> list[str]:
-    """Delete the model's shared-memory weight store (the next worker boot reads the checkpoint again)."""
-    from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
-
-    key = store_key(model_dir, dtype)
-    removed = []
-    for suffix in (".json", ".bin", ".lock"):
-        path = Path(DEFAULT_SHM_DIR) / f"{key}{suffix}"
-        if path.exists():
-            path.unlink()
-            removed.append(path.name)
-    return removed
-
-
-def weight_store_bytes(model_dir: Path, dtype: str = "float32") -> int:
-    from nitsum.parallel.weights import DEFAULT_SHM_DIR, store_key
-
-    path = Path(DEFAULT_SHM_DIR) / f"{store_key(model_dir, dtype)}.bin"
-    return path.stat().st_size if path.exists() else 0
-
-
-def histogram_sums(metrics_text: str, name: str) -> dict[str, dict[str, float]]:
-    """{phase: {"sum": ms, "count": n}} of a Prometheus histogram labelled by phase."""
-    out: dict[str, dict[str, float]] = {}
-    for line in metrics_text.splitlines():
-        for kind in ("sum", "count"):
-            prefix = f"{name}_{kind}{{"
-            if line.startswith(prefix) and 'phase="' in line:
-                phase = line.split('phase="', 1)[1].split('"', 1)[0]
-                out.setdefault(phase, {})[kind] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def make_model(kind: str, work: Path) -> Path:
-    """'tiny' / 'mid': a fresh deterministic random Llama in `work`; anything else: an existing directory."""
-    from nitsum.model.tiny import make_tiny
-
-    if kind == "tiny":
-        return Path(make_tiny(work / "tiny"))
-    if kind == "mid":
-        return Path(make_tiny(work / "mid", config_overrides=MID_OVERRIDES))
-    path = Path(kind)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model: {kind!r} is neither tiny, mid nor a model directory")
-    return path
-
+# The live mesh shell (LiveMesh, start_live_mesh, admin_call, ...) is nitsum_load.live_mesh; the engine-level
+# benchmark is nitsum_load.bench_reconfigure_engine.
 
 # ---------------------------------------------------------------- the live run
 
@@ -775,207 +598,11 @@ def write_timeline_plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-# ---------------------------------------------------------------- engine level (`--engine`)
-
-ENGINE_DOC = """Engine level (`--engine`, no NATS): `--workers` worker processes (gloo on 127.0.0.1, one per device, the tiny
-model by default) serve greedy requests while a scripted coordinator merges and splits their groups:
-2xTP2 -> TP4 -> 2xTP2 -> 4xTP1 -> TP4 (with 4 workers). Per transition it reports, as the slowest worker
-saw them, the *prepare* phase from the command to its final ack (new cache, block-table exchange -- the
-prepare step, which stops the old groups, shown in brackets -- then the pre-copy of full blocks through
-shared memory between the old groups' decode steps, while the new runner is built in a thread) and the
-*commit* phase (delta + cutover: the pause), their total, and
-the decode pause a stream sees: the largest gap between consecutive tokens of one request across the
-commit, next to the median gap between consecutive tokens in steady decoding.
-
-Baseline, measured in the same run: restarting the workers at the new TP with a weight reload -- start the
-worker processes, join the process groups, read the checkpoint from disk (a fresh weight store), build the
-model and the KV cache -- timed from process start until every worker is ready.
-"""
-
-
-def _run_node(model_dir: str, workers: int, script: dict, work: Path, shm_dir: Path, timeout_s: float) -> list[dict]:
-    script_path = work / "script.json"
-    script_path.write_text(json.dumps(script))
-    port = free_port()
-    codes, logs = run_all(
-        [
-            [
-                sys.executable,
-                "-m",
-                "nitsum.bench.node_run",
-                "--model-dir",
-                model_dir,
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(workers),
-                "--master-port",
-                str(port),
-                "--script",
-                str(script_path),
-                "--out",
-                str(work / f"out{rank}.json"),
-                "--shm-dir",
-                str(shm_dir),
-                "--num-kv-blocks",
-                "256",
-            ]
-            for rank in range(workers)
-        ],
-        timeout_s,
-    )
-    if any(codes):
-        raise RuntimeError("a worker failed:\n" + "\n---\n".join(logs))
-    return [json.loads((work / f"out{rank}.json").read_text()) for rank in range(workers)]
-
-
-def _restart_ms(model_dir: str, workers: int, tp: int, work: Path, timeout_s: float) -> float:
-    """Start `workers` processes at TP=`tp` with an empty weight store (so the checkpoint is read)."""
-    topology = [[s, tp] for s in range(0, workers, tp)]
-    with tempfile.TemporaryDirectory(dir=_shm_root()) as shm:
-        t0 = time.time()
-        reports = _run_node(model_dir, workers, {"topology": topology, "events": []}, work, Path(shm), timeout_s)
-    assert any(r["store_created"] and r["boot_bytes_read"] > 0 for r in reports), "the restart read no weights"
-    return (max(r["ready_unix"] for r in reports) - t0) * 1000.0
-
-
-def _shm_root() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
-
-
-def _script(workers: int, num_requests: int, max_tokens: int, period: int) -> tuple[dict, list[tuple[str, int, list]]]:
-    import random
-
-    rng = random.Random(0)
-    chain = [
-        ("merge", [[0, workers]]),
-        ("split", [[s, workers // 2] for s in range(0, workers, workers // 2)]),
-        ("split", [[s, 1] for s in range(workers)]),
-        ("merge", [[0, workers]]),
-    ]
-    start = [[s, workers // 2] for s in range(0, workers, workers // 2)]
-    events: list[dict] = []
-    for i in range(num_requests):
-        leader = start[i % len(start)][0]
-        prompt = [rng.randrange(256) for _ in range(rng.randrange(8, 64))]
-        events.append(
-            {
-                "tick": 0,
-                "kind": "add",
-                "leader": leader,
-                "request_id": f"r{i}",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-            }
-        )
-    transitions = []
-    for epoch, (name, groups) in enumerate(chain, start=1):
-        commit_tick = period * epoch
-        events.append({"tick": commit_tick - 3, "kind": "prepare", "epoch": epoch, "groups": groups})
-        events.append({"tick": commit_tick, "kind": "commit", "epoch": epoch})
-        transitions.append((name, commit_tick, groups))
-    return {"topology": start, "events": events}, transitions
-
-
-def _describe(groups: list) -> str:
-    tps = [g[1] for g in groups]
-    return f"{len(tps)}xTP{tps[0]}" if len(tps) > 1 else f"TP{tps[0]}"
-
-
-def engine_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="nitsum bench reconfigure --engine", description=ENGINE_DOC.split("\n\n")[0])
-    parser.add_argument("--model-dir", default=None, help="model directory (default: a fresh tiny model)")
-    parser.add_argument("--workers", type=int, default=4, help="worker processes (a power of two >= 2)")
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=120)
-    parser.add_argument("--period", type=int, default=20, help="decode steps between transitions")
-    parser.add_argument("--json", default=None, help="also write the figures here")
-    parser.add_argument("--timeout-s", type=float, default=300.0)
-    args = parser.parse_args(argv)
-    if args.workers < 2 or args.workers & (args.workers - 1):
-        parser.error("--workers must be a power of two >= 2")
-    if args.max_tokens < args.period * 5:
-        parser.error("--max-tokens must cover every transition (at least 5 x --period)")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        model_dir = args.model_dir
-        if model_dir is None:
-            from nitsum.model.tiny import make_tiny
-
-            model_dir = str(make_tiny(work / "tiny-llama"))
-        script, transitions = _script(args.workers, args.requests, args.max_tokens, args.period)
-        with tempfile.TemporaryDirectory(dir=_shm_root()) as shm:
-            reports = _run_node(model_dir, args.workers, script, work, Path(shm), args.timeout_s)
-        restart = {
-            tp: _restart_ms(model_dir, args.workers, tp, work, args.timeout_s)
-            for tp in sorted({g[0][1] for _, _, g in transitions} | {args.workers // 2})
-        }
-
-    records = sorted((r for rep in reports for r in rep["records"]), key=lambda r: (r[1], r[2]))
-    by_request: dict[str, list[list]] = {}
-    for r in records:
-        by_request.setdefault(r[1], []).append(r)
-    transition_ticks = {t for _, tick, _ in transitions for t in (tick - 3, tick)}
-    steady = [
-        (b[5] - a[5]) * 1000.0
-        for rs in by_request.values()
-        for a, b in zip(rs, rs[1:])
-        if b[0] == a[0] + 1 and b[0] not in transition_ticks
-    ]
-    step_ms = statistics.median(steady)
-    rows = []
-    for epoch, (name, tick, groups) in enumerate(transitions, start=1):
-
-        def phase(kind: str) -> float:
-            return max(a[5] for rep in reports for a in rep["acks"] if a[1] == kind and a[2] == epoch and a[3])
-
-        gaps = [(b[5] - a[5]) * 1000.0 for rs in by_request.values() for a, b in zip(rs, rs[1:]) if a[0] < tick <= b[0]]
-        prepare_ms, commit_ms = phase("prepare"), phase("commit")
-        # The part of prepare that stops a group (the prepare step; pre-copy then runs between steps).
-        steps = [p[2] for rep in reports for p in rep.get("prepare_steps", []) if p[1] == epoch]
-        base = restart[groups[0][1]]
-        # The slowest worker's commit, phase by phase (cumulative ms): where the pause went.
-        timings = [t for rep in reports for e, t in rep.get("commit_timings", []) if e == epoch and t]
-        slowest = max(timings, key=lambda t: max(t.values()), default={})
-        rows.append(
-            {
-                "transition": f"{name} -> {_describe(groups)}",
-                "prepare_ms": prepare_ms,
-                "pause_ms": commit_ms,
-                "prepare_step_ms": max(steps) if steps else prepare_ms,
-                "total_ms": prepare_ms + commit_ms,
-                "stream_gap_ms": max(gaps) if gaps else float("nan"),
-                "streams_across": len(gaps),
-                "restart_ms": base,
-                "speedup": base / (prepare_ms + commit_ms),
-                "gap_in_steps": (max(gaps) / step_ms) if gaps else float("nan"),
-                "commit_phases_ms": slowest,
-            }
-        )
-
-    print(
-        f"nitsum bench reconfigure: {args.workers} CPU workers, {args.requests} greedy requests, "
-        f"{platform.machine()} {os.cpu_count()} cores; steady decode step (median token gap) {step_ms:.2f} ms"
-    )
-    print(
-        "| transition | prepare ms (of it: the step) | pause (commit) ms | total ms | max stream gap ms (steps) "
-        "| restart+reload ms | speedup |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['transition']} | {r['prepare_ms']:.1f} ({r['prepare_step_ms']:.1f}) | {r['pause_ms']:.1f} | {r['total_ms']:.1f} | "
-            f"{r['stream_gap_ms']:.1f} ({r['gap_in_steps']:.1f}) | {r['restart_ms']:.0f} | {r['speedup']:.0f}x |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"step_ms": step_ms, "rows": rows, "restart_ms": restart}, indent=2))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--engine" in args:
+        from nitsum_load.bench_reconfigure_engine import engine_main
+
         args.remove("--engine")
         return engine_main(args)
     if "--live" in args:
