@@ -168,3 +168,19 @@ def test_no_pickle_in_project_code():
             if "import pickle" in text or "cloudpickle" in text or "pickle.load" in text:
                 offenders.append(str(path.relative_to(root)))
     assert offenders == []
+
+
+def test_errors_inside_arrays_of_messages_name_the_element():
+    from nitsum.wire.node import CommitShare, KvEntry
+
+    entries = tuple(KvEntry(f"r{i}", 0, 2, 16, (1, 2, 3)) for i in range(4))
+    kind, version, fields = msgpack.unpackb(encode(CommitShare(b"s", entries, 7, (), "")))
+    fields["requests"][3]["block_ids"][2] = True  # a bool is not a block id
+    with pytest.raises(DecodeError, match=r"requests\[3\]\.block_ids\[2\]: expected int, got bool"):
+        decode(msgpack.packb([kind, version, fields]))
+    fields["requests"][3]["block_ids"][2] = 3
+    fields["requests"][1]["tp"] = 1.5
+    with pytest.raises(DecodeError, match=r"requests\[1\]\.tp: expected int"):
+        decode(msgpack.packb([kind, version, fields]))
+    fields["requests"][1]["tp"] = 2
+    assert decode(msgpack.packb([kind, version, fields])) == CommitShare(b"s", entries, 7, (), "")

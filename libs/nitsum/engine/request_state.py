@@ -8,7 +8,7 @@ SLO as its age (engines on other hosts have other clocks).
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Any
 
 from nitsum.engine.params import SamplingParams
@@ -24,7 +24,7 @@ def state_of(seq: Sequence, prefill_target: int | None, now_ms: float) -> dict[s
         "id": seq.request_id,
         "prompt": list(seq.prompt_token_ids),
         "tokens": list(seq.token_ids),
-        "params": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(seq.params).items()},
+        "params": _params_of(seq.params),
         "computed": seq.num_computed_tokens,
         "cached_prompt": seq.num_cached_prompt_tokens,
         "status": seq.status.value,
@@ -43,6 +43,19 @@ def state_of(seq: Sequence, prefill_target: int | None, now_ms: float) -> dict[s
             "age_ms": now_ms - seq.slo.arrival_ms,
         },
     }
+
+
+def _params_of(params: SamplingParams) -> dict[str, Any]:
+    """The sampling parameters as plain values (every field is a scalar or a tuple of scalars or pairs;
+    `dataclasses.asdict` deep-copied each of them: half of a state's export)."""
+    out = {}
+    for name in _PARAM_FIELDS:
+        v = getattr(params, name)
+        out[name] = list(v) if v.__class__ is tuple else v
+    return out
+
+
+_PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 def sequence_of(state: dict[str, Any], arrival_index: int, tokenizer: Any, guides: Any, now_ms: float) -> Sequence:

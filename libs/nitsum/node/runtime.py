@@ -35,6 +35,8 @@ from nitsum.node.transition import Transition
 from nitsum.parallel.world import NodeWorld
 from nitsum.topology import Group, Topology
 from nitsum.transfer import shm
+from nitsum.wire import codec
+from nitsum.wire.node import NODE_MESSAGE_TYPES
 
 __all__ = ["COMMAND_KINDS", "KV_PATHS", "NodeCommand", "NodeRuntime", "TransitionAck"]
 
@@ -113,6 +115,7 @@ class NodeRuntime:
         # epoch's wait in its Transition). The groups' roles are in `topology`.
         self.leaders: dict[tuple[int, int], str] = {}
         self.handoff_handles: tuple[int, tuple[str, ...]] | None = None  # (epoch, this group's arena handles)
+        codec.prepare_decoders(NODE_MESSAGE_TYPES)  # not inside the first change's exchanges
         self._start_serving(weights, engine)
 
     def _start_serving(self, weights: dict[str, torch.Tensor], engine: Engine | None) -> None:

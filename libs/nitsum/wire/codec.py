@@ -77,16 +77,20 @@ def _to_wire(value: Any) -> Any:
         return value
     if cls is tuple or cls is list:
         # msgpack packs a tuple as it packs a list: arrays of plain values go as they are.
-        if all(v.__class__ in _PRIMITIVES for v in value):
+        if _PRIMITIVES.issuperset(map(type, value)):
             return value
-        return [_to_wire(v) for v in value]
+        return [v if v.__class__ in _PRIMITIVES else _to_wire(v) for v in value]
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_wire(v) for k, v in value.items()}
     names = _field_names(cls) if not isinstance(value, type) else None
     if names is not None:
-        return {name: _to_wire(getattr(value, name)) for name in names}
+        fields = {}
+        for name in names:
+            v = getattr(value, name)
+            fields[name] = v if v.__class__ in _PRIMITIVES else _to_wire(v)
+        return fields
     return value
 
 
@@ -202,19 +206,36 @@ def _tuple_decoder(tp: Any):
     def dec_tuple(value, path):
         if not isinstance(value, (list, tuple)):
             raise _bad(path, "array", value)
-        if same is not None and all(v.__class__ is same for v in value):
-            return tuple(value)
-        return tuple(elem(v, f"{path}[{i}]") for i, v in enumerate(value))
+        if same is not None:
+            kinds = set(map(type, value))
+            if not kinds or kinds == {same}:
+                return tuple(value)
+        try:
+            return tuple([elem(v, path) for v in value])
+        except DecodeError:
+            # Again with each element's own path in the message (paths are only built on failure).
+            for i, v in enumerate(value):
+                elem(v, f"{path}[{i}]")
+            raise
 
     return dec_tuple
+
+
+_BUILDING: set[Any] = set()  # dataclass types whose decoder is being made (a type that contains itself)
 
 
 def _dataclass_decoder(cls: type):
     hints = _hints(cls)
     specs = []
-    for f in _fields(cls):
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        specs.append((f.name, _PASS.get(hints[f.name]), hints[f.name], required))
+    _BUILDING.add(cls)
+    try:
+        for f in _fields(cls):
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            tp = hints[f.name]
+            dec = _later(tp) if tp in _BUILDING else _decoder(tp)
+            specs.append((f.name, _PASS.get(tp), dec, required))
+    finally:
+        _BUILDING.discard(cls)
     known = frozenset(name for name, *_ in specs)
 
     def dec_dataclass(fields_map, path):
@@ -224,16 +245,39 @@ def _dataclass_decoder(cls: type):
             unknown = set(fields_map) - known
             raise DecodeError(f"{path}: unknown field(s) {sorted(map(str, unknown))}", "bad_field")
         kwargs = {}
-        for name, same, tp, required in specs:
+        for name, same, dec, required in specs:
             if name not in fields_map:
                 if required:
                     raise DecodeError(f"{path}: missing required field {name!r}", "bad_field")
                 continue
             value = fields_map[name]
-            kwargs[name] = value if value.__class__ is same else _decoder(tp)(value, f"{path}.{name}")
+            if value.__class__ is same:
+                kwargs[name] = value
+                continue
+            try:
+                kwargs[name] = dec(value, path)
+            except DecodeError:
+                dec(value, f"{path}.{name}")  # again with the field's path in the message
+                raise
         return cls(**kwargs)
 
     return dec_dataclass
+
+
+def _later(tp: Any):
+    """A decoder of `tp` looked up when first called (for a field whose type is the dataclass being made)."""
+
+    def dec_later(value, path):
+        return _decoder(tp)(value, path)
+
+    return dec_later
+
+
+def prepare_decoders(types: tuple[type, ...]) -> None:
+    """Make the decoders of these message types now (each is made on its first decode otherwise: type hints
+    resolved, ~0.1-1 ms a type), e.g. before a latency-critical first use such as a node's first TP change."""
+    for cls in types:
+        _decoder(cls)
 
 
 def _build(cls: type[T], fields_map: Any, path: str) -> T:
