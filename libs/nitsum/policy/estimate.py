@@ -12,10 +12,12 @@ The fluid model (ours; ALGORITHMS.md leaves it open):
 1. Decode slots go to tiers in priority order (latency-sensitive first, then by weight), the running
    requests of every tier first (they hold their slots: no preemption); prefill runs in one TTFT-deadline
    order across the tiers, as the engine (engine/tiered.py) and the simulator schedule it.
-2. Running requests need decode slots. A group of TP k offers max_decode_batch(k, tightest TPOT assigned to
-   it, context) slots (hybrid groups lose a chunk of prefill tokens per step while prefill is pending).
-   Latency-sensitive tiers fill the highest-TP groups first, the others the lowest-TP groups first. A
-   running request without a slot is projected to miss its TPOT.
+2. Running requests need decode slots. A group of TP k offers max_decode_batch(k, TPOT, context) slots at a
+   TPOT (hybrid groups lose a chunk of prefill tokens per step while prefill is pending). Latency-sensitive
+   tiers fill the highest-TP groups first, the others the lowest-TP groups first, each up to the slots at
+   its own TPOT (routing checks a decode's own slack); the running requests that find no room still decode
+   (they are in a batch now) on the classes they can reach, and a request meets its TPOT only if its class's
+   whole batch fits the slots its TPOT allows (rule 17, decodeload.py).
 3. Queued requests are prefilled by the prefill-capable groups, pooled: with R = Σ 1/service time and L the
    shortest service time, a request has its first token at T + max(L, 1/R), T the pool time taken by the
    requests of any tier ahead of it in EDF order (`edf_prefill`). A hybrid group's service time is its
@@ -31,11 +33,14 @@ The fluid model (ours; ALGORITHMS.md leaves it open):
    have taken U already, so a fraction min(1, (1 − U) / u) of it is served at all. Its queueing delay is the
    M/D/1 wait ρ/(2(1 − ρ)) · mean service at ρ = U + u (unbounded at ρ ≥ 1: the queue grows without end);
    a quantile meets TTFT with the probability that the wait (an atom 1 − ρ at zero, an exponential tail of
-   that mean) leaves room for its fastest prefill within the TTFT target. Those need decode
-   slots in steady state (Little: rate · output tokens · step time) from what higher streams left. Each one
-   projected to meet its SLO counts weight · STREAM_CREDIT. Without this term a layout that is slightly
-   overloaded (static TP8 for Llama-3-70B at 20 req/s of Azure conv) looks as good as one that keeps up,
-   until its backlog is already hopeless.
+   that mean) leaves room for its fastest prefill within the TTFT target. A prefill group's prompts are
+   priced in the batch the arrivals make it run (rule 18, stream.prefill_batch). What is prefilled in time
+   decodes in steady state on the classes its tier prefers, overflowing (never refused) past their room at its
+   TPOT; it meets its TPOT as often as its class's batch, Poisson with Little's mean, fits its TPOT (rule 17,
+   decodeload.DecodeLoad). Each one projected to meet its SLO counts weight · STREAM_CREDIT (`Estimate.stream`
+   names this part of the score). Without this term a layout that is slightly overloaded (static TP8 for
+   Llama-3-70B at 20 req/s of Azure conv) looks as good as one that keeps up, until its backlog is already
+   hopeless.
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ class Estimate:
     score: float  # weighted goodput estimate (see module docstring)
     latency_misses: int  # latency-sensitive requests projected to miss TTFT or TPOT
     misses: int  # all requests projected to miss
+    stream: float = 0.0  # the part of `score` the arrival stream brings (rule 5): it recurs every horizon
 
 
 # One (tp, role, multiplicity) class of interchangeable groups in a candidate.
@@ -138,7 +144,7 @@ def evaluate(
     used = [0] * n  # decode slots taken (over all groups of the class)
     cap = [math.inf] * n  # tightest TPOT assigned to the class
     ctx_sum = [0] * n  # KV tokens of the decode slots taken
-    entries: list[tuple[int, float, float, float]] = []  # (class, count·weight, tokens left, start offset ms)
+    entries: list[tuple[int, int, TierLoad, float, float]] = []  # (class, count, tier, tokens left, offset ms)
     pending_prefill = any(t.queued for t in load.tiers)
     # Hybrid groups size each step's prefill chunk so that the step still meets the tightest TPOT among the
     # decodes it carries (hybrid_chunk_tokens, the simulator's rule too).
@@ -160,6 +166,8 @@ def evaluate(
 
     prefill_groups = sum(mult[i] for i in range(n) if roles[i] == "prefill")
     backlog_tokens = sum(t.queued * t.prompt_tokens for t in load.tiers) / max(prefill_groups, 1)
+    queued = sum(t.queued for t in load.tiers)
+    backlog_prompt = sum(t.queued * t.prompt_tokens for t in load.tiers) / queued if queued else 0.0
 
     def hol(i: int, p: int) -> float:
         """A prefill group's batch holds what waits when it starts: a new prompt of p tokens first waits, on
@@ -168,7 +176,10 @@ def evaluate(
         if roles[i] != "prefill" or prefill_batch_tokens <= 0:
             return 0.0
         tokens = quantize_tokens(min(prefill_batch_tokens, max(p, backlog_tokens)))
-        return cost.step_time_ms(tps[i], 1, tokens, tokens) / 2.0
+        # the batch's prompts as the simulator steps them: one sequence each (rule 18), not one long sequence
+        # (on the measured CPU table 8,192 tokens as one sequence take 8.5 s, as eight 1 k prompts 2.5 s)
+        seqs = max(round(tokens / max(backlog_prompt, p, 1)), 1)
+        return cost.step_time_ms(tps[i], seqs, tokens, tokens) / 2.0
 
     def prefill_ms(i: int, p: int, pending: bool = False) -> float:
         """One prompt of p tokens on a group of class i, stepped as the simulator's groups step it."""
@@ -195,50 +206,62 @@ def evaluate(
         extra = MIN_CHUNK_TOKENS if roles[i] == "hybrid" and pending_prefill else 0
         return mult[i] * cost.max_decode_batch(tps[i], tpot, ctx, extra)
 
-    def place(t: TierLoad, count: int, ctx: int, order: list[int]) -> list[tuple[int, int]]:
-        """Give `count` requests of tier t decode slots; returns [(class, taken)]."""
+    def place(t: TierLoad, count: int, ctx: int, order: list[int], overflow: bool) -> list[tuple[int, int]]:
+        """Give `count` requests of tier t decode slots within the room at their own TPOT; with `overflow` the
+        rest join the batches of the classes they can reach anyway, in proportion to their groups (rule 17:
+        routing never refuses a decode, it slows the batch). Returns [(class, taken)]."""
         out = []
-        for i in order:
+        reach = [i for i in order if roles[i] != "prefill"]
+        for i in reach:
             if count <= 0:
                 break
-            if roles[i] == "prefill":
-                continue
-            tpot = min(cap[i], t.tpot_ms)
-            free = slots(i, tpot, ctx) - used[i]
-            take = min(count, free)
+            # Routing checks a decode's own slack only (its TPOT), not that of the decodes already there.
+            take = min(count, slots(i, t.tpot_ms, ctx) - used[i])
             if take > 0:
                 used[i] += take
                 ctx_sum[i] += take * ctx
-                cap[i] = tpot
+                cap[i] = min(cap[i], t.tpot_ms)
                 out.append((i, take))
                 count -= take
+        groups = sum(mult[i] for i in reach)
+        left = count if overflow else 0
+        for j, i in enumerate(reach):
+            if left <= 0:
+                break
+            take = left if j == len(reach) - 1 else min(-(-count * mult[i] // groups), left)
+            used[i] += take
+            ctx_sum[i] += take * ctx
+            cap[i] = min(cap[i], t.tpot_ms)
+            out.append((i, take))
+            left -= take
         return out
 
-    # 1. running requests keep decoding: they hold their slots (no preemption), whatever their tier.
+    # 1. running requests keep decoding (no preemption), whatever their tier: all of them are in a batch now.
     got_running: dict[str, int] = {}
     for t in load.tiers:
-        placed = place(t, t.running, t.running_ctx_tokens, order_hi if t.latency_sensitive else order_lo)
-        got_running[t.tier] = sum(k for _, k in placed)
+        placed = place(t, t.running, t.running_ctx_tokens, order_hi if t.latency_sensitive else order_lo, True)
+        got_running[t.tier] = got = sum(k for _, k in placed)
+        misses += t.running - got  # (none, unless the candidate has no decode-capable group)
+        latency_misses += t.running - got if t.latency_sensitive else 0
         for i, k in placed:
-            entries.append((i, k * t.weight, t.running_left_tokens, 0.0))
+            entries.append((i, k, t, t.running_left_tokens, 0.0))
     # 2. queued requests: pooled prefill in one earliest-TTFT-deadline order across the tiers, as the engine
     # (engine/tiered.py) and the simulator schedule it.
     prefill = edf_prefill(load.tiers, pool)
     for t in load.tiers:
-        order = order_hi if t.latency_sensitive else order_lo
-        got = got_running[t.tier]
-        lost = t.running - got
+        lost = 0
         met, offset = prefill.get(t.tier, (0, 0.0))
-        # 3. the ones in time need a decode slot; running work turning over frees slots.
+        # 3. the ones in time need a decode slot; running work turning over frees slots (they join over the
+        # horizon as running ones finish, so they do not overflow the batches running now).
         ctx = quantize_tokens(t.prompt_tokens + t.queued_out_tokens / 2.0)
         if met:
-            placed = place(t, met, ctx, order)
+            placed = place(t, met, ctx, order_hi if t.latency_sensitive else order_lo, False)
             got_q = sum(k for _, k in placed)
             for i, k in placed:
-                entries.append((i, k * t.weight, t.queued_out_tokens, offset))
+                entries.append((i, k, t, t.queued_out_tokens, offset))
             # Slots freed by finishing running requests (at most as many as run now) serve the
             # rest in time, but they finish past the horizon: half credit.
-            turnover = min(met - got_q, got)
+            turnover = min(met - got_q, got_running[t.tier])
             score += turnover * t.weight * 0.5
             lost += t.queued - got_q - turnover
         else:
@@ -254,17 +277,19 @@ def evaluate(
             tps,
             roles,
             mult,
-            used,
             slots,
+            [MIN_CHUNK_TOKENS if roles[i] == "hybrid" and pending_prefill else 0 for i in range(n)],
             order_hi,
             order_lo,
             horizon_ms,
             prefill_ms,
-            hol,
             admit_levels or tuple(sorted(set(tps))),
+            prefill_batch_tokens,
         )
         score += s_score
         misses += s_misses
+    else:
+        s_score = 0.0
     # 4. credit, with the step time each class ends up with.
     step = [0.0] * n
     for i in range(n):
@@ -273,11 +298,16 @@ def evaluate(
             extra = chunk(i)
             ctx = quantize_tokens(ctx_sum[i] / mult[i])
             step[i] = cost.step_time_ms(tps[i], b, b + extra, ctx + extra)
-    for i, w, left, offset in entries:
+    for i, k, t, left, offset in entries:
+        # Rule 17: a tier meets its TPOT on a class only if the class's whole batch fits its TPOT.
+        if used[i] > slots(i, t.tpot_ms, quantize_tokens(ctx_sum[i] / used[i])):
+            misses += k
+            latency_misses += k if t.latency_sensitive else 0
+            continue
         tokens = max(horizon_ms - offset, 0.0) / step[i] if step[i] > 0 else 0.0
         frac = 1.0 if left <= 0 else min(1.0, tokens / left)
-        score += w * (0.5 + 0.5 * frac)
-    return Estimate(score, latency_misses, misses)
+        score += k * t.weight * (0.5 + 0.5 * frac)
+    return Estimate(score, latency_misses, misses, s_score)
 
 
 def hybrid_prefill_ms(cost: CostModel, tp: int, prompt: int, chunk: int, batch: int, decode_ctx: int) -> float:

@@ -23,7 +23,8 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
     score   ─ estimate.evaluate(): estimated weighted goodput over `horizon_ms` (the backlog, plus the
               arrival stream when the snapshot carries measured `arrivals`), minus
               λ · reconfiguration cost (fixed switch cost + KV bytes of the running requests on groups that
-              change / link bandwidth, all pairs in parallel — costmodel.reconfig_cost_ms).
+              change / link bandwidth, all pairs in parallel — costmodel.reconfig_cost_ms); over the phase
+              expected to remain, the stream's part recurs every horizon, the backlog's is earned once.
     hysteresis ─ switch only if best − current > max(`hysteresis_margin` (weighted requests),
               `hysteresis_fraction` · |current score|); together with the dwell time this stops flapping
               under an oscillating load or noisy measured arrival rates.
@@ -178,6 +179,7 @@ class AdaptivePolicy(BasePolicy):
         current = node_topology(node)
         cur_shape = current.shape()
         cur_est = self._evaluate(cost, current.groups, load, node)
+        cur_backlog = cur_est.score - cur_est.stream
         # A level whose KV room holds fewer than MIN_BATCH_SEQS typical requests cannot batch: Llama-3-70B at
         # TP2 on H100 keeps ~8.8 k KV tokens after weights, and routing background work there starved it.
         need = MIN_BATCH_SEQS * typical_context_tokens(load)
@@ -213,19 +215,20 @@ class AdaptivePolicy(BasePolicy):
             path, why = "scored", "mixed load"
         prefill_pending = any(t.queued for t in load.tiers) or bool(load.streams)
 
-        scored: list[tuple[float, float, Shape, Topology]] = []  # (score, change cost, shape, topology)
+        # (score, change cost, shape, topology, the score's backlog part)
+        scored: list[tuple[float, float, Shape, Topology, float]] = []
         seen: set[Topology] = set()
         for sh in shapes:  # first pass: all-hybrid roles, the common case
             groups = role_variants(sh, False)[0]
             seen.add(Topology(groups))
-            scored.append((*self._score(cost, groups, load, node), sh, Topology(groups)))
+            scored.append(self._scored(cost, groups, load, node, sh, Topology(groups)))
         # ... and every static layout of the node at these levels (all-hybrid partitions, P/D splits with prefill
         # and decode groups of one size each: `1p+1p+1d×6` is the best layout on the measured CPU table, and no
         # merge or split path from the current layout reaches it).
         for top in static_candidates(node.num_devices, levels):
             if top != current and top not in seen:
                 seen.add(top)
-                scored.append((*self._score(cost, top.groups, load, node), top.shape(), top))
+                scored.append(self._scored(cost, top.groups, load, node, top.shape(), top))
         # Second pass: other role variants for the three best partitions, the best in the fast path's
         # direction, and the current one.
         scored.sort(key=lambda x: -(x[0] - x[1]))
@@ -237,15 +240,17 @@ class AdaptivePolicy(BasePolicy):
                 top = Topology(groups)
                 if top != current and top not in seen:
                     seen.add(top)
-                    scored.append((*self._score(cost, groups, load, node), sh, top))
+                    scored.append(self._scored(cost, groups, load, node, sh, top))
         if not scored:
             return keep(f"{why}: no candidate", path)
-        # The change is worth what it gains over the phase expected to remain, less its one-time cost.
+        # The change is worth what it gains over the phase expected to remain, less its one-time cost: the
+        # stream's part of the score recurs every horizon of that phase, the backlog's (the requests here now)
+        # is earned once (rule 19; before, a backlog gain was multiplied by the phase as well).
         remaining = self.expected_remaining_ms(snap)
         scale = remaining / cfg.horizon_ms
 
         def worth(x) -> float:
-            return (x[0] - cur_est.score) * scale - x[1]
+            return (x[0] - cur_est.score) * scale - x[1] - (x[4] - cur_backlog) * (scale - 1.0)
 
         best = max(scored, key=worth)
         # The hysteresis margin guards against the estimate's noise, which the phase scale multiplies too: in
@@ -338,11 +343,12 @@ class AdaptivePolicy(BasePolicy):
             cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens, levels
         )
 
-    def _score(self, cost: CostModel, groups: tuple[Group, ...], load: NodeLoad, node: NodeView) -> tuple[float, float]:
-        """(estimated weighted goodput over the horizon, λ · reconfiguration cost of moving there)."""
+    def _scored(self, cost: CostModel, groups: tuple[Group, ...], load: NodeLoad, node: NodeView, shape, top):
+        """A candidate's row: (score, λ · reconfiguration cost, shape, topology, the score's backlog part)."""
         cfg = self.config
         est = self._evaluate(cost, groups, load, node)
-        return est.score, cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
+        change = cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
+        return est.score, change, shape, top, est.score - est.stream
 
     def _net_score(self, cost: CostModel, groups: tuple[Group, ...], load: NodeLoad, node: NodeView) -> float:
         cfg = self.config
