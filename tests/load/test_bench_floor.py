@@ -1,0 +1,103 @@
+"""`nitsum bench gateway --floor`: the bare relays answer through real processes and a real nats-server, the
+bench's JSON carries the floor rows, and a relay that cannot start is named with its stderr (no hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import msgpack
+import pytest
+
+from nitsum.natsserver import free_port
+from nitsum_load import bench_floor as bf
+from nitsum_load import bench_gateway as bg
+from nitsum_load.mesh import stop_process
+
+
+def _post(port: int, prompt: list[int]) -> tuple[int, bytes]:
+    async def go() -> tuple[int, bytes]:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                return r.status, await r.read()
+
+    return asyncio.run(go())
+
+
+def test_padded_frames_have_the_asked_size_and_keep_their_fields():
+    for size in (40, 120, 300, 70_000):
+        frame = bf.padded(["cmpl-1", "floor.stream.w0.gw.x", [1, 2, 3]], size)
+        assert len(frame) == size
+        assert msgpack.unpackb(frame)[:3] == ["cmpl-1", "floor.stream.w0.gw.x", [1, 2, 3]]
+    assert len(bf.padded(["a" * 50], 5)) > 5  # fields larger than the size: sent as they are
+
+
+def test_message_sizes_grow_with_the_prompt():
+    small, large = bf.message_sizes(bg.prompts(1, 16)[0]), bf.message_sizes(bg.prompts(1, 256)[0])
+    assert all(n > 0 for n in small.values())
+    assert large["submit"] > small["submit"] and large["run"] > small["run"]
+    assert small["run"] > small["submit"]  # a RunRequest carries the SubmitRequest
+
+
+def test_relays_answer_the_completion_through_every_hop(tmp_path, nats_server):
+    sizes = bf.message_sizes(bg.prompts(1, 16)[0])
+    with bf.Relays(tmp_path / "http") as relays:
+        status, body = _post(relays.start("http"), [1, 2])
+        assert status == 200 and json.loads(body) == bf.COMPLETION
+    common = ["--nats", nats_server.url, "--timeout", "5", *bf.size_args(sizes)]
+    with bf.Relays(tmp_path / "relay") as relays:
+        relays.start("worker", *common)
+        relays.start("coord", *common)
+        port = relays.start("front", *common)
+        status, body = _post(port, list(range(16)))
+        assert status == 200 and json.loads(body) == bf.COMPLETION
+        worker = relays.procs[0][1]
+        stop_process(worker, timeout_s=5.0)
+        # Without the worker the chain is broken: the front cannot answer the completion.
+        status, _ = _post(port, list(range(16)))
+        assert status != 200
+    assert relays.procs == [] and worker.poll() is not None
+
+
+def test_a_relay_that_cannot_start_is_named_with_its_stderr(tmp_path):
+    closed = free_port()  # nothing listens there
+    with bf.Relays(tmp_path) as relays:
+        with pytest.raises(bf.RelayError) as err:
+            relays.start("coord", "--nats", f"nats://127.0.0.1:{closed}")
+        proc = relays.procs[0][1]
+    message = str(err.value)
+    assert "'coord' exited with 1" in message and f"cannot connect to NATS at nats://127.0.0.1:{closed}" in message
+    assert proc.poll() is not None
+
+
+def test_a_relay_that_never_gets_ready_is_stopped(tmp_path, nats_server):
+    # A relay still starting when its time is up: the error names it, and it is stopped on the way out.
+    with bf.Relays(tmp_path, ready_timeout_s=0.0) as relays:
+        with pytest.raises(bf.RelayError, match="'worker' was not ready within 0 s"):
+            relays.start("worker", "--nats", nats_server.url)
+        proc = relays.procs[0][1]
+    assert proc.poll() is not None
+
+
+def test_floor_only_run_carries_the_floor_rows(tmp_path, nitsum_home, capsys):
+    out = tmp_path / "floor.json"
+    argv = ["--floor-only", "--requests", "6", "--warmup", "1", "--concurrency", "2", "--out", str(out)]
+    assert bg.main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = result["floor"]["rows"]
+    assert set(rows) == {"http", "relay"}  # no mesh phase
+    for row in rows.values():
+        assert row["latency_ms"]["p50"] > 0 and row["requests_per_s"] > 0 and row["throughput_ratio"] > 0
+        assert row["added_latency_p50_ms"] == row["latency_ms"]["p50"]  # a floor runs no engine
+    assert result["floor"]["message_bytes"] == bf.message_sizes(bg.prompts(1, 16)[0])
+    assert "gateway_latency_ms" not in result and result["engine_requests_per_s"] > 0
+    text = capsys.readouterr().out
+    assert "relay floor (3 procs, NATS)" in text and "mesh (nitsum up)" not in text
+
+
+def test_floor_only_and_url_refused(capsys):
+    with pytest.raises(SystemExit):
+        bg.main(["--floor-only", "--url", "http://127.0.0.1:1"])
+    assert "--floor-only measures no mesh" in capsys.readouterr().err
