@@ -139,34 +139,58 @@ async def serve_http(args) -> tuple[list, int]:
     return [runner.cleanup], port
 
 
+def _chunk(rid: str, frame: list) -> bytes:
+    """One SSE event of a streamed completion: the frame's token as an OpenAI completion chunk."""
+    finish = "length" if frame[5] else None
+    body = {"id": rid, "object": "text_completion", "created": 0, "model": "floor"}
+    body["choices"] = [{"index": 0, "text": frame[4], "logprobs": None, "finish_reason": finish}]
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 async def serve_front(args) -> tuple[list, int]:
     from aiohttp import web
 
     nc = await _nats(args.nats, "floor-front")
     front_id = "gw-" + uuid.uuid4().hex[:12]
     frame_subject = f"{NAMESPACE}.stream.{WORKER_ID}.gw.{front_id}"
-    waiting: dict[str, asyncio.Future] = {}
+    waiting: dict[str, asyncio.Queue] = {}
 
     async def on_frame(msg) -> None:
-        fut = waiting.get(msgpack.unpackb(msg.data)[0])
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        frame = msgpack.unpackb(msg.data)
+        queue = waiting.get(frame[0])
+        if queue is not None:
+            queue.put_nowait(frame)
 
     await nc.subscribe(f"{NAMESPACE}.stream.*.gw.{front_id}", cb=on_frame)
     await nc.flush()
-    loop = asyncio.get_running_loop()
 
-    async def completions(request: web.Request) -> web.Response:
+    async def completions(request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
         rid = "cmpl-" + uuid.uuid4().hex
-        waiting[rid] = frame = loop.create_future()
+        waiting[rid] = frames = asyncio.Queue()
         try:
-            submit = padded([rid, frame_subject, body["prompt"]], args.submit_bytes)
-            msgpack.unpackb((await nc.request(SUBMIT_SUBJECT, submit, timeout=args.timeout)).data)
-            await asyncio.wait_for(frame, args.timeout)
+            # A frame per token: max_tokens of them, paced by the worker at floor_step_ms (0: back to back).
+            fields = [rid, frame_subject, body["prompt"], int(body.get("max_tokens", 1))]
+            submit = padded([*fields, float(body.get("floor_step_ms", 0.0))], args.submit_bytes)
+            reply = msgpack.unpackb((await nc.request(SUBMIT_SUBJECT, submit, timeout=args.timeout)).data)
+            if not reply[1]:
+                return web.json_response({"error": {"message": f"coord refused: {reply[2]}"}}, status=502)
+            if not body.get("stream"):
+                while not (await asyncio.wait_for(frames.get(), args.timeout))[5]:
+                    pass
+                return web.Response(body=COMPLETION_BYTES, content_type="application/json")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            while True:
+                frame = await asyncio.wait_for(frames.get(), args.timeout)
+                await resp.write(_chunk(rid, frame))
+                if frame[5]:
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         finally:
             del waiting[rid]
-        return web.Response(body=COMPLETION_BYTES, content_type="application/json")
 
     runner, port = await _http_site(completions)
     return [runner.cleanup, nc.close], port
@@ -178,12 +202,13 @@ async def serve_coord(args) -> tuple[list, int]:
 
     async def route(msg) -> None:
         try:
-            rid, frame_subject, prompt, _ = msgpack.unpackb(msg.data)
-            run = padded([rid, frame_subject, prompt], args.run_bytes)
+            fields = msgpack.unpackb(msg.data)[:-1]  # the request as the front sent it, its padding aside
+            run = padded(fields, args.run_bytes)
             msgpack.unpackb((await nc.request(RUN_SUBJECT, run, timeout=args.timeout)).data)
-            await nc.publish(msg.reply, padded([rid, True, WORKER_ID], args.submit_reply_bytes))
-        except Exception as exc:  # the front's own timeout answers the client; say why here
+            await nc.publish(msg.reply, padded([fields[0], True, WORKER_ID], args.submit_reply_bytes))
+        except Exception as exc:  # refused, as the coordinator refuses a request it cannot place
             print(f"floor relay coord: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            await nc.publish(msg.reply, msgpack.packb(["", False, f"{type(exc).__name__}: {exc}"]))
 
     async def on_submit(msg) -> None:  # one task per request, as the coordinator handles submissions
         task = asyncio.create_task(route(msg))
@@ -196,16 +221,45 @@ async def serve_coord(args) -> tuple[list, int]:
 
 
 async def serve_worker(args) -> tuple[list, int]:
+    from concurrent.futures import ThreadPoolExecutor
+
     nc = await _nats(args.nats, "floor-worker")
+    loop = asyncio.get_running_loop()
+    step_thread = ThreadPoolExecutor(1)  # where an engine would step; only paced streams use it
+    tasks: set[asyncio.Task] = set()
+
+    async def frames(rid: str, subject: str, prompt: list, tokens: int, step_s: float) -> None:
+        start = time.perf_counter()
+        for i in range(tokens):
+            if step_s > 0:  # "steps" end on a fixed grid, so a late wake-up does not delay the ones after it
+                await loop.run_in_executor(step_thread, _sleep_until, start + (i + 1) * step_s)
+            last = i == tokens - 1
+            await nc.publish(subject, padded([rid, WORKER_ID, i, [123], "x", last, len(prompt)], args.frame_bytes))
 
     async def on_run(msg) -> None:
-        rid, frame_subject, prompt, _ = msgpack.unpackb(msg.data)
+        rid, subject, prompt, tokens, step_ms = msgpack.unpackb(msg.data)[:5]
         await nc.publish(msg.reply, padded([rid, WORKER_ID, True], args.run_ack_bytes))
-        await nc.publish(frame_subject, padded([rid, WORKER_ID, 0, [123], "x", True, len(prompt)], args.frame_bytes))
+        if tokens == 1 and step_ms == 0:
+            await frames(rid, subject, prompt, 1, 0.0)
+            return
+        task = asyncio.create_task(frames(rid, subject, prompt, max(1, tokens), step_ms / 1000.0))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     await nc.subscribe(RUN_SUBJECT, cb=on_run)
     await nc.flush()
-    return [nc.close], 0
+
+    async def close() -> None:
+        await nc.close()
+        step_thread.shutdown(wait=False, cancel_futures=True)
+
+    return [close], 0
+
+
+def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
 
 
 SERVE = {"http": serve_http, "front": serve_front, "coord": serve_coord, "worker": serve_worker}
@@ -339,8 +393,15 @@ def size_args(sizes: dict[str, int]) -> list[str]:
     return [a for name, n in sizes.items() for a in (f"--{name.replace('_', '-')}-bytes", str(n))]
 
 
-def run_floors(measure: Callable[[str], dict], run_dir: Path, sizes: dict[str, int], timeout_s: float) -> dict:
-    """Measure the http floor, then the relay floor (on a nats-server of its own), one after the other."""
+def run_floors(
+    measure: Callable[[str], dict],
+    run_dir: Path,
+    sizes: dict[str, int],
+    timeout_s: float,
+    per_token: Callable[[str], Any] | None = None,
+) -> dict:
+    """Measure the http floor, then the relay floor (on a nats-server of its own), one after the other; then, with
+    `per_token`, its streams through the same relays (under "per_token")."""
     from nitsum.natsserver import NatsServer, free_port
 
     floors: dict[str, dict] = {}
@@ -357,6 +418,9 @@ def run_floors(measure: Callable[[str], dict], run_dir: Path, sizes: dict[str, i
             port = relays.start("front", *common)
             print(f"relay floor on port {port} (front -> coord -> worker over NATS): the same requests ...", flush=True)
             floors["relay"] = measure(f"http://127.0.0.1:{port}")
+            if per_token is not None:
+                print("per-token floor: streams through the same relays ...", flush=True)
+                floors["per_token"] = per_token(f"http://127.0.0.1:{port}")
     finally:
         nats.stop()
     return floors

@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -35,11 +36,12 @@ from typing import Any
 import aiohttp
 
 from nitsum.metrics import percentile
-from nitsum_load import bench_floor
+from nitsum_load import bench_floor, bench_floor_tokens
 from nitsum_load.mesh import start_mesh
 
 TOKEN_ID_BASE = 100
 TOKEN_ID_SPAN = 100
+STEP_SAMPLES = 10  # prompts the engine's decode step is timed on (--floor-tokens)
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -48,7 +50,12 @@ def prompts(n: int, length: int) -> list[list[int]]:
 
 
 def in_process(
-    model: str, latency_prompts: list[list[int]], tput_prompts: list[list[int]], concurrency: int, warmup: int
+    model: str,
+    latency_prompts: list[list[int]],
+    tput_prompts: list[list[int]],
+    concurrency: int,
+    warmup: int,
+    step_tokens: int = 0,
 ) -> dict[str, Any]:
     import torch
 
@@ -67,6 +74,7 @@ def in_process(
             t = time.perf_counter()
             engine.generate([p], params)
             lat_ms.append((time.perf_counter() - t) * 1000.0)
+        step_ms = decode_step_ms(engine, latency_prompts[:STEP_SAMPLES], step_tokens) if step_tokens > 1 else None
         t, cpu = time.perf_counter(), time.process_time()
         for i in range(0, len(tput_prompts), concurrency):
             engine.generate(tput_prompts[i : i + concurrency], params)
@@ -76,7 +84,25 @@ def in_process(
         "requests_per_s": len(tput_prompts) / tput_s,
         "throughput_cpu_ms_per_request": cpu * 1000.0 / len(tput_prompts),
         "torch_threads": torch.get_num_threads(),
+        "decode_step_ms": step_ms,
     }
+
+
+def decode_step_ms(engine, prompts: list[list[int]], tokens: int) -> float:
+    """The engine's decode step for one stream: per prompt (cached by a first run, so both runs prefill alike),
+    (time of `tokens` tokens - time of 1 token) / (tokens - 1); the median over the prompts."""
+    from nitsum.engine.params import SamplingParams
+
+    one, many = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=tokens, ignore_eos=True)
+    steps = []
+    for p in prompts:
+        engine.generate([p], one)
+        t = time.perf_counter()
+        engine.generate([p], one)
+        t1 = time.perf_counter()
+        engine.generate([p], many)
+        steps.append(((time.perf_counter() - t1) - (t1 - t)) * 1000.0 / (tokens - 1))
+    return float(statistics.median(steps))
 
 
 async def through_gateway(
@@ -171,14 +197,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     p.add_argument("--floor", action="store_true", help="after the mesh, measure the bare relays' floor too")
     p.add_argument("--floor-only", action="store_true", help="the engine and the floor, no mesh phase")
+    p.add_argument("--floor-tokens", type=int, default=64, help="tokens per stream of the per-token floor (0: none)")
+    p.add_argument("--floor-streams", type=int, default=30, help="streams of the per-token floor (after warm-up)")
     args = p.parse_args(argv)
     if args.floor_only and args.url:
         p.error("--floor-only measures no mesh: drop --url")
-    for name in ("requests", "concurrency", "prompt_tokens", "gateways"):
+    for name in ("requests", "concurrency", "prompt_tokens", "gateways", "floor_streams"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.floor_tokens < 0 or args.floor_tokens == 1:
+        p.error("--floor-tokens must be 0 (no per-token floor) or >= 2")
     lat = prompts(args.warmup + args.requests, args.prompt_tokens)
     tput = prompts(args.requests, args.prompt_tokens)
     # Shift throughput prompts so they share no prefix block with the latency phase either.
@@ -188,22 +218,14 @@ def main(argv: list[str]) -> int:
         f"in-process engine: {args.requests} sequential + {args.requests} at concurrency {args.concurrency} ...",
         flush=True,
     )
-    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup)
+    floor = args.floor or args.floor_only
+    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup, args.floor_tokens if floor else 0)
     run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-gateway-"))
     gateway = None if args.floor_only else mesh_phase(args, run_dir, lat, tput)
     result = compare(engine, gateway) if gateway is not None else {"engine_latency_ms": _stats(engine["latency_ms"])}
     result["engine_requests_per_s"] = engine["requests_per_s"]
-    if args.floor or args.floor_only:
-        sizes = bench_floor.message_sizes(lat[0])
-        floors = bench_floor.run_floors(
-            lambda url: asyncio.run(
-                through_gateway(url, args.model, lat, tput, args.concurrency, args.warmup, args.timeout)
-            ),
-            run_dir / "floor",
-            sizes,
-            args.timeout,
-        )
-        result["floor"] = bench_floor.floor_result(compare, engine, floors, gateway, sizes)
+    if floor:
+        result["floor"] = floor_phase(args, run_dir, engine, gateway, lat, tput)
     result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result["machine"] = {
         "platform": platform.platform(),
@@ -215,10 +237,39 @@ def main(argv: list[str]) -> int:
         print(format_result(result))
     if "floor" in result:
         print(bench_floor.format_floor(result["engine_latency_ms"], engine["requests_per_s"], result["floor"]))
+        if "per_token" in result["floor"]:
+            print(bench_floor_tokens.format_tokens(result["floor"]["per_token"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def floor_phase(args, run_dir: Path, engine: dict, gateway: dict | None, lat, tput) -> dict[str, Any]:
+    """The same requests through the bare relays (load/bench_floor.py), then the per-token floor."""
+    sizes = bench_floor.message_sizes(lat[0])
+    step_ms = engine["decode_step_ms"]
+    stream_prompts = lat[: args.warmup + args.floor_streams]
+
+    def per_token(url: str, paced_ms: float) -> dict:
+        return asyncio.run(
+            bench_floor_tokens.streams(url, stream_prompts, args.floor_tokens, paced_ms, args.warmup, args.timeout)
+        )
+
+    floors = bench_floor.run_floors(
+        lambda url: asyncio.run(
+            through_gateway(url, args.model, lat, tput, args.concurrency, args.warmup, args.timeout)
+        ),
+        run_dir / "floor",
+        sizes,
+        args.timeout,
+        per_token=(lambda url: (per_token(url, 0.0), per_token(url, step_ms))) if args.floor_tokens else None,
+    )
+    tokens = floors.pop("per_token", None)
+    result = bench_floor.floor_result(compare, engine, floors, gateway, sizes)
+    if tokens is not None:
+        result["per_token"] = bench_floor_tokens.tokens_result(args.floor_tokens, step_ms, *tokens)
+    return result
 
 
 def mesh_phase(args, run_dir: Path, lat: list[list[int]], tput: list[list[int]]) -> dict[str, Any]:

@@ -12,8 +12,10 @@ import pytest
 
 from nitsum.natsserver import free_port
 from nitsum_load import bench_floor as bf
+from nitsum_load import bench_floor_tokens as bft
 from nitsum_load import bench_gateway as bg
 from nitsum_load.mesh import stop_process
+from nitsum_load.sse import DONE, SseParser
 
 
 def _post(port: int, prompt: list[int]) -> tuple[int, bytes]:
@@ -55,10 +57,34 @@ def test_relays_answer_the_completion_through_every_hop(tmp_path, nats_server):
         assert status == 200 and json.loads(body) == bf.COMPLETION
         worker = relays.procs[0][1]
         stop_process(worker, timeout_s=5.0)
-        # Without the worker the chain is broken: the front cannot answer the completion.
-        status, _ = _post(port, list(range(16)))
-        assert status != 200
+        # Without the worker the chain is broken: the coord refuses, the front says so.
+        status, body = _post(port, list(range(16)))
+        assert status == 502 and "coord refused" in json.loads(body)["error"]["message"]
     assert relays.procs == [] and worker.poll() is not None
+
+
+def test_front_streams_one_sse_chunk_per_worker_frame(tmp_path, nats_server):
+    common = ["--nats", nats_server.url, "--timeout", "5", *bf.size_args(bf.message_sizes(bg.prompts(1, 16)[0]))]
+    with bf.Relays(tmp_path) as relays:
+        relays.start("worker", *common)
+        relays.start("coord", *common)
+        url = f"http://127.0.0.1:{relays.start('front', *common)}"
+
+        async def raw() -> list[str]:
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": [1, 2, 3], "max_tokens": 5, "stream": True, "floor_step_ms": 0.5}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+                    return SseParser().feed(await r.read())
+
+        events = asyncio.run(raw())
+        assert events[-1] == DONE and len(events) == 6
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert [c["text"] for c in chunks] == ["x"] * 5
+        assert [c["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+        measured = asyncio.run(bft.streams(url, bg.prompts(3, 16), 4, 0.0, 1, 5.0))
+    assert {k: len(v) for k, v in measured.items()} == {k: 2 for k in measured}  # 3 streams, 1 warm-up
+    assert all(x > 0 for x in measured["total_ms"] + measured["single_total_ms"])
 
 
 def test_a_relay_that_cannot_start_is_named_with_its_stderr(tmp_path):
@@ -84,6 +110,7 @@ def test_a_relay_that_never_gets_ready_is_stopped(tmp_path, nats_server):
 def test_floor_only_run_carries_the_floor_rows(tmp_path, nitsum_home, capsys):
     out = tmp_path / "floor.json"
     argv = ["--floor-only", "--requests", "6", "--warmup", "1", "--concurrency", "2", "--out", str(out)]
+    argv += ["--floor-tokens", "4", "--floor-streams", "2"]
     assert bg.main(argv) == 0
     result = json.loads(out.read_text())
     rows = result["floor"]["rows"]
@@ -93,11 +120,22 @@ def test_floor_only_run_carries_the_floor_rows(tmp_path, nitsum_home, capsys):
         assert row["added_latency_p50_ms"] == row["latency_ms"]["p50"]  # a floor runs no engine
     assert result["floor"]["message_bytes"] == bf.message_sizes(bg.prompts(1, 16)[0])
     assert "gateway_latency_ms" not in result and result["engine_requests_per_s"] > 0
+    tokens = result["floor"]["per_token"]
+    assert tokens["tokens"] == 4 and tokens["streams"] == 2 and tokens["engine_step_ms"] > 0
+    assert tokens["paced"]["per_token_ms"]["p50"] > 0 and tokens["paced_per_token_over_step"] > 0
     text = capsys.readouterr().out
     assert "relay floor (3 procs, NATS)" in text and "mesh (nitsum up)" not in text
 
 
-def test_floor_only_and_url_refused(capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--floor-only", "--url", "http://127.0.0.1:1"], "--floor-only measures no mesh"),
+        (["--floor", "--floor-tokens", "1"], "--floor-tokens must be 0 (no per-token floor) or >= 2"),
+        (["--floor", "--floor-streams", "0"], "--floor-streams must be >= 1"),
+    ],
+)
+def test_floor_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit):
-        bg.main(["--floor-only", "--url", "http://127.0.0.1:1"])
-    assert "--floor-only measures no mesh" in capsys.readouterr().err
+        bg.main(argv)
+    assert message in capsys.readouterr().err
