@@ -169,9 +169,11 @@ async def serve_front(args) -> tuple[list, int]:
         rid = "cmpl-" + uuid.uuid4().hex
         waiting[rid] = frames = asyncio.Queue()
         try:
-            # A frame per token: max_tokens of them, paced by the worker at floor_step_ms (0: back to back).
+            # A frame per token: max_tokens of them, paced by the worker at floor_step_ms (0: back to back), its
+            # step thread sleeping (floor_step_spin false) or spinning in Python, holding the GIL, as the step.
             fields = [rid, frame_subject, body["prompt"], int(body.get("max_tokens", 1))]
-            submit = padded([*fields, float(body.get("floor_step_ms", 0.0))], args.submit_bytes)
+            fields += [float(body.get("floor_step_ms", 0.0)), bool(body.get("floor_step_spin", False))]
+            submit = padded(fields, args.submit_bytes)
             reply = msgpack.unpackb((await nc.request(SUBMIT_SUBJECT, submit, timeout=args.timeout)).data)
             if not reply[1]:
                 return web.json_response({"error": {"message": f"coord refused: {reply[2]}"}}, status=502)
@@ -228,21 +230,22 @@ async def serve_worker(args) -> tuple[list, int]:
     step_thread = ThreadPoolExecutor(1)  # where an engine would step; only paced streams use it
     tasks: set[asyncio.Task] = set()
 
-    async def frames(rid: str, subject: str, prompt: list, tokens: int, step_s: float) -> None:
+    async def frames(rid: str, subject: str, prompt: list, tokens: int, step_s: float, spin: bool) -> None:
         start = time.perf_counter()
+        step = _spin_until if spin else _sleep_until
         for i in range(tokens):
             if step_s > 0:  # "steps" end on a fixed grid, so a late wake-up does not delay the ones after it
-                await loop.run_in_executor(step_thread, _sleep_until, start + (i + 1) * step_s)
+                await loop.run_in_executor(step_thread, step, start + (i + 1) * step_s)
             last = i == tokens - 1
             await nc.publish(subject, padded([rid, WORKER_ID, i, [123], "x", last, len(prompt)], args.frame_bytes))
 
     async def on_run(msg) -> None:
-        rid, subject, prompt, tokens, step_ms = msgpack.unpackb(msg.data)[:5]
+        rid, subject, prompt, tokens, step_ms, spin = msgpack.unpackb(msg.data)[:6]
         await nc.publish(msg.reply, padded([rid, WORKER_ID, True], args.run_ack_bytes))
         if tokens == 1 and step_ms == 0:
-            await frames(rid, subject, prompt, 1, 0.0)
+            await frames(rid, subject, prompt, 1, 0.0, False)
             return
-        task = asyncio.create_task(frames(rid, subject, prompt, max(1, tokens), step_ms / 1000.0))
+        task = asyncio.create_task(frames(rid, subject, prompt, max(1, tokens), step_ms / 1000.0, spin))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
@@ -260,6 +263,11 @@ def _sleep_until(deadline: float) -> None:
     delay = deadline - time.perf_counter()
     if delay > 0:
         time.sleep(delay)
+
+
+def _spin_until(deadline: float) -> None:
+    while time.perf_counter() < deadline:  # pure Python: holds the GIL but for the interpreter's switches
+        pass
 
 
 SERVE = {"http": serve_http, "front": serve_front, "coord": serve_coord, "worker": serve_worker}

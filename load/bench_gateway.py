@@ -251,10 +251,15 @@ def floor_phase(args, run_dir: Path, engine: dict, gateway: dict | None, lat, tp
     step_ms = engine["decode_step_ms"]
     stream_prompts = lat[: args.warmup + args.floor_streams]
 
-    def per_token(url: str, paced_ms: float) -> dict:
+    def per_token(url: str, paced_ms: float, spin: bool = False) -> dict:
         return asyncio.run(
-            bench_floor_tokens.streams(url, stream_prompts, args.floor_tokens, paced_ms, args.warmup, args.timeout)
+            bench_floor_tokens.streams(
+                url, stream_prompts, args.floor_tokens, paced_ms, args.warmup, args.timeout, spin
+            )
         )
+
+    def token_floors(url: str) -> tuple[dict, dict, dict]:
+        return per_token(url, 0.0), per_token(url, step_ms), per_token(url, step_ms, spin=True)
 
     floors = bench_floor.run_floors(
         lambda url: asyncio.run(
@@ -263,7 +268,7 @@ def floor_phase(args, run_dir: Path, engine: dict, gateway: dict | None, lat, tp
         run_dir / "floor",
         sizes,
         args.timeout,
-        per_token=(lambda url: (per_token(url, 0.0), per_token(url, step_ms))) if args.floor_tokens else None,
+        per_token=token_floors if args.floor_tokens else None,
     )
     tokens = floors.pop("per_token", None)
     result = bench_floor.floor_result(compare, engine, floors, gateway, sizes)

@@ -122,7 +122,8 @@ def test_floor_only_run_carries_the_floor_rows(tmp_path, nitsum_home, capsys):
     assert "gateway_latency_ms" not in result and result["engine_requests_per_s"] > 0
     tokens = result["floor"]["per_token"]
     assert tokens["tokens"] == 4 and tokens["streams"] == 2 and tokens["engine_step_ms"] > 0
-    assert tokens["paced"]["per_token_ms"]["p50"] > 0 and tokens["paced_per_token_over_step"] > 0
+    for paced in (tokens["paced"], tokens["paced_spinning"]):
+        assert paced["per_token_ms"]["p50"] > 0 and paced["per_token_over_step"] > 0
     text = capsys.readouterr().out
     assert "relay floor (3 procs, NATS)" in text and "mesh (nitsum up)" not in text
 
