@@ -140,3 +140,19 @@ def test_floor_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit):
         bg.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_tree_cpu_counts_a_child_process(tmp_path):
+    import subprocess
+    import sys
+
+    before = bf.tree_cpu_s()
+    burn = "import time\nwhile time.process_time() < 0.3: pass\nprint(time.process_time(), flush=True)\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child_cpu = float(child.stdout.readline())
+        after = bf.tree_cpu_s()
+    finally:
+        child.communicate("\n")
+    assert before is not None and after is not None
+    assert after - before >= child_cpu - 0.05  # the child's CPU is in the tree's (clock ticks: 10 ms)
