@@ -13,6 +13,11 @@ built by the worker's own `build_engine` from the worker's default config (one t
 
 The in-process baseline runs first, while no mesh is running, so the two never share the CPU. Without
 `--url`, the bench starts `nitsum up --devices 1` itself (one worker, like the in-process engine) and stops it.
+
+With `--floor`, the same requests then go through bare relays of the mesh's processes and hops (an aiohttp
+server alone; aiohttp -> NATS -> coord -> NATS -> worker -> frame back, no nitsum code): what the hops alone
+cost, so mesh-added minus floor-added is what nitsum's own code adds (load/bench_floor.py). `--floor-only`
+skips the mesh phase (the in-process engine still runs first).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,10 +36,12 @@ from typing import Any
 import aiohttp
 
 from nitsum.metrics import percentile
+from nitsum_load import bench_floor, bench_floor_tokens
 from nitsum_load.mesh import start_mesh
 
 TOKEN_ID_BASE = 100
 TOKEN_ID_SPAN = 100
+STEP_SAMPLES = 10  # prompts the engine's decode step is timed on (--floor-tokens)
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -42,7 +50,12 @@ def prompts(n: int, length: int) -> list[list[int]]:
 
 
 def in_process(
-    model: str, latency_prompts: list[list[int]], tput_prompts: list[list[int]], concurrency: int, warmup: int
+    model: str,
+    latency_prompts: list[list[int]],
+    tput_prompts: list[list[int]],
+    concurrency: int,
+    warmup: int,
+    step_tokens: int = 0,
 ) -> dict[str, Any]:
     import torch
 
@@ -61,15 +74,35 @@ def in_process(
             t = time.perf_counter()
             engine.generate([p], params)
             lat_ms.append((time.perf_counter() - t) * 1000.0)
-        t = time.perf_counter()
+        step_ms = decode_step_ms(engine, latency_prompts[:STEP_SAMPLES], step_tokens) if step_tokens > 1 else None
+        t, cpu = time.perf_counter(), time.process_time()
         for i in range(0, len(tput_prompts), concurrency):
             engine.generate(tput_prompts[i : i + concurrency], params)
-        tput_s = time.perf_counter() - t
+        tput_s, cpu = time.perf_counter() - t, time.process_time() - cpu
     return {
         "latency_ms": lat_ms,
         "requests_per_s": len(tput_prompts) / tput_s,
+        "throughput_cpu_ms_per_request": cpu * 1000.0 / len(tput_prompts),
         "torch_threads": torch.get_num_threads(),
+        "decode_step_ms": step_ms,
     }
+
+
+def decode_step_ms(engine, prompts: list[list[int]], tokens: int) -> float:
+    """The engine's decode step for one stream: per prompt (cached by a first run, so both runs prefill alike),
+    (time of `tokens` tokens - time of 1 token) / (tokens - 1); the median over the prompts."""
+    from nitsum.engine.params import SamplingParams
+
+    one, many = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=tokens, ignore_eos=True)
+    steps = []
+    for p in prompts:
+        engine.generate([p], one)
+        t = time.perf_counter()
+        engine.generate([p], one)
+        t1 = time.perf_counter()
+        engine.generate([p], many)
+        steps.append(((time.perf_counter() - t1) - (t1 - t)) * 1000.0 / (tokens - 1))
+    return float(statistics.median(steps))
 
 
 async def through_gateway(
@@ -109,17 +142,21 @@ async def through_gateway(
             while queue:
                 await one(session, queue.pop())
 
+        cpu = bench_floor.tree_cpu_s()  # before the clock starts: it reads /proc
         t = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        tput_s = time.perf_counter() - t
-    return {"latency_ms": lat_ms, "requests_per_s": len(tput_prompts) / tput_s}
+        tput_s, cpu_end = time.perf_counter() - t, bench_floor.tree_cpu_s()
+    # CPU of this process and its children (the client, and the mesh or relays the bench started).
+    cpu_ms = (cpu_end - cpu) * 1000.0 / len(tput_prompts) if cpu is not None and cpu_end is not None else None
+    return {"latency_ms": lat_ms, "requests_per_s": len(tput_prompts) / tput_s, "throughput_cpu_ms_per_request": cpu_ms}
+
+
+def _stats(xs: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(xs, 50), "p90": percentile(xs, 90)}
 
 
 def compare(engine: dict[str, Any], gateway: dict[str, Any]) -> dict[str, Any]:
-    def stats(xs: list[float]) -> dict[str, float | None]:
-        return {"p50": percentile(xs, 50), "p90": percentile(xs, 90)}
-
-    e, g = stats(engine["latency_ms"]), stats(gateway["latency_ms"])
+    e, g = _stats(engine["latency_ms"]), _stats(gateway["latency_ms"])
     return {
         "engine_latency_ms": e,
         "gateway_latency_ms": g,
@@ -159,12 +196,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gateways", type=int, default=1, help="gateway processes of the mesh the bench starts (nitsum up)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per-request timeout")
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
+    p.add_argument("--floor", action="store_true", help="after the mesh, measure the bare relays' floor too")
+    p.add_argument("--floor-only", action="store_true", help="the engine and the floor, no mesh phase")
+    p.add_argument("--floor-tokens", type=int, default=64, help="tokens per stream of the per-token floor (0: none)")
+    p.add_argument("--floor-streams", type=int, default=30, help="streams of the per-token floor (after warm-up)")
     args = p.parse_args(argv)
-    for name in ("requests", "concurrency", "prompt_tokens", "gateways"):
+    if args.floor_only and args.url:
+        p.error("--floor-only measures no mesh: drop --url")
+    for name in ("requests", "concurrency", "prompt_tokens", "gateways", "floor_streams"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.floor_tokens < 0 or args.floor_tokens == 1:
+        p.error("--floor-tokens must be 0 (no per-token floor) or >= 2")
     lat = prompts(args.warmup + args.requests, args.prompt_tokens)
     tput = prompts(args.requests, args.prompt_tokens)
     # Shift throughput prompts so they share no prefix block with the latency phase either.
@@ -174,23 +219,14 @@ def main(argv: list[str]) -> int:
         f"in-process engine: {args.requests} sequential + {args.requests} at concurrency {args.concurrency} ...",
         flush=True,
     )
-    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup)
-    mesh = None
-    url = args.url
-    if url is None:
-        run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-gateway-"))
-        print(f"starting nitsum up --devices 1 --gateways {args.gateways} (logs in {run_dir}) ...", flush=True)
-        mesh = start_mesh(run_dir, devices=1, extra_args=("--model", args.model, "--gateways", str(args.gateways)))
-        url = mesh.url
-    try:
-        print(f"gateway {url}: the same requests ...", flush=True)
-        gateway = asyncio.run(
-            through_gateway(url, _served_model(url), lat, tput, args.concurrency, args.warmup, args.timeout)
-        )
-    finally:
-        if mesh is not None:
-            mesh.stop()
-    result = compare(engine, gateway)
+    floor = args.floor or args.floor_only
+    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup, args.floor_tokens if floor else 0)
+    run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-gateway-"))
+    gateway = None if args.floor_only else mesh_phase(args, run_dir, lat, tput)
+    result = compare(engine, gateway) if gateway is not None else {"engine_latency_ms": _stats(engine["latency_ms"])}
+    result["engine_requests_per_s"] = engine["requests_per_s"]
+    if floor:
+        result["floor"] = floor_phase(args, run_dir, engine, gateway, lat, tput)
     result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result["machine"] = {
         "platform": platform.platform(),
@@ -198,11 +234,69 @@ def main(argv: list[str]) -> int:
         "engine_torch_threads": engine["torch_threads"],
     }
     result["date"] = time.strftime("%Y-%m-%d")
-    print(format_result(result))
+    if gateway is not None:
+        print(format_result(result))
+    if "floor" in result:
+        print(bench_floor.format_floor(result["engine_latency_ms"], engine["requests_per_s"], result["floor"]))
+        if "per_token" in result["floor"]:
+            print(bench_floor_tokens.format_tokens(result["floor"]["per_token"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def floor_phase(args, run_dir: Path, engine: dict, gateway: dict | None, lat, tput) -> dict[str, Any]:
+    """The same requests through the bare relays (load/bench_floor.py), then the per-token floor."""
+    sizes = bench_floor.message_sizes(lat[0])
+    step_ms = engine["decode_step_ms"]
+    stream_prompts = lat[: args.warmup + args.floor_streams]
+
+    def per_token(url: str, paced_ms: float, spin: bool = False) -> dict:
+        return asyncio.run(
+            bench_floor_tokens.streams(
+                url, stream_prompts, args.floor_tokens, paced_ms, args.warmup, args.timeout, spin
+            )
+        )
+
+    def token_floors(url: str) -> tuple[dict, dict, dict]:
+        return per_token(url, 0.0), per_token(url, step_ms), per_token(url, step_ms, spin=True)
+
+    floors = bench_floor.run_floors(
+        lambda url: asyncio.run(
+            through_gateway(url, args.model, lat, tput, args.concurrency, args.warmup, args.timeout)
+        ),
+        run_dir / "floor",
+        sizes,
+        args.timeout,
+        per_token=token_floors if args.floor_tokens else None,
+    )
+    tokens = floors.pop("per_token", None)
+    result = bench_floor.floor_result(compare, engine, floors, gateway, sizes)
+    if tokens is not None:
+        result["per_token"] = bench_floor_tokens.tokens_result(args.floor_tokens, step_ms, *tokens)
+    return result
+
+
+def mesh_phase(args, run_dir: Path, lat: list[list[int]], tput: list[list[int]]) -> dict[str, Any]:
+    """The same requests through the mesh at `--url`, or through a `nitsum up` this starts and stops."""
+    mesh = None
+    url = args.url
+    if url is None:
+        print(f"starting nitsum up --devices 1 --gateways {args.gateways} (logs in {run_dir}) ...", flush=True)
+        mesh = start_mesh(run_dir, devices=1, extra_args=("--model", args.model, "--gateways", str(args.gateways)))
+        url = mesh.url
+    try:
+        print(f"gateway {url}: the same requests ...", flush=True)
+        measured = asyncio.run(
+            through_gateway(url, _served_model(url), lat, tput, args.concurrency, args.warmup, args.timeout)
+        )
+        if mesh is None:  # a mesh of its own: its CPU is not this process tree's
+            measured["throughput_cpu_ms_per_request"] = None
+        return measured
+    finally:
+        if mesh is not None:
+            mesh.stop()
 
 
 def _served_model(url: str) -> str:

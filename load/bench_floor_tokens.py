@@ -1,0 +1,108 @@
+"""The per-token floor of `nitsum bench gateway --floor`: streams of `--floor-tokens` tokens, one at a time,
+through the relay floor (load/bench_floor.py). Its worker publishes one frame per token -- back to back, then
+paced at the in-process engine's decode step (its step thread sleeps, or spins holding the GIL, to a fixed grid of step ends, as an
+engine's step thread would step) -- and the front streams each as an SSE chunk.
+
+Back to back, what one more token costs the hops and the client: a stream's extra time over a single-token
+stream's, per token (`tokens_result`). Paced, the TPOT a stream sees at the engine's step ((last token - first
+token) / (tokens - 1) at the client), against the step: the issue's goal is <= 1.2x.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aiohttp
+
+from nitsum.metrics import percentile
+from nitsum_load.sse import DONE, SseParser, parse_chunk
+
+
+async def _stream(session, endpoint: str, prompt: list[int], tokens: int, step_ms: float, spin: bool, timeout_s: float):
+    """One streamed request; the arrival time of each token (perf_counter seconds) and the time it was sent."""
+    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "floor_step_ms": step_ms, "floor_step_spin": spin}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    parser = SseParser()
+    async with session.post(endpoint, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"relay floor answered HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for data in resp.content.iter_any():
+            now = time.perf_counter()
+            for payload in parser.feed(data):
+                if payload != DONE:
+                    stamps.extend([now] * parse_chunk(payload).tokens)
+    if len(stamps) != tokens:
+        raise RuntimeError(f"relay floor streamed {len(stamps)} tokens, expected {tokens}")
+    return t0, stamps
+
+
+async def streams(
+    url: str, prompts: list[list[int]], tokens: int, step_ms: float, warmup: int, timeout_s: float, spin: bool = False
+) -> dict[str, list[float]]:
+    """One stream after another, each of `tokens` tokens, alternating with one of a single token; the first
+    `warmup` pairs are not counted. Per stream: TTFT, (last - first) / (tokens - 1), and the whole stream's time
+    (for the single-token ones too)."""
+    endpoint = url.rstrip("/") + "/v1/completions"
+    out: dict[str, list[float]] = {"ttft_ms": [], "per_token_ms": [], "total_ms": [], "single_total_ms": []}
+    async with aiohttp.ClientSession() as session:
+        for n, prompt in enumerate(prompts):
+            t0, stamps = await _stream(session, endpoint, prompt, tokens, step_ms, spin, timeout_s)
+            s0, single = await _stream(session, endpoint, prompt, 1, 0.0, False, timeout_s)
+            if n >= warmup:
+                out["ttft_ms"].append((stamps[0] - t0) * 1000.0)
+                out["per_token_ms"].append((stamps[-1] - stamps[0]) * 1000.0 / (tokens - 1))
+                out["total_ms"].append((stamps[-1] - t0) * 1000.0)
+                out["single_total_ms"].append((single[0] - s0) * 1000.0)
+    return out
+
+
+def _stats(xs: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(xs, 50), "p90": percentile(xs, 90)}
+
+
+def tokens_result(tokens: int, step_ms: float, back_to_back: dict, paced: dict, spun: dict) -> dict[str, Any]:
+    """Back to back, the frames of a stream reach the client in a few reads (the same arrival time for many
+    tokens), so their cost is the stream's extra time over a single-token one: (p50 of whole `tokens`-token
+    streams - p50 of single-token streams) / (tokens - 1). Paced, it is the time between the first token and the
+    last one / (tokens - 1), against the engine step they were paced at: with the worker's step thread asleep
+    (`paced`, the GIL free) and spinning in Python (`paced_spinning`, the GIL held as pure-Python engine code
+    would hold it; a torch step is in between)."""
+    b_total, b_single = _stats(back_to_back["total_ms"])["p50"], _stats(back_to_back["single_total_ms"])["p50"]
+    out: dict[str, Any] = {
+        "tokens": tokens,
+        "streams": len(paced["per_token_ms"]),
+        "engine_step_ms": step_ms,
+        "back_to_back": {
+            "per_token_ms": (b_total - b_single) / (tokens - 1),
+            "stream_ms": _stats(back_to_back["total_ms"]),
+            "single_token_stream_ms": _stats(back_to_back["single_total_ms"]),
+            "ttft_ms": _stats(back_to_back["ttft_ms"]),
+        },
+    }
+    for name, measured in (("paced", paced), ("paced_spinning", spun)):
+        per_token = _stats(measured["per_token_ms"])
+        out[name] = {
+            "per_token_ms": per_token,
+            "ttft_ms": _stats(measured["ttft_ms"]),
+            "per_token_over_step": per_token["p50"] / step_ms if step_ms > 0 else None,
+        }
+    return out
+
+
+def format_tokens(r: dict[str, Any]) -> str:
+    b = r["back_to_back"]
+    lines = [
+        f"per-token floor: {r['streams']} streams of {r['tokens']} tokens, one at a time, SSE through the relay floor",
+        f"  back to back: {b['per_token_ms']:.3f} ms per token (stream p50 {b['stream_ms']['p50']:.2f} ms, "
+        f"single-token stream p50 {b['single_token_stream_ms']['p50']:.2f} ms)",
+    ]
+    for name, how in (("paced", "step thread asleep"), ("paced_spinning", "step thread spinning")):
+        p = r[name]
+        lines.append(
+            f"  paced at the engine's decode step {r['engine_step_ms']:.3f} ms, {how}: per token p50 "
+            f"{p['per_token_ms']['p50']:.3f} ms, p90 {p['per_token_ms']['p90']:.3f} ms "
+            f"({p['per_token_over_step']:.2f}x the step); TTFT p50 {p['ttft_ms']['p50']:.2f} ms"
+        )
+    return "\n".join(lines)
