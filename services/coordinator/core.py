@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import traceback
 
@@ -44,6 +45,8 @@ from nitsum_services.coordinator.reform import ReformAgent
 from nitsum_services.coordinator.routing import note_arrival, pd_plan, request_view, reuse_hint
 from nitsum_services.coordinator.snapshot import build_snapshot, fitting_max_tp, live_arrival_window
 from nitsum_services.coordinator.transition import TransitionAgent, TransitionError
+
+EVENT_EPOCH_GAP_S = 0.05  # epochs a queue event triggers run at most this often (the periodic one as configured)
 
 log = logging.getLogger("nitsum.coordinator")
 
@@ -250,6 +253,7 @@ class Coordinator:
     async def epochs(self) -> None:
         """Every policy epoch: topology decisions and shedding."""
         period_s = self.config.reconfig_interval_ms / 1000.0
+        last_s = -math.inf  # when the last epoch began (time.monotonic)
         while not self.ctx.stop.is_set():
             # An epoch ends when its period is over, or early on a queue event (see on_submit) -- or at stop (a
             # long NITSUM_RECONFIG_INTERVAL_MS must not hold the service's shutdown).
@@ -257,11 +261,17 @@ class Coordinator:
             await asyncio.wait(waits, timeout=period_s, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
+            since_s = time.monotonic() - last_s
+            if self.trigger.is_set() and since_s < EVENT_EPOCH_GAP_S and not self.ctx.stop.is_set():
+                # A queue event comes with nearly every interactive submission under load: one epoch per
+                # EVENT_EPOCH_GAP_S at most, not one per request (they ran back to back at 400 req/s).
+                await asyncio.sleep(EVENT_EPOCH_GAP_S - since_s)
             self.trigger.clear()
             if self.ctx.stop.is_set():
                 break
             if not self.members.workers:
                 continue
+            last_s = time.monotonic()
             try:
                 await self.run_epoch()
             except Exception as exc:  # noqa: BLE001 -- one bad epoch (a policy's bug) must not end every later one

@@ -20,6 +20,7 @@ ROLE_FOR_POLICY = {"prefill": "prefill", "decode": "decode", "hybrid": "hybrid"}
 
 
 ARRIVAL_WINDOW_MS = 5000.0  # the shared nitsum.policy.snapshot.ArrivalWindow's default
+ARRIVAL_REFRESH_MS = 50.0  # the window's figures are measured at most this often (see ArrivalWindow.refresh_ms)
 __all__ = ["ARRIVAL_WINDOW_MS", "ArrivalWindow", "build_snapshot", "fitting_max_tp", "live_arrival_window"]
 
 
@@ -27,7 +28,7 @@ def live_arrival_window(boot_ms: float) -> ArrivalWindow:
     """The coordinator's arrival window: the simulator's (ClusterConfig.arrival_window_ms), counted from boot as
     the simulator counts from 0, so the first seconds are not under-counted. Shift detection (the simulator's
     load_shift_ms) stays off live for now: its settle rule would hold every change for 10 s after boot."""
-    return ArrivalWindow(ARRIVAL_WINDOW_MS, started_ms=boot_ms)
+    return ArrivalWindow(ARRIVAL_WINDOW_MS, started_ms=boot_ms, refresh_ms=ARRIVAL_REFRESH_MS)
 
 
 def fitting_max_tp(num_devices: int, max_tp: int) -> int:

@@ -64,6 +64,45 @@ def test_the_epoch_loop_goes_on_after_an_epoch_raises(caplog):
     assert len(failures) == 1  # the same problem is logged once, not every epoch
 
 
+def test_queue_events_run_an_epoch_at_most_every_event_gap():
+    # Under load nearly every interactive submission sets the trigger; the epochs it starts must not run back
+    # to back (they did: one per request at 400 req/s). The periodic epoch is far away (10 s) here.
+    from nitsum_services.coordinator.core import EVENT_EPOCH_GAP_S
+
+    async def scenario():
+        starts = []
+        fake = SimpleNamespace(
+            config=SimpleNamespace(reconfig_interval_ms=10_000),
+            ctx=SimpleNamespace(stop=asyncio.Event()),
+            trigger=asyncio.Event(),
+            members=SimpleNamespace(workers={"node0-0": object()}),
+            policy_spec="adaptive",
+            epoch_problem="",
+            last_decisions=[],
+        )
+
+        async def run_epoch():
+            starts.append(asyncio.get_running_loop().time())
+            if len(starts) == 5:
+                fake.ctx.stop.set()
+
+        async def submissions():
+            while not fake.ctx.stop.is_set():
+                fake.trigger.set()  # a queue event at every loop turn
+                await asyncio.sleep(0)
+
+        fake.run_epoch = run_epoch
+        feeder = asyncio.ensure_future(submissions())
+        await asyncio.wait_for(Coordinator.epochs(fake), 10.0)
+        await feeder
+        return starts
+
+    starts = asyncio.run(scenario())
+    assert len(starts) == 5  # queue events still start epochs long before the 10 s period
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= EVENT_EPOCH_GAP_S * 0.99, gaps
+
+
 def _members(*devices: int, node_size: int = 4):
     from nitsum.wire.messages import WorkerStats
     from nitsum_services.coordinator.membership import Membership

@@ -155,3 +155,20 @@ def test_the_estimate_names_the_part_of_its_score_the_stream_brings():
     backlog_only = score(TP8, ClusterSnapshot(0.0, (node(TP8),), (running,)))
     assert with_stream.stream > 0 and backlog_only.stream == 0 and backlog_only.score > 0
     assert with_stream.score - with_stream.stream == pytest.approx(backlog_only.score)
+
+
+def test_a_refreshing_window_answers_from_its_last_measurement_until_refresh_ms():
+    from nitsum.policy.snapshot import ArrivalWindow
+
+    w = ArrivalWindow(5000.0, started_ms=0.0, refresh_ms=50.0)
+    w.add(1000.0, "interactive", 200.0, 25.0, 10.0, 100, 10)
+    first = w.stats(1000.0)
+    w.add(1010.0, "interactive", 200.0, 25.0, 10.0, 300, 10)
+    assert w.stats(1040.0) is first  # within 50 ms: the same measurement
+    later = w.stats(1050.0)
+    assert later is not first and later[0].rate_per_s > first[0].rate_per_s * 1.5  # both arrivals counted
+    plain = ArrivalWindow(5000.0, started_ms=0.0)  # the simulator's: measured at every call
+    plain.add(1000.0, "interactive", 200.0, 25.0, 10.0, 100, 10)
+    assert plain.stats(1000.0) is not plain.stats(1000.0)
+    with pytest.raises(AssertionError):
+        ArrivalWindow(5000.0, refresh_ms=50.0, detect_shifts=True)
