@@ -128,39 +128,6 @@ def test_boot_layout_is_chosen_on_the_first_snapshot_with_measured_arrivals():
     assert d1.target is None and "settles" in d1.reason
 
 
-def test_boot_waits_until_every_tier_rate_is_measured():
-    # Rule 20: the boot layout is chosen once each tier's count gives a rate to ±25 % (1/sqrt(n) <= 0.25, 16
-    # arrivals) or the window has run full. Counts come from the simulator's window, as in a run.
-    from nitsum.policy.snapshot import ArrivalWindow
-
-    pol = AdaptivePolicy(PolicyConfig(model=model_spec("llama-3-8b")))
-    boot = node("[0-7 TP8 hybrid]")
-    reqs = tuple(RequestView(f"b{i}", "background", 10_000.0, 100.0, 1.0, 900.0, 1000, 100) for i in range(20))
-
-    def decide(arrival_ms: list[float], now_ms: float, shift_ms: float | None = 0.0):
-        w = ArrivalWindow(5000.0, started_ms=0.0, detect_shifts=True)
-        for t in arrival_ms:
-            w.add(t, "background", 10_000.0, 100.0, 1.0, 1000, 100)
-        arrivals = w.stats(now_ms)
-        [d] = pol.decide_topology(ClusterSnapshot(now_ms, (boot,), reqs, arrivals=arrivals, load_shift_ms=shift_ms))
-        return arrivals, d
-
-    # One second holding 3 arrivals (a rate of 3/s, known to ±58 %): wait, whatever the estimate would pick.
-    [few], d = decide([100.0, 400.0, 900.0], 1000.0)
-    assert (few.count, few.full) == (3, False) and few.rate_rse() > 0.25
-    assert d.target is None and "boot: wait" in d.reason and "background n=3" in d.reason, d.reason
-    # 16 arrivals in that second: measured; the boot change is taken at once, as rule 14 takes it.
-    [enough], d = decide([60.0 * i for i in range(1, 17)], 1000.0)
-    assert enough.count == 16 and enough.rate_measured(0.25)
-    assert d.target is not None and len(d.target.groups) > 1, d.reason
-    # 15 arrivals still wait; the same 3 arrivals once the window has run full (5 s) are what a window measures.
-    assert "boot: wait" in decide([60.0 * i for i in range(1, 16)], 1000.0)[1].reason
-    [full], d = decide([1100.0, 2400.0, 4900.0], 5000.0)
-    assert (full.count, full.full) == (3, True) and d.target is not None, d.reason
-    # Without shift tracking (the coordinator today: no settle rule, no boot choice) nothing waits.
-    assert "boot: wait" not in decide([100.0, 400.0, 900.0], 1000.0, shift_ms=None)[1].reason
-
-
 def test_a_surge_prefers_the_direction_in_which_its_prompts_prefill_sooner():
     from nitsum.sim.cluster import ClusterConfig
 

@@ -25,21 +25,6 @@ class ArrivalStats:
     weight: float
     prompt_tokens: tuple[int, ...]  # means of equal-mass slices of uncached prompt lengths, ascending (see measure)
     output_tokens: float  # mean max_tokens
-    # How well the rate is known (rule 20, the adaptive policy's boot choice): the arrivals counted, and whether
-    # they were counted over a whole window. None: the caller gives the rate, not a count (taken as measured).
-    count: int | None = None
-    full: bool = True  # False: measuring began less than a window ago (the count covers less than a window)
-
-    def rate_rse(self) -> float:
-        """The rate's relative standard error as a Poisson count's, 1/sqrt(n) (0 when not counted, inf at 0)."""
-        if self.count is None:
-            return 0.0
-        return 1.0 / math.sqrt(self.count) if self.count > 0 else math.inf
-
-    def rate_measured(self, max_rse: float) -> bool:
-        """The rate is known well enough to choose from: its relative standard error is at most `max_rse`, or
-        it was counted over a whole window (waiting longer would not measure this load better in the window)."""
-        return self.full or self.rate_rse() <= max_rse
 
     @staticmethod
     def measure(
@@ -50,11 +35,9 @@ class ArrivalStats:
         weight: float,
         lengths: list[tuple[int, int]],
         quantiles: int = 4,
-        full: bool = True,
     ) -> ArrivalStats:
         """From the (prompt tokens, max tokens) of the tier's arrivals in the last `window_ms`: the rate,
-        the mean prompt length of each of `quantiles` equal-mass slices (sorted), the mean output, the count.
-        `full`: `window_ms` is the whole window (False: measuring began less than a window ago)."""
+        the mean prompt length of each of `quantiles` equal-mass slices (sorted), the mean output."""
         assert window_ms > 0 and quantiles >= 1
         n = len(lengths)
         prompts = sorted(p for p, _ in lengths)
@@ -67,7 +50,7 @@ class ArrivalStats:
             mids.append(int(round(sum(part) / len(part))))
         mids = tuple(mids)
         out = sum(o for _, o in lengths) / n if n else 0.0
-        return ArrivalStats(tier, n / window_ms * 1e3, ttft_ms, tpot_ms, weight, mids, out, n, full)
+        return ArrivalStats(tier, n / window_ms * 1e3, ttft_ms, tpot_ms, weight, mids, out)
 
 
 class ArrivalWindow:
@@ -173,7 +156,6 @@ class ArrivalWindow:
             span = min(span, now_ms - self.started_ms)
             if span <= 0:
                 return ()
-        full = span >= self.window_ms
         by_tier: dict[str, list] = {}
         for event in self._events:
             by_tier.setdefault(event[1], []).append(event)
@@ -191,7 +173,7 @@ class ArrivalWindow:
                 span = steady
         return tuple(
             ArrivalStats.measure(
-                tier, span, events[-1][2], events[-1][3], events[-1][4], [(e[5], e[6]) for e in events], full=full
+                tier, span, events[-1][2], events[-1][3], events[-1][4], [(e[5], e[6]) for e in events]
             )
             for tier, events in sorted(by_tier.items())
         )

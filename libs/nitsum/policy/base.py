@@ -42,10 +42,6 @@ class PolicyConfig:
     # With measured arrivals: no change until this long after the arrival stream last shifted (or measuring
     # began): the sliding window (5 s in the simulator and the coordinator) must hold the new load only.
     shift_settle_ms: float = 10_000.0
-    # With measured shifts: the boot layout waits until every tier's measured rate has a relative standard error
-    # (a Poisson count's, 1/sqrt(n)) of at most this, or was counted over a whole window (rule 20): 0.25 is 16
-    # arrivals, a rate known to ±25 % (one second at 1 req/s: 3 arrivals counted a rate of 3/s).
-    boot_rate_rse: float = 0.25
     max_steps: int = 2  # candidates: at most this many merge/split steps from the current topology
     interactive_backlog_threshold: int = 1  # fast path: queued latency-sensitive requests to call it a surge
 
@@ -54,7 +50,6 @@ class PolicyConfig:
         assert self.epoch_ms > 0, "epoch_ms must be > 0"
         assert self.horizon_ms > 0, "horizon_ms must be > 0"
         assert self.max_steps >= 1, "max_steps must be >= 1"
-        assert self.boot_rate_rse > 0, "boot_rate_rse must be > 0"
 
     @property
     def queue_bound_map(self) -> dict[str, int]:

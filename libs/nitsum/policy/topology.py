@@ -30,8 +30,7 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
               under an oscillating load or noisy measured arrival rates.
     shifts  ─ with measured shifts of the stream (`load_shift_ms`): no change until the window settles, then
               at most one change until the load shifts again; except at boot (the node never changed), where
-              the estimate's layout for the first snapshot whose arrival rates are measured (every tier's
-              count 1/sqrt(n) ≤ `boot_rate_rse`, or a whole window) is taken at once and not counted.
+              the estimate's layout for the first snapshot with arrivals is taken at once and not counted.
 
 Everything is pure: the decision depends only on the snapshot (which carries `now_ms` and the node's
 `last_reconfig_ms`) and the frozen config. Cost-model results are memoized inside the policy object; that
@@ -138,15 +137,6 @@ def faster_prefill_direction(cost: CostModel, levels: tuple[int, ...], load: Nod
     return 1 if cost.prefill_time_ms(hi, prompt) <= cost.prefill_time_ms(lo, prompt) else -1
 
 
-def boot_rates_unmeasured(snap: ClusterSnapshot, node: NodeView, max_rse: float) -> str:
-    """Rule 20: the tiers whose measured rate is not yet known well enough to choose a boot layout from (see
-    ArrivalStats.rate_measured), as "tier n=3"; "" when every one is, or the node has changed already, or the
-    caller tracks no shifts of the stream (the coordinator for now: no settle rule, no boot choice)."""
-    if snap.load_shift_ms is None or node.last_reconfig_ms is not None:
-        return ""
-    return ", ".join(f"{a.tier} n={a.count}" for a in snap.arrivals if not a.rate_measured(max_rse))
-
-
 def static_candidates(num_devices: int, levels: tuple[int, ...]) -> list[Topology]:
     """Every static layout of a node at these TP levels (baselines.static_layouts), as topologies."""
     return [layout_topology(layout) for layout in static_layouts(num_devices, levels)]
@@ -185,9 +175,6 @@ class AdaptivePolicy(BasePolicy):
         load = summarize(snap, node, cfg.latency_sensitive_ttft_ms)
         if load.idle:
             return keep("idle")
-        unmeasured = boot_rates_unmeasured(snap, node, cfg.boot_rate_rse)
-        if unmeasured:
-            return keep(f"boot: wait until the rates are measured ({unmeasured})")
         cost = self.cost_for(node)
         current = node_topology(node)
         cur_shape = current.shape()
@@ -282,8 +269,7 @@ class AdaptivePolicy(BasePolicy):
         # At boot (the node never changed) there is no old load to wait out: the layout the estimate picks for
         # the first snapshot with work replaces the boot layout at once (no KV to move yet), and it does not count
         # as the change this load allows.
-        # (Where arrivals are measured, a first snapshot before any has been counted is no basis to choose from,
-        # nor one whose rates are not yet measured: see boot_rates_unmeasured, checked above.)
+        # (Where arrivals are measured, a first snapshot before any has been counted is no basis to choose from.)
         boot = node.last_reconfig_ms is None and (bool(snap.arrivals) or snap.load_shift_ms is None)
         if snap.load_shift_ms is not None and not boot:
             shift = snap.load_shift_ms
