@@ -84,6 +84,8 @@ def make_encoder(cls: type, names: tuple[str, ...], hints: dict[str, Any] | None
             ns[f"_X{i}"], ns[f"_e{i}"] = tp, encoder_of(tp)
             body.append(f"    {v} = {_attr(name)}")
             items.append(f"{name!r}: _e{i}({v}) if {v}.__class__ is _X{i} else _tw({v})")
+        elif dataclasses.is_dataclass(elem) or dataclasses.is_dataclass(tp):  # its encoder is being made
+            items.append(f"{name!r}: _tw({_attr(name)})")
         else:
             items.append(f"{name!r}: {_attr(name)}")
     lines = ["def _encode(_o):", *body, "    return {" + ", ".join(items) + "}"]
