@@ -103,7 +103,7 @@ def _outcome(fn, *args):
     except Exception as exc:
         return ("error", type(exc), getattr(exc, "code", None), str(exc))
     try:
-        hashed = hash(value)
+        hashed = hash(value) if "nan" not in repr(value) else "nan"  # a NaN's hash is its object's, not its value's
     except TypeError as exc:
         hashed = str(exc)
     return ("ok", type(value), repr(value), hashed)
