@@ -255,18 +255,6 @@ def _tuple_decoder(tp: Any):
 _BUILDING: set[Any] = set()  # dataclass types whose decoder is being made (a type that contains itself)
 
 
-def _missing(path: str, name: str) -> DecodeError:
-    return DecodeError(f"{path}: missing required field {name!r}", "bad_field")
-
-
-def _unknown(path: str, known: frozenset[str], fields_map: dict) -> DecodeError:
-    unknown = set(fields_map) - known
-    return DecodeError(f"{path}: unknown field(s) {sorted(map(str, unknown))}", "bad_field")
-
-
-_ERRORS = {"DecodeError": DecodeError, "bad": _bad, "missing": _missing, "unknown": _unknown}
-
-
 def _dataclass_decoder(cls: type):
     hints = _hints(cls)
     fields = _fields(cls)
@@ -275,7 +263,43 @@ def _dataclass_decoder(cls: type):
         decoders = [_later(hints[f.name]) if hints[f.name] in _BUILDING else _decoder(hints[f.name]) for f in fields]
     finally:
         _BUILDING.discard(cls)
-    return codegen.make_decoder(cls, fields, hints, decoders, _ERRORS)
+    general = _general_decoder(cls, fields, hints, decoders)
+    return codegen.make_decoder(cls, fields, hints, decoders, general, DecodeError)
+
+
+def _general_decoder(cls: type, fields: tuple[dataclasses.Field, ...], hints: dict[str, Any], decoders: list):
+    """The field-by-field decoder of any map (the generated one hands it every map its fast path does not take):
+    its type, unknown fields, then each field in order (missing, or the first bad value), then the instance."""
+    specs = []
+    for f, dec in zip(fields, decoders):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        specs.append((f.name, _PASS.get(hints[f.name]), dec, required))
+    known = frozenset(name for name, *_ in specs)
+
+    def dec_dataclass(fields_map, path):
+        if not isinstance(fields_map, dict):
+            raise _bad(path, "map", fields_map)
+        if not known.issuperset(fields_map):
+            unknown = set(fields_map) - known
+            raise DecodeError(f"{path}: unknown field(s) {sorted(map(str, unknown))}", "bad_field")
+        kwargs = {}
+        for name, same, dec, required in specs:
+            if name not in fields_map:
+                if required:
+                    raise DecodeError(f"{path}: missing required field {name!r}", "bad_field")
+                continue
+            value = fields_map[name]
+            if value.__class__ is same:
+                kwargs[name] = value
+                continue
+            try:
+                kwargs[name] = dec(value, path)
+            except DecodeError:
+                dec(value, f"{path}.{name}")  # again with the field's path in the message
+                raise
+        return cls(**kwargs)
+
+    return dec_dataclass
 
 
 def _later(tp: Any):
@@ -287,11 +311,13 @@ def _later(tp: Any):
     return dec_later
 
 
-def prepare_decoders(types: tuple[type, ...]) -> None:
-    """Make the decoders of these message types now (each is made on its first decode otherwise: type hints
-    resolved, ~0.1-1 ms a type), e.g. before a latency-critical first use such as a node's first TP change."""
+def prepare_codecs(types: tuple[type, ...]) -> None:
+    """Make the decoders and encoders of these message types now (each is made on its first use otherwise: type
+    hints resolved, source generated and compiled, ~0.1-1 ms a type), e.g. before a latency-critical first use
+    such as a node's first TP change."""
     for cls in types:
         _decoder(cls)
+        _encoder(cls)
 
 
 def decode(frame: bytes, expected: type[T] | tuple[type, ...] | None = None, max_bytes: int = MAX_FRAME_BYTES) -> T:

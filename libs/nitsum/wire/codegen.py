@@ -4,8 +4,8 @@ Each function is Python source built from the class's own field names and annota
 and compiled with `exec` on first use, the way attrs and msgspec build per-class code: no loop over field specs
 at run time, each attribute or map entry read directly. The encoder hands values to msgpack as they are (but
 nested messages); the decoder takes a map of exactly the class's fields whose values have the classes a
-well-formed frame gives in one test, checks only arrays and nested maps further, and sends anything else down
-the general path, one field after the other as the codec always did. The results are those of the general
+well-formed frame gives in one test, checks only arrays and nested maps further, and hands any other map to the
+codec's general decoder, which goes field after field as the codec always did. The results are those of the general
 codec: the same bytes, the same values, the same errors with the same paths (a path is built only after a
 failure, by decoding the failed value again with it). tests/unit/test_wire_codec_same.py compares them.
 """
@@ -119,41 +119,6 @@ def _retry(i: int, name: str, indent: str) -> list[str]:
     ]
 
 
-def _field_lines(i: int, f: dataclasses.Field, tp: Any, ns: dict[str, Any]) -> list[str]:
-    """The general decode of one field into `_v{i}`: absent (its default, or an error if it has none), of the
-    declared plain type (as it is), or anything else through its decoder `_d{i}`."""
-    v, name = f"_v{i}", f.name
-    lines = [f"    if {name!r} in _m:", f"        {v} = _m[{name!r}]"]
-    plain, opt, elem = _plain_of(tp), _optional_of(tp), _tuple_elem(tp)
-    if plain is not None:
-        ns[f"_T{i}"] = plain
-        lines += [f"        if {v}.__class__ is not _T{i}:", *_retry(i, name, "            ")]
-    elif opt is not None:
-        ns[f"_T{i}"] = opt
-        lines += [f"        if {v} is not None and {v}.__class__ is not _T{i}:", *_retry(i, name, "            ")]
-    elif elem in _PLAIN:
-        ns[f"_S{i}"] = frozenset({elem})
-        lines += [
-            f"        if {v}.__class__ is _list and _S{i}.issuperset(map(_type, {v})):",
-            f"            {v} = _tuple({v})",
-            "        else:",
-            *_retry(i, name, "            "),
-        ]
-    else:
-        lines += _retry(i, name, "        ")
-    lines.append("    else:")
-    if f.default is not dataclasses.MISSING:
-        ns[f"_D{i}"] = f.default
-        lines.append(f"        {v} = _D{i}")
-    elif f.default_factory is not dataclasses.MISSING:
-        ns[f"_F{i}"] = f.default_factory
-        lines.append(f"        {v} = _F{i}()")
-    else:
-        ns[f"_N{i}"] = name
-        lines.append(f"        raise _missing(_path, _N{i})")
-    return lines
-
-
 def _wire_check(i: int, tp: Any, ns: dict[str, Any]) -> str | None:
     """A test that `_v{i}` has the class msgpack gives for a well-formed value of annotation `tp` (None: no such
     test here, the class has no fast path)."""
@@ -193,6 +158,7 @@ def _fast_lines(fields, hints: dict[str, Any], ns: dict[str, Any]) -> list[str]:
     for i, f in enumerate(fields):
         tp = hints[f.name]
         if _tuple_elem(tp) in _PLAIN:
+            ns[f"_S{i}"] = frozenset({_tuple_elem(tp)})
             lines.append(f"            if _S{i}.issuperset(map(_type, _v{i})):")
             lines.append(f"                _v{i} = _tuple(_v{i})")
             lines.append("            else:")
@@ -203,7 +169,8 @@ def _fast_lines(fields, hints: dict[str, Any], ns: dict[str, Any]) -> list[str]:
             continue
         changed.append(i)
     if not _bypasses_init(ns["_cls"], fields):
-        return [*lines, *_make_lines(False, fields, "            ")]
+        args = [f"{f.name}=_v{i}" if f.kw_only else f"_v{i}" for i, f in enumerate(fields)]
+        return [*lines, f"            return _cls({', '.join(args)})"]
     # The map holds exactly the fields: the instance's __dict__ is a copy of it, changed values put back.
     stores = [f"            _od[{fields[i].name!r}] = _v{i}" for i in changed]
     return [
@@ -216,44 +183,23 @@ def _fast_lines(fields, hints: dict[str, Any], ns: dict[str, Any]) -> list[str]:
     ]
 
 
-def _make_lines(bypass: bool, fields, indent: str) -> list[str]:
-    """Return the instance of `_v0...`: by __init__ or, where that is safe, without it."""
-    if bypass:
-        stores = [f"{indent}_od[{f.name!r}] = _v{i}" for i, f in enumerate(fields)]
-        return [f"{indent}_o = _new(_cls)", f"{indent}_od = _o.__dict__", *stores, f"{indent}return _o"]
-    args = [f"{f.name}=_v{i}" if f.kw_only else f"_v{i}" for i, f in enumerate(fields)]
-    return [f"{indent}return _cls({', '.join(args)})"]
-
-
-def make_decoder(cls: type, fields, hints: dict[str, Any], decoders: list, errors: dict[str, Any]):
-    """A function (field map, path) -> the instance of `cls`, or DecodeError: the map's type, then unknown
-    fields, then each field in order (missing, or the first bad value), then the instance (its __post_init__).
-    `decoders[i]` decodes field i; `errors` holds DecodeError and the codec's `bad`/`missing`/`unknown` errors."""
+def make_decoder(cls: type, fields, hints: dict[str, Any], decoders: list, general, decode_error: type):
+    """A function (field map, path) -> the instance of `cls`, or DecodeError, as `general` gives them: the fast
+    path above, where it applies, and `general` (the codec's field-by-field decoder) for every other map.
+    `decoders[i]` decodes field i (called again with the field's path when it fails)."""
     ns: dict[str, Any] = {
         "_cls": cls,
-        "_known": frozenset(f.name for f in fields),
+        "_general": general,
         "_MISSING": _MISSING,
-        "_DecodeError": errors["DecodeError"],
-        "_bad": errors["bad"],
-        "_missing": errors["missing"],
-        "_unknown": errors["unknown"],
+        "_DecodeError": decode_error,
         "_dict": dict,
         "_list": list,
-        "_set": set,
         "_tuple": tuple,
         "_type": type,
         "_new": object.__new__,
     }
     ns.update({f"_d{i}": dec for i, dec in enumerate(decoders)})
-    lines = [
-        "def _decode(_m, _path):",
-        *_fast_lines(fields, hints, ns),
-        "    if not isinstance(_m, _dict):",
-        '        raise _bad(_path, "map", _m)',
-        "    if not _known.issuperset(_m):",
-        "        raise _unknown(_path, _known, _m)",
-    ]
-    for i, f in enumerate(fields):
-        lines += _field_lines(i, f, hints[f.name], ns)
-    lines += _make_lines(_bypasses_init(cls, fields), fields, "    ")
-    return _compile("_decode", cls, lines, ns)
+    fast = _fast_lines(fields, hints, ns)
+    if not fast:
+        return general
+    return _compile("_decode", cls, ["def _decode(_m, _path):", *fast, "    return _general(_m, _path)"], ns)
