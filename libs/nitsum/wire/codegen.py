@@ -24,13 +24,6 @@ _PLAIN = (str, int, float, bool, bytes)
 _MISSING = object()  # a field absent from the wire map (never a msgpack value)
 
 
-def _plain_of(tp: Any) -> type | None:
-    """The annotation `tp` if it is a plain type (str, int, float, bool, bytes), else None."""
-    if tp in _PLAIN:
-        return tp
-    return None
-
-
 def _optional_of(tp: Any) -> type | None:
     """T for an annotation `T | None` of a plain T, else None."""
     if typing.get_origin(tp) not in (typing.Union, types.UnionType):
