@@ -115,7 +115,7 @@ class NodeRuntime:
         # epoch's wait in its Transition). The groups' roles are in `topology`.
         self.leaders: dict[tuple[int, int], str] = {}
         self.handoff_handles: tuple[int, tuple[str, ...]] | None = None  # (epoch, this group's arena handles)
-        codec.prepare_decoders(NODE_MESSAGE_TYPES)  # not inside the first change's exchanges
+        codec.prepare_codecs(NODE_MESSAGE_TYPES)  # not inside the first change's exchanges
         self._start_serving(weights, engine)
 
     def _start_serving(self, weights: dict[str, torch.Tensor], engine: Engine | None) -> None:

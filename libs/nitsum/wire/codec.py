@@ -5,6 +5,9 @@ Frame layout: a msgpack array `[kind, version, {field: value, ...}]`. Nested mes
 the outer frame carries a kind. Decoding is strict: the frame size is bounded, the kind must be
 known, the version must not be newer than ours, required fields must be present, unknown fields
 are refused and every value must have its declared type. Nothing but msgpack is ever used.
+
+Each message class gets a generated encoder and decoder on first use (`nitsum.wire.codegen`); they give what
+the general functions here give (`_to_wire`, and the per-type decoders for each field), faster.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from nitsum.wire import codegen
 from nitsum.wire.messages import MESSAGE_TYPES
 from nitsum.wire.node import NODE_MESSAGE_TYPES
 
@@ -47,6 +51,7 @@ class DecodeError(WireError):
 _BY_KIND: dict[str, type] = {}
 for _cls in (*MESSAGE_TYPES, *NODE_MESSAGE_TYPES):
     assert _cls.KIND not in _BY_KIND, f"duplicate message kind {_cls.KIND!r}"
+    assert dataclasses.is_dataclass(_cls) and not issubclass(_cls, (list, tuple, dict)), _cls
     _BY_KIND[_cls.KIND] = _cls
 
 
@@ -72,6 +77,7 @@ def _field_names(cls: type) -> tuple[str, ...] | None:
 
 
 def _to_wire(value: Any) -> Any:
+    """The field map of a message, checked value by value (the reference encoding, see `_encoder`)."""
     cls = value.__class__
     if cls in _PRIMITIVES:
         return value
@@ -94,15 +100,44 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
+_ENCODERS: dict[type, Any] = {}  # dataclass type -> its generated encoder
+_ENCODING: set[type] = set()  # dataclass types whose encoder is being made (a type that contains itself)
+
+
+def _encoder(cls: type):
+    """The generated encoder of a dataclass type (None while it is being made): the field map `_to_wire`
+    makes, without looking into values that msgpack packs as they are (see `codegen.make_encoder`)."""
+    enc = _ENCODERS.get(cls)
+    if enc is not None or cls in _ENCODING:
+        return enc
+    try:
+        hints = _hints(cls)
+    except Exception:  # annotations that do not resolve: nested values through _to_wire
+        hints = None
+    _ENCODING.add(cls)
+    try:
+        enc = _ENCODERS[cls] = codegen.make_encoder(cls, _field_names(cls), hints, _to_wire, _encoder)
+    finally:
+        _ENCODING.discard(cls)
+    return enc
+
+
 def encode(message: Any, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
     """Serialize a message dataclass; raises EncodeError if it is not a registered message or too large."""
     cls = type(message)
     if _BY_KIND.get(getattr(cls, "KIND", None)) is not cls:
         raise EncodeError(f"{cls.__name__} is not a registered wire message", "unknown_kind")
     try:
-        frame = msgpack.packb([cls.KIND, cls.VERSION, _to_wire(message)], use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise EncodeError(f"cannot encode {cls.__name__}: {exc}", "unencodable") from exc
+        frame = msgpack.packb(
+            [cls.KIND, cls.VERSION, (_ENCODERS.get(cls) or _encoder(cls) or _to_wire)(message)], use_bin_type=True
+        )
+    except (TypeError, ValueError, OverflowError):
+        frame = None  # something msgpack does not pack as it is: the reference encoding's bytes or error
+    if frame is None:
+        try:
+            frame = msgpack.packb([cls.KIND, cls.VERSION, _to_wire(message)], use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EncodeError(f"cannot encode {cls.__name__}: {exc}", "unencodable") from exc
     if len(frame) > max_bytes:
         raise EncodeError(f"{cls.__name__} is {len(frame)} bytes, over the {max_bytes}-byte limit", "too_large")
     return frame
@@ -110,10 +145,6 @@ def encode(message: Any, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
 
 def _bad(path: str, expected: str, value: Any) -> DecodeError:
     return DecodeError(f"field {path}: expected {expected}, got {type(value).__name__}", "bad_field")
-
-
-def _from_wire(tp: Any, value: Any, path: str) -> Any:
-    return _decoder(tp)(value, path)
 
 
 @functools.cache
@@ -226,16 +257,23 @@ _BUILDING: set[Any] = set()  # dataclass types whose decoder is being made (a ty
 
 def _dataclass_decoder(cls: type):
     hints = _hints(cls)
-    specs = []
+    fields = _fields(cls)
     _BUILDING.add(cls)
     try:
-        for f in _fields(cls):
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            tp = hints[f.name]
-            dec = _later(tp) if tp in _BUILDING else _decoder(tp)
-            specs.append((f.name, _PASS.get(tp), dec, required))
+        decoders = [_later(hints[f.name]) if hints[f.name] in _BUILDING else _decoder(hints[f.name]) for f in fields]
     finally:
         _BUILDING.discard(cls)
+    general = _general_decoder(cls, fields, hints, decoders)
+    return codegen.make_decoder(cls, fields, hints, decoders, general, DecodeError)
+
+
+def _general_decoder(cls: type, fields: tuple[dataclasses.Field, ...], hints: dict[str, Any], decoders: list):
+    """The field-by-field decoder of any map (the generated one hands it every map its fast path does not take):
+    its type, unknown fields, then each field in order (missing, or the first bad value), then the instance."""
+    specs = []
+    for f, dec in zip(fields, decoders):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        specs.append((f.name, _PASS.get(hints[f.name]), dec, required))
     known = frozenset(name for name, *_ in specs)
 
     def dec_dataclass(fields_map, path):
@@ -273,15 +311,13 @@ def _later(tp: Any):
     return dec_later
 
 
-def prepare_decoders(types: tuple[type, ...]) -> None:
-    """Make the decoders of these message types now (each is made on its first decode otherwise: type hints
-    resolved, ~0.1-1 ms a type), e.g. before a latency-critical first use such as a node's first TP change."""
+def prepare_codecs(types: tuple[type, ...]) -> None:
+    """Make the decoders and encoders of these message types now (each is made on its first use otherwise: type
+    hints resolved, source generated and compiled, ~0.1-1 ms a type), e.g. before a latency-critical first use
+    such as a node's first TP change."""
     for cls in types:
         _decoder(cls)
-
-
-def _build(cls: type[T], fields_map: Any, path: str) -> T:
-    return _decoder(cls)(fields_map, path)
+        _encoder(cls)
 
 
 def decode(frame: bytes, expected: type[T] | tuple[type, ...] | None = None, max_bytes: int = MAX_FRAME_BYTES) -> T:
@@ -314,7 +350,7 @@ def decode(frame: bytes, expected: type[T] | tuple[type, ...] | None = None, max
             f"{kind}: unsupported schema version {version!r} (this build speaks {cls.VERSION})", "bad_version"
         )
     try:
-        message = _build(cls, fields_map, kind)
+        message = _decoder(cls)(fields_map, kind)
     except DecodeError:
         raise
     except (TypeError, ValueError) as exc:  # a message's own __post_init__ validation
