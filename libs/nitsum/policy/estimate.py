@@ -37,8 +37,9 @@ The fluid model (ours; ALGORITHMS.md leaves it open):
    priced in the batch the arrivals make it run (rule 18, stream.prefill_batch). What is prefilled in time
    decodes in steady state on the classes its tier prefers, overflowing (never refused) past their room at its
    TPOT; it meets its TPOT as often as its class's batch, Poisson with Little's mean, fits its TPOT (rule 17,
-   decodeload.DecodeLoad). Each one projected to meet its SLO counts weight · STREAM_CREDIT (`Estimate.stream`
-   names this part of the score). Without this term a layout that is slightly overloaded (static TP8 for
+   decodeload.DecodeLoad); on a hybrid class those steps carry the minimum prefill chunk, since the streams keep
+   its prefill pending whatever is queued now (rule 21). Each one projected to meet its SLO counts weight ·
+   STREAM_CREDIT (`Estimate.stream` names this part of the score). Without this term a layout that is slightly overloaded (static TP8 for
    Llama-3-70B at 20 req/s of Azure conv) looks as good as one that keeps up, until its backlog is already
    hopeless.
 """
@@ -271,14 +272,17 @@ def evaluate(
             latency_misses += lost
     # 5. the arrival stream over the horizon, against steady-state capacity.
     if load.streams:
+        # Rule 21: the streams keep a hybrid group's prefill pending (as _stream_pool prices its prompts), so
+        # its decode steps and slots carry at least the minimum chunk, whatever is queued now.
+        s_extras = [MIN_CHUNK_TOKENS if roles[i] == "hybrid" else 0 for i in range(n)]
         s_score, s_misses = stream_estimate(
             cost,
             load.streams,
             tps,
             roles,
             mult,
-            slots,
-            [MIN_CHUNK_TOKENS if roles[i] == "hybrid" and pending_prefill else 0 for i in range(n)],
+            lambda i, tpot, ctx: mult[i] * cost.max_decode_batch(tps[i], tpot, ctx, s_extras[i]),
+            s_extras,
             order_hi,
             order_lo,
             horizon_ms,
