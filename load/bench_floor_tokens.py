@@ -1,5 +1,5 @@
 """The per-token floor of `nitsum bench gateway --floor`: streams of `--floor-tokens` tokens, one at a time,
-through the relay floor (load/bench_floor.py). Its worker publishes one frame per token -- back to back, then
+through the relay floor (load/bench_floor.py, relays in load/floor_relays.py). Its worker publishes one frame per token -- back to back, then
 paced at the in-process engine's decode step (its step thread sleeps, or spins holding the GIL, to a fixed grid of step ends, as an
 engine's step thread would step) -- and the front streams each as an SSE chunk.
 

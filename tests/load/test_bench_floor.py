@@ -14,6 +14,7 @@ from nitsum.natsserver import free_port
 from nitsum_load import bench_floor as bf
 from nitsum_load import bench_floor_tokens as bft
 from nitsum_load import bench_gateway as bg
+from nitsum_load import floor_relays as fr
 from nitsum_load.mesh import stop_process
 from nitsum_load.sse import DONE, SseParser
 
@@ -30,10 +31,10 @@ def _post(port: int, prompt: list[int]) -> tuple[int, bytes]:
 
 def test_padded_frames_have_the_asked_size_and_keep_their_fields():
     for size in (40, 120, 300, 70_000):
-        frame = bf.padded(["cmpl-1", "floor.stream.w0.gw.x", [1, 2, 3]], size)
+        frame = fr.padded(["cmpl-1", "floor.stream.w0.gw.x", [1, 2, 3]], size)
         assert len(frame) == size
         assert msgpack.unpackb(frame)[:3] == ["cmpl-1", "floor.stream.w0.gw.x", [1, 2, 3]]
-    assert len(bf.padded(["a" * 50], 5)) > 5  # fields larger than the size: sent as they are
+    assert len(fr.padded(["a" * 50], 5)) > 5  # fields larger than the size: sent as they are
 
 
 def test_message_sizes_grow_with_the_prompt():
@@ -47,14 +48,14 @@ def test_relays_answer_the_completion_through_every_hop(tmp_path, nats_server):
     sizes = bf.message_sizes(bg.prompts(1, 16)[0])
     with bf.Relays(tmp_path / "http") as relays:
         status, body = _post(relays.start("http"), [1, 2])
-        assert status == 200 and json.loads(body) == bf.COMPLETION
+        assert status == 200 and json.loads(body) == fr.COMPLETION
     common = ["--nats", nats_server.url, "--timeout", "5", *bf.size_args(sizes)]
     with bf.Relays(tmp_path / "relay") as relays:
         relays.start("worker", *common)
         relays.start("coord", *common)
         port = relays.start("front", *common)
         status, body = _post(port, list(range(16)))
-        assert status == 200 and json.loads(body) == bf.COMPLETION
+        assert status == 200 and json.loads(body) == fr.COMPLETION
         worker = relays.procs[0][1]
         stop_process(worker, timeout_s=5.0)
         # Without the worker the chain is broken: the coord refuses, the front says so.

@@ -32,18 +32,23 @@ def test_a_static_policy_on_a_node_too_small_for_it_waits_instead_of_raising(spe
     assert d.target is not None and str(d.target) == str(policy.initial_topology(_node(4, 4)))
 
 
+def _epoch_loop_host(reconfig_interval_ms: int, policy_spec: str) -> SimpleNamespace:
+    """What `Coordinator.epochs` reads of its coordinator (one known worker); the test sets `run_epoch`."""
+    return SimpleNamespace(
+        config=SimpleNamespace(reconfig_interval_ms=reconfig_interval_ms),
+        ctx=SimpleNamespace(stop=asyncio.Event()),
+        trigger=asyncio.Event(),
+        members=SimpleNamespace(workers={"node0-0": object()}),
+        policy_spec=policy_spec,
+        epoch_problem="",
+        last_decisions=[],
+    )
+
+
 def test_the_epoch_loop_goes_on_after_an_epoch_raises(caplog):
     async def scenario():
         calls = []
-        fake = SimpleNamespace(
-            config=SimpleNamespace(reconfig_interval_ms=1),
-            ctx=SimpleNamespace(stop=asyncio.Event()),
-            trigger=asyncio.Event(),
-            members=SimpleNamespace(workers={"node0-0": object()}),
-            policy_spec="static-tp:2",
-            epoch_problem="",
-            last_decisions=[],
-        )
+        fake = _epoch_loop_host(reconfig_interval_ms=1, policy_spec="static-tp:2")
 
         async def run_epoch():
             calls.append(len(calls))
@@ -71,15 +76,7 @@ def test_queue_events_run_an_epoch_at_most_every_event_gap():
 
     async def scenario():
         starts = []
-        fake = SimpleNamespace(
-            config=SimpleNamespace(reconfig_interval_ms=10_000),
-            ctx=SimpleNamespace(stop=asyncio.Event()),
-            trigger=asyncio.Event(),
-            members=SimpleNamespace(workers={"node0-0": object()}),
-            policy_spec="adaptive",
-            epoch_problem="",
-            last_decisions=[],
-        )
+        fake = _epoch_loop_host(reconfig_interval_ms=10_000, policy_spec="adaptive")
 
         async def run_epoch():
             starts.append(asyncio.get_running_loop().time())
