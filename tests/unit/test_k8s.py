@@ -1,12 +1,17 @@
-"""deploy/k8s is checked offline: every manifest against the Kubernetes OpenAPI schemas (kubernetes-validate, strict),
-every nitsum container runs a real service with known settings, one node world per host, and the NATS config in
-the ConfigMap is the generator's and forms a real three-server cluster."""
+"""deploy/k8s (CPU) and deploy/k8s-gpu (its GPU overlay) are checked offline: every manifest, and what
+`kubectl kustomize` renders of each, against the Kubernetes OpenAPI schemas (kubernetes-validate, strict), every
+nitsum container runs a real service with known settings, one node world per host, the GPU pod's containers share
+one claim of the host's devices, and the NATS config in the ConfigMap is the generator's and forms a real
+three-server cluster."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -24,7 +29,9 @@ kubernetes_validate = pytest.importorskip(
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"
+K8S_GPU = ROOT / "deploy/k8s-gpu"
 KUBE_VERSION = "1.30.0"
+GPU_KUBE_VERSION = "1.34.0"  # resource.k8s.io/v1 (Dynamic Resource Allocation) is GA from 1.34
 DOCS = [
     (path.name, doc)
     for path in sorted(K8S.glob("*.yaml"))
@@ -34,10 +41,33 @@ DOCS = [
 ]
 
 
-def pod_specs():
-    for name, doc in DOCS:
+def pod_specs(docs=None):
+    for name, doc in DOCS if docs is None else docs:
         if doc["kind"] in ("Deployment", "StatefulSet"):
             yield name, doc, doc["spec"]["template"]["spec"]
+
+
+def find(docs, kind: str, name: str) -> dict:
+    return next(d for _, d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def render(path: Path) -> list[tuple[str, dict]]:
+    """What `kubectl apply -k PATH` would apply: kustomize's own rendering (kubectl's built-in kustomize)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [(path.name, d) for d in yaml.safe_load_all(out.stdout) if d]
+
+
+DEPLOYMENTS = {"cpu": (K8S, KUBE_VERSION), "gpu": (K8S_GPU, GPU_KUBE_VERSION)}
+
+
+@pytest.fixture(scope="module", params=sorted(DEPLOYMENTS))
+def rendered(request):
+    path, version = DEPLOYMENTS[request.param]
+    return request.param, render(path), version
 
 
 @pytest.mark.parametrize("name,doc", DOCS, ids=[f"{n}:{d['kind']}/{d['metadata']['name']}" for n, d in DOCS])
@@ -62,13 +92,15 @@ def test_kustomization_lists_every_manifest_but_the_secret_example():
 
 
 def test_nitsum_containers_run_real_services_with_known_settings():
+    check_services_and_settings(DOCS)
+
+
+def check_services_and_settings(docs):
     known = set(all_settings()) | {"POD_NAME", "POD_IP"}
-    settings = next(d for _, d in DOCS if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nitsum-settings")[
-        "data"
-    ]
+    settings = find(docs, "ConfigMap", "nitsum-settings")["data"]
     assert set(settings) <= known
     roles = set()
-    for _name, doc, spec in pod_specs():
+    for _name, doc, spec in pod_specs(docs):
         for c in spec["containers"]:
             if c.get("args", [""])[0] != "serve":
                 continue
@@ -79,13 +111,18 @@ def test_nitsum_containers_run_real_services_with_known_settings():
             assert {"configMapRef": {"name": "nitsum-settings"}} in c["envFrom"]
     assert roles == set(SERVICES)
     # The coordinator's cost model and the workers read NITSUM_DTYPE from the one ConfigMap, nowhere else.
-    for _, _, spec in pod_specs():
+    for _, _, spec in pod_specs(docs):
         for c in spec["containers"]:
             assert all(e["name"] != "NITSUM_DTYPE" for e in c.get("env", [])), c["name"]
 
 
 def test_one_node_world_per_host():
-    node = next(d for _, d in DOCS if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nitsum-node")
+    check_node_world(DOCS)
+
+
+def check_node_world(docs) -> list[dict]:
+    """One node world per host; returns its workers' settings (name -> value), one dict per container."""
+    node = find(docs, "StatefulSet", "nitsum-node")
     spec = node["spec"]["template"]["spec"]
     term = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert term["topologyKey"] == "kubernetes.io/hostname"
@@ -103,6 +140,50 @@ def test_one_node_world_per_host():
     assert shm["emptyDir"]["medium"] == "Memory"
     for c in workers:
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    ports = {p["port"] for p in find(docs, "Service", "nitsum-node")["spec"]["ports"]}
+    assert {int(e["NITSUM_METRICS_PORT"]) for e in envs} <= ports
+    return envs
+
+
+def test_rendered_deployment_is_valid_and_complete(rendered):
+    _, docs, version = rendered
+    for _, doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    check_services_and_settings(docs)
+    check_node_world(docs)
+
+
+def test_rendered_env_references_are_defined_before_use(rendered):
+    """Kubernetes expands $(NAME) only from variables defined earlier in the same container's env list (a patch
+    that reorders the list would leave `$(POD_NAME)` as literal text in the worker's id)."""
+    _, docs, _ = rendered
+    checked = 0
+    for _, doc, spec in pod_specs(docs):
+        for c in spec["containers"]:
+            seen: set[str] = set()
+            for env in c.get("env", []):
+                for ref in re.findall(r"\$\((\w+)\)", env.get("value", "")):
+                    assert ref in seen, f"{doc['metadata']['name']}/{c['name']}: {env['name']} uses $({ref}) first"
+                    checked += 1
+                seen.add(env["name"])
+    assert checked > 0
+
+
+def test_gpu_node_shares_one_claim_of_the_hosts_devices():
+    docs = render(K8S_GPU)
+    envs = check_node_world(docs)
+    assert {e["NITSUM_DEVICE"] for e in envs} == {"cuda"} and len(envs) == 8
+    spec = find(docs, "StatefulSet", "nitsum-node")["spec"]["template"]["spec"]
+    (claim,) = spec["resourceClaims"]
+    template = find(docs, "ResourceClaimTemplate", claim["resourceClaimTemplateName"])
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["count"] == len(envs), "the pod claims as many devices as it runs workers"
+    for c in spec["containers"]:
+        assert c["resources"]["claims"] == [{"name": claim["name"]}], f"{c['name']} does not see the node's devices"
+    settings = find(docs, "ConfigMap", "nitsum-settings")["data"]
+    assert settings["NITSUM_DTYPE"] == "bfloat16" and int(settings["NITSUM_MAX_TP"]) == len(envs)
+    coordinator = find(docs, "Deployment", "coordinator")["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in coordinator["env"]}["NITSUM_DEVICE_KIND"] != "cpu"
 
 
 def test_nats_configmap_is_generated_and_forms_a_cluster(tmp_path):
