@@ -2,8 +2,9 @@
 
 The phases of `nitsum sim tiers` (surge, batch, mixed, surge2: nitsum.sim.experiments.tiers.PHASES; interactive
 lengths from the Azure code trace, background from ServeGen) with each phase `--phase-s` long, replayed against
-`nitsum up --devices 2 --policy P` for every static layout a node world runs (2 x TP1, TP2) and adaptive, one
-after another in the same run. Rules, fixed in docs/BENCHMARKS.md before any run:
+`nitsum up --devices 2 --policy P` for every static layout a node world runs (2 x TP1, TP2, TP1 prefill + TP1
+decode) and adaptive, one after another in the same run; each replay starts once the coordinator reports the
+policy's layout, roles included. Rules, fixed in docs/BENCHMARKS.md before any run:
 - rates: the phases' rates times `load_scale` of the live node (its prefill capacity over the simulated
   H100 node's, from the step table), as `nitsum sim tiers --device-table` scales them;
 - lengths: prompts capped at `--max-prompt-tokens`, outputs at `--max-output-tokens` (the tiny model's context);
@@ -23,7 +24,11 @@ import os
 import time
 from pathlib import Path
 
-STATIC_LIVE = ("static-tp:1", "static-tp:2")  # every layout a 2-device node world runs (P/D roles: not yet)
+# Every static layout a 2-device node world runs (baselines.static_layouts(2, (1, 2))): 2 x TP1 hybrid, TP2
+# hybrid, and the P/D split (`disagg` on 2 devices: [0 TP1 prefill][1 TP1 decode]). `static-hybrid` is left
+# out: on 2 devices both its lanes are TP1 hybrid, static-tp:1's layout with the same routing.
+STATIC_LIVE = ("static-tp:1", "static-tp:2", "disagg")
+DEVICES = 2
 DECODE_BATCH, DECODE_CONTEXT = 16, 1024
 POLL_S = 0.5
 
@@ -92,21 +97,53 @@ def build(args) -> tuple[list, list[tuple[str, float, float]], dict]:
     return specs, phase_bounds(phases), rules
 
 
+def fixed_layout(policy: str, devices: int = DEVICES) -> str | None:
+    """The layout a static policy keeps on a node world of `devices` (its topology's notation, roles included);
+    None for adaptive, whose layout is whatever it decides."""
+    from nitsum.policy.registry import make_policy
+    from nitsum.policy.snapshot import NodeView
+
+    if not is_static(policy):
+        return None
+    return str(make_policy(policy).initial_topology(NodeView("node0", devices, 1, min(devices, 2), ())))
+
+
+def reported_layout(status: dict) -> str:
+    """The node's layout as the coordinator reports it: its ready groups (leaders) by first device, each with the
+    role every one of its members reports ('' while a worker is not ready or a group's members disagree)."""
+    workers = status.get("workers", [])
+    if not workers or any(w.get("state") != "ready" for w in workers):
+        return ""
+    parts = []
+    for lead in sorted((w for w in workers if w.get("leader")), key=lambda w: w["device_index"]):
+        start, tp, role = lead["device_index"], lead["tp"], lead["role"]
+        members = [w for w in workers if start <= w["device_index"] < start + tp]
+        if len(members) != tp or any(
+            (w["tp"], w["role"], w["group_id"]) != (tp, role, lead["group_id"]) for w in members
+        ):
+            return ""
+        parts.append(f"[{start if tp == 1 else f'{start}-{start + tp - 1}'} TP{tp} {role}]")
+    return "".join(parts)
+
+
 def layout_of(status: dict) -> str:
     groups = sorted(status.get("groups", []), key=lambda g: g.get("group_id", ""))
     return "+".join(f"TP{g['tp']}" + ("" if g.get("role") == "hybrid" else g.get("role", "")[:1]) for g in groups)
 
 
 async def _replay(mesh, specs, policy: str) -> tuple[list, float, list[tuple[float, str]]]:
-    from nitsum_load.bench_policy_live import SHAPE_TIMEOUT_S, _shape_reached, replay_client_config
+    from nitsum_load.bench_policy_live import SHAPE_TIMEOUT_S, replay_client_config
     from nitsum_load.bench_reconfigure import admin_call
     from nitsum_load.runner import run_open_loop
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SHAPE_TIMEOUT_S
-    while not _shape_reached(await admin_call(mesh.nats_url, "status", {}, timeout_s=5.0), policy, 2):
+    want = fixed_layout(policy)
+    while want is not None and (got := reported_layout(await admin_call(mesh.nats_url, "status", {}, 5.0))) != want:
         if loop.time() > deadline:
-            raise RuntimeError(f"{policy}: the coordinator did not reach its shape within {SHAPE_TIMEOUT_S} s")
+            raise RuntimeError(
+                f"{policy}: the coordinator reports {got or 'no settled layout'}, not {want}, after {SHAPE_TIMEOUT_S} s"
+            )
         await asyncio.sleep(0.2)
     cfg = await replay_client_config(mesh.url)
     layouts: list[tuple[float, str]] = []
@@ -141,11 +178,16 @@ def per_phase(records, bounds) -> dict[str, dict]:
     return out
 
 
+def is_static(policy: str) -> bool:
+    """Every policy but adaptive keeps one layout: the best static layout and the oracle choose among these."""
+    return policy.strip().lower() != "adaptive"
+
+
 def oracle(results: dict[str, dict], bounds) -> dict:
     """Each phase's best static layout (by weighted goodput), switched between phases for free."""
     best, total = {}, 0.0
     for name, start, end in bounds:
-        cands = {p: r["phases"][name]["weighted_goodput_rps"] or 0.0 for p, r in results.items() if p != "adaptive"}
+        cands = {p: r["phases"][name]["weighted_goodput_rps"] or 0.0 for p, r in results.items() if is_static(p)}
         if not cands:
             continue
         winner = max(cands, key=cands.get)
@@ -165,15 +207,16 @@ def plot_layouts(results: dict[str, dict], path: Path, bounds=()) -> bool:
         return False
     names = sorted({lay for r in results.values() for _, lay in r["layouts"]})
     fig, ax = plt.subplots(figsize=(9, 3))
-    for policy, r in results.items():
+    for i, (policy, r) in enumerate(results.items()):
         ts = [t for t, _ in r["layouts"]]
-        ax.step(ts, [names.index(lay) for _, lay in r["layouts"]], where="post", label=policy)
+        lift = 0.06 * (i - (len(results) - 1) / 2)  # policies on one layout draw side by side, not over each other
+        ax.step(ts, [names.index(lay) + lift for _, lay in r["layouts"]], where="post", label=policy)
     for name, start, _end in bounds:
         ax.axvline(start / 1000.0, color="grey", linewidth=0.5)
         ax.text(start / 1000.0, len(names) - 0.95, f" {name}", fontsize=8, color="grey")
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("seconds into the replay")
-    ax.legend(loc="upper right")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -218,6 +261,7 @@ def run(args, out: Path) -> dict:
                     "tiers": d["tiers"],
                     "overall": d["overall"],
                     "phases": per_phase(records, bounds),
+                    "layout": fixed_layout(pol),  # the one a static policy keeps (None: adaptive)
                     "layouts": layouts,
                     "changes": sum(1 for a, b in zip(layouts, layouts[1:]) if a[1] != b[1]),
                     "load_average": [round(load_before, 2), round(load_after, 2)],
@@ -226,7 +270,7 @@ def run(args, out: Path) -> dict:
         finally:
             nats.stop()
             remove_weight_store(model_dir)
-    statics = {p: r["overall"]["weighted_goodput_rps"] or 0.0 for p, r in results.items() if p != "adaptive"}
+    statics = {p: r["overall"]["weighted_goodput_rps"] or 0.0 for p, r in results.items() if is_static(p)}
     best_static = max(statics, key=statics.get) if statics else None
     adaptive = results.get("adaptive", {}).get("overall", {}).get("weighted_goodput_rps")
     report = {
@@ -261,7 +305,8 @@ def format_table(report: dict) -> str:
         phases = ", ".join(f"{n} {f(p['weighted_goodput_rps'], '.2f')}" for n, p in r["phases"].items())
         load = "/".join(str(x) for x in r.get("load_average", []))
         lines.append(
-            f"| {pol} | {f(r['overall']['weighted_goodput_rps'])} | {cells} | {phases} | {r['changes']} | {load} |"
+            f"| {' '.join(filter(None, (pol, r.get('layout'))))} | {f(r['overall']['weighted_goodput_rps'])} | {cells} | {phases} "
+            f"| {r['changes']} | {load} |"
         )
     o = report["oracle"]
     lines.append(

@@ -8,8 +8,19 @@ import argparse
 import pytest
 
 from nitsum.metrics import RequestRecord
+from nitsum.policy.baselines import layout_topology, static_layouts
 from nitsum.policy.tiers import DEFAULT_TIERS
-from nitsum_load.bench_policy_phased import _costs, build, derive_targets, layout_of, oracle, per_phase
+from nitsum_load.bench_policy_phased import (
+    STATIC_LIVE,
+    _costs,
+    build,
+    derive_targets,
+    fixed_layout,
+    layout_of,
+    oracle,
+    per_phase,
+    reported_layout,
+)
 
 
 def _args(**kw):
@@ -63,16 +74,44 @@ def _rec(rid, tier, send, ok):
 
 
 def test_per_phase_scoring_and_the_oracle_take_each_phase_best_static_layout():
-    bounds = [("a", 0.0, 1000.0), ("b", 1000.0, 2000.0)]
+    bounds = [("a", 0.0, 1000.0), ("b", 1000.0, 2000.0), ("c", 2000.0, 3000.0)]
     runs = {
         "static-tp:1": [_rec("1", "interactive", 10.0, True), _rec("2", "background", 1010.0, False)],
         "static-tp:2": [_rec("1", "interactive", 10.0, False), _rec("2", "background", 1010.0, True)],
+        "disagg": [_rec("1", "interactive", 10.0, False), _rec("3", "interactive", 2010.0, True)],
+        # adaptive is no static layout: its best phases never count for the oracle
+        "adaptive": [_rec(str(i), "interactive", 1000.0 * i + 10.0, True) for i in range(3)],
     }
     results = {p: {"phases": per_phase(r, bounds)} for p, r in runs.items()}
     assert results["static-tp:1"]["phases"]["a"]["weighted_goodput_rps"] == pytest.approx(10.0)
     o = oracle(results, bounds)
-    assert o["per_phase"] == {"a": "static-tp:1", "b": "static-tp:2"}
-    assert o["weighted_goodput_rps"] == pytest.approx((10.0 + 1.0) / 2)
+    assert o["per_phase"] == {"a": "static-tp:1", "b": "static-tp:2", "c": "disagg"}
+    assert o["weighted_goodput_rps"] == pytest.approx((10.0 + 1.0 + 10.0) / 3)
+
+
+def test_the_static_policies_are_every_static_layout_of_a_2_device_node_world():
+    every = {str(layout_topology(groups)) for groups in static_layouts(2, (1, 2))}
+    assert {fixed_layout(p) for p in STATIC_LIVE} == every
+    assert len(every) == len(STATIC_LIVE) == 3
+    assert fixed_layout("disagg") == "[0 TP1 prefill][1 TP1 decode]"
+    # static-hybrid's two lanes are both TP1 hybrid on 2 devices: static-tp:1's layout, so it is left out
+    assert fixed_layout("static-hybrid") == fixed_layout("static-tp:1") == "[0 TP1 hybrid][1 TP1 hybrid]"
+    assert fixed_layout("adaptive") is None
+
+
+def _worker(device, tp, role, group, leader=True, state="ready"):
+    return {"device_index": device, "tp": tp, "role": role, "group_id": group, "leader": leader, "state": state}
+
+
+def test_the_reported_layout_has_roles_and_waits_for_every_worker():
+    pd = [_worker(1, 1, "decode", "g1"), _worker(0, 1, "prefill", "g0")]
+    assert reported_layout({"workers": pd}) == "[0 TP1 prefill][1 TP1 decode]"
+    tp2 = [_worker(0, 2, "hybrid", "g0"), _worker(1, 2, "hybrid", "g0", leader=False)]
+    assert reported_layout({"workers": tp2}) == "[0-1 TP2 hybrid]"
+    # not settled: a worker not ready, a member still in its old group, no workers yet
+    assert reported_layout({"workers": [pd[0], {**pd[1], "state": "starting"}]}) == ""
+    assert reported_layout({"workers": [tp2[0], _worker(1, 1, "hybrid", "g1", leader=False)]}) == ""
+    assert reported_layout({"workers": []}) == ""
 
 
 def test_layout_names():
