@@ -2,7 +2,7 @@
 
 import pytest
 
-from nitsum_load.bench_reconfigure import transition_gaps
+from nitsum_load.reconfigure_core import transition_gaps
 
 
 def _stream(start: float, step: float, n: int) -> list[float]:
@@ -48,7 +48,7 @@ def test_no_tokens_means_no_figure() -> None:
 
 
 def test_every_chain_runs_from_the_boot_shape_back_to_it_through_matching_steps():
-    from nitsum_load.bench_reconfigure import BOOT_SHAPES, CHAINS, SHAPE_NAMES, restart_ms
+    from nitsum_load.reconfigure_core import BOOT_SHAPES, CHAINS, SHAPE_NAMES, restart_ms
 
     for devices, chain in CHAINS.items():
         boot = BOOT_SHAPES[devices]

@@ -1,6 +1,6 @@
 """The reconfigure bench reads the old group leaders' pre-copy log lines (services/worker/migration_flows.py)."""
 
-from nitsum_load.bench_reconfigure import precopy_stats
+from nitsum_load.reconfigure_core import precopy_stats
 
 LINES = [
     "2026-11-30 07:56:30,1 INFO [decode-worker] nitsum.worker.migration: epoch 1: prepare step 114.6 ms (allocated 21, "

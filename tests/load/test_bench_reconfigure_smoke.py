@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from nitsum_load.bench_reconfigure import CHAIN, main
+from nitsum_load.bench_reconfigure import main
+from nitsum_load.reconfigure_core import CHAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

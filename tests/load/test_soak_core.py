@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from nitsum_load.bench_soak import (
+from nitsum_load.bench_soak import parse_args
+from nitsum_load.client import RequestSpec, RequestTracker
+from nitsum_load.soak_core import (
     NATS_RESTART,
     WORKER_KILL,
     FaultRecord,
@@ -17,13 +19,11 @@ from nitsum_load.bench_soak import (
     fault_windows,
     outcome_of,
     overlaps,
-    parse_args,
-    parse_gauge,
     plan_faults,
     slope_per_min,
     summarize_series,
 )
-from nitsum_load.client import RequestSpec, RequestTracker
+from nitsum_load.soak_probes import parse_gauge
 
 
 def test_plan_kills_round_robin_and_restarts_nats_in_the_middle_gap():

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from nitsum_load.bench_soak import NATS_RESTART, WORKER_KILL, main
+from nitsum_load.bench_soak import main
+from nitsum_load.soak_core import NATS_RESTART, WORKER_KILL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
