@@ -22,8 +22,10 @@ def pd_plan(
     req: SubmitRequest, candidates: list[WorkerRecord], preferred_group: str | None
 ) -> list[tuple[WorkerRecord, str]]:
     """(worker, decode worker or "") in the order to try them. P/D pairs first (prefill worker, least loaded
-    hybrid worker of its node, else of any node: a hand-off across hosts goes over TCP) for fresh requests with
-    more than one token to generate; then hybrid workers. Prefill workers never run a request alone."""
+    hybrid worker of its node, else of any node: a hand-off across hosts goes over TCP; a node world's TP1
+    prefill group without a decoding group of its own world pairs with a standalone worker of another node)
+    for fresh requests with more than one token to generate; then hybrid workers. Prefill workers never run a
+    request alone."""
     key = lambda w: (w.stats.group_id != preferred_group, w.load(), w.worker_id)  # noqa: E731
     prefill = sorted((w for w in candidates if w.stats.role == "prefill"), key=key)
     hybrid = sorted((w for w in candidates if w.stats.role != "prefill"), key=key)
@@ -32,7 +34,7 @@ def pd_plan(
     if fresh:
         for p in prefill:
             if p.stats.in_world:
-                decode = _world_decode_leaders(p, hybrid)
+                decode = _world_decode_leaders(p, hybrid) or _other_host_decoders(p, hybrid)
             elif _standalone_ready(p):
                 ready = [d for d in hybrid if _standalone_ready(d)]
                 decode = [d for d in ready if d.stats.node_id == p.stats.node_id] or ready
@@ -41,6 +43,22 @@ def pd_plan(
             if decode:
                 plan.append((p, min(decode, key=lambda w: (w.load(), w.worker_id)).worker_id))
     return plan + [(h, "") for h in hybrid]
+
+
+def _other_host_decoders(prefill: WorkerRecord, others: list[WorkerRecord]) -> list[WorkerRecord]:
+    """Where a node-world prefill group without a decoding group of its own world hands off to: ready standalone
+    workers and TP1 group leaders of other nodes' worlds, over the KV mover (TCP between hosts). TP1 on both
+    sides: a TP1 group's leader holds every head of a request in its own cache (a TP>1 group's are spread over
+    its members), so the mover's one-cache export and import apply."""
+    if prefill.stats.tp != 1:
+        return []
+    return [
+        d
+        for d in others
+        if d.stats.node_id != prefill.stats.node_id
+        and (_standalone_ready(d) or (d.stats.in_world and d.stats.leader and d.stats.tp == 1))
+        and d.stats.state == "ready"
+    ]
 
 
 def _world_decode_leaders(prefill: WorkerRecord, others: list[WorkerRecord]) -> list[WorkerRecord]:

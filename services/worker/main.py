@@ -90,8 +90,10 @@ async def build_service(ctx: ServiceContext, service_name: str) -> WorkerService
     agent = TransferAgent(
         bus, worker_id, ctx.metrics, max_in_flight=NODE_MAX_IN_FLIGHT if backend.in_world else MAX_IN_FLIGHT
     )
-    # Node-world workers refuse KV hand-offs (they move KV in TP changes, over their world's own plane).
-    net = None if backend.in_world else kv_net_of(config, bus, worker_id, agent, ctx)
+    # The TCP plane of P/D hand-offs and prefix fetches between hosts. A node world's TP1 group sends over it
+    # too (a hand-off to a standalone worker of another node); inside its world it moves KV over the world's
+    # own plane, and the coordinator pairs no standalone prefill worker with a node-world group.
+    net = kv_net_of(config, bus, worker_id, agent, ctx)
     mover = KvMover(session, agent, bus, worker_id, ctx.metrics, net=net)
     migrations = MigrationDriver(session, agent, worker_id, ctx.metrics, config.tp_migration_budget_ms)
     mover.corrupt = config.fault_kv_corrupt

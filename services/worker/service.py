@@ -140,7 +140,14 @@ class WorkerService(WorkerControl):
             problem = "a prefill worker runs requests only with a decode worker to hand them to"
         if not problem and in_world and run.decode_worker and self.role != "prefill":
             problem = "only a prefill group hands requests to a decode worker"
-        if not problem and in_world and run.decode_worker and not self.handoffs.reaches(run.decode_worker):
+        if (
+            not problem
+            and in_world
+            and run.decode_worker
+            and not self.handoffs.reaches(run.decode_worker)
+            and self.session.backend.group[1] != 1
+        ):
+            # (a TP1 group hands off to a worker outside its world over the KV mover: `on_handoff`)
             problem = f"{run.decode_worker} is not the leader of a decode group of this node world"
         if not problem and run.reuse_from and in_world:
             problem = "stage-1 prefix fetches need a standalone worker"
@@ -174,11 +181,14 @@ class WorkerService(WorkerControl):
     # -- P/D: the session's callback once a prefill finished, and worker.<id>.handoff ------------------
     async def on_handoff(self, running) -> None:
         """The session's P/D callback: a node-world group hands off inside its world, a standalone worker over
-        the KV mover."""
-        if self.session.backend.in_world:
-            await self.handoffs.hand_off(running)
-        else:
+        the KV mover; so does a node world's TP1 group whose decode worker the coordinator named outside its world
+        (another node: TCP between hosts), its leader's cache holding every head of the request."""
+        backend = self.session.backend
+        dst = running.decode_worker
+        if not backend.in_world or (dst and not self.handoffs.reaches(dst) and backend.group[1] == 1):
             await self.mover.hand_off(running)
+        else:
+            await self.handoffs.hand_off(running)
 
     async def on_handoff_message(self, msg, _delivery):
         """A prefill group of this worker's node world offers a request (reserve) or commits / cancels it."""

@@ -130,3 +130,18 @@ def test_a_world_without_a_decode_group_hands_off_to_a_hybrid_one_of_the_same_ge
     c, _ = _coordinator(_stats(0, 2, "prefill"), dataclasses.replace(stale, device_index=2, worker_id="node0-2"))
     leaders = [c.members.workers[w] for w in ("node0-0", "node0-2")]
     assert [(r.worker_id, d) for r, d in pd_plan(_request(), leaders, None)] == [("node0-2", "")]
+
+
+def test_a_world_tp1_prefill_group_without_a_decoding_group_pairs_with_a_standalone_worker_of_another_node():
+    standalone = dataclasses.replace(_stats(0, 1, "decode", node="nodeB"), in_world=False, node_size=1)
+    c, _ = _coordinator(_stats(0, 1, "prefill"), _stats(1, 1, "prefill"), standalone)
+    records = [c.members.workers[w] for w in ("node0-0", "node0-1", "nodeB-0")]
+    assert [(r.worker_id, d) for r, d in pd_plan(_request(), records, None)] == [
+        ("node0-0", "nodeB-0"),
+        ("node0-1", "nodeB-0"),
+        ("nodeB-0", ""),
+    ]
+    # A TP2 prefill group's heads are spread over its members: it hands off only inside its world.
+    c, _ = _coordinator(_stats(0, 2, "prefill"), standalone)
+    records = [c.members.workers[w] for w in ("node0-0", "nodeB-0")]
+    assert [(r.worker_id, d) for r, d in pd_plan(_request(), records, None)] == [("nodeB-0", "")]
