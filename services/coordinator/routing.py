@@ -18,6 +18,12 @@ def _standalone_ready(record: WorkerRecord) -> bool:
     return not record.stats.in_world and record.stats.state == "ready"
 
 
+def _one_cache(record: WorkerRecord) -> bool:
+    """A standalone worker or a TP1 group's leader: every head of its requests' KV is in this worker's own cache,
+    so the KV mover's exports and imports (P/D hand-offs, stage-1 prefix blocks) apply to it."""
+    return not record.stats.in_world or (record.stats.leader and record.stats.tp == 1)
+
+
 def pd_plan(
     req: SubmitRequest, candidates: list[WorkerRecord], preferred_group: str | None
 ) -> list[tuple[WorkerRecord, str]]:
@@ -53,11 +59,7 @@ def _other_host_decoders(prefill: WorkerRecord, others: list[WorkerRecord]) -> l
     if prefill.stats.tp != 1:
         return []
     return [
-        d
-        for d in others
-        if d.stats.node_id != prefill.stats.node_id
-        and (_standalone_ready(d) or (d.stats.in_world and d.stats.leader and d.stats.tp == 1))
-        and d.stats.state == "ready"
+        d for d in others if d.stats.node_id != prefill.stats.node_id and _one_cache(d) and d.stats.state == "ready"
     ]
 
 
@@ -78,12 +80,12 @@ def _world_decode_leaders(prefill: WorkerRecord, others: list[WorkerRecord]) -> 
 
 
 def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[WorkerRecord]) -> tuple[str, tuple[int, ...]]:
-    """(holder, block hashes to fetch from it) when another standalone worker caches a longer prefix of the
-    prompt than `chosen` by at least MIN_REUSE_BLOCKS blocks; ("", ()) otherwise. Any node: between hosts the
+    """(holder, block hashes to fetch from it) when another standalone worker or TP1 group leader caches a longer
+    prefix of the prompt than `chosen` (one of those too) by at least MIN_REUSE_BLOCKS blocks; ("", ()) otherwise. Any node: between hosts the
     blocks go over the TCP data plane (`services/worker/kv_net.py`), within one through shared memory; of
     holders with equally long prefixes one of `chosen`'s node is taken (no NIC), then the smallest id."""
     bs = chosen.stats.block_size
-    if bs <= 0 or chosen.stats.in_world:
+    if bs <= 0 or not _one_cache(chosen):
         return "", ()
     tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
     # The engine computes at least the last token itself, so a whole-prompt prefix is never fetched.
@@ -103,7 +105,7 @@ def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[Worker
     ranked = sorted(
         (-leading(o), o.stats.node_id != here, o.worker_id)
         for o in candidates
-        if o.worker_id != chosen.worker_id and _standalone_ready(o) and o.stats.block_size == bs
+        if o.worker_id != chosen.worker_id and _one_cache(o) and o.stats.state == "ready" and o.stats.block_size == bs
     )
     if not ranked or -ranked[0][0] - mine < MIN_REUSE_BLOCKS:
         return "", ()

@@ -149,8 +149,8 @@ class WorkerService(WorkerControl):
         ):
             # (a TP1 group hands off to a worker outside its world over the KV mover: `on_handoff`)
             problem = f"{run.decode_worker} is not the leader of a decode group of this node world"
-        if not problem and run.reuse_from and in_world:
-            problem = "stage-1 prefix fetches need a standalone worker"
+        if not problem and run.reuse_from and in_world and self.session.backend.group[1] != 1:
+            problem = "stage-1 prefix fetches need a standalone worker or a TP1 group"
         if problem:
             return RunAck(rid, self.worker_id, False, problem)
         if run.reuse_from and run.reuse_hashes:

@@ -130,3 +130,42 @@ def test_a_node_world_prefill_group_hands_off_to_another_host_over_tcp(mesh, tin
     # host-a's groups computed each request's first token only, host-b every later one
     assert delta["prefill_tokens"] == len(batch) and delta["decode_tokens"] == len(batch) * (MAX_TOKENS - 1), delta
     assert delta["permits"] >= 4 * len(batch), delta  # one flow per layer (tiny model: 4), each permitted
+
+
+def test_a_node_world_tp1_group_fetches_a_prefix_another_host_caches(mesh, tiny_model_dir):
+    """Stage-1 reuse with a node world's TP1 group as the asker: host-b computes a prompt alone (host-a's groups
+    excluded), then a prompt with the same four-block prefix is prefilled by nodeA-0, which fetches those blocks
+    from host-b over TCP instead of computing them, and hands the request back to host-b to decode."""
+    from tests.e2e.test_kv_reuse_live import MAX_TOKENS as REUSE_TOKENS
+    from tests.e2e.test_kv_reuse_live import run_on
+    from tests.e2e.test_pd_disagg import latest_stats
+
+    if mesh.side != "standalone":
+        pytest.skip("the holder here is host-b's standalone worker, which runs the first prompt alone")
+    prefix = [5 + (j * 17) % 240 for j in range(64)]  # 4 full blocks of 16
+    first, second = prefix + [9, 8, 7], prefix + [201, 202, 203, 204, 205]
+    expected = hybrid_reference(tiny_model_dir, [first, second], REUSE_TOKENS)
+    holder, asker = DECODE_SIDES["standalone"][0], PREFILL_WORLD[0]
+    assert asyncio.run(run_on(mesh.nats.url, "world-reuse-a", first, exclude=PREFILL_WORLD)) == (holder, expected[0])
+    deadline = time.monotonic() + 10
+    while len(asyncio.run(latest_stats(mesh.nats.url, (holder,)))[holder].cached_block_hashes) < 4:
+        assert time.monotonic() < deadline, "host-b never reported the prefix blocks as cached"
+        time.sleep(0.2)
+    time.sleep(0.5)  # the coordinator has the heartbeat that lists them
+    before = asyncio.run(latest_stats(mesh.nats.url, (asker,)))[asker]
+    received = sum(
+        v
+        for lab, v in samples(mesh, "a-0", "nitsum_kv_tcp_bytes_total")
+        if lab["direction"] == "received" and lab["purpose"] == "reuse"
+    )
+    worker, tokens = asyncio.run(run_on(mesh.nats.url, "world-reuse-b", second, exclude=(PREFILL_WORLD[1],)))
+    assert (worker, tokens) == (asker, expected[1])
+    after = asyncio.run(latest_stats(mesh.nats.url, (asker,)))[asker]
+    assert after.num_reused_blocks - before.num_reused_blocks == 4
+    assert after.num_prefill_tokens_computed - before.num_prefill_tokens_computed == len(second) - 64
+    received_after = sum(
+        v
+        for lab, v in samples(mesh, "a-0", "nitsum_kv_tcp_bytes_total")
+        if lab["direction"] == "received" and lab["purpose"] == "reuse"
+    )
+    assert received_after > received  # the blocks came over TCP from the other host

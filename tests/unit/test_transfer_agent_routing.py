@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from nitsum.kv import block_hashes
 from nitsum.wire.messages import SamplingSpec, SubmitRequest, WorkerStats
 from nitsum_services.coordinator.core import pd_plan, reuse_hint
@@ -97,5 +99,14 @@ def test_reuse_hint_names_the_holder_of_the_longest_prefix_and_only_the_missing_
     # only another node holds it: fetched from there (over TCP between hosts), a longer prefix before a nearer one
     assert reuse_hint(_req(prompt), _worker("me"), [far]) == ("far", tuple(hashes))
     assert reuse_hint(_req(prompt), _worker("me"), [other, far]) == ("far", tuple(hashes))
-    # a node-world worker is no holder (its cache is its group's)
-    assert reuse_hint(_req(prompt), _worker("me"), [_worker("w", cached=tuple(hashes), in_world=True)]) == ("", ())
+    # a worker of a node world's TP>1 group is no holder (its cache holds only its share of the group's heads);
+    # a TP1 group's leader is one, and asks like a standalone worker
+    wide = _worker("w", cached=tuple(hashes), in_world=True)
+    wide.stats = dataclasses.replace(wide.stats, tp=2)
+    assert reuse_hint(_req(prompt), _worker("me"), [wide]) == ("", ())
+    narrow = _worker("w1", cached=tuple(hashes), in_world=True)
+    assert reuse_hint(_req(prompt), _worker("me"), [narrow]) == ("w1", tuple(hashes))
+    asker = _worker("me", in_world=True)
+    assert reuse_hint(_req(prompt), asker, [holder]) == ("h", tuple(hashes))
+    asker.stats = dataclasses.replace(asker.stats, tp=2)
+    assert reuse_hint(_req(prompt), asker, [holder]) == ("", ())
