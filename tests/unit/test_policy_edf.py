@@ -157,3 +157,16 @@ def test_a_prefill_group_holds_a_short_prompt_back_by_half_a_step_of_what_waits_
     snap = ClusterSnapshot(1000.0, (node(str(pd)),), many)
     load = summarize(snap, snap.nodes[0], 1000.0)
     assert evaluate(COST, classes_of(pd.groups), load, 5000.0, 512, 8192).latency_misses == 16
+
+
+def test_quantized_token_counts_stay_put_when_quantized_again():
+    """A context built from quantized counts is quantized again (decode contexts, stream contexts): rounding up by
+    the logarithm alone took every grid value to the next eighth of an octave (1,092 -> 1,117 -> 1,218)."""
+    from nitsum.policy.nodeload import quantize_tokens
+
+    values = [*range(1, 5000), 1092, 65_537, 123_456.7]
+    for n in values:
+        q = quantize_tokens(n)
+        assert q >= n and quantize_tokens(q) == q, (n, q)
+    assert [quantize_tokens(n) for n in (1092, 1117)] == [1117, 1117]
+    assert all(quantize_tokens(a) <= quantize_tokens(b) for a, b in zip(values[:4998], values[1:4999]))

@@ -14,10 +14,14 @@ MAX_BUCKETS = 8
 
 
 def quantize_tokens(n: float) -> int:
-    """Round up to an eighth of an octave, so cost-model memo keys repeat across snapshots."""
+    """Round up to an eighth of an octave (the grid's values rounded up to integers), so cost-model memo keys
+    repeat across snapshots. Idempotent: a quantized count stays where it is when quantized again (a grid value
+    rounded up lies just above its octave point, which rounding up by the logarithm alone took to the next one)."""
     if n <= 16:
         return max(int(math.ceil(n)), 1)
-    return int(math.ceil(2.0 ** (math.ceil(8.0 * math.log2(n)) / 8.0)))
+    k = math.ceil(8.0 * math.log2(n))
+    below = math.ceil(2.0 ** ((k - 1) / 8.0))
+    return int(below) if below >= n else int(math.ceil(2.0 ** (k / 8.0)))
 
 
 @dataclass(frozen=True)
