@@ -9,8 +9,7 @@ a leader (it adopts the requests moved to it and streams their tokens from the n
 P/D: on a prefill worker (engine role "prefill") a request with a decode worker ends its run here after the
 first token; the session publishes that token as not finished and hands the request to `on_handoff` (the
 KV mover ships it). On the decode worker the mover `adopt`s it and this session streams it from index 1.
-`call` runs a function on the backend in the step thread (KV exports and imports), between steps. After a
-plain decode step the next turn starts before the loop publishes this one's tokens (`StepThread.may_run_ahead`).
+`call` runs a function on the backend in the step thread (KV exports and imports), between steps.
 A TP transition's pre-copy (node backend) also runs in the step thread: before each step, one chunk of
 every migration flow that has its permit (`backend.precopy_tick`), so the old group keeps decoding.
 """
@@ -253,39 +252,34 @@ class WorkerSession:
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        ahead = None  # (future, submitted at, leader then): the next turn, started while the last one's outputs go out
-        while ahead is not None or not stop.is_set():
-            if ahead is None:
-                if (
-                    self.backend.is_leader
-                    and not self.inbox
-                    and not self.backend.has_unfinished()
-                    and not self.backend.precopy_active
-                ):
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout=0.5)
-                    except TimeoutError:
-                        if getattr(self.backend, "in_world", False):
-                            await loop.run_in_executor(None, self.backend.idle_tick)
-                        continue
-                leader = self.backend.is_leader
-                ahead = (loop.run_in_executor(None, self.step_thread.timed_turn), time.perf_counter(), leader)
-            (future, t0, leader_before), ahead = ahead, None
+        while not stop.is_set():
+            if (
+                self.backend.is_leader
+                and not self.inbox
+                and not self.backend.has_unfinished()
+                and not self.backend.precopy_active
+            ):
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                except TimeoutError:
+                    if getattr(self.backend, "in_world", False):
+                        await loop.run_in_executor(None, self.backend.idle_tick)
+                    continue
+            leader_before = self.backend.is_leader
+            t0 = time.perf_counter()
             try:
-                (outputs, rejected, self._stats, acks, _kind, calls), t1 = await future
+                outputs, rejected, self._stats, acks, _kind, calls = await loop.run_in_executor(
+                    None, self.step_thread.turn
+                )
             except Exception as exc:  # an engine failure fails the requests in flight, loudly
                 log.exception("engine step failed")
                 await self.fail_all("engine_error", f"{type(exc).__name__}: {exc}")
                 continue
-            step_ms = (t1 - t0) * 1000.0
+            step_ms = (time.perf_counter() - t0) * 1000.0
             if outputs:
                 self.step_ms_ewma = step_ms if self.step_ms_ewma == 0 else 0.9 * self.step_ms_ewma + 0.1 * step_ms
                 self.holds.recent_step_ms.append(step_ms)
-            if not stop.is_set() and self.step_thread.may_run_ahead(outputs, acks, calls):
-                # The engine steps on while this turn's tokens go out: the loop's share of a token (stream
-                # bookkeeping, frames, NATS) no longer sits between two steps.
-                ahead = (loop.run_in_executor(None, self.step_thread.timed_turn), time.perf_counter(), True)
             for future, ack in acks:
                 if future is not None and not future.done():
                     future.set_result(ack)

@@ -95,23 +95,6 @@ class StepThread:
         self.limits_at_commit: dict[str, tuple[int, int, float]] = {}
         self.hold_for_commit = False  # the last turn sent a prepare's final ack: wait a little for the commit
 
-    def timed_turn(self):
-        """`turn` and the moment it ended (its outputs may then wait for the loop)."""
-        return self.turn(), time.perf_counter()
-
-    def may_run_ahead(self, outputs, acks, calls) -> bool:
-        """Whether the next turn may start before this one's outputs are published: a plain step of a leader
-        with more to step (no topology command, call or commit hold to settle first). Publishing touches no
-        engine state, and what it hands the engine (a release, an abort) waits in the inbox for the turn after."""
-        return bool(
-            outputs
-            and not acks
-            and not calls
-            and not self.hold_for_commit
-            and self.backend.is_leader
-            and self.backend.has_unfinished()
-        )
-
     def turn(self):
         """One turn of the step thread: (outputs, rejected, stats, control results, followed plan kind, call results)."""
         if not self.backend.is_leader:
