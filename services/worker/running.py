@@ -27,6 +27,10 @@ class Running:
     # its first token (P/D, TP change) counts from its adoption: the coordinator keeps the earlier time it
     # heard of, if any (WorkerStats.running_first_token_age_ms).
     first_token_s: float | None = None
+    # The step inbox's count of items put when this stream was set up here (-1: with the engine already, adopted
+    # at a TP commit): the engine's outputs of a turn that took no item past it are an earlier incarnation's
+    # (an attempt this one replaced), never this stream's (`WorkerSession._publish`).
+    since: int = -1
 
     def __post_init__(self) -> None:
         if self.next_index > 0 and self.first_token_s is None:

@@ -132,6 +132,7 @@ class WorkerSession:
             max_tokens=len(req.output_token_ids) + req.sampling.max_tokens,  # in stream indices, as next_index
             tpot_ms=req.tpot_ms,
             attempt=req.attempt,
+            since=self.inbox.put_count,
         )
         if hold:
             self._held[req.request_id] = req
@@ -141,6 +142,7 @@ class WorkerSession:
     def start_held(self, request_id: str) -> None:
         req = self._held.pop(request_id, None)
         if req is not None and request_id in self.running:
+            self.running[request_id].since = self.inbox.put_count
             self.inbox.put(("add", req))
 
     def call(self, fn) -> asyncio.Future:
@@ -186,6 +188,7 @@ class WorkerSession:
             produced,
             span,
             attempt=attempt,
+            since=self.inbox.put_count,  # its import is put next
         )
 
     def stream_subject(self, request_id: str, given: str) -> str:
@@ -342,7 +345,9 @@ class WorkerSession:
 
     async def _publish(self, out) -> None:
         state = self.running.get(out.request_id)
-        if state is None:  # aborted while the step ran
+        if state is None or state.since >= self.step_thread.turn_taken:
+            # aborted while the step ran, or re-submitted under the same id meanwhile: the engine stepped the
+            # earlier incarnation (its abort and the new add wait in the inbox), whose token is not this stream's
             return
         tokens = tuple(out.new_token_ids)
         # P/D: a prefill worker's run ends at the first token; unless the request itself is done then

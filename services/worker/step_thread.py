@@ -59,6 +59,8 @@ class StepInbox:
         self._items: deque[tuple[str, object]] = deque()
         self._lock = threading.Lock()
         self._wake = wake
+        self.put_count = 0  # items put so far (an item's serial is the count right after its put)
+        self.taken_count = 0  # items taken so far: FIFO, so every serial up to it was taken
 
     def __len__(self) -> int:
         return len(self._items)
@@ -66,6 +68,7 @@ class StepInbox:
     def put(self, item) -> None:
         with self._lock:
             self._items.append(item)
+            self.put_count += 1
         self._wake.set()
 
     def take(self) -> list[tuple[str, object]]:
@@ -73,6 +76,7 @@ class StepInbox:
         with self._lock:
             items = list(self._items)
             self._items.clear()
+            self.taken_count += len(items)
         return items
 
     def refuse_controls(self, reason: str) -> None:
@@ -94,6 +98,7 @@ class StepThread:
         # ... and what each of them runs under there (prompt tokens, max_tokens, TPOT ms): Engine.request_limits.
         self.limits_at_commit: dict[str, tuple[int, int, float]] = {}
         self.hold_for_commit = False  # the last turn sent a prepare's final ack: wait a little for the commit
+        self.turn_taken = 0  # StepInbox.taken_count when the last leader turn took the inbox
 
     def turn(self):
         """One turn of the step thread: (outputs, rejected, stats, control results, followed plan kind, call results)."""
@@ -129,7 +134,9 @@ class StepThread:
         rejected: list[tuple[str, str]] = []
         acks = []
         calls: list[tuple[asyncio.Future, object, BaseException | None]] = []
-        for op, payload in self.inbox.take():
+        items = self.inbox.take()
+        self.turn_taken = self.inbox.taken_count  # this turn's outputs are for what the inbox held up to here
+        for op, payload in items:
             if op == "add":
                 req: SubmitRequest = payload
                 try:
