@@ -24,9 +24,9 @@ decodes what it prefilled. Hence:
   spreads far wider than a Poisson (a simulated decode group at the measured table's 10.3 req/s load: variance
   2.6-6x the mean), and near capacity the Poisson's P(N ≤ B_T) fell from 0.9 to 0 within a few per cent of
   load, where the simulated group's fraction declines smoothly;
-- the decode side is priced at its mean context rounded to the nearest eighth of an octave (memo keys), not up
-  to the next one: rounding up cut a TP1 group's capacity by up to ~9 %, which near capacity alone turned
-  0.5 of the decodes meeting 100 ms into 0.03 (rule 23).
+- the decode side is priced at its mean context rounded up to the next eighth of an octave (quantize_tokens,
+  memo keys), once: round seven's nearest rounding (rule 23 on branch sim7) answered quantize_tokens' old double
+  round-up (~9 % too long), which main fixed (round eight).
 Before, a tier's demand beyond its room was simply not decoded, and the interactive decodes kept their 25 ms steps
 beside the background placed after them: three TP1 decode groups on the measured CPU table looked able to hold
 ~9 interactive decodes at 25 ms *and* the background beside them at 100 ms, so five or six prefill groups, which
@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 
 from nitsum.policy.costmodel import CostModel
+from nitsum.policy.nodeload import quantize_tokens
 
 MAX_STEADY_BATCH = 4096.0  # a steady batch beyond this is taken as no fixed point (CostModel's batch limit)
 
@@ -76,13 +77,6 @@ def steady_batch(cost: CostModel, tp: int, tokens_per_ms: float, ctx: int, extra
             return nxt
         batch = nxt
     return math.inf  # still growing: no fixed point within reach
-
-
-def nearest_tokens(n: float) -> int:
-    """n rounded to the nearest eighth of an octave (quantize_tokens rounds up; memo keys repeat alike)."""
-    if n <= 16:
-        return max(int(round(n)), 1)
-    return int(round(2.0 ** (round(8.0 * math.log2(n)) / 8.0)))
 
 
 def batch_law_cdf(cost: CostModel, tp: int, tokens_per_ms: float, ctx: int, k: int, extra_tokens: int = 0) -> float:
@@ -140,7 +134,7 @@ class DecodeLoad:
 
     def capacity(self, i: int, tpot_ms: float, ctx: int) -> float:
         """Tokens per ms class i decodes with every step within tpot_ms."""
-        return decode_rate(self.cost, self.tps[i], self.mult[i], tpot_ms, nearest_tokens(ctx), self.extras[i])
+        return decode_rate(self.cost, self.tps[i], self.mult[i], tpot_ms, quantize_tokens(ctx), self.extras[i])
 
     def place(self, reach: list[int], demand: float, tpot_ms: float, ctx: int) -> list[tuple[int, float]]:
         """Put `demand` tokens/ms of a tier (TPOT tpot_ms, context ctx per sequence) on the classes `reach`, in
@@ -175,4 +169,4 @@ class DecodeLoad:
     def _add(self, i: int, tokens: float, ctx: int) -> None:
         self.load[i] += tokens
         self._ctx_w[i] += tokens * ctx
-        self.ctx[i] = nearest_tokens(self._ctx_w[i] / self.load[i])
+        self.ctx[i] = quantize_tokens(self._ctx_w[i] / self.load[i])
