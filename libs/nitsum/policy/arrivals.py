@@ -25,10 +25,6 @@ class ArrivalStats:
     weight: float
     prompt_tokens: tuple[int, ...]  # means of equal-mass slices of uncached prompt lengths, ascending (see measure)
     output_tokens: float  # mean max_tokens
-    # Rule 23: the mean context of one of the tier's sequences while it decodes, time-weighted: Σ o·(p + o/2) / Σ o
-    # over the arrivals' (prompt p, max tokens o) — a sequence stays in the batch for its o steps, its context
-    # growing from p to p + o. 0: not measured (the stream term then takes mean prompt + mean output / 2).
-    decode_ctx_tokens: float = 0.0
 
     @staticmethod
     def measure(
@@ -41,8 +37,7 @@ class ArrivalStats:
         quantiles: int = 4,
     ) -> ArrivalStats:
         """From the (prompt tokens, max tokens) of the tier's arrivals in the last `window_ms`: the rate,
-        the mean prompt length of each of `quantiles` equal-mass slices (sorted), the mean output, and the
-        time-weighted context of a decoding sequence (rule 23)."""
+        the mean prompt length of each of `quantiles` equal-mass slices (sorted), the mean output."""
         assert window_ms > 0 and quantiles >= 1
         n = len(lengths)
         prompts = sorted(p for p, _ in lengths)
@@ -55,9 +50,7 @@ class ArrivalStats:
             mids.append(int(round(sum(part) / len(part))))
         mids = tuple(mids)
         out = sum(o for _, o in lengths) / n if n else 0.0
-        weights = sum(o for _, o in lengths)
-        ctx = sum(o * (p + o / 2.0) for p, o in lengths) / weights if weights > 0 else 0.0
-        return ArrivalStats(tier, n / window_ms * 1e3, ttft_ms, tpot_ms, weight, mids, out, ctx)
+        return ArrivalStats(tier, n / window_ms * 1e3, ttft_ms, tpot_ms, weight, mids, out)
 
 
 class ArrivalWindow:

@@ -12,21 +12,12 @@ decodes what it prefilled. Hence:
   fills a TP1 group to its 100 ms batch whatever interactive decodes share it;
 - what a tier cannot place within that room is not refused: it overflows onto the classes it can reach, in
   proportion to their groups (routing spreads it by slack), and raises their step time;
-- a group's batch is the number of sequences decoding on it (rule 23, replacing rule 17's Poisson occupancy):
-  with Poisson arrivals and no queue in front of decode, each of n decoding sequences gets one token per step
-  of S(n) ms — a processor-sharing server whose total rate n / S(n) tokens per ms depends on its batch. Its
-  stationary batch is p(n) ∝ Π_{k≤n} d·S(k)/k (d the tokens per ms the group gets), whatever the output
-  lengths (processor sharing is insensitive to them). A tier meets its TPOT there as often as that batch is at
-  most the largest batch its TPOT allows, P(N ≤ B_T). The law diverges (the batch grows without end, every
-  tier on the class misses) where d·S(k)/k stays ≥ 1: the demand exceeds what any batch decodes. Rule 17 took
-  N ~ Poisson(L), L = d·S(L) (Little's fixed point): the occupancy of a server whose step does not grow with its
-  batch. Where it does, a batch above L is slower, keeps its sequences longer and grows further, so the batch
-  spreads far wider than a Poisson (a simulated decode group at the measured table's 10.3 req/s load: variance
-  2.6-6x the mean), and near capacity the Poisson's P(N ≤ B_T) fell from 0.9 to 0 within a few per cent of
-  load, where the simulated group's fraction declines smoothly;
-- the decode side is priced at its mean context rounded up to the next eighth of an octave (quantize_tokens,
-  memo keys), once: round seven's nearest rounding (rule 23 on branch sim7) answered quantize_tokens' old double
-  round-up (~9 % too long), which main fixed (round eight).
+- a group's batch is the number of sequences decoding on it: with Poisson arrivals and no queue in front of
+  decode that is an M/G/∞ occupancy, Poisson with the mean L that Little's law gives (L = tokens per ms per
+  group × the step time at batch L, a fixed point), whatever the output lengths. A tier meets its TPOT there as
+  often as that batch is at most the largest batch its TPOT allows: P(N ≤ B_T), N ~ Poisson(L). (Conservative:
+  a request's TPOT is the mean over its life, which varies less than one step's batch.) No fixed point (the
+  demand exceeds what any batch decodes): the batch grows without end and every tier on the class misses.
 Before, a tier's demand beyond its room was simply not decoded, and the interactive decodes kept their 25 ms steps
 beside the background placed after them: three TP1 decode groups on the measured CPU table looked able to hold
 ~9 interactive decodes at 25 ms *and* the background beside them at 100 ms, so five or six prefill groups, which
@@ -79,31 +70,6 @@ def steady_batch(cost: CostModel, tp: int, tokens_per_ms: float, ctx: int, extra
     return math.inf  # still growing: no fixed point within reach
 
 
-def batch_law_cdf(cost: CostModel, tp: int, tokens_per_ms: float, ctx: int, k: int, extra_tokens: int = 0) -> float:
-    """Rule 23: P(N <= k) for the stationary batch N of one group that gets `tokens_per_ms` of decode work, each
-    sequence one token per step of S(n) (its step time at batch n): p(n) ∝ Π_{j≤n} d·S(j)/j. 0 when the law
-    diverges (no batch up to MAX_STEADY_BATCH decodes the demand)."""
-    if k < 0:
-        return 0.0
-    if tokens_per_ms <= 0:
-        return 1.0
-    term, total, below = 1.0, 1.0, 1.0
-    n = 0
-    while True:
-        n += 1
-        if n > MAX_STEADY_BATCH:
-            return 0.0  # still growing at the largest batch: no stationary batch
-        ratio = tokens_per_ms * cost.step_time_ms(tp, n, n + extra_tokens, n * ctx + extra_tokens) / n
-        term *= ratio
-        total += term
-        if n <= k:
-            below += term
-        if term > 1e250:
-            return 0.0
-        if ratio < 1.0 and n > k and term < 1e-9 * total:
-            return below / total
-
-
 def poisson_cdf(k: int, mean: float) -> float:
     """P(N <= k) for N ~ Poisson(mean)."""
     if k < 0 or math.isinf(mean):
@@ -134,7 +100,7 @@ class DecodeLoad:
 
     def capacity(self, i: int, tpot_ms: float, ctx: int) -> float:
         """Tokens per ms class i decodes with every step within tpot_ms."""
-        return decode_rate(self.cost, self.tps[i], self.mult[i], tpot_ms, quantize_tokens(ctx), self.extras[i])
+        return decode_rate(self.cost, self.tps[i], self.mult[i], tpot_ms, ctx, self.extras[i])
 
     def place(self, reach: list[int], demand: float, tpot_ms: float, ctx: int) -> list[tuple[int, float]]:
         """Put `demand` tokens/ms of a tier (TPOT tpot_ms, context ctx per sequence) on the classes `reach`, in
@@ -158,13 +124,12 @@ class DecodeLoad:
         return out
 
     def met_fraction(self, i: int, tpot_ms: float) -> float:
-        """How often a decode of TPOT tpot_ms on class i steps within it: P(batch <= the batch tpot_ms allows),
-        the batch by rule 23's law."""
+        """How often a decode of TPOT tpot_ms on class i steps within it: P(batch <= the batch tpot_ms allows)."""
         tp, ctx, extra = self.tps[i], self.ctx[i], self.extras[i]
         allowed = self.cost.max_decode_batch(tp, tpot_ms, ctx, extra)
         if allowed <= 0:
             return 0.0
-        return batch_law_cdf(self.cost, tp, self.load[i] / self.mult[i], ctx, allowed, extra)
+        return poisson_cdf(allowed, steady_batch(self.cost, tp, self.load[i] / self.mult[i], ctx, extra))
 
     def _add(self, i: int, tokens: float, ctx: int) -> None:
         self.load[i] += tokens

@@ -36,11 +36,9 @@ The fluid model (ours; ALGORITHMS.md leaves it open):
    that mean) leaves room for its fastest prefill within the TTFT target. A prefill group's prompts are
    priced in the batch the arrivals make it run (rule 18, stream.prefill_batch). What is prefilled in time
    decodes in steady state on the classes its tier prefers, overflowing (never refused) past their room at its
-   TPOT; it meets its TPOT as often as its class's batch fits its TPOT (rule 17, decodeload.DecodeLoad), that
-   batch by the stationary law of a server whose step grows with its batch, at the time-weighted context of a
-   decoding sequence (rule 23; rule 17's Poisson around Little's mean was far too narrow near capacity); on a
-   hybrid class those steps carry the minimum prefill chunk, since the streams keep its prefill pending whatever
-   is queued now (rule 21). Each one projected to meet its SLO counts weight ·
+   TPOT; it meets its TPOT as often as its class's batch, Poisson with Little's mean, fits its TPOT (rule 17,
+   decodeload.DecodeLoad); on a hybrid class those steps carry the minimum prefill chunk, since the streams keep
+   its prefill pending whatever is queued now (rule 21). Each one projected to meet its SLO counts weight ·
    STREAM_CREDIT (`Estimate.stream` names this part of the score). Without this term a layout that is slightly overloaded (static TP8 for
    Llama-3-70B at 20 req/s of Azure conv) looks as good as one that keeps up, until its backlog is already
    hopeless.

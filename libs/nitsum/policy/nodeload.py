@@ -51,8 +51,6 @@ class StreamLoad:
     tpot_ms: float
     prompt_tokens: tuple[int, ...]  # quantized equal-mass quantiles
     output_tokens: float
-    decode_ctx_tokens: float = 0.0  # ArrivalStats.decode_ctx_tokens (rule 23; 0: not measured)
-    mean_prompt_tokens: float = 0.0  # the measured mean prompt the decode context above was taken with
 
 
 @dataclass(frozen=True)
@@ -158,8 +156,6 @@ def summarize(snap: ClusterSnapshot, node: NodeView, latency_ttft_ms: float) -> 
             a.tpot_ms,
             tuple(quantize_tokens(p) for p in a.prompt_tokens),
             a.output_tokens,
-            a.decode_ctx_tokens,
-            sum(a.prompt_tokens) / len(a.prompt_tokens),
         )
         for a in snap.arrivals
         if a.rate_per_s > 0 and a.prompt_tokens

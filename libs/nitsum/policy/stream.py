@@ -105,9 +105,7 @@ def stream_estimate(
         # per ms on the decode-capable groups (rule 17, DecodeLoad).
         demand = st.rate_per_ms * served * in_time * st.output_tokens  # tokens/ms
         # (the prompts admission lets in: Azure code's longest quartile is refused, and its context never decodes)
-        # Rule 23: a decoding sequence's context time-weighted over the batch (the longer outputs stay longer
-        # and grow further), shifted by what admission keeps out of the mean prompt.
-        ctx = round(sum(prompts) / len(prompts) + _decode_ctx_excess(st))  # (DecodeLoad rounds it)
+        ctx = quantize_tokens(sum(prompts) / len(prompts) + st.output_tokens / 2.0)
         reach = [i for i in order if roles[i] != "prefill"]
         placed.append((st, expected, expected * served * in_time, dec.place(reach, demand, st.tpot_ms, ctx)))
     # Second pass: a tier's decodes meet its TPOT on a class as often as the class's batch, with everything
@@ -119,14 +117,6 @@ def stream_estimate(
         score += st.weight * good * STREAM_CREDIT
         misses += expected - good
     return score, int(round(misses))
-
-
-def _decode_ctx_excess(st: StreamLoad) -> float:
-    """Context a decoding sequence of the stream carries beyond its prompt, time-weighted (rule 23): Σ o·(p + o/2)
-    / Σ o less the mean prompt, as measured; mean output / 2 when not measured."""
-    if st.decode_ctx_tokens > 0 and st.mean_prompt_tokens > 0:
-        return max(st.decode_ctx_tokens - st.mean_prompt_tokens, 0.0)
-    return st.output_tokens / 2.0
 
 
 @dataclass(frozen=True)
