@@ -29,7 +29,7 @@ def pd_plan(
 ) -> list[tuple[WorkerRecord, str]]:
     """(worker, decode worker or "") in the order to try them. P/D pairs first (prefill worker, least loaded
     hybrid worker of its node, else of any node: a hand-off across hosts goes over TCP; a node world's TP1
-    prefill group without a decoding group of its own world pairs with a standalone worker of another node)
+    prefill group without a decoding group of its own world pairs with a one-cache worker of another node)
     for fresh requests with more than one token to generate; then hybrid workers. Prefill workers never run a
     request alone."""
     key = lambda w: (w.stats.group_id != preferred_group, w.load(), w.worker_id)  # noqa: E731
@@ -80,9 +80,9 @@ def _world_decode_leaders(prefill: WorkerRecord, others: list[WorkerRecord]) -> 
 
 
 def reuse_hint(req: SubmitRequest, chosen: WorkerRecord, candidates: list[WorkerRecord]) -> tuple[str, tuple[int, ...]]:
-    """(holder, block hashes to fetch from it) when another standalone worker or TP1 group leader caches a longer
-    prefix of the prompt than `chosen` (one of those too) by at least MIN_REUSE_BLOCKS blocks; ("", ()) otherwise. Any node: between hosts the
-    blocks go over the TCP data plane (`services/worker/kv_net.py`), within one through shared memory; of
+    """(holder, block hashes to fetch from it) when another one-cache worker (`_one_cache`) caches a longer prefix
+    of the prompt than `chosen` (one too) by at least MIN_REUSE_BLOCKS blocks; ("", ()) otherwise. Any node: between
+    hosts the blocks go over the TCP data plane (`services/worker/kv_net.py`), within one through shared memory; of
     holders with equally long prefixes one of `chosen`'s node is taken (no NIC), then the smallest id."""
     bs = chosen.stats.block_size
     if bs <= 0 or not _one_cache(chosen):

@@ -136,20 +136,16 @@ class WorkerService(WorkerControl):
             return RunAck(rid, self.worker_id, False, f"worker is {self.state}")
         problem = session.validate(run)
         in_world = session.backend.in_world
+        # a TP>1 group's KV heads are spread over its members: the KV mover (another node, prefix fetches) is not
+        # for it; a TP1 group's leader holds them all, like a standalone worker
+        spread = in_world and session.backend.group[1] != 1
         if not problem and self.role == "prefill" and not run.decode_worker and not in_world:
             problem = "a prefill worker runs requests only with a decode worker to hand them to"
         if not problem and in_world and run.decode_worker and self.role != "prefill":
             problem = "only a prefill group hands requests to a decode worker"
-        if (
-            not problem
-            and in_world
-            and run.decode_worker
-            and not self.handoffs.reaches(run.decode_worker)
-            and self.session.backend.group[1] != 1
-        ):
-            # (a TP1 group hands off to a worker outside its world over the KV mover: `on_handoff`)
+        if not problem and spread and run.decode_worker and not self.handoffs.reaches(run.decode_worker):
             problem = f"{run.decode_worker} is not the leader of a decode group of this node world"
-        if not problem and run.reuse_from and in_world and self.session.backend.group[1] != 1:
+        if not problem and run.reuse_from and spread:
             problem = "stage-1 prefix fetches need a standalone worker or a TP1 group"
         if problem:
             return RunAck(rid, self.worker_id, False, problem)
