@@ -3,6 +3,9 @@ through the relay floor (load/bench_floor.py, relays in load/floor_relays.py). I
 paced at the in-process engine's decode step (its step thread sleeps, or spins holding the GIL, to a fixed grid of step ends, as an
 engine's step thread would step) -- and the front streams each as an SSE chunk.
 
+`mesh_streams` sends the same kind of streams through the real mesh: its TPOT at the client against the engine's
+decode step measured in-process in the same run (`nitsum bench gateway --stream-tokens`).
+
 Back to back, what one more token costs the hops and the client: a stream's extra time over a single-token
 stream's, per token (`tokens_result`). Paced, the TPOT a stream sees at the engine's step ((last token - first
 token) / (tokens - 1) at the client), against the step: the issue's goal is <= 1.2x.
@@ -19,23 +22,27 @@ from nitsum.metrics import percentile
 from nitsum_load.sse import DONE, SseParser, parse_chunk
 
 
-async def _stream(session, endpoint: str, prompt: list[int], tokens: int, step_ms: float, spin: bool, timeout_s: float):
+async def _stream(session, endpoint: str, body: dict, tokens: int, timeout_s: float, who: str, headers=None):
     """One streamed request; the arrival time of each token (perf_counter seconds) and the time it was sent."""
-    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "floor_step_ms": step_ms, "floor_step_spin": spin}
     t0 = time.perf_counter()
     stamps: list[float] = []
     parser = SseParser()
-    async with session.post(endpoint, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with session.post(endpoint, json=body, timeout=timeout, headers=headers) as resp:
         if resp.status != 200:
-            raise RuntimeError(f"relay floor answered HTTP {resp.status}: {(await resp.text())[:200]}")
+            raise RuntimeError(f"{who} answered HTTP {resp.status}: {(await resp.text())[:200]}")
         async for data in resp.content.iter_any():
             now = time.perf_counter()
             for payload in parser.feed(data):
                 if payload != DONE:
                     stamps.extend([now] * parse_chunk(payload).tokens)
     if len(stamps) != tokens:
-        raise RuntimeError(f"relay floor streamed {len(stamps)} tokens, expected {tokens}")
+        raise RuntimeError(f"{who} streamed {len(stamps)} tokens, expected {tokens}")
     return t0, stamps
+
+
+def _floor_body(prompt: list[int], tokens: int, step_ms: float, spin: bool) -> dict:
+    return {"prompt": prompt, "max_tokens": tokens, "stream": True, "floor_step_ms": step_ms, "floor_step_spin": spin}
 
 
 async def streams(
@@ -48,14 +55,64 @@ async def streams(
     out: dict[str, list[float]] = {"ttft_ms": [], "per_token_ms": [], "total_ms": [], "single_total_ms": []}
     async with aiohttp.ClientSession() as session:
         for n, prompt in enumerate(prompts):
-            t0, stamps = await _stream(session, endpoint, prompt, tokens, step_ms, spin, timeout_s)
-            s0, single = await _stream(session, endpoint, prompt, 1, 0.0, False, timeout_s)
+            body, one = _floor_body(prompt, tokens, step_ms, spin), _floor_body(prompt, 1, 0.0, False)
+            t0, stamps = await _stream(session, endpoint, body, tokens, timeout_s, "relay floor")
+            s0, single = await _stream(session, endpoint, one, 1, timeout_s, "relay floor")
             if n >= warmup:
                 out["ttft_ms"].append((stamps[0] - t0) * 1000.0)
                 out["per_token_ms"].append((stamps[-1] - stamps[0]) * 1000.0 / (tokens - 1))
                 out["total_ms"].append((stamps[-1] - t0) * 1000.0)
                 out["single_total_ms"].append((single[0] - s0) * 1000.0)
     return out
+
+
+async def mesh_streams(
+    url: str, model: str, prompts: list[list[int]], tokens: int, warmup: int, timeout_s: float
+) -> dict[str, list[float]]:
+    """The same streams through the mesh (greedy, `ignore_eos`: exactly `tokens` tokens each, interactive tier),
+    one at a time; the first `warmup` are not counted. Per stream: TTFT and (last - first) / (tokens - 1), the TPOT
+    the client sees, to set against the in-process engine's decode step measured in the same run."""
+    endpoint = url.rstrip("/") + "/v1/completions"
+    headers = {"x-request-tier": "interactive"}
+    out: dict[str, list[float]] = {"ttft_ms": [], "per_token_ms": []}
+    async with aiohttp.ClientSession() as session:
+        for n, prompt in enumerate(prompts):
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": tokens,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "return_token_ids": True,  # every token counted, also those whose text the detokenizer holds back
+            }
+            t0, stamps = await _stream(session, endpoint, body, tokens, timeout_s, "gateway", headers)
+            if n >= warmup:
+                out["ttft_ms"].append((stamps[0] - t0) * 1000.0)
+                out["per_token_ms"].append((stamps[-1] - stamps[0]) * 1000.0 / (tokens - 1))
+    return out
+
+
+def mesh_tokens_result(tokens: int, step_ms: float, measured: dict) -> dict[str, Any]:
+    """The mesh's per-token figures against the engine's decode step (the issue's goal: p50 <= 1.2x)."""
+    per_token = _stats(measured["per_token_ms"])
+    return {
+        "tokens": tokens,
+        "streams": len(measured["per_token_ms"]),
+        "engine_step_ms": step_ms,
+        "per_token_ms": per_token,
+        "ttft_ms": _stats(measured["ttft_ms"]),
+        "per_token_over_step": per_token["p50"] / step_ms if step_ms > 0 else None,
+    }
+
+
+def format_mesh_tokens(r: dict[str, Any]) -> str:
+    p = r["per_token_ms"]
+    return (
+        f"per-token through the mesh: {r['streams']} streams of {r['tokens']} tokens, one at a time: TPOT p50 "
+        f"{p['p50']:.3f} ms, p90 {p['p90']:.3f} ms, against the in-process engine's decode step "
+        f"{r['engine_step_ms']:.3f} ms (same run): {r['per_token_over_step']:.2f}x; TTFT p50 {r['ttft_ms']['p50']:.2f} ms"
+    )
 
 
 def _stats(xs: list[float]) -> dict[str, float | None]:

@@ -14,6 +14,11 @@ built by the worker's own `build_engine` from the worker's default config (one t
 The in-process baseline runs first, while no mesh is running, so the two never share the CPU. Without
 `--url`, the bench starts `nitsum up --devices 1` itself (one worker, like the in-process engine) and stops it.
 
+3. Per token (`--stream-tokens`, default 64; 0: none): `--streams` streamed requests of that many tokens, one
+   at a time, through the mesh; their TPOT at the client ((last token - first) / (tokens - 1), p50) against the
+   in-process engine's decode step for one stream, measured in the same run before the mesh starts
+   ((time of N tokens - time of 1) / (N - 1) on a cached prompt, median of 10 prompts).
+
 With `--floor`, the same requests then go through bare relays of the mesh's processes and hops (an aiohttp
 server alone; aiohttp -> NATS -> coord -> NATS -> worker -> frame back, no nitsum code): what the hops alone
 cost, so mesh-added minus floor-added is what nitsum's own code adds (load/bench_floor.py). `--floor-only`
@@ -200,16 +205,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--floor-only", action="store_true", help="the engine and the floor, no mesh phase")
     p.add_argument("--floor-tokens", type=int, default=64, help="tokens per stream of the per-token floor (0: none)")
     p.add_argument("--floor-streams", type=int, default=30, help="streams of the per-token floor (after warm-up)")
+    p.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=64,
+        help="tokens per stream of the mesh's per-token phase (TPOT against the engine's step; 0: none)",
+    )
+    p.add_argument("--streams", type=int, default=30, help="streams of the mesh's per-token phase (after warm-up)")
     args = p.parse_args(argv)
     if args.floor_only and args.url:
         p.error("--floor-only measures no mesh: drop --url")
-    for name in ("requests", "concurrency", "prompt_tokens", "gateways", "floor_streams"):
+    for name in ("requests", "concurrency", "prompt_tokens", "gateways", "floor_streams", "streams"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     if args.floor_tokens < 0 or args.floor_tokens == 1:
         p.error("--floor-tokens must be 0 (no per-token floor) or >= 2")
+    if args.stream_tokens < 0 or args.stream_tokens == 1:
+        p.error("--stream-tokens must be 0 (no per-token phase) or >= 2")
     lat = prompts(args.warmup + args.requests, args.prompt_tokens)
     tput = prompts(args.requests, args.prompt_tokens)
     # Shift throughput prompts so they share no prefix block with the latency phase either.
@@ -220,10 +234,16 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     floor = args.floor or args.floor_only
-    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup, args.floor_tokens if floor else 0)
+    mesh_tokens = 0 if args.floor_only else args.stream_tokens
+    step_tokens = max(mesh_tokens, args.floor_tokens if floor else 0)
+    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup, step_tokens)
     run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-gateway-"))
     gateway = None if args.floor_only else mesh_phase(args, run_dir, lat, tput)
     result = compare(engine, gateway) if gateway is not None else {"engine_latency_ms": _stats(engine["latency_ms"])}
+    if gateway is not None and "streams" in gateway:
+        result["per_token"] = bench_floor_tokens.mesh_tokens_result(
+            args.stream_tokens, engine["decode_step_ms"], gateway.pop("streams")
+        )
     result["engine_requests_per_s"] = engine["requests_per_s"]
     if floor:
         result["floor"] = floor_phase(args, run_dir, engine, gateway, lat, tput)
@@ -236,6 +256,8 @@ def main(argv: list[str]) -> int:
     result["date"] = time.strftime("%Y-%m-%d")
     if gateway is not None:
         print(format_result(result))
+        if "per_token" in result:
+            print(bench_floor_tokens.format_mesh_tokens(result["per_token"]))
     if "floor" in result:
         print(bench_floor.format_floor(result["engine_latency_ms"], engine["requests_per_s"], result["floor"]))
         if "per_token" in result["floor"]:
@@ -293,6 +315,16 @@ def mesh_phase(args, run_dir: Path, lat: list[list[int]], tput: list[list[int]])
         )
         if mesh is None:  # a mesh of its own: its CPU is not this process tree's
             measured["throughput_cpu_ms_per_request"] = None
+        if args.stream_tokens:
+            print(
+                f"gateway {url}: {args.streams} streams of {args.stream_tokens} tokens, one at a time ...", flush=True
+            )
+            stream_prompts = lat[: args.warmup + args.streams]
+            measured["streams"] = asyncio.run(
+                bench_floor_tokens.mesh_streams(
+                    url, _served_model(url), stream_prompts, args.stream_tokens, args.warmup, args.timeout
+                )
+            )
         return measured
     finally:
         if mesh is not None:

@@ -158,3 +158,18 @@ def test_overload_answers_background_429_at_once_and_serves_interactive(live_mes
         error = body["error"]
         assert error["type"] in ("rate_limit_error", "service_unavailable") and error["message"], body
     assert any("overloaded" in body["error"]["message"] for _, _, body in refused)
+
+
+def test_bench_gateway_streams_count_every_token_through_the_mesh(live_mesh):
+    """The per-token phase of `nitsum bench gateway` against the live mesh: every stream brings exactly the asked
+    tokens (counted by their ids, also those whose text the detokenizer holds back), warm-up ones not counted."""
+    import asyncio
+
+    from nitsum_load import bench_floor_tokens as bft
+    from nitsum_load import bench_gateway as bg
+
+    measured = asyncio.run(bft.mesh_streams(live_mesh, "tiny", bg.prompts(3, 16), 24, 1, 60.0))
+    assert {k: len(v) for k, v in measured.items()} == {"ttft_ms": 2, "per_token_ms": 2}
+    assert all(x > 0 for x in measured["ttft_ms"] + measured["per_token_ms"])
+    result = bft.mesh_tokens_result(24, 0.5, measured)
+    assert result["per_token_over_step"] == result["per_token_ms"]["p50"] / 0.5

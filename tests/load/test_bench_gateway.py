@@ -30,3 +30,27 @@ def test_usage_errors(capsys):
     with pytest.raises(SystemExit):
         bg.main(["--requests", "0"])
     assert "--requests must be >= 1" in capsys.readouterr().err
+
+
+def test_mesh_tokens_result_sets_the_tpot_against_the_same_runs_step():
+    from nitsum_load import bench_floor_tokens as bft
+
+    measured = {"ttft_ms": [4.0, 6.0, 5.0], "per_token_ms": [1.0, 1.2, 1.1]}
+    r = bft.mesh_tokens_result(64, 0.5, measured)
+    assert r["streams"] == 3 and r["tokens"] == 64 and r["engine_step_ms"] == 0.5
+    assert r["per_token_ms"]["p50"] == pytest.approx(1.1) and r["per_token_over_step"] == pytest.approx(2.2)
+    assert r["ttft_ms"]["p50"] == 5.0
+    assert "2.20x" in bft.format_mesh_tokens(r)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stream-tokens", "1"], "--stream-tokens must be 0 (no per-token phase) or >= 2"),
+        (["--streams", "0"], "--streams must be >= 1"),
+    ],
+)
+def test_stream_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        bg.main(argv)
+    assert message in capsys.readouterr().err
