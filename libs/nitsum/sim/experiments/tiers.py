@@ -171,9 +171,17 @@ def layout_per_phase(res: ClusterResult, phases: tuple[Phase, ...]) -> dict[str,
 
 
 def run_phased(
-    policies: list[str], phases: tuple[Phase, ...], seed: int, progress: Progress, config: ClusterConfig
+    policies: list[str],
+    phases: tuple[Phase, ...],
+    seed: int,
+    progress: Progress,
+    config: ClusterConfig,
+    reqs: list | None = None,
 ) -> dict[str, Any]:
-    reqs, paths = phased_workload(phases, seed)
+    """Every policy on a phased load (`reqs`, or the phases drawn from `phased_workload`), scored per phase."""
+    paths = None
+    if reqs is None:
+        reqs, paths = phased_workload(phases, seed)
     total_s = sum(p.duration_s for p in phases)
     rows, per_phase, timeline = [], {}, {}
     for policy in policies:
