@@ -275,7 +275,7 @@ class KvMover:
         span = running.span
         reason, pruned = "", False
         try:
-            export = await self.session.call(export_kv)
+            export = await self.session.call(lambda backend: export_kv(backend, rid))
             now, tpot = _now_unix_ms(), max(running.tpot_ms, 1.0)
             await self._send_layers(
                 rid,
