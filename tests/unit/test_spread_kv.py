@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nitsum.engine.migration import heads_of
+from nitsum.engine.migration import KVExport, heads_of
 from nitsum.node import spread_kv
 from nitsum.topology import Group
 from nitsum.transfer import shm
@@ -97,3 +97,51 @@ def test_a_tp2_leader_gathers_and_scatters_through_its_peers_arena(arena):
     assert torch.equal(spread_kv.gather_heads(spread_kv.group_parts(node), 4, [3, 7]), full)
     with pytest.raises(spread_kv.handoff.HandoffError, match="cannot gather"):
         spread_kv.group_parts(_leader(torch.zeros(shape), arena.handle, kv_path="tcp"))
+
+
+class _Engine:
+    """The decode leader engine's hand-off API, recording what is asked of it."""
+
+    role = "decode"
+
+    def __init__(self, blocks):
+        self.blocks, self.calls = blocks, []
+
+    def reserve_handoff(self, rid, num_tokens):
+        self.calls.append(("reserve", rid, num_tokens))
+        return self.blocks
+
+    def adopt_handoff(self, state, num_tokens):
+        self.calls.append(("adopt", state["id"], num_tokens))
+
+    def drop_handoff(self, rid):
+        self.calls.append(("drop", rid))
+        return True
+
+
+def _decode_leader(arena, blocks):
+    shape = (LAYERS, 2, BLOCKS, BS, 2, DIM)
+    node = _leader(torch.zeros(shape), arena.handle)
+    node.engine, node.in_transition = _Engine(blocks), False
+    return node, shm.attach_handle(arena.handle, shape, torch.float32, os.getpid())
+
+
+def test_a_tp2_decode_leader_writes_both_members_heads_then_adopts(arena):
+    node, peer = _decode_leader(arena, [6, 2])
+    full = torch.randn(LAYERS, 2, 2, BS, 4, DIM)
+    assert spread_kv.import_request(node, KVExport({"id": "r"}, 20, (0, 4), full))
+    assert node.engine.calls == [("reserve", "r", 20), ("adopt", "r", 20)]
+    assert torch.equal(node.runner.kv_cache[:, :, [6, 2]], full[:, :, :, :, 0:2])
+    assert torch.equal(peer[:, :, [6, 2]], full[:, :, :, :, 2:4])
+
+
+def test_a_failed_import_drops_the_reservation_and_adopts_nothing(arena):
+    node, _ = _decode_leader(arena, [6, 2, 3])  # three blocks reserved for an export of two: refused
+    with pytest.raises(ValueError, match="3 blocks reserved"):
+        spread_kv.import_request(node, KVExport({"id": "r"}, 20, (0, 4), torch.randn(LAYERS, 2, 2, BS, 4, DIM)))
+    assert node.engine.calls == [("reserve", "r", 20), ("drop", "r")]
+    with pytest.raises(ValueError, match="not all 4"):  # an export of some heads only is refused before anything
+        spread_kv.import_request(node, KVExport({"id": "s"}, 20, (0, 2), torch.randn(LAYERS, 2, 2, BS, 2, DIM)))
+    node.engine.blocks = None  # no room: False, nothing adopted
+    assert not spread_kv.import_request(node, KVExport({"id": "t"}, 20, (0, 4), torch.randn(LAYERS, 2, 2, BS, 4, DIM)))
+    assert node.engine.calls[-1] == ("reserve", "t", 20)

@@ -102,10 +102,8 @@ def import_request(node: NodeRuntime, export: KVExport) -> bool:
     rid = export.state["id"]
     try:
         blocks, _handles = handoff.reserve(node, rid, export.num_tokens)
-    except handoff.HandoffError as exc:
-        if "no room" in str(exc):
-            return False
-        raise
+    except handoff.NoRoom:
+        return False
     try:
         if len(blocks) != export.kv.shape[2]:
             raise ValueError(f"{len(blocks)} blocks reserved for {export.kv.shape[2]} blocks of KV")
