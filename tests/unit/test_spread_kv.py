@@ -145,3 +145,10 @@ def test_a_failed_import_drops_the_reservation_and_adopts_nothing(arena):
     node.engine.blocks = None  # no room: False, nothing adopted
     assert not spread_kv.import_request(node, KVExport({"id": "t"}, 20, (0, 4), torch.randn(LAYERS, 2, 2, BS, 4, DIM)))
     assert node.engine.calls[-1] == ("reserve", "t", 20)
+
+
+def test_only_a_tp_gt1_leader_on_the_shm_path_can_gather(arena):
+    node = _leader(torch.zeros(1), arena.handle)
+    assert spread_kv.capable(node)
+    for change in ({"kv_path": "p2p"}, {"is_leader": False}, {"group": Group(0, 1)}):
+        assert not spread_kv.capable(SimpleNamespace(**{**vars(node), **change})), change
