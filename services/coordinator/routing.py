@@ -19,17 +19,20 @@ def _standalone_ready(record: WorkerRecord) -> bool:
 
 
 def _one_cache(record: WorkerRecord) -> bool:
-    """A standalone worker or a TP1 group's leader: every head of its requests' KV is in this worker's own cache,
-    so the KV mover's exports and imports (P/D hand-offs, stage-1 prefix blocks) apply to it."""
-    return not record.stats.in_world or (record.stats.leader and record.stats.tp == 1)
+    """A standalone worker, a TP1 group's leader (every head of its requests' KV is in this worker's own cache) or
+    a TP>1 group's leader that gathers and scatters its members' heads (`kv_gather`: its world's KV path is shared
+    memory), so the KV mover's exports and imports (P/D hand-offs, stage-1 prefix blocks) apply to it."""
+    s = record.stats
+    return not s.in_world or (s.leader and (s.tp == 1 or s.kv_gather))
 
 
 def pd_plan(
     req: SubmitRequest, candidates: list[WorkerRecord], preferred_group: str | None
 ) -> list[tuple[WorkerRecord, str]]:
     """(worker, decode worker or "") in the order to try them. P/D pairs first (prefill worker, least loaded
-    hybrid worker of its node, else of any node: a hand-off across hosts goes over TCP; a node world's TP1
-    prefill group without a decoding group of its own world pairs with a one-cache worker of another node)
+    hybrid worker of its node, else of any node: a hand-off across hosts goes over TCP; a node world's prefill
+    group without a decoding group of its own world pairs with a one-cache worker of another node, TP>1 groups
+    included where they gather their heads)
     for fresh requests with more than one token to generate; then hybrid workers. Prefill workers never run a
     request alone."""
     key = lambda w: (w.stats.group_id != preferred_group, w.load(), w.worker_id)  # noqa: E731
@@ -53,10 +56,10 @@ def pd_plan(
 
 def _other_host_decoders(prefill: WorkerRecord, others: list[WorkerRecord]) -> list[WorkerRecord]:
     """Where a node-world prefill group without a decoding group of its own world hands off to: ready standalone
-    workers and TP1 group leaders of other nodes' worlds, over the KV mover (TCP between hosts). TP1 on both
-    sides: a TP1 group's leader holds every head of a request in its own cache (a TP>1 group's are spread over
-    its members), so the mover's one-cache export and import apply."""
-    if prefill.stats.tp != 1:
+    workers and group leaders of other nodes' worlds, over the KV mover (TCP between hosts). Only one-cache ends
+    (`_one_cache`): a TP1 group's leader holds every head of a request in its own cache, a TP>1 group's leader
+    only where it can gather or scatter its members' heads (shm arenas)."""
+    if not _one_cache(prefill):
         return []
     return [
         d for d in others if d.stats.node_id != prefill.stats.node_id and _one_cache(d) and d.stats.state == "ready"

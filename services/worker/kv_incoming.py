@@ -10,9 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nitsum.engine.migration import KVExport, stack_layers
+from nitsum.node.handoff import HandoffError
 from nitsum.transfer.framing import ErrorCode, TransferError
 from nitsum.transfer.shm import ShmHandle, receive
 from nitsum.wire.messages import KvAck, KvLayer
+from nitsum_services.worker.kv_access import import_cached_blocks, import_request, spread
 
 log = logging.getLogger("nitsum.worker.transfer")
 
@@ -63,7 +65,7 @@ class IncomingTransfers:
                 await self._adopt(msg.request_id, pending)
             else:
                 await self._import_blocks(pending)
-        except (TransferError, ValueError, AssertionError, RuntimeError) as exc:
+        except (TransferError, HandoffError, OSError, ValueError, AssertionError, RuntimeError) as exc:
             self._count(msg.purpose, "failed")
             log.warning("KV of %s from %s not adopted: %s", msg.request_id, msg.src_worker, exc)
             return KvAck(msg.request_id, msg.layer, False, f"{type(exc).__name__}: {exc}")
@@ -85,7 +87,7 @@ class IncomingTransfers:
         # Registered before the import so the step that follows it finds the stream to publish to.
         self.session.adopt(request_id, pending.stream_subject, len(state["prompt"]), produced, pending.attempt)
         try:
-            ok = await self.session.call(lambda backend: backend.engine.import_request(export))
+            ok = await self.session.call(lambda backend: import_request(backend, export))
         except BaseException:
             self.session.forget(request_id)
             raise
@@ -100,11 +102,12 @@ class IncomingTransfers:
         num_blocks = len(pending.block_hashes)
 
         def do_import(backend) -> int:
-            engine = backend.engine
-            cache = engine.runner.kv_cache  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
-            shape = [2, num_blocks, *cache.shape[3:]]
+            cache = backend.engine.runner.kv_cache  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+            # every KV head travels (a TP>1 group's leader holds only its own: the model's count then)
+            heads = backend.runtime.layout.model_config.num_kv_heads if spread(backend) else cache.shape[4]
+            shape = [2, num_blocks, cache.shape[3], heads, cache.shape[5]]
             kv = stack_layers(pending.layers, str(cache.dtype).removeprefix("torch."), shape)
-            return engine.import_cached_blocks(list(pending.block_hashes), kv)
+            return import_cached_blocks(backend, list(pending.block_hashes), kv)
 
         self.num_reused_blocks += await self.session.call(do_import)
 

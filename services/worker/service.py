@@ -16,6 +16,7 @@ import time
 import uuid
 
 from nitsum.config import WorkerConfig
+from nitsum.node import spread_kv
 from nitsum.service import ServiceContext
 from nitsum.wire.messages import (
     AbortRequest,
@@ -64,6 +65,12 @@ class WorkerService(WorkerControl):
         engine = backend.engine
         return engine.role if engine is not None else "hybrid"
 
+    @property
+    def kv_gather(self) -> bool:
+        """This worker leads a TP>1 group whose members' KV heads it can gather and scatter (shm arenas)."""
+        backend = self.session.backend
+        return backend.in_world and spread_kv.capable(backend.runtime)
+
     # -- stats --------------------------------------------------------------------------------------
     def stats_message(self) -> WorkerStats:
         session, config, mover = self.session, self.config, self.mover
@@ -108,6 +115,7 @@ class WorkerService(WorkerControl):
             num_transfer_failures=mover.num_failures + self.handoffs.num_failed,
             node_size=config.node_size if config.node_size > 1 else 0,
             generation=backend.generation,
+            kv_gather=self.kv_gather,
         )
 
     async def publish_stats(self) -> None:
@@ -136,17 +144,21 @@ class WorkerService(WorkerControl):
             return RunAck(rid, self.worker_id, False, f"worker is {self.state}")
         problem = session.validate(run)
         in_world = session.backend.in_world
-        # a TP>1 group's KV heads are spread over its members: the KV mover (another node, prefix fetches) is not
-        # for it; a TP1 group's leader holds them all, like a standalone worker
-        spread = in_world and session.backend.group[1] != 1
+        # a TP>1 group's KV heads are spread over its members: the KV mover (another node, prefix fetches) applies
+        # to it only where its leader can gather and scatter them (shm arenas: `kv_gather`); a TP1 group's leader
+        # holds them all, like a standalone worker
+        spread = in_world and session.backend.group[1] != 1 and not self.kv_gather
         if not problem and self.role == "prefill" and not run.decode_worker and not in_world:
             problem = "a prefill worker runs requests only with a decode worker to hand them to"
         if not problem and in_world and run.decode_worker and self.role != "prefill":
             problem = "only a prefill group hands requests to a decode worker"
         if not problem and spread and run.decode_worker and not self.handoffs.reaches(run.decode_worker):
-            problem = f"{run.decode_worker} is not the leader of a decode group of this node world"
+            problem = (
+                f"{run.decode_worker} is not the leader of a decode group of this node world, and this TP>1 group "
+                "cannot gather its KV heads for another host (its world's KV path is not shared memory)"
+            )
         if not problem and run.reuse_from and spread:
-            problem = "stage-1 prefix fetches need a standalone worker or a TP1 group"
+            problem = "stage-1 prefix fetches need a standalone worker, a TP1 group or a TP>1 group on shm arenas"
         if problem:
             return RunAck(rid, self.worker_id, False, problem)
         if run.reuse_from and run.reuse_hashes:
@@ -178,10 +190,12 @@ class WorkerService(WorkerControl):
     async def on_handoff(self, running) -> None:
         """The session's P/D callback: a node-world group hands off inside its world, a standalone worker over
         the KV mover; so does a node world's TP1 group whose decode worker the coordinator named outside its world
-        (another node: TCP between hosts), its leader's cache holding every head of the request."""
+        (another node: TCP between hosts), its leader's cache holding every head of the request, and a TP>1 group's
+        leader that gathers its members' heads from their shm arenas (`nitsum.node.spread_kv`)."""
         backend = self.session.backend
         dst = running.decode_worker
-        if not backend.in_world or (dst and not self.handoffs.reaches(dst) and backend.group[1] == 1):
+        one_cache = backend.group[1] == 1 or self.kv_gather  # (a TP>1 group's leader gathers its members' heads)
+        if not backend.in_world or (dst and not self.handoffs.reaches(dst) and one_cache):
             await self.mover.hand_off(running)
         else:
             await self.handoffs.hand_off(running)

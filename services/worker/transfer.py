@@ -38,6 +38,7 @@ import torch
 
 from nitsum.bus import Bus, BusError
 from nitsum.engine.migration import layer_bytes
+from nitsum.node.handoff import HandoffError
 from nitsum.telemetry.metrics import Metrics
 from nitsum.transfer.framing import ErrorCode, TransferError
 from nitsum.transfer.shm import ShmPublisher
@@ -52,6 +53,7 @@ from nitsum.wire.messages import (
     LayerProgress,
 )
 from nitsum_services.worker.flow_agent import FlowPrunedError, TransferAgent, _counter
+from nitsum_services.worker.kv_access import export_cached_blocks, export_kv
 from nitsum_services.worker.kv_incoming import IncomingTransfers
 
 log = logging.getLogger("nitsum.worker.transfer")
@@ -273,7 +275,7 @@ class KvMover:
         span = running.span
         reason, pruned = "", False
         try:
-            export = await self.session.call(lambda backend: backend.engine.export_kv(rid))
+            export = await self.session.call(lambda backend: export_kv(backend, rid))
             now, tpot = _now_unix_ms(), max(running.tpot_ms, 1.0)
             await self._send_layers(
                 rid,
@@ -290,7 +292,7 @@ class KvMover:
             )
         except FlowPrunedError as exc:
             reason, pruned = exc.reason or "pruned by the flow-scheduler", True
-        except (TransferError, BusError, KeyError) as exc:
+        except (TransferError, BusError, KeyError, HandoffError, OSError, ValueError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
             self.session.release_pinned(rid)
@@ -310,10 +312,8 @@ class KvMover:
     async def on_fetch(self, msg: KvFetch, _delivery) -> KvFetchReply:
         """Holder side of stage 1: push the cached blocks of this prefix to the asker."""
         try:
-            found, kv = await self.session.call(
-                lambda backend: backend.engine.export_cached_blocks(list(msg.block_hashes))
-            )
-        except (AttributeError, AssertionError) as exc:
+            found, kv = await self.session.call(lambda backend: export_cached_blocks(backend, list(msg.block_hashes)))
+        except (AttributeError, AssertionError, HandoffError, OSError, ValueError) as exc:
             return KvFetchReply(msg.request_id, False, reason=f"cannot export blocks here: {exc}")
         if not found:
             return KvFetchReply(msg.request_id, True, 0, reason="no longer cached")

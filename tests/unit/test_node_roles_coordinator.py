@@ -145,3 +145,21 @@ def test_a_world_tp1_prefill_group_without_a_decoding_group_pairs_with_a_standal
     c, _ = _coordinator(_stats(0, 2, "prefill"), standalone)
     records = [c.members.workers[w] for w in ("node0-0", "nodeB-0")]
     assert [(r.worker_id, d) for r, d in pd_plan(_request(), records, None)] == [("nodeB-0", "")]
+
+
+def test_a_world_tp2_group_on_shm_arenas_pairs_across_hosts_both_as_prefill_and_as_decode():
+    """A TP2 group's leader that gathers its members' heads (kv_gather) is a one-cache end for the KV mover."""
+    gather = lambda s: dataclasses.replace(s, kv_gather=True)  # noqa: E731
+    standalone = dataclasses.replace(_stats(0, 1, "decode", node="nodeB"), in_world=False, node_size=1)
+    c, _ = _coordinator(gather(_stats(0, 2, "prefill")), standalone)
+    records = [c.members.workers[w] for w in ("node0-0", "nodeB-0")]
+    assert [(r.worker_id, d) for r, d in pd_plan(_request(), records, None)] == [
+        ("node0-0", "nodeB-0"),
+        ("nodeB-0", ""),
+    ]
+    # the decode end a TP2 group of another host's world: only where it can scatter the heads as well
+    for flag, want in ((True, [("node0-0", "nodeB-0"), ("nodeB-0", "")]), (False, [("nodeB-0", "")])):
+        decode = dataclasses.replace(_stats(0, 2, "decode", node="nodeB"), kv_gather=flag)
+        c, _ = _coordinator(gather(_stats(0, 2, "prefill")), decode)
+        records = [c.members.workers[w] for w in ("node0-0", "nodeB-0")]
+        assert [(r.worker_id, d) for r, d in pd_plan(_request(), records, None)] == want

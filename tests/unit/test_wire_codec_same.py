@@ -192,7 +192,7 @@ DIGESTS = {  # sha256 of nitsum 1e844f9's encode of each message
     "flow": "a1f6ae0997a5f905bd7dc0872c729cd10aa58eb46cc4b434b69d72b17319f48a",
     "run": "464477ef2be58c134da5ac58d5b957e892e1af0b17c017a0c26c8245a9a0494a",
     "share": "92350082933062d34d518ef8eddc9cb8d5a6fd659f43412f3a9cbce0d82f0d69",
-    "stats": "e11dd238b7c14e5a53243262e646b19690097ecf209bbb5219a587c489910c26",
+    "stats": "db7666784d17227965ae7c90250975862c910dcb4d947883e94498b46c3a42ce",  # + kv_gather (issue 19)
     "submit": "01a262ebef5104828047eae876ab5bf0f895f5b7002edd39411a59684b8d4e2d",
 }
 

@@ -34,6 +34,10 @@ class HandoffError(Exception):
     """The hand-off cannot be done (why is the message); nothing was adopted."""
 
 
+class NoRoom(HandoffError):
+    """The decode group's KV pool has no room for the request now."""
+
+
 class NotPinned(HandoffError):
     """The request is no longer waiting for its hand-off here: a TP change moved it (it decodes on in its new
     group, which streams it) or it went (aborted)."""
@@ -85,7 +89,7 @@ def reserve(node: NodeRuntime, request_id: str, num_tokens: int) -> tuple[tuple[
         raise HandoffError(f"group {node.group} has members whose cache is not a shared arena")
     blocks = node.engine.reserve_handoff(request_id, num_tokens)
     if blocks is None:
-        raise HandoffError(f"group {node.group} has no room for {num_tokens} KV tokens now")
+        raise NoRoom(f"group {node.group} has no room for {num_tokens} KV tokens now")
     return tuple(blocks), handles
 
 

@@ -56,6 +56,9 @@ class WorkerStats:
     # period after a heartbeat stops listing them.
     finished_request_ids: tuple[str, ...] = ()
     finished_attempts: tuple[int, ...] = ()
+    # A TP>1 group's leader that can gather and scatter its members' KV heads (its world's KV path is shared
+    # memory): the KV mover's P/D hand-offs and prefix fetches across hosts apply to it as to a one-cache worker.
+    kv_gather: bool = False
 
 
 @dataclass(frozen=True)
