@@ -1,7 +1,9 @@
-"""`nitsum sim <name>` experiments: tiers (Nitsum), flows (Nuska), reconfig. Each writes CSV, PNG and Markdown."""
+"""`nitsum sim <name>` experiments: tiers (Nitsum), flows (Nuska), reconfig, estimates
+(the adaptive estimator's ranking of static layouts against their simulated goodput). Each writes CSV, PNG and Markdown."""
 
 EXPERIMENTS: dict[str, str] = {
     "tiers": "nitsum.sim.experiments.tiers",
     "flows": "nitsum.sim.experiments.flows",
     "reconfig": "nitsum.sim.experiments.reconfig",
+    "estimates": "nitsum.sim.experiments.estimates",
 }
