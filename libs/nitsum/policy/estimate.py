@@ -133,11 +133,13 @@ def evaluate(
     chunk_tokens: int,
     prefill_batch_tokens: int = 0,
     admit_levels: tuple[int, ...] = (),
+    detail: list | None = None,
 ) -> Estimate:
     """Score one candidate (module docstring). `prefill_batch_tokens` > 0: prefill-role groups run batches of
     that many tokens, so a new request first waits, on average, half such a step (head-of-line delay).
     `admit_levels`: the TP levels admission tries for a best-case TTFT (the node's levels that fit; empty:
-    the candidate's): an arriving prompt no level prefills within its target is refused and takes no time."""
+    the candidate's): an arriving prompt no level prefills within its target is refused and takes no time.
+    `detail`: a list that gets the stream's terms per tier (stream.StreamTerms), for studies of the estimate."""
     n = len(classes)
     tps = [c[0] for c in classes]
     roles = [c[1] for c in classes]
@@ -289,6 +291,7 @@ def evaluate(
             prefill_ms,
             admit_levels or tuple(sorted(set(tps))),
             prefill_batch_tokens,
+            detail,
         )
         score += s_score
         misses += s_misses

@@ -38,8 +38,10 @@ def stream_estimate(
     prefill_ms,
     admit_levels: tuple[int, ...] = (),
     prefill_batch_tokens: int = 0,
+    detail: list | None = None,
 ) -> tuple[float, int]:
-    """Rule 5 of estimate.py's docstring: (score, expected misses) of the arrivals within the horizon."""
+    """Rule 5 of estimate.py's docstring: (score, expected misses) of the arrivals within the horizon.
+    `detail`: a list that gets, per stream, its terms (`StreamTerms`), for studies of the estimate."""
     n = len(tps)
     # admission.admit refuses what no level prefills within the target even with nothing queued
     oks = [
@@ -107,16 +109,33 @@ def stream_estimate(
         # (the prompts admission lets in: Azure code's longest quartile is refused, and its context never decodes)
         ctx = quantize_tokens(sum(prompts) / len(prompts) + st.output_tokens / 2.0)
         reach = [i for i in order if roles[i] != "prefill"]
-        placed.append((st, expected, expected * served * in_time, dec.place(reach, demand, st.tpot_ms, ctx)))
+        parts = dec.place(reach, demand, st.tpot_ms, ctx)
+        placed.append((st, expected, expected * served * in_time, parts, served, in_time))
     # Second pass: a tier's decodes meet its TPOT on a class as often as the class's batch, with everything
     # placed there (the overflow of the tiers after it included), stays within the batch its TPOT allows.
-    for st, expected, good, parts in placed:
+    for st, expected, good, parts, served, in_time in placed:
         demand = sum(t for _, t in parts)
         ok = sum(t * dec.met_fraction(i, st.tpot_ms) for i, t in parts) if demand > 0 else 0.0
-        good *= 1.0 if demand <= 0 else ok / demand
+        tpot_met = 1.0 if demand <= 0 else ok / demand
+        good *= tpot_met
         score += st.weight * good * STREAM_CREDIT
         misses += expected - good
+        if detail is not None:
+            detail.append(StreamTerms(st.tier, expected, served, in_time, tpot_met, st.weight * good * STREAM_CREDIT))
     return score, int(round(misses))
+
+
+@dataclass(frozen=True)
+class StreamTerms:
+    """One stream's factors in the estimate: arrivals within the horizon, the fraction the pool serves at all,
+    the fraction of those with the first token in time, the fraction of those meeting TPOT, and the score."""
+
+    tier: str
+    expected: float
+    served: float
+    ttft_met: float
+    tpot_met: float
+    score: float
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,7 @@ class AdaptivePolicy(BasePolicy):
             return keep(
                 f"dwell: last change {snap.now_ms - node.last_reconfig_ms:.0f} ms ago < {cfg.min_dwell_ms:.0f} ms"
             )
-        load = summarize(snap, node, cfg.latency_sensitive_ttft_ms)
+        load = self.node_load(snap, node)
         if load.idle:
             return keep("idle")
         cost = self.cost_for(node)
@@ -250,7 +250,7 @@ class AdaptivePolicy(BasePolicy):
         scale = remaining / cfg.horizon_ms
 
         def worth(x) -> float:
-            return (x[0] - cur_est.score) * scale - x[1] - (x[4] - cur_backlog) * (scale - 1.0)
+            return change_worth(x[0], x[4], x[1], cur_est.score, cur_backlog, scale)
 
         best = max(scored, key=worth)
         # The hysteresis margin guards against the estimate's noise, which the phase scale multiplies too: in
@@ -325,6 +325,10 @@ class AdaptivePolicy(BasePolicy):
             path,
         )
 
+    def node_load(self, snap: ClusterSnapshot, node: NodeView) -> NodeLoad:
+        """The node's load as the estimator scores it (summarized once per decision)."""
+        return summarize(snap, node, self.config.latency_sensitive_ttft_ms)
+
     def expected_remaining_ms(self, snap: ClusterSnapshot) -> float:
         """How long the current load is expected to last: as long as it has lasted since the stream last
         shifted (a regime seen for t is, on the median, seen for t more), between one dwell time and
@@ -335,12 +339,12 @@ class AdaptivePolicy(BasePolicy):
         age = snap.now_ms - snap.load_shift_ms
         return min(max(age, cfg.min_dwell_ms), MAX_REMAINING_HORIZONS * cfg.horizon_ms)
 
-    def _evaluate(self, cost: CostModel, groups, load: NodeLoad, node: NodeView):
+    def _evaluate(self, cost: CostModel, groups, load: NodeLoad, node: NodeView, detail: list | None = None):
         cfg = self.config
         # Admission tries every level of the node for a request's best-case TTFT (admission.best_case_ttft_ms).
         levels = tuple(k for k in node.allowed_tp_levels() if cost.fits(k))
         return evaluate(
-            cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens, levels
+            cost, classes_of(groups), load, cfg.horizon_ms, cfg.chunk_tokens, cfg.prefill_batch_tokens, levels, detail
         )
 
     def _scored(self, cost: CostModel, groups: tuple[Group, ...], load: NodeLoad, node: NodeView, shape, top):
@@ -354,6 +358,13 @@ class AdaptivePolicy(BasePolicy):
         cfg = self.config
         est = self._evaluate(cost, groups, load, node)
         return est.score - cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
+
+
+def change_worth(score: float, backlog: float, change: float, cur_score: float, cur_backlog: float, scale: float):
+    """What a candidate (its score, the score's backlog part, λ · its change cost) is worth against the current
+    layout over the phase expected to remain (`scale` horizons): the stream's part recurs, the backlog's is earned
+    once (rule 19)."""
+    return (score - cur_score) * scale - change - (backlog - cur_backlog) * (scale - 1.0)
 
 
 def reconfig_ms(cost: CostModel, groups: tuple[Group, ...], node: NodeView, load: NodeLoad) -> float:
