@@ -46,7 +46,7 @@ def test_the_current_layout_is_worth_nothing_and_the_stream_terms_add_up():
     top = layout_topology(
         next(lay for lay in static_layouts(8, (1, 2, 4, 8)) if layout_name(lay) == scored[3].policy[7:])
     )
-    assert rec._evaluate(cost, top.groups, load, node).score == scored[3].score
+    assert rec.evaluate_groups(cost, top.groups, load, node).score == scored[3].score
     assert load.streams and all(s.terms for s in scored)
 
 

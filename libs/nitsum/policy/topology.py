@@ -178,7 +178,7 @@ class AdaptivePolicy(BasePolicy):
         cost = self.cost_for(node)
         current = node_topology(node)
         cur_shape = current.shape()
-        cur_est = self._evaluate(cost, current.groups, load, node)
+        cur_est = self.evaluate_groups(cost, current.groups, load, node)
         cur_backlog = cur_est.score - cur_est.stream
         # A level whose KV room holds fewer than MIN_BATCH_SEQS typical requests cannot batch: Llama-3-70B at
         # TP2 on H100 keeps ~8.8 k KV tokens after weights, and routing background work there starved it.
@@ -339,7 +339,9 @@ class AdaptivePolicy(BasePolicy):
         age = snap.now_ms - snap.load_shift_ms
         return min(max(age, cfg.min_dwell_ms), MAX_REMAINING_HORIZONS * cfg.horizon_ms)
 
-    def _evaluate(self, cost: CostModel, groups, load: NodeLoad, node: NodeView, detail: list | None = None):
+    def evaluate_groups(self, cost: CostModel, groups, load: NodeLoad, node: NodeView, detail: list | None = None):
+        """The estimate (`estimate.evaluate`) of `groups` on this node's load, as the policy ranks candidates;
+        `detail` collects each tier's stream terms (`nitsum sim estimates` reads them)."""
         cfg = self.config
         # Admission tries every level of the node for a request's best-case TTFT (admission.best_case_ttft_ms).
         levels = tuple(k for k in node.allowed_tp_levels() if cost.fits(k))
@@ -350,13 +352,13 @@ class AdaptivePolicy(BasePolicy):
     def _scored(self, cost: CostModel, groups: tuple[Group, ...], load: NodeLoad, node: NodeView, shape, top):
         """A candidate's row: (score, λ · reconfiguration cost, shape, topology, the score's backlog part)."""
         cfg = self.config
-        est = self._evaluate(cost, groups, load, node)
+        est = self.evaluate_groups(cost, groups, load, node)
         change = cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
         return est.score, change, shape, top, est.score - est.stream
 
     def _net_score(self, cost: CostModel, groups: tuple[Group, ...], load: NodeLoad, node: NodeView) -> float:
         cfg = self.config
-        est = self._evaluate(cost, groups, load, node)
+        est = self.evaluate_groups(cost, groups, load, node)
         return est.score - cfg.reconfig_lambda_per_ms * reconfig_ms(cost, groups, node, load)
 
 

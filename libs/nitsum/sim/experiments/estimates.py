@@ -3,7 +3,7 @@
 For each stationary point of `sim tiers` (the same workload, table and load scale), every static layout that fits
 is run statically (its weighted goodput and, per tier, the fractions served, in time and meeting TPOT), and the
 adaptive policy is run with its decisions recorded: at each capture time (`CAPTURE_S`) the snapshot it decided on
-is kept, and every static layout is scored on it by the policy's own estimator (`AdaptivePolicy._evaluate`, the
+is kept, and every static layout is scored on it by the policy's own estimator (`AdaptivePolicy.evaluate_groups`, the
 worth `change_worth` it ranks candidates by) with the stream's terms per tier (`stream.StreamTerms`). Reported:
 Spearman's rank correlation of the estimate with the simulated goodput over the layouts, the estimator's top
 layout against the simulator's, and the terms of both for the two.
@@ -87,14 +87,14 @@ def score_layouts(policy: AdaptivePolicy, snap: ClusterSnapshot, layouts: list[s
     node = snap.nodes[0]
     load = policy.node_load(snap, node)
     cost = policy.cost_for(node)
-    cur = policy._evaluate(cost, node_topology(node).groups, load, node)
+    cur = policy.evaluate_groups(cost, node_topology(node).groups, load, node)
     scale = policy.expected_remaining_ms(snap) / cfg.horizon_ms
     by_name = {f"static:{layout_name(lay)}": lay for lay in static_layouts(node.num_devices, node.allowed_tp_levels())}
     out = []
     for name in layouts:
         top = layout_topology(by_name[name])
         detail: list = []
-        est = policy._evaluate(cost, top.groups, load, node, detail)
+        est = policy.evaluate_groups(cost, top.groups, load, node, detail)
         change = cfg.reconfig_lambda_per_ms * reconfig_ms(cost, top.groups, node, load)
         worth = change_worth(est.score, est.score - est.stream, change, cur.score, cur.score - cur.stream, scale)
         terms = {d.tier: (d.served, d.ttft_met, d.tpot_met) for d in detail}
