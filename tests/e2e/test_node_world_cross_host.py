@@ -49,30 +49,31 @@ def _wait_roles(mesh: ManualMesh, roles: dict[str, str]) -> None:
         time.sleep(0.5)
 
 
+def start_two_hosts(mesh: ManualMesh, tmp, prefill_world, decode_workers, decode_world: bool) -> None:
+    """Into `mesh` (the caller stops it, also when this fails half way): NATS, coordinator, flow-scheduler and
+    gateway; host-a's node world of `prefill_world` (prefill workers) and host-b's `decode_workers`, a node world
+    of their own when `decode_world`, else one standalone decode worker."""
+    mesh.nats = NatsServer(port=free_port(), config_path=None).start(log_path=tmp / "nats.log")
+    mesh.port = free_port()
+    mesh.add("coordinator", "coordinator", NITSUM_POLICY="static:1p+1p").start()
+    mesh.add("flow-scheduler", "flow-scheduler").start()
+    a_env = _world_env("nodeA", "host-a")
+    for i, worker_id in enumerate(prefill_world):
+        mesh.add(f"a-{i}", "prefill-worker", NITSUM_WORKER_ID=worker_id, NITSUM_DEVICE_INDEX=str(i), **a_env).start()
+    b_env = _world_env("nodeB", "host-b") if decode_world else {"NITSUM_NODE_ID": "nodeB", "NITSUM_HOST_ID": "host-b"}
+    for i, worker_id in enumerate(decode_workers):
+        mesh.add(f"b-{i}", "decode-worker", NITSUM_WORKER_ID=worker_id, NITSUM_DEVICE_INDEX=str(i), **b_env).start()
+    mesh.add("gateway", "gateway", NITSUM_GATEWAY_PORT=str(mesh.port), NITSUM_GATEWAY_HOST="127.0.0.1").start()
+    mesh.wait_workers(len(prefill_world) + len(decode_workers))
+
+
 @pytest.fixture(scope="module", params=sorted(DECODE_SIDES))
 def mesh(request, tmp_path_factory, tiny_model_dir):
     side = request.param
     tmp = tmp_path_factory.mktemp(f"world-cross-host-{side}")
     mesh = ManualMesh(tmp, tiny_model_dir, num_workers=0)
-    mesh.nats = NatsServer(port=free_port(), config_path=None).start(log_path=tmp / "nats.log")
-    mesh.port = free_port()
     try:
-        mesh.add("coordinator", "coordinator", NITSUM_POLICY="static:1p+1p").start()
-        mesh.add("flow-scheduler", "flow-scheduler").start()
-        a_env = _world_env("nodeA", "host-a")
-        for i, worker_id in enumerate(PREFILL_WORLD):
-            mesh.add(
-                f"a-{i}", "prefill-worker", NITSUM_WORKER_ID=worker_id, NITSUM_DEVICE_INDEX=str(i), **a_env
-            ).start()
-        b_env = (
-            _world_env("nodeB", "host-b")
-            if side == "world"
-            else {"NITSUM_NODE_ID": "nodeB", "NITSUM_HOST_ID": "host-b"}
-        )
-        for i, worker_id in enumerate(DECODE_SIDES[side]):
-            mesh.add(f"b-{i}", "decode-worker", NITSUM_WORKER_ID=worker_id, NITSUM_DEVICE_INDEX=str(i), **b_env).start()
-        mesh.add("gateway", "gateway", NITSUM_GATEWAY_PORT=str(mesh.port), NITSUM_GATEWAY_HOST="127.0.0.1").start()
-        mesh.wait_workers(len(PREFILL_WORLD) + len(DECODE_SIDES[side]))
+        start_two_hosts(mesh, tmp, PREFILL_WORLD, DECODE_SIDES[side], side == "world")
         roles = dict.fromkeys(PREFILL_WORLD, "prefill")
         if side == "world":
             # the policy lays every 2-device node out as two prefill groups; host-b's is set to decode by hand

@@ -14,10 +14,9 @@ import time
 
 import pytest
 
-from nitsum.natsserver import NatsServer, free_port
 from nitsum.policy.flows import dscp_table, tos_for_dscp
 from tests.e2e.harness import ManualMesh, _admin, prompts
-from tests.e2e.test_node_world_cross_host import _world_env
+from tests.e2e.test_node_world_cross_host import start_two_hosts
 from tests.e2e.test_pd_cross_host import LOOSE, MAX_TOKENS, run, samples, total
 from tests.e2e.test_pd_disagg import hybrid_reference
 
@@ -54,25 +53,8 @@ def mesh(request, tmp_path_factory, tiny_model_dir):
     side = request.param
     tmp = tmp_path_factory.mktemp(f"world-tp2-cross-host-{side}")
     mesh = ManualMesh(tmp, tiny_model_dir, num_workers=0)
-    mesh.nats = NatsServer(port=free_port(), config_path=None).start(log_path=tmp / "nats.log")
-    mesh.port = free_port()
     try:
-        mesh.add("coordinator", "coordinator", NITSUM_POLICY="static:1p+1p").start()
-        mesh.add("flow-scheduler", "flow-scheduler").start()
-        a_env = _world_env("nodeA", "host-a")
-        for i, worker_id in enumerate(PREFILL_WORLD):
-            mesh.add(
-                f"a-{i}", "prefill-worker", NITSUM_WORKER_ID=worker_id, NITSUM_DEVICE_INDEX=str(i), **a_env
-            ).start()
-        b_env = (
-            _world_env("nodeB", "host-b")
-            if side == "world"
-            else {"NITSUM_NODE_ID": "nodeB", "NITSUM_HOST_ID": "host-b"}
-        )
-        for i, worker_id in enumerate(DECODE_SIDES[side]):
-            mesh.add(f"b-{i}", "decode-worker", NITSUM_WORKER_ID=worker_id, NITSUM_DEVICE_INDEX=str(i), **b_env).start()
-        mesh.add("gateway", "gateway", NITSUM_GATEWAY_PORT=str(mesh.port), NITSUM_GATEWAY_HOST="127.0.0.1").start()
-        mesh.wait_workers(len(PREFILL_WORLD) + len(DECODE_SIDES[side]))
+        start_two_hosts(mesh, tmp, PREFILL_WORLD, DECODE_SIDES[side], side == "world")
         # the policy lays every 2-device node out as two TP1 prefill groups; both worlds are set by hand
         worlds = PREFILL_WORLD + (DECODE_SIDES[side] if side == "world" else ())
         _wait_groups(mesh, dict.fromkeys(worlds, ("prefill", 1)))
