@@ -90,9 +90,9 @@ def mesh(request, tmp_path_factory, tiny_model_dir):
         mesh.stop()
 
 
-def _counters(mesh: ManualMesh) -> dict[str, float]:
-    prefill = [f"a-{i}" for i in range(len(PREFILL_WORLD))]
-    decode = [f"b-{i}" for i in range(len(DECODE_SIDES[mesh.side]))]
+def pd_counters(mesh: ManualMesh, prefill, decode, receivers=None) -> dict[str, float]:
+    """The P/D hand-off counters of the services `prefill` (senders) and `decode`; TCP bytes received are read
+    from `receivers` (default: `decode`)."""
 
     def summed(services, name, **labels):
         return sum(total(mesh, s, name, **labels) for s in services)
@@ -109,11 +109,25 @@ def _counters(mesh: ManualMesh) -> dict[str, float]:
         "handed": summed(prefill, "nitsum_kv_transfers_total", purpose="pd", outcome="ok"),
         "failed": summed(decode, "nitsum_kv_transfers_total", purpose="pd", outcome="failed"),
         "sent": tcp_bytes(prefill, "sent"),
-        "received": tcp_bytes(decode, "received"),
+        "received": tcp_bytes(decode if receivers is None else receivers, "received"),
         "prefill_tokens": summed(prefill, "nitsum_generated_tokens_total"),
         "decode_tokens": summed(decode, "nitsum_generated_tokens_total"),
         "permits": total(mesh, "flow-scheduler", "nitsum_flow_permits_total", stage="3"),
     }
+
+
+def assert_handed_off(delta: dict[str, float], requests: int) -> None:
+    """`requests` requests each handed off once across hosts, every layer over TCP, byte for byte; the prefill
+    side computed each one's first token only, the decode side every later one."""
+    assert delta["handed"] == requests and delta["failed"] == 0, delta
+    assert delta["sent"] > 0 and delta["sent"] == delta["received"], delta
+    assert delta["prefill_tokens"] == requests and delta["decode_tokens"] == requests * (MAX_TOKENS - 1), delta
+    assert delta["permits"] >= 4 * requests, delta  # one flow per layer (tiny model: 4), each permitted
+
+
+def _counters(mesh: ManualMesh) -> dict[str, float]:
+    prefill = [f"a-{i}" for i in range(len(PREFILL_WORLD))]
+    return pd_counters(mesh, prefill, [f"b-{i}" for i in range(len(DECODE_SIDES[mesh.side]))])
 
 
 def test_a_node_world_prefill_group_hands_off_to_another_host_over_tcp(mesh, tiny_model_dir):
@@ -125,12 +139,7 @@ def test_a_node_world_prefill_group_hands_off_to_another_host_over_tcp(mesh, tin
         assert r.status == 200 and r.error is None, r
         assert r.token_ids == want  # every token once, in order, across the hand-off between hosts
     after = _counters(mesh)
-    delta = {k: after[k] - before[k] for k in after}
-    assert delta["handed"] == len(batch) and delta["failed"] == 0, delta
-    assert delta["sent"] > 0 and delta["sent"] == delta["received"], delta  # every layer over TCP, byte for byte
-    # host-a's groups computed each request's first token only, host-b every later one
-    assert delta["prefill_tokens"] == len(batch) and delta["decode_tokens"] == len(batch) * (MAX_TOKENS - 1), delta
-    assert delta["permits"] >= 4 * len(batch), delta  # one flow per layer (tiny model: 4), each permitted
+    assert_handed_off({k: after[k] - before[k] for k in after}, len(batch))
 
 
 def test_a_node_world_tp1_group_fetches_a_prefix_another_host_caches(mesh, tiny_model_dir):
