@@ -74,7 +74,7 @@ async def mesh_streams(
     the client sees, to set against the in-process engine's decode step measured in the same run."""
     endpoint = url.rstrip("/") + "/v1/completions"
     headers = {"x-request-tier": "interactive"}
-    out: dict[str, list[float]] = {"ttft_ms": [], "per_token_ms": []}
+    out: dict[str, list[float]] = {"ttft_ms": [], "per_token_ms": [], "max_gap_ms": []}
     async with aiohttp.ClientSession() as session:
         for n, prompt in enumerate(prompts):
             body = {
@@ -90,6 +90,7 @@ async def mesh_streams(
             if n >= warmup:
                 out["ttft_ms"].append((stamps[0] - t0) * 1000.0)
                 out["per_token_ms"].append((stamps[-1] - stamps[0]) * 1000.0 / (tokens - 1))
+                out["max_gap_ms"].append(max(b - a for a, b in zip(stamps, stamps[1:])) * 1000.0)
     return out
 
 
@@ -102,6 +103,9 @@ def mesh_tokens_result(tokens: int, step_ms: float, measured: dict) -> dict[str,
         "engine_step_ms": step_ms,
         "per_token_ms": per_token,
         "ttft_ms": _stats(measured["ttft_ms"]),
+        # the longest time between two tokens of a stream (a worker's run of decode steps, NITSUM_DECODE_TURN_MS,
+        # sends its tokens together: TPOT is the mean, this is the burst)
+        "max_gap_ms": _stats(measured.get("max_gap_ms", [])),
         "per_token_over_step": per_token["p50"] / step_ms if step_ms > 0 else None,
     }
 
@@ -112,6 +116,11 @@ def format_mesh_tokens(r: dict[str, Any]) -> str:
         f"per-token through the mesh: {r['streams']} streams of {r['tokens']} tokens, one at a time: TPOT p50 "
         f"{p['p50']:.3f} ms, p90 {p['p90']:.3f} ms, against the in-process engine's decode step "
         f"{r['engine_step_ms']:.3f} ms (same run): {r['per_token_over_step']:.2f}x; TTFT p50 {r['ttft_ms']['p50']:.2f} ms"
+        + (
+            f"; longest gap between two tokens p50 {g['p50']:.2f} ms"
+            if (g := r.get("max_gap_ms") or {}).get("p50")
+            else ""
+        )
     )
 
 

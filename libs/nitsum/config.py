@@ -199,6 +199,12 @@ class WorkerConfig(CommonConfig):
         "NITSUM_MAX_NUM_BATCHED_TOKENS", 512, "token budget of one step", check=positive
     )
     torch_threads: int = setting("NITSUM_TORCH_THREADS", 1, "torch intra-op threads", check=positive)
+    decode_turn_ms: float = setting(
+        "NITSUM_DECODE_TURN_MS",
+        10.0,
+        "longest run of decode-only steps back to back before their tokens are published (0: publish every step)",
+        check=non_negative,
+    )
     heartbeat_interval_ms: int = setting("NITSUM_HEARTBEAT_INTERVAL_MS", 500, "WorkerStats period", check=positive)
     max_tp: int = setting("NITSUM_MAX_TP", 4, "largest TP level of a group", check=power_of_two)
     enable_reload_free_weights: bool = setting(

@@ -44,7 +44,9 @@ class WorkerSession:
     # (client gone, request moved elsewhere) end it silently.
     TOLD_REASONS = ("shed", "admin")
 
-    def __init__(self, backend, bus: Bus, worker_id: str, metrics: Metrics, tracer: trace.Tracer) -> None:
+    def __init__(
+        self, backend, bus: Bus, worker_id: str, metrics: Metrics, tracer: trace.Tracer, decode_turn_ms: float = 0.0
+    ) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.metrics = metrics
@@ -59,7 +61,7 @@ class WorkerSession:
         # set once ENDED_REPORT_AT of them wait: the heartbeat then goes out early (WorkerService.heartbeat)
         self.many_ended = asyncio.Event()
         self._stats = backend.stats()
-        self.step_thread = StepThread(backend, self.inbox, self.holds)
+        self.step_thread = StepThread(backend, self.inbox, self.holds, decode_turn_ms)
         self.backend = backend
         self.on_topology_change = None  # async callback after a commit changed this worker's group
         self.on_handoff = None  # P/D: callback(Running) once a prefill finished; it owns the request then
@@ -279,7 +281,8 @@ class WorkerSession:
                 log.exception("engine step failed")
                 await self.fail_all("engine_error", f"{type(exc).__name__}: {exc}")
                 continue
-            step_ms = (time.perf_counter() - t0) * 1000.0
+            # per engine step (a turn may run several decode steps back to back: NITSUM_DECODE_TURN_MS)
+            step_ms = (time.perf_counter() - t0) * 1000.0 / max(1, self.step_thread.last_turn_steps)
             if outputs:
                 self.step_ms_ewma = step_ms if self.step_ms_ewma == 0 else 0.9 * self.step_ms_ewma + 0.1 * step_ms
                 self.holds.recent_step_ms.append(step_ms)

@@ -89,7 +89,7 @@ class StepInbox:
 
 
 class StepThread:
-    def __init__(self, backend, inbox: StepInbox, holds: StepHolds) -> None:
+    def __init__(self, backend, inbox: StepInbox, holds: StepHolds, decode_turn_ms: float = 0.0) -> None:
         self.backend = backend
         self.inbox = inbox
         self.holds = holds
@@ -99,6 +99,10 @@ class StepThread:
         self.limits_at_commit: dict[str, tuple[int, int, float]] = {}
         self.hold_for_commit = False  # the last turn sent a prepare's final ack: wait a little for the commit
         self.turn_taken = 0  # StepInbox.taken_count when the last leader turn took the inbox
+        # Decode-only steps run back to back for up to this long in one turn (NITSUM_DECODE_TURN_MS; 0: one
+        # step a turn), so that the event loop's hand-off and publishing are paid once per run of steps.
+        self.decode_turn_ms = decode_turn_ms
+        self.last_turn_steps = 0  # engine steps the last leader turn ran
 
     def turn(self):
         """One turn of the step thread: (outputs, rejected, stats, control results, followed plan kind, call results)."""
@@ -134,6 +138,7 @@ class StepThread:
         rejected: list[tuple[str, str]] = []
         acks = []
         calls: list[tuple[asyncio.Future, object, BaseException | None]] = []
+        self.last_turn_steps = 0
         items = self.inbox.take()
         self.turn_taken = self.inbox.taken_count  # this turn's outputs are for what the inbox held up to here
         for op, payload in items:
@@ -182,7 +187,37 @@ class StepThread:
             # than after the next step -- a merge's commit otherwise waits for the slowest old leader's step.
             self.hold_for_commit = True
             return [], rejected, backend.stats(), acks, "step", calls
-        outputs = backend.step() if backend.is_leader and backend.has_unfinished() else []
+        outputs = self._decode_steps(backend) if backend.is_leader and backend.has_unfinished() else []
         if not outputs and backend.is_leader and not backend.has_unfinished():
             backend.idle_tick()
         return outputs, rejected, backend.stats(), acks, "step", calls
+
+    def _decode_steps(self, backend) -> list:
+        """The turn's step, then more steps back to back while each one only decodes, and while the turn stays
+        within `decode_turn_ms` at the mean step so far. The run ends before the budget, at a step that ran
+        prompt tokens (first tokens go out at once), one where a request finished (its hand-off or its end
+        goes out at once), or as soon as the event loop put anything in the inbox (a new request, an abort, a
+        call or a command waits at most one step) or a transition's pre-copy is active (it runs between every
+        two steps)."""
+        started = time.perf_counter()
+        engine = backend.engine
+        prefilled = engine.num_prefill_tokens_computed if engine is not None else 0
+        outputs = list(backend.step())
+        self.last_turn_steps = 1
+        budget_s = self.decode_turn_ms / 1000.0
+        while budget_s > 0 and outputs:
+            elapsed = time.perf_counter() - started
+            if elapsed * (self.last_turn_steps + 1) / self.last_turn_steps > budget_s:
+                break
+            if len(self.inbox) or backend.precopy_active or not backend.is_leader or not backend.has_unfinished():
+                break
+            if engine is None or backend.engine is not engine or engine.num_prefill_tokens_computed != prefilled:
+                break
+            if any(o.finished for o in outputs):
+                break
+            more = backend.step()
+            self.last_turn_steps += 1
+            if not more:
+                break
+            outputs.extend(more)
+        return outputs

@@ -169,7 +169,9 @@ def test_bench_gateway_streams_count_every_token_through_the_mesh(live_mesh):
     from nitsum_load import bench_gateway as bg
 
     measured = asyncio.run(bft.mesh_streams(live_mesh, "tiny", bg.prompts(3, 16), 24, 1, 60.0))
-    assert {k: len(v) for k, v in measured.items()} == {"ttft_ms": 2, "per_token_ms": 2}
+    assert {k: len(v) for k, v in measured.items()} == {"ttft_ms": 2, "per_token_ms": 2, "max_gap_ms": 2}
     assert all(x > 0 for x in measured["ttft_ms"] + measured["per_token_ms"])
+    # a stream's longest gap between two tokens is at least its mean one
+    assert all(g >= t for g, t in zip(measured["max_gap_ms"], measured["per_token_ms"], strict=True))
     result = bft.mesh_tokens_result(24, 0.5, measured)
     assert result["per_token_over_step"] == result["per_token_ms"]["p50"] / 0.5

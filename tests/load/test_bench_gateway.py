@@ -35,8 +35,9 @@ def test_usage_errors(capsys):
 def test_mesh_tokens_result_sets_the_tpot_against_the_same_runs_step():
     from nitsum_load import bench_floor_tokens as bft
 
-    measured = {"ttft_ms": [4.0, 6.0, 5.0], "per_token_ms": [1.0, 1.2, 1.1]}
+    measured = {"ttft_ms": [4.0, 6.0, 5.0], "per_token_ms": [1.0, 1.2, 1.1], "max_gap_ms": [3.0, 9.0, 5.0]}
     r = bft.mesh_tokens_result(64, 0.5, measured)
+    assert r["max_gap_ms"]["p50"] == 5.0 and "longest gap between two tokens p50 5.00 ms" in bft.format_mesh_tokens(r)
     assert r["streams"] == 3 and r["tokens"] == 64 and r["engine_step_ms"] == 0.5
     assert r["per_token_ms"]["p50"] == pytest.approx(1.1) and r["per_token_over_step"] == pytest.approx(2.2)
     assert r["ttft_ms"]["p50"] == 5.0

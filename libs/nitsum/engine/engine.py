@@ -143,6 +143,11 @@ class Engine(RequestMoves):
         """A new group's engine carries on the step ids of the groups it replaces."""
         self._step_id = step_id
 
+    @property
+    def num_prefill_tokens_computed(self) -> int:
+        """Prompt (and recomputed) tokens run through the model so far (cumulative)."""
+        return self._num_prefill_tokens_computed
+
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that got a new token (or finished)."""

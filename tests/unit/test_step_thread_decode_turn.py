@@ -1,0 +1,137 @@
+"""A leader's turn of the step thread runs decode-only steps back to back (NITSUM_DECODE_TURN_MS): the tiny
+model's real engine behind the worker's PlainBackend, turned as the session turns it. The run of steps ends at
+a step that ran prompt tokens, at a finished request, at anything the event loop put in the inbox, and before
+the budget; the tokens are the engine's own, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from nitsum.engine import Engine, EngineConfig, SamplingParams
+from nitsum.wire.messages import SamplingSpec, SubmitRequest
+from nitsum_services.worker.backend import PlainBackend
+from nitsum_services.worker.holds import StepHolds
+from nitsum_services.worker.step_thread import StepInbox, StepThread
+
+UNBOUNDED_MS = 1e9  # a budget no run of steps reaches: only the other ends apply
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    torch.set_num_threads(1)
+    return Engine(EngineConfig(model_dir=str(tiny_model_dir), block_size=16, num_kv_blocks=64))
+
+
+def _thread(backend, budget_ms: float) -> StepThread:
+    return StepThread(backend, StepInbox(asyncio.Event()), StepHolds(), budget_ms)
+
+
+def _add(thread: StepThread, request_id: str, prompt: list[int], max_tokens: int) -> None:
+    spec = SamplingSpec(max_tokens=max_tokens, ignore_eos=True)
+    thread.inbox.put(("add", SubmitRequest(request_id, tuple(prompt), spec, "interactive", 1e3, 1e2, 1.0, 0.0, "s")))
+
+
+def _reference(engine_dir, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    ref = Engine(EngineConfig(model_dir=engine_dir, block_size=16, num_kv_blocks=64))
+    return [
+        ref.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+        for p, n in zip(prompts, max_tokens, strict=True)
+    ]
+
+
+def _tokens(outputs, request_id: str) -> list[int]:
+    return [t for o in outputs if o.request_id == request_id for t in o.new_token_ids]
+
+
+def test_the_first_token_goes_out_alone_then_the_decodes_run_back_to_back_until_the_request_ends(engine):
+    thread = _thread(PlainBackend(engine, 0), UNBOUNDED_MS)
+    prompt = [5 + i for i in range(20)]
+    _add(thread, "a", prompt, 8)
+    first = thread.turn()[0]
+    assert thread.last_turn_steps == 1 and _tokens(first, "a") and not first[-1].finished  # prefill: one step
+    rest = thread.turn()[0]
+    assert thread.last_turn_steps == 7 and [o.finished for o in rest] == [False] * 6 + [True]
+    assert _tokens(first, "a") + _tokens(rest, "a") == _reference(engine.cfg.model_dir, [prompt], [8])[0]
+
+
+def test_without_a_budget_every_turn_runs_one_step(engine):
+    thread = _thread(PlainBackend(engine, 0), 0.0)
+    _add(thread, "a", [5 + i for i in range(20)], 6)
+    steps = []
+    while not steps or engine.has_unfinished():
+        thread.turn()
+        steps.append(thread.last_turn_steps)
+    assert steps == [1] * 6
+
+
+def test_the_run_ends_at_the_step_where_a_request_finishes_and_at_a_new_prefill(engine):
+    thread = _thread(PlainBackend(engine, 0), UNBOUNDED_MS)
+    prompts = [[5 + i for i in range(20)], [40 + i for i in range(12)]]
+    _add(thread, "short", prompts[0], 3)
+    _add(thread, "long", prompts[1], 9)
+    outputs = thread.turn()[0]  # both prefills in one step
+    assert thread.last_turn_steps == 1
+    outputs += thread.turn()[0]
+    assert thread.last_turn_steps == 2 and [(o.request_id, o.finished) for o in outputs[-2:] if o.finished] == [
+        ("short", True)
+    ]
+    _add(thread, "late", [90 + i for i in range(16)], 2)  # its prefill step ends the next run at once
+    outputs += thread.turn()[0]
+    assert thread.last_turn_steps == 1 and "late" in {o.request_id for o in outputs[-2:]}
+    while engine.has_unfinished():
+        outputs += thread.turn()[0]
+    want = _reference(engine.cfg.model_dir, prompts + [[90 + i for i in range(16)]], [3, 9, 2])
+    assert [_tokens(outputs, r) for r in ("short", "long", "late")] == want
+
+
+class InboxOnStep(PlainBackend):
+    """Puts an abort of an unknown request into the inbox during its `at`-th step (the event loop acting while
+    a run of steps goes on)."""
+
+    def __init__(self, engine, at: int) -> None:
+        super().__init__(engine, 0)
+        self.at, self.steps, self.inbox = at, 0, None
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.at:
+            self.inbox.put(("abort", "nobody"))
+        return super().step()
+
+
+def test_anything_the_event_loop_puts_in_the_inbox_ends_the_run_after_the_step_under_way(engine):
+    backend = InboxOnStep(engine, at=3)
+    thread = _thread(backend, UNBOUNDED_MS)
+    backend.inbox = thread.inbox
+    _add(thread, "a", [5 + i for i in range(20)], 12)
+    thread.turn()  # step 1: the prefill
+    thread.turn()
+    assert thread.last_turn_steps == 2 and len(thread.inbox) == 1  # steps 2 and 3; the abort waits for the turn
+    thread.turn()
+    assert len(thread.inbox) == 0 and thread.last_turn_steps == 12 - 3
+
+
+class SlowSteps(PlainBackend):
+    def __init__(self, engine, step_s: float) -> None:
+        super().__init__(engine, 0)
+        self.step_s = step_s
+
+    def step(self):
+        time.sleep(self.step_s)
+        return super().step()
+
+
+def test_a_run_never_passes_its_budget_at_the_mean_step_so_far(engine):
+    # steps of at least 20 ms against a 50 ms budget: after two (>= 40 ms) a third would pass it
+    thread = _thread(SlowSteps(engine, 0.02), 50.0)
+    _add(thread, "a", [5 + i for i in range(20)], 10)
+    thread.turn()
+    runs = []
+    while engine.has_unfinished():
+        thread.turn()
+        runs.append(thread.last_turn_steps)
+    assert sum(runs) == 9 and all(1 <= n <= 2 for n in runs), runs
