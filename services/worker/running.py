@@ -36,22 +36,25 @@ class Running:
         if self.next_index > 0 and self.first_token_s is None:
             self.first_token_s = time.monotonic()
 
-    def output_chunk(self, out, worker_id: str, finished: bool) -> TokenChunk:
-        """The frame of one step's output for this request, from `next_index` on (the caller advances it)."""
+    def output_chunk(self, outs, worker_id: str, finished: bool) -> TokenChunk:
+        """The frame of this request's outputs of one turn (one per engine step, in order: a run of decode steps
+        gives several), from `next_index` on (the caller advances it)."""
+        last = outs[-1]
+        logprobs = outs[0].logprob is not None
         return TokenChunk(
-            request_id=out.request_id,
+            request_id=last.request_id,
             worker_id=worker_id,
             index=self.next_index,
-            token_ids=tuple(out.new_token_ids),
-            text=out.text_delta,
+            token_ids=tuple(t for o in outs for t in o.new_token_ids),
+            text="".join(o.text_delta for o in outs),
             finished=finished,
-            finish_reason=(out.finish_reason or "") if finished else "",
+            finish_reason=(last.finish_reason or "") if finished else "",
             num_prompt_tokens=self.prompt_len,
-            num_cached_prompt_tokens=out.num_cached_prompt_tokens,
-            logprobs=(out.logprob,) if out.logprob is not None else (),
-            top_k=len(out.top_logprobs),
-            top_logprob_ids=tuple(t for t, _ in out.top_logprobs),
-            top_logprob_values=tuple(v for _, v in out.top_logprobs),
+            num_cached_prompt_tokens=last.num_cached_prompt_tokens,
+            logprobs=tuple(o.logprob for o in outs) if logprobs else (),
+            top_k=len(last.top_logprobs),
+            top_logprob_ids=tuple(t for o in outs for t, _ in o.top_logprobs),
+            top_logprob_values=tuple(v for o in outs for _, v in o.top_logprobs),
             attempt=self.attempt,
         )
 

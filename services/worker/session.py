@@ -304,8 +304,11 @@ class WorkerSession:
                 await self.holds.await_command(self.inbox, self._wake)
             for request_id, reason in rejected:
                 await self._finish_error(request_id, "invalid_request", reason)
+            by_request: dict[str, list] = {}  # a request's outputs of this turn, in step order: one chunk
             for out in outputs:
-                await self._publish(out)
+                by_request.setdefault(out.request_id, []).append(out)
+            for outs in by_request.values():
+                await self._publish(outs)
             if not self.backend.is_leader:
                 self.inbox.refuse_controls("not a group leader any more")
         await self.publisher.flush()
@@ -346,13 +349,15 @@ class WorkerSession:
         if self.on_topology_change is not None:
             await self.on_topology_change()
 
-    async def _publish(self, out) -> None:
+    async def _publish(self, outs: list) -> None:
+        """One request's outputs of a turn (one per step it ran, in order; only the last can be finished)."""
+        out = outs[-1]
         state = self.running.get(out.request_id)
         if state is None or state.since >= self.step_thread.turn_taken:
             # aborted while the step ran, or re-submitted under the same id meanwhile: the engine stepped the
             # earlier incarnation (its abort and the new add wait in the inbox), whose token is not this stream's
             return
-        tokens = tuple(out.new_token_ids)
+        tokens = tuple(t for o in outs for t in o.new_token_ids)
         # P/D: a prefill worker's run ends at the first token; unless the request itself is done then
         # (a stop token, or max_tokens reached), it continues on the decode worker.
         handoff = bool(
@@ -362,7 +367,7 @@ class WorkerSession:
             and state.next_index + len(tokens) < state.max_tokens
         )
         finished = out.finished and not handoff
-        chunk = state.output_chunk(out, self.worker_id, finished)
+        chunk = state.output_chunk(outs, self.worker_id, finished)
         state.next_index += len(tokens)
         if tokens and state.first_token_s is None:
             state.first_token_s = time.monotonic()

@@ -135,3 +135,53 @@ def test_a_run_never_passes_its_budget_at_the_mean_step_so_far(engine):
         thread.turn()
         runs.append(thread.last_turn_steps)
     assert sum(runs) == 9 and all(1 <= n <= 2 for n in runs), runs
+
+
+def _session_chunks(engine, budget_ms: float, requests: list[tuple[str, list[int], int]]) -> list:
+    """The chunks a WorkerSession over `engine` publishes for `requests` (id, prompt, max_tokens; logprobs with 2
+    alternatives, stop strings off), run to their ends with `budget_ms` per turn."""
+    from types import SimpleNamespace
+
+    from nitsum.wire.messages import RunRequest
+    from nitsum_services.worker.session import WorkerSession
+    from tests.unit.test_session_stale_outputs import Anything
+
+    bus = SimpleNamespace(subjects=SimpleNamespace(frames_gateway=lambda _s: "", stream=lambda r, w: f"s.{w}.{r}"))
+    session = WorkerSession(PlainBackend(engine, 0), bus, "w1", Anything(), Anything(), budget_ms)
+    sent = []
+    session.publisher = SimpleNamespace(send=lambda _subject, chunk: sent.append(chunk), flush=lambda: asyncio.sleep(0))
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        for request_id, prompt, max_tokens in requests:
+            spec = SamplingSpec(max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+            req = SubmitRequest(request_id, tuple(prompt), spec, "interactive", 1e3, 1e2, 1.0, 0.0, "s")
+            session.submit(RunRequest(req))
+        task = asyncio.create_task(session.run(stop))
+        for _ in range(1000):
+            if sum(c.finished for c in sent) == len(requests):
+                break
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 10.0)
+
+    asyncio.run(scenario())
+    return sent
+
+
+def test_a_run_of_steps_goes_out_as_one_chunk_per_request_equal_to_its_steps_chunks(engine, tiny_model_dir):
+    requests = [("a", [5 + i for i in range(20)], 9), ("b", [60 + i for i in range(7)], 5)]
+    merged = _session_chunks(engine, UNBOUNDED_MS, requests)
+    fresh = Engine(EngineConfig(model_dir=str(tiny_model_dir), block_size=16, num_kv_blocks=64))
+    single = _session_chunks(fresh, 0.0, requests)
+    assert all(len(c.token_ids) == 1 for c in single)  # one step a turn: a chunk per token
+    for request_id, _prompt, max_tokens in requests:
+        mine = [c for c in merged if c.request_id == request_id]
+        theirs = [c for c in single if c.request_id == request_id]
+        assert len(mine) < len(theirs) == max_tokens  # runs of steps: fewer chunks, the same stream
+        assert [c.index for c in mine] == [0] + [sum(len(m.token_ids) for m in mine[:i]) for i in range(1, len(mine))]
+        for field in ("token_ids", "logprobs", "top_logprob_ids", "top_logprob_values"):
+            assert sum((getattr(c, field) for c in mine), ()) == sum((getattr(c, field) for c in theirs), ()), field
+        assert "".join(c.text for c in mine) == "".join(c.text for c in theirs)
+        assert mine[-1].finished and mine[-1].finish_reason == theirs[-1].finish_reason == "length"
+        assert not any(c.finished for c in mine[:-1]) and {c.top_k for c in mine} == {2}
