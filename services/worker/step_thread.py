@@ -103,6 +103,7 @@ class StepThread:
         # step a turn), so that the event loop's hand-off and publishing are paid once per run of steps.
         self.decode_turn_ms = decode_turn_ms
         self.last_turn_steps = 0  # engine steps the last leader turn ran
+        self._failed_step: Exception | None = None  # a step of a run failed after others: raised by the next turn
 
     def turn(self):
         """One turn of the step thread: (outputs, rejected, stats, control results, followed plan kind, call results)."""
@@ -139,6 +140,9 @@ class StepThread:
         acks = []
         calls: list[tuple[asyncio.Future, object, BaseException | None]] = []
         self.last_turn_steps = 0
+        if self._failed_step is not None:
+            exc, self._failed_step = self._failed_step, None
+            raise exc
         items = self.inbox.take()
         self.turn_taken = self.inbox.taken_count  # this turn's outputs are for what the inbox held up to here
         for op, payload in items:
@@ -215,7 +219,11 @@ class StepThread:
                 break
             if any(o.finished for o in outputs):
                 break
-            more = backend.step()
+            try:
+                more = backend.step()
+            except Exception as exc:  # the steps before it went well: their tokens go out, the failure next turn
+                self._failed_step = exc
+                break
             self.last_turn_steps += 1
             if not more:
                 break

@@ -185,3 +185,29 @@ def test_a_run_of_steps_goes_out_as_one_chunk_per_request_equal_to_its_steps_chu
         assert "".join(c.text for c in mine) == "".join(c.text for c in theirs)
         assert mine[-1].finished and mine[-1].finish_reason == theirs[-1].finish_reason == "length"
         assert not any(c.finished for c in mine[:-1]) and {c.top_k for c in mine} == {2}
+
+
+class FailsAt(PlainBackend):
+    def __init__(self, engine, at: int) -> None:
+        super().__init__(engine, 0)
+        self.at, self.steps = at, 0
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.at:
+            raise RuntimeError("device lost")
+        return super().step()
+
+
+def test_a_step_that_fails_inside_a_run_lets_the_runs_earlier_tokens_out_and_fails_the_next_turn(engine):
+    thread = _thread(FailsAt(engine, at=4), UNBOUNDED_MS)
+    prompt = [5 + i for i in range(20)]
+    _add(thread, "a", prompt, 8)
+    first = thread.turn()[0]
+    rest = thread.turn()[0]  # steps 2 and 3 went well, step 4 raised
+    assert thread.last_turn_steps == 2
+    assert _tokens(first, "a") + _tokens(rest, "a") == _reference(engine.cfg.model_dir, [prompt], [8])[0][:3]
+    with pytest.raises(RuntimeError, match="device lost"):
+        thread.turn()  # the session fails the requests in flight, as for a failed first step
+    thread.turn()  # once: the next turn steps again
+    assert thread.last_turn_steps >= 1
