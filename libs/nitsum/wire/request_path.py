@@ -136,8 +136,9 @@ class TokenChunk:
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Worker → one gateway on `Subjects.gateway_frames`: the chunks of one engine step (or of the steps its
-    publisher fell behind by) for every request that gateway serves, in the order they were produced. Each
+    """Worker → one gateway on `Subjects.gateway_frames`: the chunks of one turn of the step thread (one engine
+    step or a run of decode steps, one chunk per request; or of the turns its publisher fell behind by) for every
+    request that gateway serves, in the order they were produced. Each
     chunk keeps its own request id, index, attempt, usage and error fields, exactly as a TokenChunk alone."""
 
     KIND: ClassVar[str] = "token_batch"
