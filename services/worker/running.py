@@ -71,3 +71,11 @@ class Running:
             error_message=message,
             attempt=self.attempt,
         )
+
+
+def outputs_by_request(outputs) -> list[list]:
+    """A turn's engine outputs (step after step) as one list per request, each in step order: one chunk each."""
+    grouped: dict[str, list] = {}
+    for out in outputs:
+        grouped.setdefault(out.request_id, []).append(out)
+    return list(grouped.values())

@@ -29,7 +29,7 @@ from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import RunRequest, SubmitRequest
 from nitsum_services.worker.holds import StepHolds
 from nitsum_services.worker.publisher import FramePublisher
-from nitsum_services.worker.running import Running
+from nitsum_services.worker.running import Running, outputs_by_request
 from nitsum_services.worker.step_thread import StepInbox, StepThread
 
 log = logging.getLogger("nitsum.worker")
@@ -304,10 +304,7 @@ class WorkerSession:
                 await self.holds.await_command(self.inbox, self._wake)
             for request_id, reason in rejected:
                 await self._finish_error(request_id, "invalid_request", reason)
-            by_request: dict[str, list] = {}  # a request's outputs of this turn, in step order: one chunk
-            for out in outputs:
-                by_request.setdefault(out.request_id, []).append(out)
-            for outs in by_request.values():
+            for outs in outputs_by_request(outputs):
                 await self._publish(outs)
             if not self.backend.is_leader:
                 self.inbox.refuse_controls("not a group leader any more")

@@ -206,10 +206,10 @@ class StepThread:
         started = time.perf_counter()
         engine = backend.engine
         prefilled = engine.num_prefill_tokens_computed if engine is not None else 0
-        outputs = list(backend.step())
+        outputs = last = list(backend.step())
         self.last_turn_steps = 1
         budget_s = self.decode_turn_ms / 1000.0
-        while budget_s > 0 and outputs:
+        while budget_s > 0 and last:
             elapsed = time.perf_counter() - started
             if elapsed * (self.last_turn_steps + 1) / self.last_turn_steps > budget_s:
                 break
@@ -217,15 +217,13 @@ class StepThread:
                 break
             if engine is None or backend.engine is not engine or engine.num_prefill_tokens_computed != prefilled:
                 break
-            if any(o.finished for o in outputs):
+            if any(o.finished for o in last):
                 break
             try:
-                more = backend.step()
+                last = backend.step()
             except Exception as exc:  # the steps before it went well: their tokens go out, the failure next turn
                 self._failed_step = exc
                 break
             self.last_turn_steps += 1
-            if not more:
-                break
-            outputs.extend(more)
+            outputs.extend(last)
         return outputs
