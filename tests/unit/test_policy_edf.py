@@ -128,6 +128,30 @@ def test_boot_layout_is_chosen_on_the_first_snapshot_with_measured_arrivals():
     assert d1.target is None and "settles" in d1.reason
 
 
+def test_a_change_made_before_a_rising_shift_is_revised_once_the_window_holds_the_new_load():
+    # Rule 25: the node last changed (to TP8) at 1 s, for the load before the shift at 20 s. Once the shift is
+    # 5 s old, it may change inside the 10 s settle time, once; not sooner, and not where the stream has stopped
+    # (no stream left for a new layout to match).
+    pol = AdaptivePolicy(PolicyConfig(model=model_spec("llama-3-8b")))
+    tp8 = NodeView("n0", 8, 1, 8, node("[0-7 TP8 hybrid]").groups, "h100", 1000.0)
+    bg = ArrivalStats("background", 40.0, 10_000.0, 100.0, 1.0, (1000,) * 4, 100.0)
+    reqs = tuple(RequestView(f"b{i}", "background", 10_000.0, 100.0, 1.0, 24_900.0, 1000, 100) for i in range(20))
+
+    def decide(now_ms, top=tp8, stopped=False):
+        snap = ClusterSnapshot(now_ms, (top,), reqs, arrivals=(bg,), load_shift_ms=20_000.0, load_shift_stopped=stopped)
+        return pol.decide_topology(snap)[0]
+
+    assert decide(22_000.0).target is None  # 2 s after the shift
+    revised = decide(25_000.0)
+    assert revised.target is not None and len(revised.target.groups) > 1, revised.reason
+    held = decide(25_000.0, stopped=True)
+    assert held.target is None and "settles" in held.reason
+    # After the revision the one-change-per-shift rule holds.
+    moved = NodeView("n0", 8, 1, 8, node(str(revised.target)).groups, "h100", 25_000.0)
+    again = decide(31_000.0, top=moved)  # past the settle time too
+    assert again.target is None and "changed already" in again.reason
+
+
 def test_a_surge_prefers_the_direction_in_which_its_prompts_prefill_sooner():
     from nitsum.sim.cluster import ClusterConfig
 

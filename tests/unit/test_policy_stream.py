@@ -122,7 +122,7 @@ def test_arrival_window_detects_a_shift_of_the_stream_and_not_poisson_noise():
         rng, times, t0 = random.Random(seed), [], 0.0
         for rate in rates_per_s:  # Poisson arrivals, each phase at its rate
             t = t0
-            while (t := t + rng.expovariate(rate / 1000.0)) < t0 + seconds_each * 1000.0:
+            while rate > 0 and (t := t + rng.expovariate(rate / 1000.0)) < t0 + seconds_each * 1000.0:
                 times.append(t)
             t0 += seconds_each * 1000.0
         w, out, i = ArrivalWindow(5000.0, started_ms=0.0, detect_shifts=True), [], 0
@@ -131,20 +131,25 @@ def test_arrival_window_detects_a_shift_of_the_stream_and_not_poisson_noise():
                 w.add(times[i], "interactive", 200.0, 25.0, 10.0, 100, 10)
                 i += 1
             w.stats(float(now))
-            if w.shift_ms not in out:
-                out.append(w.shift_ms)
+            if w.shift_ms not in [s for s, _ in out]:
+                out.append((w.shift_ms, w.shift_stopped))
         return out
 
     for seed in range(3):
-        assert shifts([8.0, 8.0, 8.0], 60.0, seed) == [0.0]  # the start only: a steady stream does not shift
+        assert shifts([8.0, 8.0, 8.0], 60.0, seed) == [(0.0, False)]  # the start only: a steady stream does not shift
         found = shifts([8.0, 1.0, 8.0], 60.0, seed)
-        assert found[0] == 0.0 and len(found) == 3
-        assert 55_000 <= found[1] <= 65_000 and 115_000 <= found[2] <= 125_000
+        assert [s for s, _ in found][:1] == [0.0] and len(found) == 3
+        assert 55_000 <= found[1][0] <= 65_000 and 115_000 <= found[2][0] <= 125_000
+        assert found[2][1] is False  # a rise (a fall to 1/s may look like a stop until its next arrival)
+        # The end of the stream is a shift at which it has stopped.
+        for rate in (8.0, 20.0):  # (at 2/s the end is within 3 sigma of a 5 s window: no shift at all)
+            ended = shifts([rate, 0.0], 60.0, seed)
+            assert len(ended) == 2 and 55_000 <= ended[1][0] <= 65_000 and ended[1][1] is True, (rate, ended)
     # Without detect_shifts (the coordinator today) nothing is tracked.
     w = ArrivalWindow(5000.0)
     w.add(0.0, "interactive", 200.0, 25.0, 10.0, 100, 10)
     w.stats(1000.0)
-    assert w.shift_ms is None
+    assert w.shift_ms is None and w.shift_stopped is None
 
 
 def test_the_estimate_names_the_part_of_its_score_the_stream_brings():

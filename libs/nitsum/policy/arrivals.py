@@ -76,6 +76,7 @@ class ArrivalWindow:
     # SHIFT_Z Poisson standard deviations AND by more than SHIFT_FRACTION of it.
     SHIFT_Z = 3.0
     SHIFT_FRACTION = 0.3
+    STOP_GAPS = 5.0
 
     def __init__(
         self,
@@ -99,6 +100,11 @@ class ArrivalWindow:
         # stay off.
         self.detect_shifts = detect_shifts
         self.shift_ms: float | None = started_ms if detect_shifts else None
+        # Whether the stream has stopped since the last shift, as of the last `stats`: nothing has arrived for
+        # STOP_GAPS mean gaps of the regime that shift ended (for a stream still at that rate P = e^-5 < 1 %;
+        # one that fell far may look stopped until its next arrival). None: shifts are not tracked.
+        self.shift_stopped: bool | None = False if detect_shifts else None
+        self._ended_rate = 0.0  # arrivals per ms, all tiers, of the regime the last shift ended
         self._since_ms = started_ms  # start of the current regime (None: first stats call)
         self._since_counts: dict[str, int] = {}  # arrivals per tier since the regime began
 
@@ -134,6 +140,7 @@ class ArrivalWindow:
             got = counts.get(tier, 0)
             if abs(got - expected) > max(self.SHIFT_Z * math.sqrt(expected + 1.0), self.SHIFT_FRACTION * expected):
                 # The new regime's rate is measured from here on (the window still mixes in the old one).
+                self._ended_rate = sum(self._since_counts.values()) / age
                 self.shift_ms = now_ms - span
                 self._since_ms = now_ms
                 self._since_counts = {}
@@ -160,6 +167,9 @@ class ArrivalWindow:
         for event in self._events:
             by_tier.setdefault(event[1], []).append(event)
         self._detect_shift(now_ms, span, {t: len(e) for t, e in by_tier.items()})
+        if self.detect_shifts:
+            last = self._events[-1][0] if self._events else -math.inf
+            self.shift_stopped = (now_ms - last) * self._ended_rate >= self.STOP_GAPS
         if self.regime_ms > 0 and self.detect_shifts:
             while self._long and now_ms - self._long[0][0] > self.regime_ms:
                 self._long.popleft()

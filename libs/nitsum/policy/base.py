@@ -42,6 +42,10 @@ class PolicyConfig:
     # With measured arrivals: no change until this long after the arrival stream last shifted (or measuring
     # began): the sliding window (5 s in the simulator and the coordinator) must hold the new load only.
     shift_settle_ms: float = 10_000.0
+    # A change made before a detected shift of the stream was chosen for the old load: once the window (5 s in
+    # both callers) has had this long past the shift, the node may revise it inside the settle time, once, and
+    # that revision is the change this load allows (rule 25; not the boot choice, not once the stream stopped).
+    shift_revise_ms: float = 5000.0
     max_steps: int = 2  # candidates: at most this many merge/split steps from the current topology
     interactive_backlog_threshold: int = 1  # fast path: queued latency-sensitive requests to call it a surge
 

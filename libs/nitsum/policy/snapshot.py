@@ -139,6 +139,8 @@ class ClusterSnapshot:
     # not measured, or no shift since measuring began. The adaptive policy prices a change against the
     # phase it expects to remain, and allows one change per shift (topology.py).
     load_shift_ms: float | None = None
+    # Whether the stream had stopped when that shift was detected (ArrivalWindow.shift_stopped).
+    load_shift_stopped: bool = False
 
     # Indexes below are built on first use (cached_property writes the instance __dict__ directly, which a
     # frozen dataclass allows); they are derived data, not fields, so equality and hashing ignore them.
@@ -244,11 +246,19 @@ def assemble_snapshot(
         groups = tuple(sorted(n.groups, key=lambda g: g.start))
         ordered.append(n if groups == n.groups else replace(n, groups=groups))
     shift = load_shift_ms
+    stopped = False
     if isinstance(arrivals, ArrivalWindow):
         stats = arrivals.stats(now_ms)
         shift = arrivals.shift_ms
+        stopped = bool(arrivals.shift_stopped)
     else:
         stats = tuple(arrivals or ())
     return ClusterSnapshot(
-        now_ms=now_ms, nodes=tuple(ordered), requests=tuple(requests), epoch=epoch, arrivals=stats, load_shift_ms=shift
+        now_ms=now_ms,
+        nodes=tuple(ordered),
+        requests=tuple(requests),
+        epoch=epoch,
+        arrivals=stats,
+        load_shift_ms=shift,
+        load_shift_stopped=stopped,
     )

@@ -271,7 +271,23 @@ class AdaptivePolicy(BasePolicy):
         # as the change this load allows.
         # (Where arrivals are measured, a first snapshot before any has been counted is no basis to choose from.)
         boot = node.last_reconfig_ms is None and (bool(snap.arrivals) or snap.load_shift_ms is None)
-        if snap.load_shift_ms is not None and not boot:
+        # Rule 25: the node's last change came before the load shifted (chosen for the old load, or from a window
+        # that mixed the two): once the shift is `shift_revise_ms` old, the node may change, inside the settle
+        # time, once. (ArrivalWindow dates a shift at the start of the window that showed it, so with a 5 s window
+        # that is the detection itself, on a window that still mixes some old load in; SIMULATOR.md, rounds ten
+        # and eleven.) Not the boot choice: it came after measuring began (rule 20: a fuller window does not
+        # make the estimate choose better there).
+        # Not where the stream has stopped (the end of arrivals is detected as a shift): with no stream left to
+        # match, a change could only gain on the backlog, which the estimate overrates (round ten: the drain
+        # change at 20.5 req/s).
+        revise = (
+            snap.load_shift_ms is not None
+            and not snap.load_shift_stopped
+            and node.last_reconfig_ms is not None
+            and node.last_reconfig_ms < snap.load_shift_ms
+            and snap.load_shift_ms + cfg.shift_revise_ms <= snap.now_ms
+        )
+        if snap.load_shift_ms is not None and not boot and not revise:
             shift = snap.load_shift_ms
             if snap.now_ms - shift < cfg.shift_settle_ms:
                 return TopologyDecision(
@@ -288,8 +304,8 @@ class AdaptivePolicy(BasePolicy):
         if (
             snap.load_shift_ms is not None
             and node.last_reconfig_ms is not None
-            # Only changes after the settle time count: before it, the boot change is the only one allowed.
-            and node.last_reconfig_ms >= snap.load_shift_ms + cfg.shift_settle_ms
+            # Only changes from a window past the shift on count: the boot change (and any before it) is provisional.
+            and node.last_reconfig_ms >= snap.load_shift_ms + min(cfg.shift_revise_ms, cfg.shift_settle_ms)
         ):
             return TopologyDecision(
                 nid,
