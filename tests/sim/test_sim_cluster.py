@@ -131,3 +131,33 @@ def test_tiers_compares_every_fitting_static_layout_and_the_best_static_column_i
     assert ph["oracle"] >= ph["best_static"]["weighted_goodput_rps"] - 1e-9
     for name, (_policy, wg) in ph["oracle_parts"].items():
         assert wg == max(r[f"{name}_wg"] for r in statics_ph)
+
+
+def test_tiers_reports_the_phased_load_on_several_seeds_and_their_mean(tmp_path, capsys):
+    from nitsum.sim.cli import main
+    from nitsum.sim.experiments import tiers
+
+    result = tiers.run(tmp_path, quick=True, seed=3, phased_seeds=2)
+    seeds = result["phased_seeds"]
+    assert [s for s, _ in seeds["runs"]] == [3, 4] and [r["seed"] for r in seeds["rows"]] == [3, 4]
+    assert seeds["runs"][0][1] is result["phased"]  # the main phased table is the first seed's
+    for (_, ph), row in zip(seeds["runs"], seeds["rows"]):
+        statics = [r for r in ph["rows"] if r["policy"].startswith("static:")]
+        best = max(statics, key=lambda r: r["weighted_goodput_rps"])
+        adaptive = next(r for r in ph["rows"] if r["policy"] == "adaptive")
+        assert row["best_static"] == best["policy"] and row["best_static_wg"] == best["weighted_goodput_rps"]
+        assert row["adaptive_vs_best_static"] == pytest.approx(
+            adaptive["weighted_goodput_rps"] / best["weighted_goodput_rps"]
+        )
+    ratios = [r["adaptive_vs_best_static"] for r in seeds["rows"]]
+    assert seeds["mean"]["adaptive_vs_best_static"] == pytest.approx(sum(ratios) / 2)
+    assert seeds["mean"]["min_adaptive_vs_best_static"] == min(ratios)
+    assert "## Phased over 2 seeds (3-4)" in (tmp_path / "tiers.md").read_text()
+    assert (tmp_path / "tiers_phased_seeds.csv").read_text().count("\n") == 3  # header and two seeds
+
+    # Bad values are refused before anything runs.
+    assert main(["tiers", "--quick", "--phased-seeds", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--phased-seeds must be >= 1" in capsys.readouterr().err
+    assert main(["flows", "--quick", "--phased-seeds", "2", "--out", str(tmp_path / "y")]) == 2
+    assert "option of `sim tiers` only" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

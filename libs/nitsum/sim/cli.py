@@ -1,4 +1,5 @@
-"""`nitsum sim <experiment> [--out DIR] [--quick] [--seed N] [--device-table FILE]`: run one experiment, write CSV + PNG + Markdown."""
+"""`nitsum sim <experiment> [--out DIR] [--quick] [--seed N] [--device-table FILE] [--phased-seeds N]`: run one
+experiment, write CSV + PNG + Markdown."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="measured step times (CSV: device,model,tp,phase,batch_size,prompt_tokens,context_tokens,ms; "
         "`nitsum bench profile --csv` writes it): the simulator and the policy price steps from it",
     )
+    p.add_argument(
+        "--phased-seeds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tiers only: run the phased load on N seeds (--seed onwards) and report each and their mean",
+    )
     return p
 
 
@@ -39,7 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         except StepTableError as exc:
             print(f"nitsum sim: {exc}", file=sys.stderr)
             return 2
-    result = module.run(out, quick=args.quick, seed=args.seed, device_table=args.device_table)
+    extra = {}
+    if args.phased_seeds is not None:
+        if args.experiment != "tiers":
+            print("nitsum sim: --phased-seeds is an option of `sim tiers` only", file=sys.stderr)
+            return 2
+        if args.phased_seeds < 1:
+            print(f"nitsum sim: --phased-seeds must be >= 1, got {args.phased_seeds}", file=sys.stderr)
+            return 2
+        extra["phased_seeds"] = args.phased_seeds
+    result = module.run(out, quick=args.quick, seed=args.seed, device_table=args.device_table, **extra)
     print(result.get("speed", ""))
     print(f"wrote {out}/{args.experiment}.csv, .png, .md")
     return 0

@@ -251,7 +251,47 @@ def headline(rows: list[dict[str, Any]], nodes: int) -> dict[str, Any]:
     }
 
 
-def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None = None) -> dict[str, Any]:
+def phased_over_seeds(phased_runs: list[tuple[int, dict[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One row per seed of the phased load (its best static layout, the per-phase oracle, adaptive and the ratios)
+    and their means: a phase's goodput near capacity turns on the backlog it inherits, so one seed says little."""
+    rows = []
+    for s, ph in phased_runs:
+        best = ph["best_static"]
+        rows.append(
+            {
+                "seed": s,
+                "best_static": best["policy"] if best else None,
+                "best_static_wg": best["weighted_goodput_rps"] if best else None,
+                "oracle_wg": ph["oracle"],
+                "adaptive_wg": _wg(ph, "adaptive"),
+                "adaptive_vs_best_static": ph["adaptive_vs_best_static"],
+                "adaptive_vs_tp8": ph["adaptive_vs_tp8"],
+                "oracle_vs_best_static": ph["oracle_vs_best_static"],
+            }
+        )
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in rows if r[key] is not None]
+        return sum(values) / len(values) if values and len(values) == len(rows) else None
+
+    return rows, {
+        "seeds": len(rows),
+        "adaptive_vs_best_static": mean("adaptive_vs_best_static"),
+        "adaptive_vs_tp8": mean("adaptive_vs_tp8"),
+        "oracle_vs_best_static": mean("oracle_vs_best_static"),
+        "min_adaptive_vs_best_static": min(
+            (r["adaptive_vs_best_static"] for r in rows if r["adaptive_vs_best_static"] is not None), default=None
+        ),
+    }
+
+
+def run(
+    out: Path, quick: bool = False, seed: int = 0, device_table: Path | None = None, phased_seeds: int = 1
+) -> dict[str, Any]:
+    """`phased_seeds` > 1: the phased load also on seeds seed+1 ... seed+phased_seeds-1, reported per seed and as
+    a mean (the sweep and the main phased table stay on `seed`)."""
+    if phased_seeds < 1:
+        raise ValueError(f"phased_seeds must be >= 1, got {phased_seeds}")
     model, device, table = table_target(device_table, ClusterConfig.model, ClusterConfig.device_kind)
     config = ClusterConfig(model=model, device_kind=device, device_table=table)
     statics = fitting_static_policies(config)
@@ -272,7 +312,7 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
         big_rates, big_nodes, big_duration = (4.0, 8.0, 12.0), 32, 10.0
     rates = tuple(round(r * scale, 3) for r in rates)
     big_policies = [p for p in ("adaptive", "static:8", "static:4+4") if p == "adaptive" or p in statics]
-    total = len(rates) * len(policies) + len(big_rates) * len(big_policies) + len(policies)
+    total = len(rates) * len(policies) + len(big_rates) * len(big_policies) + len(policies) * phased_seeds
     progress = Progress(total, "sim tiers")
     rows = sweep(policies, rates, 1, duration_s, seed, progress, config)
     if big_nodes:
@@ -280,9 +320,15 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
             big_policies, big_rates, big_nodes, big_duration, seed, progress, replace(config, num_nodes=big_nodes)
         )
     ph = run_phased(policies, phases, seed, progress, config)
+    runs = [(seed, ph)] + [
+        (s, run_phased(policies, phases, s, progress, config)) for s in range(seed + 1, seed + phased_seeds)
+    ]
+    seed_rows, seed_mean = phased_over_seeds(runs)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "tiers.csv", rows)
     write_csv(out / "tiers_phased.csv", ph["rows"])
+    if phased_seeds > 1:
+        write_csv(out / "tiers_phased_seeds.csv", seed_rows)
     panels = []
     for n in sorted({r["nodes"] for r in rows}):
         sub = [r for r in rows if r["nodes"] == n]
@@ -370,6 +416,20 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
         "",
         f"Per phase (changes inside, mean TP at start, at end): {ph['timeline'].get('per_phase')}",
         "",
+    ]
+    if phased_seeds > 1:
+        md += [
+            f"## Phased over {phased_seeds} seeds ({seed}-{seed + phased_seeds - 1})",
+            "",
+            f"Mean adaptive / best static {_f(seed_mean['adaptive_vs_best_static'])}x (lowest "
+            f"{_f(seed_mean['min_adaptive_vs_best_static'])}x; goal 1.5), mean adaptive / TP8 "
+            f"{_f(seed_mean['adaptive_vs_tp8'])}x (goal 3), mean oracle / best static "
+            f"{_f(seed_mean['oracle_vs_best_static'])}x.",
+            "",
+            md_table(seed_rows, list(seed_rows[0])),
+            "",
+        ]
+    md += [
         "## All runs",
         "",
         md_table(rows, cols),
@@ -378,7 +438,14 @@ def run(out: Path, quick: bool = False, seed: int = 0, device_table: Path | None
         "",
     ]
     (out / "tiers.md").write_text("\n".join(md), encoding="utf-8")
-    return {"rows": rows, "headline": head, "phased": ph, "summary": summary, "speed": progress.summary()}
+    return {
+        "rows": rows,
+        "headline": head,
+        "phased": ph,
+        "phased_seeds": {"rows": seed_rows, "mean": seed_mean, "runs": runs},
+        "summary": summary,
+        "speed": progress.summary(),
+    }
 
 
 def _wg(ph: dict[str, Any], policy: str) -> float | None:
