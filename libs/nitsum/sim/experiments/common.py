@@ -69,6 +69,11 @@ def _fmt(v: Any) -> Any:
     return "" if v is None else v
 
 
+def ratio_text(x: float | None) -> str:
+    """A figure for a report's prose: two decimals, or n/a."""
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def md_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
     body = ""

@@ -14,7 +14,7 @@ from typing import Any
 
 from nitsum.policy.flow_baselines import SCHEDULER_NAMES
 from nitsum.policy.steptable import load_step_rows
-from nitsum.sim.experiments.common import Progress, md_table, plot_lines, write_csv
+from nitsum.sim.experiments.common import Progress, md_table, plot_lines, ratio_text, write_csv
 from nitsum.sim.flowsetup import PAPER_SETUPS
 from nitsum.sim.flowsim import FlowClusterConfig, FlowClusterSim
 from nitsum.workloads import TraceRequest, default_trace_path, is_excerpt, read_mooncake
@@ -172,9 +172,9 @@ def run(
     ]
     for s, h in heads.items():
         md.append(
-            f"- {s}: RMLQ / best baseline TTFT SLO attainment at the highest rate {_f(h['ratio_at_max_rate'])}x, "
-            f"best over the sweep {_f(h['best_ratio'])}x at {h['at_rate']} req/s/GPU; RMLQ / best baseline "
-            f"mean CCT at the highest rate {_f(h['cct_ratio_at_max_rate'])}"
+            f"- {s}: RMLQ / best baseline TTFT SLO attainment at the highest rate {ratio_text(h['ratio_at_max_rate'])}x, "
+            f"best over the sweep {ratio_text(h['best_ratio'])}x at {h['at_rate']} req/s/GPU; RMLQ / best baseline "
+            f"mean CCT at the highest rate {ratio_text(h['cct_ratio_at_max_rate'])}"
         )
     md += [
         "",
@@ -226,10 +226,6 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
         mine = d.get("rmlq", {}).get("cct_mean_ms")
         cct_last = mine / min(ccts) if ccts and mine is not None and min(ccts) > 0 else None
     return {"best_ratio": best, "at_rate": at, "ratio_at_max_rate": last, "cct_ratio_at_max_rate": cct_last}
-
-
-def _f(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,8 @@ from typing import Any
 from nitsum.policy.baselines import layout_name, static_layouts
 from nitsum.policy.topology import mean_tp
 from nitsum.sim.cluster import ClusterConfig, ClusterResult, run_cluster
-from nitsum.sim.experiments.common import Progress, md_table, plot_lines, table_target, write_csv
+from nitsum.sim.experiments.common import Progress, md_table, plot_lines, ratio_text, table_target, write_csv
+from nitsum.sim.experiments.phased_seeds import phase_wg, phased_over_seeds, seeds_markdown
 from nitsum.workloads import (
     Phase,
     assign_tiers,
@@ -251,40 +252,6 @@ def headline(rows: list[dict[str, Any]], nodes: int) -> dict[str, Any]:
     }
 
 
-def phased_over_seeds(phased_runs: list[tuple[int, dict[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One row per seed of the phased load (its best static layout, the per-phase oracle, adaptive and the ratios)
-    and their means: a phase's goodput near capacity turns on the backlog it inherits, so one seed says little."""
-    rows = []
-    for s, ph in phased_runs:
-        best = ph["best_static"]
-        rows.append(
-            {
-                "seed": s,
-                "best_static": best["policy"] if best else None,
-                "best_static_wg": best["weighted_goodput_rps"] if best else None,
-                "oracle_wg": ph["oracle"],
-                "adaptive_wg": _wg(ph, "adaptive"),
-                "adaptive_vs_best_static": ph["adaptive_vs_best_static"],
-                "adaptive_vs_tp8": ph["adaptive_vs_tp8"],
-                "oracle_vs_best_static": ph["oracle_vs_best_static"],
-            }
-        )
-
-    def mean(key: str) -> float | None:
-        values = [r[key] for r in rows if r[key] is not None]
-        return sum(values) / len(values) if values and len(values) == len(rows) else None
-
-    return rows, {
-        "seeds": len(rows),
-        "adaptive_vs_best_static": mean("adaptive_vs_best_static"),
-        "adaptive_vs_tp8": mean("adaptive_vs_tp8"),
-        "oracle_vs_best_static": mean("oracle_vs_best_static"),
-        "min_adaptive_vs_best_static": min(
-            (r["adaptive_vs_best_static"] for r in rows if r["adaptive_vs_best_static"] is not None), default=None
-        ),
-    }
-
-
 def run(
     out: Path, quick: bool = False, seed: int = 0, device_table: Path | None = None, phased_seeds: int = 1
 ) -> dict[str, Any]:
@@ -392,8 +359,8 @@ def run(
         f"## Stationary: Poisson, 30% interactive, lengths from `{trace_path.name}`"
         f"{' (committed excerpt)' if is_excerpt(trace_path) else ''}, {duration_s:g} s per point",
         "",
-        f"Adaptive / best static (weighted goodput): worst {_f(head['min_vs_best_static'])}x at {head['min_at_rate_rps']} req/s "
-        f"(goal >= 0.97 everywhere); best adaptive / TP8: {_f(head['max_weighted_ratio_vs_tp8'])}x at {head['at_rate_rps']} req/s.",
+        f"Adaptive / best static (weighted goodput): worst {ratio_text(head['min_vs_best_static'])}x at {head['min_at_rate_rps']} req/s "
+        f"(goal >= 0.97 everywhere); best adaptive / TP8: {ratio_text(head['max_weighted_ratio_vs_tp8'])}x at {head['at_rate_rps']} req/s.",
         "",
         md_table(summary, list(summary[0])),
         "",
@@ -404,11 +371,11 @@ def run(
         ),
         f"(interactive lengths `{ph['paths'][0].name}`, background `{ph['paths'][1].name}`)",
         "",
-        f"Adaptive {_f(_wg(ph, 'adaptive'))} weighted req/s; best static {ph['best_static']['policy']} "
-        f"{_f(ph['best_static']['weighted_goodput_rps'])}; per-phase oracle {_f(ph['oracle'])} "
+        f"Adaptive {ratio_text(phase_wg(ph, 'adaptive'))} weighted req/s; best static {ph['best_static']['policy']} "
+        f"{ratio_text(ph['best_static']['weighted_goodput_rps'])}; per-phase oracle {ratio_text(ph['oracle'])} "
         f"({', '.join(f'{k}: {v[0]}' for k, v in ph['oracle_parts'].items())}); adaptive / best static "
-        f"{_f(ph['adaptive_vs_best_static'])}x (goal 1.5), adaptive / TP8 {_f(ph['adaptive_vs_tp8'])}x (goal 3), "
-        f"oracle / best static {_f(ph['oracle_vs_best_static'])}x.",
+        f"{ratio_text(ph['adaptive_vs_best_static'])}x (goal 1.5), adaptive / TP8 {ratio_text(ph['adaptive_vs_tp8'])}x (goal 3), "
+        f"oracle / best static {ratio_text(ph['oracle_vs_best_static'])}x.",
         "",
         md_table(ph["rows"], list(ph["rows"][0])),
         "",
@@ -418,17 +385,7 @@ def run(
         "",
     ]
     if phased_seeds > 1:
-        md += [
-            f"## Phased over {phased_seeds} seeds ({seed}-{seed + phased_seeds - 1})",
-            "",
-            f"Mean adaptive / best static {_f(seed_mean['adaptive_vs_best_static'])}x (lowest "
-            f"{_f(seed_mean['min_adaptive_vs_best_static'])}x; goal 1.5), mean adaptive / TP8 "
-            f"{_f(seed_mean['adaptive_vs_tp8'])}x (goal 3), mean oracle / best static "
-            f"{_f(seed_mean['oracle_vs_best_static'])}x.",
-            "",
-            md_table(seed_rows, list(seed_rows[0])),
-            "",
-        ]
+        md += seeds_markdown(seed_rows, seed_mean)
     md += [
         "## All runs",
         "",
@@ -446,11 +403,3 @@ def run(
         "summary": summary,
         "speed": progress.summary(),
     }
-
-
-def _wg(ph: dict[str, Any], policy: str) -> float | None:
-    return next((r["weighted_goodput_rps"] for r in ph["rows"] if r["policy"] == policy), None)
-
-
-def _f(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
