@@ -161,3 +161,40 @@ def test_tiers_reports_the_phased_load_on_several_seeds_and_their_mean(tmp_path,
     assert main(["flows", "--quick", "--phased-seeds", "2", "--out", str(tmp_path / "y")]) == 2
     assert "option of `sim tiers` only" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_tiers_reports_the_stationary_sweep_on_several_seeds_with_the_layout_best_for_the_load(tmp_path, capsys):
+    from nitsum.sim.cli import main
+    from nitsum.sim.experiments import tiers
+
+    result = tiers.run(tmp_path, quick=True, seed=5, stationary_seeds=2)
+    st = result["stationary_seeds"]
+    assert [s for s, _ in st["runs"]] == [5, 6] and st["runs"][0][1] is result["rows"]
+    rates = sorted({r["rate_rps"] for r in result["rows"] if r["nodes"] == 1})
+    assert sorted(r["rate_rps"] for r in st["summary"]) == rates
+    assert len(st["rows"]) == 2 * len(rates)
+    for row in st["summary"]:
+        runs = [[r for r in rows if r["rate_rps"] == row["rate_rps"] and r["nodes"] == 1] for _, rows in st["runs"]]
+        mean = {}
+        for rs in runs:
+            for r in rs:
+                mean[r["policy"]] = mean.get(r["policy"], 0.0) + r["weighted_goodput_rps"] / 2
+        statics = {p: m for p, m in mean.items() if p.startswith("static:")}
+        best = max(statics, key=lambda p: statics[p])
+        assert row["best_for_the_load"] == best and row["best_for_the_load_mean_wg"] == pytest.approx(statics[best])
+        assert row["adaptive_mean_wg"] == pytest.approx(mean["adaptive"])
+        if statics[best]:
+            assert row["adaptive_vs_best_for_the_load"] == pytest.approx(mean["adaptive"] / statics[best])
+        # Each seed's best in hindsight is at least the best-for-the-load layout's figure on that seed.
+        for rs in runs:
+            hindsight = max(r["weighted_goodput_rps"] for r in rs if r["policy"].startswith("static:"))
+            assert hindsight >= next(r["weighted_goodput_rps"] for r in rs if r["policy"] == best)
+            assert rs[0]["best_static"] in row["best_in_hindsight"].split()
+    assert "## Stationary over 2 seeds (5-6)" in (tmp_path / "tiers.md").read_text()
+    assert (tmp_path / "tiers_stationary_seeds.csv").read_text().count("\n") == 1 + 2 * len(rates)
+
+    assert main(["tiers", "--quick", "--stationary-seeds", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--stationary-seeds must be >= 1" in capsys.readouterr().err
+    assert main(["mixes", "--quick", "--stationary-seeds", "2", "--out", str(tmp_path / "y")]) == 2
+    assert "option of `sim tiers` only" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

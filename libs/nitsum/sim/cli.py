@@ -1,5 +1,5 @@
-"""`nitsum sim <experiment> [--out DIR] [--quick] [--seed N] [--device-table FILE] [--phased-seeds N]`: run one
-experiment, write CSV + PNG + Markdown."""
+"""`nitsum sim <experiment> [--out DIR] [--quick] [--seed N] [--device-table FILE] [--phased-seeds N]
+[--stationary-seeds N]`: run one experiment, write CSV + PNG + Markdown."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tiers only: run the phased load on N seeds (--seed onwards) and report each and their mean",
     )
+    p.add_argument(
+        "--stationary-seeds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tiers only: run the single-node stationary sweep on N seeds (--seed onwards) and report each, "
+        "their means and the static layout best for each rate over them",
+    )
     return p
 
 
@@ -48,14 +56,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nitsum sim: {exc}", file=sys.stderr)
             return 2
     extra = {}
-    if args.phased_seeds is not None:
+    for flag, key in (("--phased-seeds", "phased_seeds"), ("--stationary-seeds", "stationary_seeds")):
+        n = getattr(args, key)
+        if n is None:
+            continue
         if args.experiment != "tiers":
-            print("nitsum sim: --phased-seeds is an option of `sim tiers` only", file=sys.stderr)
+            print(f"nitsum sim: {flag} is an option of `sim tiers` only", file=sys.stderr)
             return 2
-        if args.phased_seeds < 1:
-            print(f"nitsum sim: --phased-seeds must be >= 1, got {args.phased_seeds}", file=sys.stderr)
+        if n < 1:
+            print(f"nitsum sim: {flag} must be >= 1, got {n}", file=sys.stderr)
             return 2
-        extra["phased_seeds"] = args.phased_seeds
+        extra[key] = n
     result = module.run(out, quick=args.quick, seed=args.seed, device_table=args.device_table, **extra)
     print(result.get("speed", ""))
     print(f"wrote {out}/{args.experiment}.csv, .png, .md")

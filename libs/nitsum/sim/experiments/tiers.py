@@ -23,6 +23,7 @@ from nitsum.policy.topology import mean_tp
 from nitsum.sim.cluster import ClusterConfig, ClusterResult, run_cluster
 from nitsum.sim.experiments.common import Progress, md_table, plot_lines, ratio_text, table_target, write_csv
 from nitsum.sim.experiments.phased_seeds import phase_wg, phased_over_seeds, seeds_markdown
+from nitsum.sim.experiments.stationary_seeds import stationary_markdown, stationary_over_seeds
 from nitsum.workloads import (
     Phase,
     assign_tiers,
@@ -253,12 +254,20 @@ def headline(rows: list[dict[str, Any]], nodes: int) -> dict[str, Any]:
 
 
 def run(
-    out: Path, quick: bool = False, seed: int = 0, device_table: Path | None = None, phased_seeds: int = 1
+    out: Path,
+    quick: bool = False,
+    seed: int = 0,
+    device_table: Path | None = None,
+    phased_seeds: int = 1,
+    stationary_seeds: int = 1,
 ) -> dict[str, Any]:
     """`phased_seeds` > 1: the phased load also on seeds seed+1 ... seed+phased_seeds-1, reported per seed and as
-    a mean (the sweep and the main phased table stay on `seed`)."""
-    if phased_seeds < 1:
-        raise ValueError(f"phased_seeds must be >= 1, got {phased_seeds}")
+    a mean (the sweep and the main phased table stay on `seed`). `stationary_seeds` > 1: the same for the
+    single-node stationary sweep, with the static layout best for the load (the highest mean) beside each seed's
+    best in hindsight."""
+    for name, n in (("phased_seeds", phased_seeds), ("stationary_seeds", stationary_seeds)):
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
     model, device, table = table_target(device_table, ClusterConfig.model, ClusterConfig.device_kind)
     config = ClusterConfig(model=model, device_kind=device, device_table=table)
     statics = fitting_static_policies(config)
@@ -279,9 +288,18 @@ def run(
         big_rates, big_nodes, big_duration = (4.0, 8.0, 12.0), 32, 10.0
     rates = tuple(round(r * scale, 3) for r in rates)
     big_policies = [p for p in ("adaptive", "static:8", "static:4+4") if p == "adaptive" or p in statics]
-    total = len(rates) * len(policies) + len(big_rates) * len(big_policies) + len(policies) * phased_seeds
+    total = (
+        len(rates) * len(policies) * stationary_seeds
+        + len(big_rates) * len(big_policies)
+        + len(policies) * phased_seeds
+    )
     progress = Progress(total, "sim tiers")
     rows = sweep(policies, rates, 1, duration_s, seed, progress, config)
+    stationary_runs = [(seed, rows)] + [
+        (s, sweep(policies, rates, 1, duration_s, s, progress, config))
+        for s in range(seed + 1, seed + stationary_seeds)
+    ]
+    stationary_rows, stationary_summary = stationary_over_seeds(stationary_runs)
     if big_nodes:
         rows += sweep(
             big_policies, big_rates, big_nodes, big_duration, seed, progress, replace(config, num_nodes=big_nodes)
@@ -296,6 +314,8 @@ def run(
     write_csv(out / "tiers_phased.csv", ph["rows"])
     if phased_seeds > 1:
         write_csv(out / "tiers_phased_seeds.csv", seed_rows)
+    if stationary_seeds > 1:
+        write_csv(out / "tiers_stationary_seeds.csv", stationary_rows)
     panels = []
     for n in sorted({r["nodes"] for r in rows}):
         sub = [r for r in rows if r["nodes"] == n]
@@ -384,6 +404,8 @@ def run(
         f"Per phase (changes inside, mean TP at start, at end): {ph['timeline'].get('per_phase')}",
         "",
     ]
+    if stationary_seeds > 1:
+        md += stationary_markdown(stationary_rows, stationary_summary)
     if phased_seeds > 1:
         md += seeds_markdown(seed_rows, seed_mean)
     md += [
@@ -400,6 +422,7 @@ def run(
         "headline": head,
         "phased": ph,
         "phased_seeds": {"rows": seed_rows, "mean": seed_mean, "runs": runs},
+        "stationary_seeds": {"rows": stationary_rows, "summary": stationary_summary, "runs": stationary_runs},
         "summary": summary,
         "speed": progress.summary(),
     }

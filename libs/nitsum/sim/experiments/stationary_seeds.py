@@ -1,0 +1,85 @@
+"""`sim tiers --stationary-seeds N`: the stationary sweep's single-node points on N seeds. Near a table's capacity
+which static layout is best in hindsight turns on the arrival realisation (one seed's Poisson draws), so beside
+each seed's best layout in hindsight this reports the layout that is best for the load: the highest mean over the
+seeds, the one static layout an operator could have chosen for that rate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nitsum.sim.experiments.common import md_table, ratio_text
+
+
+def stationary_over_seeds(
+    sweeps: list[tuple[int, list[dict[str, Any]]]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """From (seed, `tiers.sweep` rows) pairs: one row per (seed, rate) with that seed's best static layout in
+    hindsight and adaptive's ratio to it; and one row per rate over the seeds: the distinct best layouts in
+    hindsight, the static layout with the highest mean weighted goodput, adaptive's mean and the ratios."""
+    per_seed: list[dict[str, Any]] = []
+    by_rate: dict[float, dict[str, list[float]]] = {}
+    for s, rows in sweeps:
+        for r in rows:
+            if r["nodes"] != 1:
+                continue
+            by_rate.setdefault(r["rate_rps"], {}).setdefault(r["policy"], []).append(r["weighted_goodput_rps"])
+            if r["policy"] == "adaptive":
+                per_seed.append(
+                    {
+                        "seed": s,
+                        "rate_rps": r["rate_rps"],
+                        "best_static": r["best_static"],
+                        "best_static_wg": r["best_static_weighted_goodput_rps"],
+                        "adaptive_wg": r["weighted_goodput_rps"],
+                        "adaptive_vs_best_static": r["vs_best_static"],
+                    }
+                )
+    summary = []
+    for rate, wgs in by_rate.items():
+        means = {p: sum(v) / len(v) for p, v in wgs.items()}
+        statics = {p: m for p, m in means.items() if p.startswith("static:")}
+        best = max(statics, key=lambda p: statics[p]) if statics else None
+        mine = [r for r in per_seed if r["rate_rps"] == rate]
+        ratios = [r["adaptive_vs_best_static"] for r in mine if r["adaptive_vs_best_static"] is not None]
+        adaptive = means.get("adaptive")
+        summary.append(
+            {
+                "rate_rps": rate,
+                "seeds": len(mine),
+                "best_in_hindsight": " ".join(dict.fromkeys(str(r["best_static"]) for r in mine)),
+                "best_for_the_load": best,
+                "best_for_the_load_mean_wg": statics[best] if best else None,
+                "adaptive_mean_wg": adaptive,
+                "adaptive_vs_best_for_the_load": adaptive / statics[best]
+                if best and adaptive is not None and statics[best]
+                else None,
+                "mean_adaptive_vs_best_in_hindsight": sum(ratios) / len(ratios) if ratios else None,
+                "min_adaptive_vs_best_in_hindsight": min(ratios, default=None),
+            }
+        )
+    return per_seed, summary
+
+
+def stationary_markdown(per_seed: list[dict[str, Any]], summary: list[dict[str, Any]]) -> list[str]:
+    """The "Stationary over N seeds" section of tiers.md."""
+    seeds = sorted({r["seed"] for r in per_seed})
+    worst = min(
+        (r for r in summary if r["adaptive_vs_best_for_the_load"] is not None),
+        key=lambda r: r["adaptive_vs_best_for_the_load"],
+        default=None,
+    )
+    head = (
+        f"Adaptive's mean / the best static layout's mean: worst {ratio_text(worst['adaptive_vs_best_for_the_load'])}x "
+        f"at {worst['rate_rps']} req/s (goal >= 0.97 everywhere)."
+        if worst
+        else "No point has a static layout with goodput."
+    )
+    return [
+        f"## Stationary over {len(seeds)} seeds ({seeds[0]}-{seeds[-1]})",
+        "",
+        head + " `best_in_hindsight`: each seed's best static layout, in seed order (repeats left out); "
+        "`best_for_the_load`: the static layout with the highest mean over the seeds.",
+        "",
+        md_table(summary, list(summary[0])),
+        "",
+    ]
