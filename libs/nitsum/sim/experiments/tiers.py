@@ -21,9 +21,10 @@ from typing import Any
 from nitsum.policy.baselines import layout_name, static_layouts
 from nitsum.policy.topology import mean_tp
 from nitsum.sim.cluster import ClusterConfig, ClusterResult, run_cluster
-from nitsum.sim.experiments.common import Progress, md_table, plot_lines, ratio_text, table_target, write_csv
-from nitsum.sim.experiments.phased_seeds import phase_wg, phased_over_seeds, seeds_markdown
+from nitsum.sim.experiments.common import Progress, md_table, ratio_text, table_target, write_csv
+from nitsum.sim.experiments.phased_seeds import phased_over_seeds, seeds_markdown
 from nitsum.sim.experiments.stationary_seeds import stationary_markdown, stationary_over_seeds
+from nitsum.sim.experiments.tiers_report import phased_markdown, plot_sweep, rate_summary
 from nitsum.workloads import (
     Phase,
     assign_tiers,
@@ -316,21 +317,7 @@ def run(
         write_csv(out / "tiers_phased_seeds.csv", seed_rows)
     if stationary_seeds > 1:
         write_csv(out / "tiers_stationary_seeds.csv", stationary_rows)
-    panels = []
-    for n in sorted({r["nodes"] for r in rows}):
-        sub = [r for r in rows if r["nodes"] == n]
-        shown = ["adaptive", "static:8"] + sorted({r["best_static"] for r in sub if r["best_static"]} - {"static:8"})
-        series_g = {
-            p: (
-                [r["rate_rps"] for r in sub if r["policy"] == p],
-                [r["weighted_goodput_rps"] for r in sub if r["policy"] == p],
-            )
-            for p in shown
-        }
-        panels.append(
-            {"xlabel": f"arrival rate (req/s), {n} node(s)", "ylabel": "weighted goodput", "series": series_g}
-        )
-    plot_lines(out / "tiers.png", panels, f"{model} on 8x{device} per node, 30% interactive / 70% background")
+    plot_sweep(out / "tiers.png", rows, f"{model} on 8x{device} per node, 30% interactive / 70% background")
     _, trace_path = workload(1.0, 1.0, seed)
     head = headline(rows, 1)
     cols = [
@@ -345,24 +332,7 @@ def run(
         "best_static_weighted_goodput_rps",
         "vs_best_static",
     ]
-    summary = []
-    for rate in rates:
-        at = {r["policy"]: r for r in rows if r["nodes"] == 1 and r["rate_rps"] == rate}
-        a, t8 = at["adaptive"], at.get("static:8")
-        summary.append(
-            {
-                "rate_rps": rate,
-                "adaptive_wg": a["weighted_goodput_rps"],
-                "best_static": a["best_static"],
-                "best_static_wg": a["best_static_weighted_goodput_rps"],
-                "adaptive_vs_best_static": a["vs_best_static"],
-                "tp8_wg": t8["weighted_goodput_rps"] if t8 else None,
-                "adaptive_vs_tp8": a["weighted_goodput_rps"] / t8["weighted_goodput_rps"]
-                if t8 and t8["weighted_goodput_rps"]
-                else None,
-                "adaptive_changes": a["reconfigurations"],
-            }
-        )
+    summary = rate_summary(rows, rates)
     source = f"`{device_table}` ({device}, {model})" if device_table else f"data-sheet {device} table"
     md = [
         "# sim tiers",
@@ -384,26 +354,8 @@ def run(
         "",
         md_table(summary, list(summary[0])),
         "",
-        "## Phased: "
-        + ", ".join(
-            f"{p.name} {p.duration_s:g} s at {p.rate_per_s:g} req/s, {p.interactive_fraction:.0%} interactive"
-            for p in phases
-        ),
-        f"(interactive lengths `{ph['paths'][0].name}`, background `{ph['paths'][1].name}`)",
-        "",
-        f"Adaptive {ratio_text(phase_wg(ph, 'adaptive'))} weighted req/s; best static {ph['best_static']['policy']} "
-        f"{ratio_text(ph['best_static']['weighted_goodput_rps'])}; per-phase oracle {ratio_text(ph['oracle'])} "
-        f"({', '.join(f'{k}: {v[0]}' for k, v in ph['oracle_parts'].items())}); adaptive / best static "
-        f"{ratio_text(ph['adaptive_vs_best_static'])}x (goal 1.5), adaptive / TP8 {ratio_text(ph['adaptive_vs_tp8'])}x (goal 3), "
-        f"oracle / best static {ratio_text(ph['oracle_vs_best_static'])}x.",
-        "",
-        md_table(ph["rows"], list(ph["rows"][0])),
-        "",
-        f"Adaptive layout changes (s, layout): {ph['timeline'].get('changes')}",
-        "",
-        f"Per phase (changes inside, mean TP at start, at end): {ph['timeline'].get('per_phase')}",
-        "",
     ]
+    md += phased_markdown(phases, ph)
     if stationary_seeds > 1:
         md += stationary_markdown(stationary_rows, stationary_summary)
     if phased_seeds > 1:
