@@ -12,23 +12,15 @@ from nitsum.config import CommonConfig
 from nitsum.natsserver import NatsServer
 from nitsum.telemetry.metrics import Metrics
 from nitsum.wire.messages import AbortRequest, ErrorReply, RunAck
+from tests.integration.interest import until_answered
 
 
 def _config(url: str) -> CommonConfig:
     return CommonConfig(nats_url=url)
 
 
-async def _until_answered(bus: Bus, subject: str, timeout_s: float = 5.0) -> None:
-    """Interest can take a moment to be visible to another connection (seen once in CI): wait for it."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        try:
-            await bus.request(subject, AbortRequest("probe"), 1.0)
-            return
-        except NoResponders:
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+async def _until_answered(bus: Bus, subject: str) -> None:
+    await until_answered(bus, subject, AbortRequest("probe"))
 
 
 async def test_request_reply_and_errors(nats_server):
