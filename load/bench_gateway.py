@@ -17,7 +17,9 @@ The in-process baseline runs first, while no mesh is running, so the two never s
 3. Per token (`--stream-tokens`, default 64; 0: none): `--streams` streamed requests of that many tokens, one
    at a time, through the mesh; their TPOT at the client ((last token - first) / (tokens - 1), p50) against the
    in-process engine's decode step for one stream, measured in the same run before the mesh starts
-   ((time of N tokens - time of 1) / (N - 1) on a cached prompt, median of 10 prompts).
+   ((time of N tokens - time of 1) / (N - 1) on a cached prompt, median of 10 prompts); and each stream against
+   the same engine's step on its prompt measured right before it is sent (`per_token.paired`: the median of the
+   per-stream ratios), since on a shared VM the step itself drifts within the run.
 
 With `--floor`, the same requests then go through bare relays of the mesh's processes and hops (an aiohttp
 server alone; aiohttp -> NATS -> coord -> NATS -> worker -> frame back, no nitsum code): what the hops alone
@@ -54,6 +56,14 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[TOKEN_ID_BASE + (i * 7 + j) % TOKEN_ID_SPAN for j in range(length)] for i in range(n)]
 
 
+def build_in_process(model: str):
+    """The in-process engine: the worker's own `build_engine` from the worker's default config."""
+    from nitsum.config import WorkerConfig, load
+    from nitsum_services.worker.main import build_engine
+
+    return build_engine(load(WorkerConfig, argv=["--model", model], environ=os.environ), "hybrid")
+
+
 def in_process(
     model: str,
     latency_prompts: list[list[int]],
@@ -61,15 +71,13 @@ def in_process(
     concurrency: int,
     warmup: int,
     step_tokens: int = 0,
+    engine=None,
 ) -> dict[str, Any]:
     import torch
 
-    from nitsum.config import WorkerConfig, load
     from nitsum.engine.params import SamplingParams
-    from nitsum_services.worker.main import build_engine
 
-    config = load(WorkerConfig, argv=["--model", model], environ=os.environ)
-    engine = build_engine(config, "hybrid")
+    engine = engine if engine is not None else build_in_process(model)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     with torch.inference_mode():
         for p in latency_prompts[:warmup]:
@@ -91,6 +99,17 @@ def in_process(
         "torch_threads": torch.get_num_threads(),
         "decode_step_ms": step_ms,
     }
+
+
+def step_probe(engine, tokens: int):
+    """`mesh_streams`' probe: the engine's decode step on one prompt, measured now (decode_step_ms)."""
+    import torch
+
+    def probe(prompt: list[int]) -> float:
+        with torch.inference_mode():
+            return decode_step_ms(engine, [prompt], tokens)
+
+    return probe
 
 
 def decode_step_ms(engine, prompts: list[list[int]], tokens: int) -> float:
@@ -199,6 +218,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--gateways", type=int, default=1, help="gateway processes of the mesh the bench starts (nitsum up)")
+    p.add_argument(
+        "--cpu-affinity",
+        choices=("auto", "off"),
+        default="auto",
+        help="`nitsum up --cpu-affinity` of the mesh the bench starts (auto: the worker on a CPU of its own)",
+    )
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per-request timeout")
     p.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     p.add_argument("--floor", action="store_true", help="after the mesh, measure the bare relays' floor too")
@@ -236,9 +261,11 @@ def main(argv: list[str]) -> int:
     floor = args.floor or args.floor_only
     mesh_tokens = 0 if args.floor_only else args.stream_tokens
     step_tokens = max(mesh_tokens, args.floor_tokens if floor else 0)
-    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup, step_tokens)
+    local = build_in_process(args.model)
+    engine = in_process(args.model, lat, tput, args.concurrency, args.warmup, step_tokens, engine=local)
     run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-gateway-"))
-    gateway = None if args.floor_only else mesh_phase(args, run_dir, lat, tput)
+    probe = step_probe(local, args.stream_tokens) if args.stream_tokens else None
+    gateway = None if args.floor_only else mesh_phase(args, run_dir, lat, tput, probe)
     result = compare(engine, gateway) if gateway is not None else {"engine_latency_ms": _stats(engine["latency_ms"])}
     if gateway is not None and "streams" in gateway:
         result["per_token"] = bench_floor_tokens.mesh_tokens_result(
@@ -300,13 +327,19 @@ def floor_phase(args, run_dir: Path, engine: dict, gateway: dict | None, lat, tp
     return result
 
 
-def mesh_phase(args, run_dir: Path, lat: list[list[int]], tput: list[list[int]]) -> dict[str, Any]:
-    """The same requests through the mesh at `--url`, or through a `nitsum up` this starts and stops."""
+def mesh_phase(args, run_dir: Path, lat: list[list[int]], tput: list[list[int]], probe=None) -> dict[str, Any]:
+    """The same requests through the mesh at `--url`, or through a `nitsum up` this starts and stops; `probe`
+    (step_probe) pairs each stream of the per-token phase with the in-process engine's step right before it."""
     mesh = None
     url = args.url
     if url is None:
-        print(f"starting nitsum up --devices 1 --gateways {args.gateways} (logs in {run_dir}) ...", flush=True)
-        mesh = start_mesh(run_dir, devices=1, extra_args=("--model", args.model, "--gateways", str(args.gateways)))
+        print(
+            f"starting nitsum up --devices 1 --gateways {args.gateways} --cpu-affinity {args.cpu_affinity} "
+            f"(logs in {run_dir}) ...",
+            flush=True,
+        )
+        extra = ("--model", args.model, "--gateways", str(args.gateways), "--cpu-affinity", args.cpu_affinity)
+        mesh = start_mesh(run_dir, devices=1, extra_args=extra)
         url = mesh.url
     try:
         print(f"gateway {url}: the same requests ...", flush=True)
@@ -322,7 +355,7 @@ def mesh_phase(args, run_dir: Path, lat: list[list[int]], tput: list[list[int]])
             stream_prompts = lat[: args.warmup + args.streams]
             measured["streams"] = asyncio.run(
                 bench_floor_tokens.mesh_streams(
-                    url, _served_model(url), stream_prompts, args.stream_tokens, args.warmup, args.timeout
+                    url, _served_model(url), stream_prompts, args.stream_tokens, args.warmup, args.timeout, probe
                 )
             )
         return measured

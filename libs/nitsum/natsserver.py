@@ -229,6 +229,7 @@ class NatsServer:
     config_path: Path | None
     process: subprocess.Popen | None = None
     host: str = "127.0.0.1"
+    cpus: tuple[int, ...] = ()  # run it on these CPUs only (`nitsum up --cpu-affinity`); (): wherever
 
     @property
     def url(self) -> str:
@@ -241,7 +242,12 @@ class NatsServer:
         else:
             args += ["-a", self.host, "-p", str(self.port)]
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        cpus = self.cpus
+        # In the child before exec, so that every thread the server starts inherits the CPUs.
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.process = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
+        )
         if not wait_for_port(self.host, self.port, timeout_s):
             self.stop()
             raise RuntimeError(f"nats-server did not open {self.host}:{self.port} within {timeout_s} s")

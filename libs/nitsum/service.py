@@ -23,6 +23,7 @@ from aiohttp import web
 
 from nitsum.bus import Bus, BusError
 from nitsum.config import CommonConfig, ConfigError, load
+from nitsum.cpus import parse_cpu_list, pin_process
 from nitsum.httpauth import auth_middleware
 from nitsum.telemetry.metrics import Metrics
 from nitsum.telemetry.tracing import setup_tracing, shutdown_tracing, tracer
@@ -125,6 +126,12 @@ def run_service(
     except ConfigError as exc:
         sys.stderr.write(f"nitsum {name}: configuration error: {exc}\n")
         return 2
+    if isinstance(config, CommonConfig) and config.cpus:
+        try:
+            pin_process(parse_cpu_list(config.cpus))
+        except ValueError as exc:
+            sys.stderr.write(f"nitsum {name}: configuration error: NITSUM_CPUS={config.cpus!r}: {exc}\n")
+            return 2
     configure_logging(config.log_level, name)
     try:
         import uvloop

@@ -164,6 +164,12 @@ def nats_urls(value: str) -> list[str]:
     return [s.strip() for s in value.split(",") if s.strip()]
 
 
+def _cpu_list(value: str) -> str | None:
+    from nitsum.cpus import cpu_list_error
+
+    return cpu_list_error(value)
+
+
 def nats_url_list(value: str) -> str | None:
     """Every entry of a NITSUM_NATS_URL list is [scheme://]host[:port] with a NATS scheme."""
     from urllib.parse import urlsplit
@@ -207,6 +213,14 @@ class CommonConfig:
         "NITSUM_API_KEYS", (), "comma-separated API keys for HTTP routes (empty: no auth)", secret=True
     )
     api_key_file: str = setting("NITSUM_API_KEY_FILE", "", "file with one API key per line (joins NITSUM_API_KEYS)")
+    cpus: str = setting(
+        "NITSUM_CPUS",
+        "",
+        "CPUs this service runs on, as taskset writes them (1, 0-3,6): every thread of the process is pinned at "
+        "start; a CPU it may not use stops it with an error (Linux; empty: wherever it was started; "
+        "`nitsum up --cpu-affinity auto` sets it)",
+        check=_cpu_list,
+    )
 
     def resolved_api_keys(self) -> tuple[str, ...]:
         """Keys from NITSUM_API_KEYS and the key file; a missing key file is a ConfigError."""

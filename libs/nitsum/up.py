@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from nitsum.config import default_home
+from nitsum.cpus import Placement, allowed_cpus, format_cpu_list, parse_cpu_list, plan_placement
 from nitsum.natsserver import NatsServer, free_port, new_passwords, render_config, worker_identity, write_secure
 from nitsum.supervise import (
     MAX_PORT_RETRIES,
@@ -74,6 +75,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="gateway processes sharing the HTTP port (SO_REUSEPORT; each serves the streams it submitted; default 1)",
     )
     p.add_argument("--no-node-world", action="store_true", help="standalone TP=1 workers: no run-time TP changes")
+    p.add_argument(
+        "--cpu-affinity",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto (default): with --device cpu and at least one CPU more than workers, each worker on a CPU of its "
+        "own and the other processes on the rest (NITSUM_CPUS per child); off: wherever the kernel puts them",
+    )
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error("--devices must be >= 1")
@@ -89,6 +97,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if problem:
         p.error(f"--policy: {problem}")
     return args
+
+
+def cpu_placement(args: argparse.Namespace, environ: dict[str, str]) -> tuple[Placement | None, str]:
+    """Where `--cpu-affinity` puts the children, and the line `nitsum up` prints about it."""
+    if args.cpu_affinity == "off":
+        return None, "CPU affinity off (--cpu-affinity off)"
+    if environ.get("NITSUM_CPUS"):
+        return None, f"every child on NITSUM_CPUS={environ['NITSUM_CPUS']} (set in the environment)"
+    if args.device != "cpu":
+        return None, "CPU affinity: not pinned (auto pins the processes of --device cpu only)"
+    allowed = allowed_cpus()
+    placement = plan_placement(allowed, args.devices)
+    if placement is None:
+        return None, (
+            f"CPU affinity: not pinned ({len(allowed)} CPUs for {args.devices} workers: a worker needs a CPU of its "
+            "own and one is left for the other processes)"
+        )
+    return placement, (
+        f"CPU affinity: workers on CPU {format_cpu_list(int(c) for c in placement.workers)}, one each; gateway, "
+        f"coordinator, flow-scheduler and nats-server on CPU {placement.others}"
+    )
 
 
 def _policy_problem(spec: str, devices: int, max_tp: int) -> str:
@@ -115,6 +144,10 @@ def main(argv: list[str]) -> int:
         return 2
     print(f"nitsum up: model {model_dir}", flush=True)
 
+    placement, where = cpu_placement(args, dict(os.environ))
+    print(f"nitsum up: {where}", flush=True)
+    others = {"NITSUM_CPUS": placement.others} if placement is not None else {}
+
     nats: NatsServer | None = None
     passwords: dict[str, str] = {}
     if args.nats:
@@ -124,7 +157,9 @@ def main(argv: list[str]) -> int:
         passwords = new_passwords(_worker_ids(args.devices))
         config_path = run_dir / "nats.conf"
         write_secure(config_path, render_config(port, passwords, worker_ids=_worker_ids(args.devices)))
-        nats = NatsServer(port=port, config_path=config_path).start(log_path=run_dir / "nats-server.log")
+        nats = NatsServer(
+            port=port, config_path=config_path, cpus=parse_cpu_list(placement.others) if placement else ()
+        ).start(log_path=run_dir / "nats-server.log")
         nats_url = nats.url
         print(
             f"nitsum up: nats-server on {nats_url} (one identity per service and per worker, see {config_path})",
@@ -166,8 +201,8 @@ def main(argv: list[str]) -> int:
         return env
 
     children = [
-        Child("coordinator", "coordinator", env_for("coordinator"), run_dir / "coordinator.log"),
-        Child("flow-scheduler", "flow-scheduler", env_for("flow-scheduler"), run_dir / "flow-scheduler.log"),
+        Child("coordinator", "coordinator", env_for("coordinator", **others), run_dir / "coordinator.log"),
+        Child("flow-scheduler", "flow-scheduler", env_for("flow-scheduler", **others), run_dir / "flow-scheduler.log"),
     ]
     # Workers of the node join one process world (pre-built groups, shared weights) so that the
     # coordinator can merge and split them at run time.
@@ -180,15 +215,18 @@ def main(argv: list[str]) -> int:
     for i in range(args.devices):
         service = "prefill-worker" if i < args.prefill_workers else "decode-worker"
         worker_id = _worker_ids(args.devices)[i]
+        own = {"NITSUM_CPUS": placement.workers[i]} if placement is not None else {}
         children.append(
             Child(
                 f"worker-{i}",
                 service,
-                env_for(worker_identity(worker_id), NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=worker_id, **world),
+                env_for(
+                    worker_identity(worker_id), NITSUM_DEVICE_INDEX=str(i), NITSUM_WORKER_ID=worker_id, **world, **own
+                ),
                 run_dir / f"worker-{i}.log",
             )
         )
-    children.extend(_gateways(args, env_for, run_dir))
+    children.extend(_gateways(args, env_for, run_dir, others))
 
     stopping = {"flag": False}
 
@@ -225,14 +263,14 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def _gateways(args: argparse.Namespace, env_for, run_dir: Path) -> list[Child]:
+def _gateways(args: argparse.Namespace, env_for, run_dir: Path, others: dict[str, str]) -> list[Child]:
     """`--gateways N` gateway processes on one port (with N > 1 they share it: SO_REUSEPORT), all under the
     gateway's NATS identity; the first keeps the name `gateway`, the others are `gateway-1` ... `gateway-<N-1>`."""
     shared = {"NITSUM_GATEWAY_REUSE_PORT": "1"} if args.gateways > 1 else {}
     children = []
     for i in range(args.gateways):
         name = "gateway" if i == 0 else f"gateway-{i}"
-        env = env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host, **shared)
+        env = env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host, **shared, **others)
         children.append(Child(name, "gateway", env, run_dir / f"{name}.log"))
     return children
 

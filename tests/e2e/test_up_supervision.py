@@ -120,3 +120,38 @@ def test_bad_flags_fail_clearly(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2 and "NITSUM_GATEWAY_PORT" in out.stderr
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def _thread_cpus(pid: int) -> set[tuple[int, ...]]:
+    """The CPU sets of every thread of a process."""
+    return {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_auto_cpu_affinity_gives_the_worker_a_cpu_of_its_own(tmp_path):
+    """`nitsum up --devices 1` (--cpu-affinity auto): every thread of the worker on the last CPU it may use, every
+    other child (and nats-server) on the others; the mesh serves as usual."""
+    from nitsum.cpus import allowed_cpus
+
+    mesh = start_mesh(tmp_path, devices=1)
+    try:
+        pids = json.loads((mesh.run_dir / "processes.json").read_text())
+        nats = [int(p) for p in os.listdir("/proc") if p.isdigit() and str(mesh.run_dir / "nats.conf") in _cmdline(p)]
+        mine = allowed_cpus()[-1]
+        rest = tuple(c for c in allowed_cpus() if c != mine)
+        assert _thread_cpus(pids["worker-0"]) == {(mine,)}
+        for name in ("coordinator", "flow-scheduler", "gateway"):
+            assert _thread_cpus(pids[name]) == {rest}, name
+        assert nats and _thread_cpus(nats[0]) == {rest}
+        assert f"workers on CPU {mine}, one each" in mesh.log_path.read_text()
+        status, _ = http_get(mesh.url + "/ready")
+        assert status == 200
+    finally:
+        stop_mesh(mesh.process)

@@ -44,6 +44,31 @@ def test_mesh_tokens_result_sets_the_tpot_against_the_same_runs_step():
     assert "2.20x" in bft.format_mesh_tokens(r)
 
 
+def test_mesh_tokens_result_pairs_each_stream_with_the_step_measured_right_before_it():
+    from nitsum_load import bench_floor_tokens as bft
+
+    measured = {
+        "ttft_ms": [4.0, 6.0, 5.0],
+        "per_token_ms": [1.0, 3.0, 1.2],
+        "max_gap_ms": [3.0, 9.0, 5.0],
+        "engine_step_ms": [0.5, 2.0, 1.0],  # the machine slowed down in the middle stream
+    }
+    r = bft.mesh_tokens_result(64, 0.5, measured)
+    q = r["paired"]
+    assert q["per_token_over_step"]["p50"] == pytest.approx(1.5)  # ratios 2.0, 1.5, 1.2
+    assert q["engine_step_ms"]["p50"] == 1.0 and q["engine_step_min_ms"] == 0.5 and q["engine_step_max_ms"] == 2.0
+    assert r["per_token_over_step"] == pytest.approx(2.4)  # the unpaired figure: TPOT p50 1.2 over the one step 0.5
+    assert "TPOT / step p50 1.50x" in bft.format_mesh_tokens(r)
+    assert "paired" not in bft.mesh_tokens_result(64, 0.5, {k: v for k, v in measured.items() if k != "engine_step_ms"})
+
+
+def test_step_probe_measures_the_in_process_engines_decode_step():
+    engine = bg.build_in_process("tiny")
+    probe = bg.step_probe(engine, 8)
+    step = probe(bg.prompts(1, 16)[0])
+    assert step > 0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
