@@ -103,12 +103,14 @@ class Placement:
     others: str  # NITSUM_CPUS of the gateway(s), coordinator, flow-scheduler and nats-server
 
 
-def plan_placement(allowed: tuple[int, ...], workers: int) -> Placement | None:
-    """Workers on the last `workers` CPUs, one each; everything else on the CPUs before them. None when there are
-    fewer than workers + 1 CPUs: a shared core would then be pinned, which is worse than letting the kernel move
-    the processes."""
+def plan_placement(allowed: tuple[int, ...], workers: int, per_worker: int = 1) -> Placement | None:
+    """Workers on the last `workers` x `per_worker` CPUs, `per_worker` each (a worker's torch threads,
+    NITSUM_TORCH_THREADS); everything else on the CPUs before them. None when fewer CPUs are left than one for the
+    rest: a shared core would then be pinned, which is worse than letting the kernel move the processes."""
     cpus = sorted(set(allowed))
-    if workers < 1 or len(cpus) < workers + 1:
+    need = workers * per_worker
+    if workers < 1 or per_worker < 1 or len(cpus) < need + 1:
         return None
-    mine = cpus[len(cpus) - workers :]
-    return Placement(tuple(str(c) for c in mine), format_cpu_list(cpus[: len(cpus) - workers]))
+    first = len(cpus) - need
+    mine = [format_cpu_list(cpus[first + i * per_worker : first + (i + 1) * per_worker]) for i in range(workers)]
+    return Placement(tuple(mine), format_cpu_list(cpus[:first]))

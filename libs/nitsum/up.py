@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from nitsum.config import default_home
-from nitsum.cpus import Placement, allowed_cpus, format_cpu_list, parse_cpu_list, plan_placement
+from nitsum.cpus import Placement, allowed_cpus, parse_cpu_list, plan_placement
 from nitsum.natsserver import NatsServer, free_port, new_passwords, render_config, worker_identity, write_secure
 from nitsum.supervise import (
     MAX_PORT_RETRIES,
@@ -108,14 +108,17 @@ def cpu_placement(args: argparse.Namespace, environ: dict[str, str]) -> tuple[Pl
     if args.device != "cpu":
         return None, "CPU affinity: not pinned (auto pins the processes of --device cpu only)"
     allowed = allowed_cpus()
-    placement = plan_placement(allowed, args.devices)
+    threads = environ.get("NITSUM_TORCH_THREADS", "1")
+    per_worker = int(threads) if threads.isdigit() and int(threads) > 0 else 1  # a bad value stops the workers
+    placement = plan_placement(allowed, args.devices, per_worker)
     if placement is None:
         return None, (
-            f"CPU affinity: not pinned ({len(allowed)} CPUs for {args.devices} workers: a worker needs a CPU of its "
-            "own and one is left for the other processes)"
+            f"CPU affinity: not pinned ({len(allowed)} CPUs for {args.devices} workers of {per_worker} torch "
+            "thread(s): each worker needs that many CPUs of its own, and one is left for the other processes)"
         )
+    each = "one each" if per_worker == 1 else f"{per_worker} each (NITSUM_TORCH_THREADS)"
     return placement, (
-        f"CPU affinity: workers on CPU {format_cpu_list(int(c) for c in placement.workers)}, one each; gateway, "
+        f"CPU affinity: workers on CPU {','.join(placement.workers)}, {each}; gateway, "
         f"coordinator, flow-scheduler and nats-server on CPU {placement.others}"
     )
 

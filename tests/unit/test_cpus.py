@@ -60,6 +60,10 @@ def test_plan_placement_gives_each_worker_a_cpu_of_its_own():
     assert p.workers == ("9",) and p.others == "2,4"
     assert plan_placement((0, 1), 2) is None  # no CPU left for the rest: not pinned at all
     assert plan_placement((0,), 1) is None
+    # a worker of two torch threads gets two CPUs
+    p = plan_placement(tuple(range(8)), 3, per_worker=2)
+    assert p.workers == ("2-3", "4-5", "6-7") and p.others == "0-1"
+    assert plan_placement(tuple(range(6)), 3, per_worker=2) is None
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -70,6 +74,8 @@ def test_cpu_placement_follows_the_flag_the_environment_and_the_device():
     assert cpu_placement(_args("--cpu-affinity", "off"), {})[0] is None
     placement, line = cpu_placement(_args(), {"NITSUM_CPUS": "0"})
     assert placement is None and "NITSUM_CPUS=0" in line  # the user's placement wins
+    placement, line = cpu_placement(_args(), {"NITSUM_TORCH_THREADS": str(len(allowed_cpus()))})
+    assert placement is None and "not pinned" in line  # every CPU for the worker's threads: none for the rest
     placement, line = cpu_placement(_args("--device", "cuda"), {})
     assert placement is None and "--device cpu only" in line
     placement, line = cpu_placement(_args(), {})
