@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--url", default=None, help="measure this running one-worker mesh instead of starting one")
     p.add_argument(
+        "--cpu-affinity",
+        choices=("auto", "off"),
+        default="auto",
+        help="`nitsum up --cpu-affinity` of the mesh the bench starts (auto: the worker on a CPU of its own)",
+    )
+    p.add_argument(
         "--replay",
         type=Path,
         default=None,

@@ -70,8 +70,12 @@ def run_live(
     url = args.url
     if url is None:
         run_dir = Path(tempfile.mkdtemp(prefix="nitsum-bench-fidelity-"))
-        print(f"starting nitsum up --devices 1 --policy {args.policy} (logs in {run_dir}) ...", flush=True)
-        mesh = start_mesh(run_dir, devices=1, extra_args=("--policy", args.policy))
+        affinity = getattr(args, "cpu_affinity", "auto")
+        print(
+            f"starting nitsum up --devices 1 --policy {args.policy} --cpu-affinity {affinity} (logs in {run_dir}) ...",
+            flush=True,
+        )
+        mesh = start_mesh(run_dir, devices=1, extra_args=("--policy", args.policy, "--cpu-affinity", affinity))
         url = mesh.url
     try:
         print(
