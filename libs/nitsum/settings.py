@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nitsum.cpus import cpu_list_error
+
 C = TypeVar("C")
 
 
@@ -164,12 +166,6 @@ def nats_urls(value: str) -> list[str]:
     return [s.strip() for s in value.split(",") if s.strip()]
 
 
-def _cpu_list(value: str) -> str | None:
-    from nitsum.cpus import cpu_list_error
-
-    return cpu_list_error(value)
-
-
 def nats_url_list(value: str) -> str | None:
     """Every entry of a NITSUM_NATS_URL list is [scheme://]host[:port] with a NATS scheme."""
     from urllib.parse import urlsplit
@@ -219,7 +215,7 @@ class CommonConfig:
         "CPUs this service runs on, as taskset writes them (1, 0-3,6): every thread of the process is pinned at "
         "start; a CPU it may not use stops it with an error (Linux; empty: wherever it was started; "
         "`nitsum up --cpu-affinity auto` sets it)",
-        check=_cpu_list,
+        check=cpu_list_error,
     )
 
     def resolved_api_keys(self) -> tuple[str, ...]:

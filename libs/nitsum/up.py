@@ -79,8 +79,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cpu-affinity",
         choices=("auto", "off"),
         default="auto",
-        help="auto (default): with --device cpu and at least one CPU more than workers, each worker on a CPU of its "
-        "own and the other processes on the rest (NITSUM_CPUS per child); off: wherever the kernel puts them",
+        help="auto (default): with --device cpu and at least one CPU more than the workers need (NITSUM_TORCH_THREADS "
+        "each), each worker on CPUs of its own and the other processes on the rest (NITSUM_CPUS per child); "
+        "off: wherever the kernel puts them",
     )
     args = p.parse_args(argv)
     if args.devices < 1:
@@ -149,7 +150,6 @@ def main(argv: list[str]) -> int:
 
     placement, where = cpu_placement(args, dict(os.environ))
     print(f"nitsum up: {where}", flush=True)
-    others = {"NITSUM_CPUS": placement.others} if placement is not None else {}
 
     nats: NatsServer | None = None
     passwords: dict[str, str] = {}
@@ -193,6 +193,8 @@ def main(argv: list[str]) -> int:
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if placement is not None:
+        base_env["NITSUM_CPUS"] = placement.others  # every child but the workers, which get their own below
 
     def env_for(identity: str, **extra: str) -> dict[str, str]:
         env = dict(base_env)
@@ -204,8 +206,8 @@ def main(argv: list[str]) -> int:
         return env
 
     children = [
-        Child("coordinator", "coordinator", env_for("coordinator", **others), run_dir / "coordinator.log"),
-        Child("flow-scheduler", "flow-scheduler", env_for("flow-scheduler", **others), run_dir / "flow-scheduler.log"),
+        Child("coordinator", "coordinator", env_for("coordinator"), run_dir / "coordinator.log"),
+        Child("flow-scheduler", "flow-scheduler", env_for("flow-scheduler"), run_dir / "flow-scheduler.log"),
     ]
     # Workers of the node join one process world (pre-built groups, shared weights) so that the
     # coordinator can merge and split them at run time.
@@ -229,7 +231,7 @@ def main(argv: list[str]) -> int:
                 run_dir / f"worker-{i}.log",
             )
         )
-    children.extend(_gateways(args, env_for, run_dir, others))
+    children.extend(_gateways(args, env_for, run_dir))
 
     stopping = {"flag": False}
 
@@ -266,14 +268,14 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def _gateways(args: argparse.Namespace, env_for, run_dir: Path, others: dict[str, str]) -> list[Child]:
+def _gateways(args: argparse.Namespace, env_for, run_dir: Path) -> list[Child]:
     """`--gateways N` gateway processes on one port (with N > 1 they share it: SO_REUSEPORT), all under the
     gateway's NATS identity; the first keeps the name `gateway`, the others are `gateway-1` ... `gateway-<N-1>`."""
     shared = {"NITSUM_GATEWAY_REUSE_PORT": "1"} if args.gateways > 1 else {}
     children = []
     for i in range(args.gateways):
         name = "gateway" if i == 0 else f"gateway-{i}"
-        env = env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host, **shared, **others)
+        env = env_for("gateway", NITSUM_GATEWAY_PORT=str(args.port), NITSUM_GATEWAY_HOST=args.host, **shared)
         children.append(Child(name, "gateway", env, run_dir / f"{name}.log"))
     return children
 
