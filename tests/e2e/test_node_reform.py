@@ -108,6 +108,13 @@ def running_mesh(tmp, model, **env_extra: str):
     mesh = start_mesh(tmp, devices=4, extra_args=("--model", str(model), "--policy", "static-tp:1"), env_extra=env)
     port = master_port(mesh)
     try:
+        # /ready means one worker serves; the others may still be registering (a topology asked for before the
+        # whole world has registered is refused), so every test starts from the four workers in the world.
+        wait_for(
+            mesh,
+            lambda s: len(s["workers"]) == 4 and all(w["in_world"] and w["generation"] == 0 for w in s["workers"]),
+            "the four workers did not register in the node world",
+        )
         yield mesh, port
     finally:
         stop_mesh(mesh.process)
@@ -140,6 +147,12 @@ async def admin(mesh, command: str, body: dict, timeout_s: float = 150.0) -> dic
         return json.loads(msg.data)
     finally:
         await nc.close()
+
+
+def set_topology(mesh, topology: str) -> dict:
+    answer = asyncio.run(admin(mesh, "set-topology", {"topology": topology}))
+    assert answer["ok"] is True, answer
+    return answer
 
 
 def status(mesh) -> dict:
@@ -187,10 +200,7 @@ async def stream_batch(mesh, batch, lengths, during=None):
 
 def test_killed_worker_is_restarted_and_the_node_world_reformed(mid_mesh):
     mesh, port, expected, expected_after = mid_mesh
-    # /ready means one worker serves; the others may still be registering.
-    st = wait_for(mesh, lambda s: len(s["workers"]) == 4, "the four workers did not register")
-    assert all(w["in_world"] and w["generation"] == 0 for w in st["workers"])
-    assert asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))["ok"]  # pins the node: only the test changes it
+    set_topology(mesh, TP1)  # pins the node: only the test changes it
     victim_pid = pids(mesh)["worker-0"]
 
     async def kill_device_0():
@@ -259,7 +269,7 @@ def test_a_tp2_group_that_kept_its_communicator_is_split_then_the_world_reformed
     in the world. Once device 3 is back in standby, the coordinator splits 0-1 to TP=1 (a transition sent to its
     leader only, inside its own communicator), then re-forms the world as generation 2; TP4 works again."""
     mesh, port, expected, expected_after = mid_mesh
-    assert asyncio.run(admin(mesh, "set-topology", {"topology": MIXED}))["ok"]
+    set_topology(mesh, MIXED)
     victim_pid = pids(mesh)["worker-3"]
 
     async def kill_device_3():
@@ -298,7 +308,7 @@ def test_a_group_that_survived_a_failed_merge_is_split_and_the_node_reformed(tmp
     communicator, re-forms the world as generation 1, and TP4 works again."""
     model, expected, expected_after = mid_model
     with running_mesh(tmp_path, model, NITSUM_FAULT_DIE_AT="prepare:2:3") as (mesh, port):
-        assert asyncio.run(admin(mesh, "set-topology", {"topology": SPLIT2}))["ok"]  # epoch 1; pins the node
+        set_topology(mesh, SPLIT2)  # epoch 1; pins the node
         victim_pid = pids(mesh)["worker-3"]
 
         async def failing_merge():
@@ -342,7 +352,7 @@ def test_streams_rerouted_by_the_loss_keep_their_tokens_across_a_merge_after_the
     batch = prompts(len(LONG), seed=22)
     expected = reference_tokens(model, batch, LONG)
     with running_mesh(tmp_path, model) as (mesh, port):
-        assert asyncio.run(admin(mesh, "set-topology", {"topology": TP1}))["ok"]  # pins the node
+        set_topology(mesh, TP1)  # pins the node
         victim_pid = pids(mesh)["worker-1"]
         seen: dict = {}
 
