@@ -90,6 +90,31 @@ def start_mesh(
     return Mesh(url, run_dir, home, process, log_path, nats_port)
 
 
+def wait_registered(mesh: Mesh, workers: int, in_world: bool = True, timeout_s: float = 120.0) -> dict:
+    """Admin `status` once `workers` workers have registered (each in the node world, given `in_world`): `nitsum up`
+    is ready when one worker serves, and a topology asked for before the others registered is refused. Stops the
+    mesh if they never do."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(
+            [sys.executable, "-m", "nitsum.cli", "admin", "--timeout", "10", "status"],
+            env=mesh.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        status = json.loads(out.stdout) if out.returncode == 0 else {"workers": [], "error": out.stderr[-2000:]}
+        found = status.get("workers", [])
+        if len(found) == workers and (not in_world or all(w["in_world"] for w in found)):
+            return status
+        if time.monotonic() > deadline:
+            stop_mesh(mesh.process)
+            raise AssertionError(f"{workers} workers never registered: {json.dumps(status)[:3000]}")
+        time.sleep(0.5)
+
+
 stop_mesh = stop_process  # Ctrl-C `nitsum up` as a user does; kill its process group only if it hangs
 
 

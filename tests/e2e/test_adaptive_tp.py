@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import start_mesh, stop_mesh
+from tests.e2e.conftest import start_mesh, stop_mesh, wait_registered
 from tests.e2e.harness import counter_total, prompts, stream_across_changes
 from tests.greedy_ties import check_greedy
 
@@ -52,6 +52,7 @@ def mesh4(tmp_path_factory, mid_dir):
         extra_args=("--model", str(mid_dir), "--policy", "static-tp:1"),
         env_extra={"NITSUM_FAULT_PREPARE_EPOCH": "4", "NITSUM_RECONFIG_INTERVAL_MS": "600000"},
     )
+    wait_registered(mesh, 4)
     yield mesh
     stop_mesh(mesh.process)
 
