@@ -13,6 +13,10 @@ uvloop like the services, aiohttp and nats-py like the gateway):
   (`<ns>.stream.<worker>.gw.<front>`); the coord answers the front with a SubmitReply-sized reply; the front
   answers HTTP once it has both the reply and the frame. The sizes are those of nitsum's codec for the bench's
   request of `--prompt-tokens` tokens (`message_sizes`); every hop unpacks and packs msgpack, nothing else.
+- `engine relay` (given a model): the relay floor with the real engine in its worker (`engine-worker`: the
+  requests join the engine's next step on a step thread, one frame per request and step). The least any mesh
+  with these hops and this engine spends: the engine now sees the requests the hops deliver (fewer at once than
+  the in-process baseline's batches of `--concurrency`), and every process shares the cores with it.
 
 The bench starts its own nats-server (plain, no accounts) for the relay floor. Each relay prints
 `ready <port>` once it listens; one that exits or is not ready in time raises RelayError with its name and
@@ -129,9 +133,11 @@ def run_floors(
     sizes: dict[str, int],
     timeout_s: float,
     per_token: Callable[[str], Any] | None = None,
+    model: str = "",
 ) -> dict:
     """Measure the http floor, then the relay floor (on a nats-server of its own), one after the other; then, with
-    `per_token`, its streams through the same relays (under "per_token")."""
+    `per_token`, its streams through the same relays (under "per_token"); then, given `model`, the engine relay
+    floor (the same relays, the worker running that model's engine)."""
     from nitsum.natsserver import NatsServer, free_port
 
     floors: dict[str, dict] = {}
@@ -151,6 +157,16 @@ def run_floors(
             if per_token is not None:
                 print("per-token floor: streams through the same relays ...", flush=True)
                 floors["per_token"] = per_token(f"http://127.0.0.1:{port}")
+        if model:
+            with Relays(run_dir / "engine-relay", ready_timeout_s=max(READY_TIMEOUT_S, timeout_s)) as relays:
+                relays.start("engine-worker", *common, "--model", model)
+                relays.start("coord", *common)
+                port = relays.start("front", *common)
+                print(
+                    f"engine relay floor on port {port} (the relay floor, its worker stepping the engine) ...",
+                    flush=True,
+                )
+                floors["engine_relay"] = measure(f"http://127.0.0.1:{port}")
     finally:
         nats.stop()
     return floors
@@ -159,17 +175,18 @@ def run_floors(
 def floor_result(compare, engine: dict, floors: dict, gateway: dict | None, sizes: dict[str, int]) -> dict:
     """The floor rows beside the mesh's (when it ran); `compare` is bench_gateway.compare.
 
-    A floor runs no engine, so all of its latency is added latency: its `added_latency_*` is its own latency
-    (what the hops alone cost), where the mesh's is its latency minus the in-process engine's, as the bench
-    reports it. Throughput ratios are all to the in-process engine."""
+    The http and relay floors run no engine, so all of their latency is added latency: their `added_latency_*` is
+    their own latency (what the hops alone cost), where the engine relay's and the mesh's is their latency minus
+    the in-process engine's, as the bench reports it. Throughput ratios are all to the in-process engine."""
     rows: dict[str, dict] = {}
     for name, measured in (*floors.items(), *((("mesh", gateway),) if gateway is not None else ())):
         c = compare(engine, measured)
         lat = c["gateway_latency_ms"]
+        has_engine = name in ("mesh", "engine_relay")
         rows[name] = {
             "latency_ms": lat,
-            "added_latency_p50_ms": c["added_latency_p50_ms"] if name == "mesh" else lat["p50"],
-            "added_latency_p90_ms": c["added_latency_p90_ms"] if name == "mesh" else lat["p90"],
+            "added_latency_p50_ms": c["added_latency_p50_ms"] if has_engine else lat["p50"],
+            "added_latency_p90_ms": c["added_latency_p90_ms"] if has_engine else lat["p90"],
             "requests_per_s": c["gateway_requests_per_s"],
             "throughput_ratio": c["throughput_ratio"],
             "throughput_cpu_ms_per_request": measured.get("throughput_cpu_ms_per_request"),
@@ -199,6 +216,7 @@ def format_floor(engine_latency: dict, engine_rps: float, floor: dict) -> str:
     labels = {
         "http": "http floor (aiohttp only)",
         "relay": "relay floor (3 procs, NATS)",
+        "engine_relay": "relay floor + real engine",
         "mesh": "mesh (nitsum up)",
     }
     lines = [

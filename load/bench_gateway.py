@@ -23,7 +23,9 @@ The in-process baseline runs first, while no mesh is running, so the two never s
 
 With `--floor`, the same requests then go through bare relays of the mesh's processes and hops (an aiohttp
 server alone; aiohttp -> NATS -> coord -> NATS -> worker -> frame back, no nitsum code): what the hops alone
-cost, so mesh-added minus floor-added is what nitsum's own code adds (load/bench_floor.py). `--floor-only`
+cost, so mesh-added minus floor-added is what nitsum's own code adds (load/bench_floor.py); and through the
+same relays with the real engine stepping in the worker relay: the most any mesh with these hops and this
+engine serves here. `--floor-only`
 skips the mesh phase (the in-process engine still runs first).
 """
 
@@ -319,6 +321,7 @@ def floor_phase(args, run_dir: Path, engine: dict, gateway: dict | None, lat, tp
         sizes,
         args.timeout,
         per_token=token_floors if args.floor_tokens else None,
+        model=args.model,
     )
     tokens = floors.pop("per_token", None)
     result = bench_floor.floor_result(compare, engine, floors, gateway, sizes)

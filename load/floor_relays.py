@@ -4,7 +4,10 @@
 Roles: `http` (an aiohttp server answering a fixed, completion-shaped JSON body), and the relay floor's `front`
 (aiohttp -> NATS request to the submit subject), `coord` (queue group; NATS-requests the worker) and `worker`
 (answers, publishes one frame to the front's frame subject), with messages of the sizes nitsum's codec gives
-(`message_sizes`) and no nitsum code. Each prints `ready <port>` once it listens and stops on SIGTERM/SIGINT;
+(`message_sizes`) and no nitsum code. `engine-worker` is the worker with the real engine in it (`--model`, built
+as the in-process baseline builds it): the requests it is asked to run join the engine's next step, stepped on
+a thread of its own while the loop answers and publishes, one frame per request and step -- the least a worker
+around this engine must do, none of the worker service's code. Each prints `ready <port>` once it listens and stops on SIGTERM/SIGINT;
 one that cannot start says why on stderr and exits non-zero.
 """
 
@@ -27,7 +30,7 @@ SUBMIT_SUBJECT = f"{NAMESPACE}.req.submit"
 RUN_SUBJECT = f"{NAMESPACE}.worker.{WORKER_ID}.run"
 COORD_QUEUE = "coordinator"
 READY_TIMEOUT_S = 30.0
-ROLES = ("http", "front", "coord", "worker")
+ROLES = ("http", "front", "coord", "worker", "engine-worker")
 
 # The fixed answer of both floors: a non-streamed 1-token completion, as the gateway answers one.
 COMPLETION = {
@@ -244,6 +247,63 @@ async def serve_worker(args) -> tuple[list, int]:
     return [close], 0
 
 
+async def serve_engine_worker(args) -> tuple[list, int]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from nitsum.engine.params import SamplingParams
+    from nitsum_load.bench_gateway import build_in_process
+
+    engine = build_in_process(args.model)
+    nc = await _nats(args.nats, "floor-engine-worker")
+    loop = asyncio.get_running_loop()
+    step_thread = ThreadPoolExecutor(1)
+    arrived: list[tuple[str, list, int]] = []  # (request id, prompt, tokens) since the last step began
+    streams: dict[str, list] = {}  # request id -> [frame subject, prompt length, tokens sent]
+    wake = asyncio.Event()
+
+    def step(new: list[tuple[str, list, int]]) -> list:
+        with torch.inference_mode():
+            for rid, prompt, tokens in new:
+                engine.add_request(rid, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+            return engine.step()
+
+    async def stepping() -> None:
+        while True:
+            if not arrived and not engine.has_unfinished():
+                wake.clear()
+                await wake.wait()
+                continue
+            new = arrived[:]
+            arrived.clear()
+            for out in await loop.run_in_executor(step_thread, step, new):
+                stream = streams[out.request_id]
+                fields = [out.request_id, WORKER_ID, stream[2], list(out.new_token_ids), out.text_delta]
+                stream[2] += len(out.new_token_ids)
+                await nc.publish(stream[0], padded([*fields, out.finished, stream[1]], args.frame_bytes))
+                if out.finished:  # a hybrid engine drops a finished request itself
+                    del streams[out.request_id]
+
+    async def on_run(msg) -> None:
+        rid, subject, prompt, tokens = msgpack.unpackb(msg.data)[:4]
+        await nc.publish(msg.reply, padded([rid, WORKER_ID, True], args.run_ack_bytes))
+        streams[rid] = [subject, len(prompt), 0]
+        arrived.append((rid, prompt, max(1, tokens)))
+        wake.set()
+
+    task = asyncio.create_task(stepping())
+    await nc.subscribe(RUN_SUBJECT, cb=on_run)
+    await nc.flush()
+
+    async def close() -> None:
+        task.cancel()
+        await nc.close()
+        step_thread.shutdown(wait=False, cancel_futures=True)
+
+    return [close], 0
+
+
 def _sleep_until(deadline: float) -> None:
     delay = deadline - time.perf_counter()
     if delay > 0:
@@ -255,7 +315,13 @@ def _spin_until(deadline: float) -> None:
         pass
 
 
-SERVE = {"http": serve_http, "front": serve_front, "coord": serve_coord, "worker": serve_worker}
+SERVE = {
+    "http": serve_http,
+    "front": serve_front,
+    "coord": serve_coord,
+    "worker": serve_worker,
+    "engine-worker": serve_engine_worker,
+}
 
 
 async def _serve(args) -> None:
@@ -275,11 +341,14 @@ def relay_main(argv: list[str]) -> int:
     p.add_argument("role", choices=ROLES)
     p.add_argument("--nats", default="", help="nats-server URL (front, coord, worker)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout of a relay's own requests")
+    p.add_argument("--model", default="", help="engine-worker: the model (as `nitsum bench gateway --model`)")
     for name in ("submit", "run", "run-ack", "submit-reply", "frame"):
         p.add_argument(f"--{name}-bytes", type=int, default=0, help=f"size of the {name} message")
     args = p.parse_args(argv)
     if args.role != "http" and not args.nats:
         p.error(f"{args.role} needs --nats")
+    if args.role == "engine-worker" and not args.model:
+        p.error("engine-worker needs --model")
     try:
         import uvloop
 

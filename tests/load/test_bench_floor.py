@@ -88,6 +88,51 @@ def test_front_streams_one_sse_chunk_per_worker_frame(tmp_path, nats_server):
     assert all(x > 0 for x in measured["total_ms"] + measured["single_total_ms"])
 
 
+def test_engine_worker_streams_the_engines_own_tokens(tmp_path, nats_server, nitsum_home):
+    """The engine relay's worker: requests asked for one after another join its engine's steps; each stream's frames
+    carry, in order and indexed from 0, exactly the tokens of the same greedy requests on an in-process engine."""
+    import nats
+
+    from nitsum.engine.params import SamplingParams
+
+    batch, tokens = bg.prompts(4, 16), 6
+    with bf.Relays(tmp_path, ready_timeout_s=120.0) as relays:
+        relays.start("engine-worker", "--nats", nats_server.url, "--model", "tiny")
+
+        async def run() -> dict[str, list]:
+            nc = await nats.connect(servers=[nats_server.url])
+            frames: dict[str, list] = {}
+            done = asyncio.Event()
+
+            async def on_frame(msg) -> None:
+                frame = msgpack.unpackb(msg.data)
+                frames.setdefault(frame[0], []).append(frame)
+                if sum(1 for f in frames.values() if f[-1][5]) == len(batch):
+                    done.set()
+
+            await nc.subscribe("test.frames", cb=on_frame)
+            for i, prompt in enumerate(batch):
+                ack = msgpack.unpackb(
+                    (
+                        await nc.request(
+                            fr.RUN_SUBJECT, msgpack.packb([f"r{i}", "test.frames", prompt, tokens]), timeout=30
+                        )
+                    ).data
+                )
+                assert ack[:3] == [f"r{i}", fr.WORKER_ID, True]
+            await asyncio.wait_for(done.wait(), 60)
+            await nc.close()
+            return frames
+
+        frames = asyncio.run(run())
+    expected = bg.build_in_process("tiny").generate(batch, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    for i, want in enumerate(expected):
+        got = frames[f"r{i}"]
+        assert [t for f in got for t in f[3]] == want
+        assert [f[2] for f in got] == list(range(tokens)) and [f[5] for f in got] == [False] * (tokens - 1) + [True]
+        assert all(f[6] == len(batch[i]) for f in got)
+
+
 def test_a_relay_that_cannot_start_is_named_with_its_stderr(tmp_path):
     closed = free_port()  # nothing listens there
     with bf.Relays(tmp_path) as relays:
@@ -115,10 +160,15 @@ def test_floor_only_run_carries_the_floor_rows(tmp_path, nitsum_home, capsys):
     assert bg.main(argv) == 0
     result = json.loads(out.read_text())
     rows = result["floor"]["rows"]
-    assert set(rows) == {"http", "relay"}  # no mesh phase
-    for row in rows.values():
+    assert set(rows) == {"http", "relay", "engine_relay"}  # no mesh phase
+    for name, row in rows.items():
         assert row["latency_ms"]["p50"] > 0 and row["requests_per_s"] > 0 and row["throughput_ratio"] > 0
-        assert row["added_latency_p50_ms"] == row["latency_ms"]["p50"]  # a floor runs no engine
+        if name != "engine_relay":
+            assert row["added_latency_p50_ms"] == row["latency_ms"]["p50"]  # a floor without an engine
+    engine_p50 = result["engine_latency_ms"]["p50"]
+    assert rows["engine_relay"]["added_latency_p50_ms"] == pytest.approx(
+        rows["engine_relay"]["latency_ms"]["p50"] - engine_p50
+    )
     assert result["floor"]["message_bytes"] == bf.message_sizes(bg.prompts(1, 16)[0])
     assert "gateway_latency_ms" not in result and result["engine_requests_per_s"] > 0
     tokens = result["floor"]["per_token"]
@@ -126,7 +176,8 @@ def test_floor_only_run_carries_the_floor_rows(tmp_path, nitsum_home, capsys):
     for paced in (tokens["paced"], tokens["paced_spinning"]):
         assert paced["per_token_ms"]["p50"] > 0 and paced["per_token_over_step"] > 0
     text = capsys.readouterr().out
-    assert "relay floor (3 procs, NATS)" in text and "mesh (nitsum up)" not in text
+    assert "relay floor (3 procs, NATS)" in text and "relay floor + real engine" in text
+    assert "mesh (nitsum up)" not in text
 
 
 @pytest.mark.parametrize(
