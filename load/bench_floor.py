@@ -157,22 +157,49 @@ def run_floors(
             if per_token is not None:
                 print("per-token floor: streams through the same relays ...", flush=True)
                 floors["per_token"] = per_token(f"http://127.0.0.1:{port}")
-        if model:
-            with Relays(run_dir / "engine-relay", ready_timeout_s=max(READY_TIMEOUT_S, timeout_s)) as relays:
-                relays.start("engine-worker", *common, "--model", model)
+        for name, inline in (("engine_relay", ()), ("engine_relay_inline", ("--step-inline",))) if model else ():
+            with Relays(run_dir / name, ready_timeout_s=max(READY_TIMEOUT_S, timeout_s)) as relays:
+                relays.start("engine-worker", *common, "--model", model, *inline)
                 relays.start("coord", *common)
                 port = relays.start("front", *common)
-                print(
-                    f"engine relay floor on port {port} (the relay floor, its worker stepping the engine) ...",
-                    flush=True,
-                )
-                floors["engine_relay"] = measure(f"http://127.0.0.1:{port}")
+                where = "on the event loop" if inline else "on a step thread"
+                print(f"engine relay floor on port {port} (its worker steps the engine {where}) ...", flush=True)
+                floors[name] = measure(f"http://127.0.0.1:{port}")
+                floors[name]["engine_steps"] = engine_steps(nats.url)
     finally:
         nats.stop()
     return floors
 
 
-def floor_result(compare, engine: dict, floors: dict, gateway: dict | None, sizes: dict[str, int]) -> dict:
+def engine_steps(nats_url: str) -> dict:
+    """The engine relay worker's counters: steps, requests that joined them, outputs (one per request stepped)."""
+    import asyncio
+
+    import msgpack
+    import nats as nats_py
+
+    from nitsum_load.floor_relays import STATS_SUBJECT
+
+    async def ask() -> dict:
+        nc = await nats_py.connect(servers=[nats_url])
+        try:
+            return msgpack.unpackb((await nc.request(STATS_SUBJECT, b"", timeout=10)).data)
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def throughput_batch(steps: dict, sequential: int) -> float | None:
+    """Mean outputs per step of the throughput phase: the latency phase before it sent `sequential` 1-token
+    requests one at a time, each a step of one output of its own, so they come off both counters."""
+    n = steps["steps"] - sequential
+    return (steps["outputs"] - sequential) / n if n > 0 else None
+
+
+def floor_result(
+    compare, engine: dict, floors: dict, gateway: dict | None, sizes: dict[str, int], warmup: int = 0
+) -> dict:
     """The floor rows beside the mesh's (when it ran); `compare` is bench_gateway.compare.
 
     The http and relay floors run no engine, so all of their latency is added latency: their `added_latency_*` is
@@ -182,7 +209,7 @@ def floor_result(compare, engine: dict, floors: dict, gateway: dict | None, size
     for name, measured in (*floors.items(), *((("mesh", gateway),) if gateway is not None else ())):
         c = compare(engine, measured)
         lat = c["gateway_latency_ms"]
-        has_engine = name in ("mesh", "engine_relay")
+        has_engine = name in ("mesh", "engine_relay", "engine_relay_inline")
         rows[name] = {
             "latency_ms": lat,
             "added_latency_p50_ms": c["added_latency_p50_ms"] if has_engine else lat["p50"],
@@ -191,6 +218,10 @@ def floor_result(compare, engine: dict, floors: dict, gateway: dict | None, size
             "throughput_ratio": c["throughput_ratio"],
             "throughput_cpu_ms_per_request": measured.get("throughput_cpu_ms_per_request"),
         }
+        if "engine_steps" in measured:
+            sequential = len(measured["latency_ms"]) + warmup
+            rows[name]["engine_steps"] = measured["engine_steps"]
+            rows[name]["throughput_batch"] = throughput_batch(measured["engine_steps"], sequential)
     out: dict[str, Any] = {
         "rows": rows,
         "engine_throughput_cpu_ms_per_request": engine.get("throughput_cpu_ms_per_request"),
@@ -216,7 +247,8 @@ def format_floor(engine_latency: dict, engine_rps: float, floor: dict) -> str:
     labels = {
         "http": "http floor (aiohttp only)",
         "relay": "relay floor (3 procs, NATS)",
-        "engine_relay": "relay floor + real engine",
+        "engine_relay": "relay floor + engine (thread)",
+        "engine_relay_inline": "relay floor + engine (inline)",
         "mesh": "mesh (nitsum up)",
     }
     lines = [
@@ -240,6 +272,16 @@ def format_floor(engine_latency: dict, engine_rps: float, floor: dict) -> str:
             )
             + f"; engine + relay floor on all {b['cpus']} cores: at most {b['requests_per_s']:.0f} requests/s"
             f" ({b['ratio']:.2f}x the engine)"
+        )
+    batches = [
+        f"{labels[name]} {row['throughput_batch']:.1f}"
+        for name, row in floor["rows"].items()
+        if row.get("throughput_batch") is not None
+    ]
+    if batches:
+        lines.append(
+            f"requests per engine step at concurrency: in-process {floor.get('concurrency', '?')}, "
+            + ", ".join(batches)
         )
     if "own_code_added_p50_ms" in floor:
         lines.append(

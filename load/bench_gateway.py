@@ -324,7 +324,8 @@ def floor_phase(args, run_dir: Path, engine: dict, gateway: dict | None, lat, tp
         model=args.model,
     )
     tokens = floors.pop("per_token", None)
-    result = bench_floor.floor_result(compare, engine, floors, gateway, sizes)
+    result = bench_floor.floor_result(compare, engine, floors, gateway, sizes, warmup=args.warmup)
+    result["concurrency"] = args.concurrency
     if tokens is not None:
         result["per_token"] = bench_floor_tokens.tokens_result(args.floor_tokens, step_ms, *tokens)
     return result

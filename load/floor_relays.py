@@ -6,8 +6,9 @@ Roles: `http` (an aiohttp server answering a fixed, completion-shaped JSON body)
 (answers, publishes one frame to the front's frame subject), with messages of the sizes nitsum's codec gives
 (`message_sizes`) and no nitsum code. `engine-worker` is the worker with the real engine in it (`--model`, built
 as the in-process baseline builds it): the requests it is asked to run join the engine's next step, stepped on
-a thread of its own while the loop answers and publishes, one frame per request and step -- the least a worker
-around this engine must do, none of the worker service's code. Each prints `ready <port>` once it listens and stops on SIGTERM/SIGINT;
+a thread of its own while the loop answers and publishes (`--step-inline`: on the event loop itself, no thread
+hand-off), one frame per request and step -- the least a worker around this engine must do, none of the worker
+service's code. It answers `STATS_SUBJECT` with its steps and the requests that joined them. Each prints `ready <port>` once it listens and stops on SIGTERM/SIGINT;
 one that cannot start says why on stderr and exits non-zero.
 """
 
@@ -28,6 +29,7 @@ NAMESPACE = "floor"
 WORKER_ID = "w0"
 SUBMIT_SUBJECT = f"{NAMESPACE}.req.submit"
 RUN_SUBJECT = f"{NAMESPACE}.worker.{WORKER_ID}.run"
+STATS_SUBJECT = f"{NAMESPACE}.worker.{WORKER_ID}.stats"  # engine-worker: its steps so far (msgpack map)
 COORD_QUEUE = "coordinator"
 READY_TIMEOUT_S = 30.0
 ROLES = ("http", "front", "coord", "worker", "engine-worker")
@@ -262,6 +264,7 @@ async def serve_engine_worker(args) -> tuple[list, int]:
     arrived: list[tuple[str, list, int]] = []  # (request id, prompt, tokens) since the last step began
     streams: dict[str, list] = {}  # request id -> [frame subject, prompt length, tokens sent]
     wake = asyncio.Event()
+    stats = {"steps": 0, "requests": 0, "outputs": 0}  # outputs: Σ over steps of the requests a step advanced
 
     def step(new: list[tuple[str, list, int]]) -> list:
         with torch.inference_mode():
@@ -277,7 +280,15 @@ async def serve_engine_worker(args) -> tuple[list, int]:
                 continue
             new = arrived[:]
             arrived.clear()
-            for out in await loop.run_in_executor(step_thread, step, new):
+            if args.step_inline:
+                outs = step(new)
+                await asyncio.sleep(0)  # what arrived meanwhile is read before the next step
+            else:
+                outs = await loop.run_in_executor(step_thread, step, new)
+            stats["steps"] += 1
+            stats["requests"] += len(new)
+            stats["outputs"] += len(outs)
+            for out in outs:
                 stream = streams[out.request_id]
                 fields = [out.request_id, WORKER_ID, stream[2], list(out.new_token_ids), out.text_delta]
                 stream[2] += len(out.new_token_ids)
@@ -292,8 +303,12 @@ async def serve_engine_worker(args) -> tuple[list, int]:
         arrived.append((rid, prompt, max(1, tokens)))
         wake.set()
 
+    async def on_stats(msg) -> None:
+        await nc.publish(msg.reply, msgpack.packb(stats))
+
     task = asyncio.create_task(stepping())
     await nc.subscribe(RUN_SUBJECT, cb=on_run)
+    await nc.subscribe(STATS_SUBJECT, cb=on_stats)
     await nc.flush()
 
     async def close() -> None:
@@ -342,6 +357,7 @@ def relay_main(argv: list[str]) -> int:
     p.add_argument("--nats", default="", help="nats-server URL (front, coord, worker)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout of a relay's own requests")
     p.add_argument("--model", default="", help="engine-worker: the model (as `nitsum bench gateway --model`)")
+    p.add_argument("--step-inline", action="store_true", help="engine-worker: step on the event loop, not a thread")
     for name in ("submit", "run", "run-ack", "submit-reply", "frame"):
         p.add_argument(f"--{name}-bytes", type=int, default=0, help=f"size of the {name} message")
     args = p.parse_args(argv)

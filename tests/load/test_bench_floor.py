@@ -88,7 +88,8 @@ def test_front_streams_one_sse_chunk_per_worker_frame(tmp_path, nats_server):
     assert all(x > 0 for x in measured["total_ms"] + measured["single_total_ms"])
 
 
-def test_engine_worker_streams_the_engines_own_tokens(tmp_path, nats_server, nitsum_home):
+@pytest.mark.parametrize("inline", [False, True])
+def test_engine_worker_streams_the_engines_own_tokens(tmp_path, nats_server, nitsum_home, inline):
     """The engine relay's worker: requests asked for one after another join its engine's steps; each stream's frames
     carry, in order and indexed from 0, exactly the tokens of the same greedy requests on an in-process engine."""
     import nats
@@ -97,7 +98,9 @@ def test_engine_worker_streams_the_engines_own_tokens(tmp_path, nats_server, nit
 
     batch, tokens = bg.prompts(4, 16), 6
     with bf.Relays(tmp_path, ready_timeout_s=120.0) as relays:
-        relays.start("engine-worker", "--nats", nats_server.url, "--model", "tiny")
+        relays.start(
+            "engine-worker", "--nats", nats_server.url, "--model", "tiny", *(["--step-inline"] if inline else [])
+        )
 
         async def run() -> dict[str, list]:
             nc = await nats.connect(servers=[nats_server.url])
@@ -125,6 +128,9 @@ def test_engine_worker_streams_the_engines_own_tokens(tmp_path, nats_server, nit
             return frames
 
         frames = asyncio.run(run())
+        steps = bf.engine_steps(nats_server.url)
+    assert steps["requests"] == len(batch) and steps["outputs"] == len(batch) * tokens
+    assert tokens <= steps["steps"] <= len(batch) * tokens
     expected = bg.build_in_process("tiny").generate(batch, SamplingParams(max_tokens=tokens, ignore_eos=True))
     for i, want in enumerate(expected):
         got = frames[f"r{i}"]
@@ -160,12 +166,16 @@ def test_floor_only_run_carries_the_floor_rows(tmp_path, nitsum_home, capsys):
     assert bg.main(argv) == 0
     result = json.loads(out.read_text())
     rows = result["floor"]["rows"]
-    assert set(rows) == {"http", "relay", "engine_relay"}  # no mesh phase
+    assert set(rows) == {"http", "relay", "engine_relay", "engine_relay_inline"}  # no mesh phase
     for name, row in rows.items():
         assert row["latency_ms"]["p50"] > 0 and row["requests_per_s"] > 0 and row["throughput_ratio"] > 0
-        if name != "engine_relay":
+        if not name.startswith("engine_relay"):
             assert row["added_latency_p50_ms"] == row["latency_ms"]["p50"]  # a floor without an engine
     engine_p50 = result["engine_latency_ms"]["p50"]
+    for name in ("engine_relay", "engine_relay_inline"):
+        # 7 requests one at a time (1 warm-up, 6 timed), then 6 more at 2 in flight: every one of them stepped once
+        assert rows[name]["engine_steps"]["requests"] == 13 and rows[name]["engine_steps"]["outputs"] == 13
+        assert 1.0 <= rows[name]["throughput_batch"] <= 2.0
     assert rows["engine_relay"]["added_latency_p50_ms"] == pytest.approx(
         rows["engine_relay"]["latency_ms"]["p50"] - engine_p50
     )
@@ -176,7 +186,7 @@ def test_floor_only_run_carries_the_floor_rows(tmp_path, nitsum_home, capsys):
     for paced in (tokens["paced"], tokens["paced_spinning"]):
         assert paced["per_token_ms"]["p50"] > 0 and paced["per_token_over_step"] > 0
     text = capsys.readouterr().out
-    assert "relay floor (3 procs, NATS)" in text and "relay floor + real engine" in text
+    assert "relay floor (3 procs, NATS)" in text and "relay floor + engine (inline)" in text
     assert "mesh (nitsum up)" not in text
 
 
