@@ -187,11 +187,18 @@ def ephemeral_low() -> int:
         return 32768
 
 
+# Ports this process has handed out (free_port, and the spans `nitsum up` picks for node worlds): a probe
+# reserves nothing, so without this two picks of one `nitsum up` could land on the same port before either child
+# binds it (a metrics port inside a node world's rendezvous span: the world's TCPStore then fails, EADDRINUSE).
+HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now for a listener on `host`. Picked at random below the kernel's ephemeral range when there is
-    room: a probe reserves nothing, and an ephemeral port can become some outgoing connection's local port (a NATS
-    client, a gloo pair, an HTTP call) between this probe and the listener's bind -- EADDRINUSE, seen on loaded
-    machines. Ports below that range are only ever taken by listeners, which the probe sees."""
+    """A port free now for a listener on `host`, and not handed out before by this process (`HANDED_OUT`). Picked
+    at random below the kernel's ephemeral range when there is room: a probe reserves nothing, and an ephemeral
+    port can become some outgoing connection's local port (a NATS client, a gloo pair, an HTTP call) between this
+    probe and the listener's bind -- EADDRINUSE, seen on loaded machines. Ports below that range are only ever
+    taken by listeners, which the probe sees."""
     import random
 
     low = ephemeral_low()
@@ -199,15 +206,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         rng = random.Random()
         for _ in range(100):
             port = rng.randrange(LOWEST_PICKED_PORT, low)
+            if port in HANDED_OUT:
+                continue
             with socket.socket() as s:
                 try:
                     s.bind((host, port))
                 except OSError:
                     continue
+            HANDED_OUT.add(port)
             return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in HANDED_OUT:
+            HANDED_OUT.add(port)
+            return port
+    raise RuntimeError(f"no free port for a listener on {host}")
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> bool:

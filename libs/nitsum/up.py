@@ -20,7 +20,15 @@ from pathlib import Path
 
 from nitsum.config import default_home
 from nitsum.cpus import Placement, allowed_cpus, parse_cpu_list, plan_placement
-from nitsum.natsserver import NatsServer, free_port, new_passwords, render_config, worker_identity, write_secure
+from nitsum.natsserver import (
+    HANDED_OUT,
+    NatsServer,
+    free_port,
+    new_passwords,
+    render_config,
+    worker_identity,
+    write_secure,
+)
 from nitsum.supervise import (
     MAX_PORT_RETRIES,
     MAX_RESTARTS_PER_MINUTE,
@@ -150,6 +158,7 @@ def main(argv: list[str]) -> int:
 
     placement, where = cpu_placement(args, dict(os.environ))
     print(f"nitsum up: {where}", flush=True)
+    HANDED_OUT.add(args.port)  # the gateway binds it last: no port picked below may land on it
 
     nats: NatsServer | None = None
     passwords: dict[str, str] = {}
@@ -304,17 +313,26 @@ def _free_port_span(count: int = 0) -> int:
     from nitsum.natsserver import LOWEST_PICKED_PORT, ephemeral_low
 
     count = count or NODE_PORT_SPAN
+
+    def take(base: int) -> int:  # later picks of this process (metrics ports) keep out of the span
+        HANDED_OUT.update(range(base, base + count))
+        return base
+
+    def unclaimed(base: int) -> bool:
+        return not HANDED_OUT.intersection(range(base, base + count))
+
     low = ephemeral_low()
     if low - count > LOWEST_PICKED_PORT:
         rng = random.Random()
         for _ in range(200):
             base = rng.randrange(LOWEST_PICKED_PORT, low - count)
-            if all(_port_free(base + i) for i in range(count)):
-                return base
+            if unclaimed(base) and all(_port_free(base + i) for i in range(count)):
+                return take(base)
     for _ in range(200):
         base = free_port()
-        if base + count - 1 <= 65535 and all(_port_free(base + i) for i in range(1, count)):
-            return base
+        rest = range(base + 1, base + count)  # free_port handed out `base` itself
+        if base + count - 1 <= 65535 and not HANDED_OUT.intersection(rest) and all(_port_free(p) for p in rest):
+            return take(base)
     raise RuntimeError(f"no {count} consecutive free ports found for the node world's rendezvous")
 
 

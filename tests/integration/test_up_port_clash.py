@@ -97,3 +97,29 @@ def test_the_node_worlds_port_span_lies_below_the_ephemeral_range():
         if low - NODE_PORT_SPAN > 10000:
             assert 10000 <= base and base + NODE_PORT_SPAN <= low
         assert all(_port_free(base + i) for i in range(NODE_PORT_SPAN))
+
+
+def test_ports_picked_in_one_process_never_collide(monkeypatch):
+    """A probe reserves nothing, so `nitsum up` remembers what it handed out: a metrics port never lands inside a
+    node world's rendezvous span picked before it (the world's TCPStore failed with EADDRINUSE in a CI run), and a
+    span never takes a port handed out before it. Checked on a crowded range: every pick from 1,001 ports."""
+    from nitsum import natsserver
+    from nitsum.config import NODE_PORT_SPAN
+    from nitsum.up import _free_port_span
+
+    lowest = natsserver.LOWEST_PICKED_PORT
+    monkeypatch.setattr(natsserver, "ephemeral_low", lambda: lowest + 1001)
+    before = set(natsserver.HANDED_OUT)
+    natsserver.HANDED_OUT.clear()
+    try:
+        picks = []
+        for _ in range(10):
+            base = _free_port_span()
+            picks += list(range(base, base + NODE_PORT_SPAN))
+            picks += [natsserver.free_port() for _ in range(20)]
+        assert len(picks) == len(set(picks))
+        assert set(picks) == natsserver.HANDED_OUT
+        assert all(lowest <= p < lowest + 1001 for p in picks)
+    finally:
+        natsserver.HANDED_OUT.clear()
+        natsserver.HANDED_OUT.update(before)
