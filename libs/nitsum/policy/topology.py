@@ -27,7 +27,8 @@ How a decision is made, per node, every epoch (`NITSUM_RECONFIG_INTERVAL_MS`) an
               expected to remain, the stream's part recurs every horizon, the backlog's is earned once.
     hysteresis ─ switch only if best − current > max(`hysteresis_margin` (weighted requests),
               `hysteresis_fraction` · |current score|); together with the dwell time this stops flapping
-              under an oscillating load or noisy measured arrival rates.
+              under an oscillating load or noisy measured arrival rates. Leaving the boot layout (chosen for
+              no load) takes the fixed `hysteresis_margin` only.
     shifts  ─ with measured shifts of the stream (`load_shift_ms`): no change until the window settles, then
               at most one change until the load shifts again; except at boot (the node never changed), where
               the estimate's layout for the first snapshot with arrivals is taken at once and not counted.
@@ -253,9 +254,14 @@ class AdaptivePolicy(BasePolicy):
             return change_worth(x[0], x[4], x[1], cur_est.score, cur_backlog, scale)
 
         best = max(scored, key=worth)
+        # At boot (the node never changed): see `boot` below.
+        boot = node.last_reconfig_ms is None and (bool(snap.arrivals) or snap.load_shift_ms is None)
         # The hysteresis margin guards against the estimate's noise, which the phase scale multiplies too: in
         # the same units as `worth`, so the remaining phase discounts only the one-time cost of the change.
-        margin = max(cfg.hysteresis_margin, cfg.hysteresis_fraction * abs(cur_est.score)) * scale
+        # Rule 28: its relative part guards a layout chosen for the load against noise in proportion to that
+        # load's score; the boot layout was chosen for no load, so leaving it takes the fixed part only.
+        fraction = 0.0 if boot else cfg.hysteresis_fraction
+        margin = max(cfg.hysteresis_margin, fraction * abs(cur_est.score)) * scale
         chosen = best
         if direction:
             along = [x for x in scored if (mean_tp(x[2]) - cur_mean) * direction > 0]
@@ -270,7 +276,6 @@ class AdaptivePolicy(BasePolicy):
         # the first snapshot with work replaces the boot layout at once (no KV to move yet), and it does not count
         # as the change this load allows.
         # (Where arrivals are measured, a first snapshot before any has been counted is no basis to choose from.)
-        boot = node.last_reconfig_ms is None and (bool(snap.arrivals) or snap.load_shift_ms is None)
         # Rule 25: the node's last change came before the load shifted (chosen for the old load, or from a window
         # that mixed the two): once the shift is `shift_revise_ms` old, the node may change, inside the settle
         # time, once. (ArrivalWindow dates a shift at the start of the window that showed it, so with a 5 s window
