@@ -258,7 +258,7 @@ class AdaptivePolicy(BasePolicy):
         boot = node.last_reconfig_ms is None and (bool(snap.arrivals) or snap.load_shift_ms is None)
         # The hysteresis margin guards against the estimate's noise, which the phase scale multiplies too: in
         # the same units as `worth`, so the remaining phase discounts only the one-time cost of the change.
-        # Rule 28: its relative part guards a layout chosen for the load against noise in proportion to that
+        # Rule 29: its relative part guards a layout chosen for the load against noise in proportion to that
         # load's score; the boot layout was chosen for no load, so leaving it takes the fixed part only.
         fraction = 0.0 if boot else cfg.hysteresis_fraction
         margin = max(cfg.hysteresis_margin, fraction * abs(cur_est.score)) * scale
