@@ -102,15 +102,16 @@ def test_the_node_worlds_port_span_lies_below_the_ephemeral_range():
 def test_ports_picked_in_one_process_never_collide(monkeypatch):
     """A probe reserves nothing, so `nitsum up` remembers what it handed out: a metrics port never lands inside a
     node world's rendezvous span picked before it (the world's TCPStore failed with EADDRINUSE in a CI run), and a
-    span never takes a port handed out before it. Checked on a crowded range: every pick from 4,001 ports, of which the picks take 360 (with 1,001 the last spans
-    found no 16 unclaimed ports in a row among 200 random tries now and then: a test of luck, not of the rule)."""
+    span never takes a port handed out before it. Checked on a crowded range: every pick from 4,001 ports, of which
+    the picks take 360 (with 1,001 the last spans now and then found no 16 unclaimed ports in a row among 200 random
+    tries: a test of luck, not of the rule)."""
     from nitsum import natsserver
     from nitsum.config import NODE_PORT_SPAN
     from nitsum.up import _free_port_span
 
     lowest = natsserver.LOWEST_PICKED_PORT
-    RANGE = 4001
-    monkeypatch.setattr(natsserver, "ephemeral_low", lambda: lowest + RANGE)
+    width = 4001
+    monkeypatch.setattr(natsserver, "ephemeral_low", lambda: lowest + width)
     before = set(natsserver.HANDED_OUT)
     natsserver.HANDED_OUT.clear()
     try:
@@ -121,7 +122,7 @@ def test_ports_picked_in_one_process_never_collide(monkeypatch):
             picks += [natsserver.free_port() for _ in range(20)]
         assert len(picks) == len(set(picks))
         assert set(picks) == natsserver.HANDED_OUT
-        assert all(lowest <= p < lowest + RANGE for p in picks)
+        assert all(lowest <= p < lowest + width for p in picks)
     finally:
         natsserver.HANDED_OUT.clear()
         natsserver.HANDED_OUT.update(before)

@@ -254,7 +254,7 @@ class AdaptivePolicy(BasePolicy):
             return change_worth(x[0], x[4], x[1], cur_est.score, cur_backlog, scale)
 
         best = max(scored, key=worth)
-        # At boot (the node never changed): see `boot` below.
+        # At boot: the node never changed (why it matters: the shift rules below).
         boot = node.last_reconfig_ms is None and (bool(snap.arrivals) or snap.load_shift_ms is None)
         # The hysteresis margin guards against the estimate's noise, which the phase scale multiplies too: in
         # the same units as `worth`, so the remaining phase discounts only the one-time cost of the change.
