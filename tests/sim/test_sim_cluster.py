@@ -12,7 +12,7 @@ from nitsum.policy.flow_baselines import make_flow_scheduler
 from nitsum.policy.registry import make_policy
 from nitsum.sim.cluster import ClusterConfig, ClusterSim, run_cluster
 from nitsum.sim.flowsim import FlowClusterConfig, FlowClusterSim
-from nitsum.workloads import assign_tiers, default_trace_path, poisson, read_azure, read_mooncake
+from nitsum.workloads import TraceRequest, assign_tiers, default_trace_path, poisson, read_azure, read_mooncake
 
 
 def small_workload():
@@ -185,12 +185,17 @@ def test_tiers_reports_the_stationary_sweep_on_several_seeds_with_the_layout_bes
         assert row["adaptive_mean_wg"] == pytest.approx(mean["adaptive"])
         if statics[best]:
             assert row["adaptive_vs_best_for_the_load"] == pytest.approx(mean["adaptive"] / statics[best])
+        boot = row["boot_then_best_mean_wg"]
+        assert boot is not None and boot >= 0.0
+        if statics[best]:
+            assert row["boot_then_best_vs_best_for_the_load"] == pytest.approx(boot / statics[best])
         # Each seed's best in hindsight is at least the best-for-the-load layout's figure on that seed.
         for rs in runs:
             hindsight = max(r["weighted_goodput_rps"] for r in rs if r["policy"].startswith("static:"))
             assert hindsight >= next(r["weighted_goodput_rps"] for r in rs if r["policy"] == best)
             assert rs[0]["best_static"] in row["best_in_hindsight"].split()
     assert "## Stationary over 2 seeds (5-6)" in (tmp_path / "tiers.md").read_text()
+    assert "boot_then_best_vs_best_for_the_load" in (tmp_path / "tiers.md").read_text()
     assert (tmp_path / "tiers_stationary_seeds.csv").read_text().count("\n") == 1 + 2 * len(rates)
 
     assert main(["tiers", "--quick", "--stationary-seeds", "0", "--out", str(tmp_path / "x")]) == 2
@@ -198,3 +203,18 @@ def test_tiers_reports_the_stationary_sweep_on_several_seeds_with_the_layout_bes
     assert main(["mixes", "--quick", "--stationary-seeds", "2", "--out", str(tmp_path / "y")]) == 2
     assert "option of `sim tiers` only" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_boot_then_static_boots_as_adaptive_and_moves_at_its_first_decision():
+    from nitsum.sim.experiments.stationary_seeds import BootThenStatic
+
+    # No arrival in the first two seconds: the epochs at 0, 1 and 2 s carry no measured arrivals, so it waits on
+    # adaptive's boot layout (TP8 on the data-sheet table) and moves at 3 s, once, for good.
+    work = [TraceRequest(2500.0 + 50.0 * i, 1000, 20, tier="background") for i in range(40)]
+    config = ClusterConfig()
+    res = run_cluster(BootThenStatic("4+4", config.policy_config()), config, work)
+    assert [(t, top) for t, _, top in res.topologies] == [
+        (0.0, "[0-7 TP8 hybrid]"),
+        (3000.0, "[0-3 TP4 hybrid][4-7 TP4 hybrid]"),
+    ]
+    assert all(r.finish_ms is not None for r in res.records)

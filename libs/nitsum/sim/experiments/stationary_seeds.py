@@ -1,13 +1,42 @@
 """`sim tiers --stationary-seeds N`: the stationary sweep's single-node points on N seeds. Near a table's capacity
 which static layout is best in hindsight turns on the arrival realisation (one seed's Poisson draws), so beside
 each seed's best layout in hindsight this reports the layout that is best for the load: the highest mean over the
-seeds, the one static layout an operator could have chosen for that rate."""
+seeds, the one static layout an operator could have chosen for that rate. Beside it, the bound of an online
+controller that boots as adaptive does (`BootThenStatic`): what the best layout for the load gets when it is
+reached only at adaptive's first decision."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from nitsum.policy.base import PolicyConfig
+from nitsum.policy.baselines import StaticLayout
+from nitsum.policy.decisions import TopologyDecision
+from nitsum.policy.snapshot import ClusterSnapshot, NodeView
+from nitsum.policy.topology import AdaptivePolicy
 from nitsum.sim.experiments.common import md_table, ratio_text
+from nitsum.topology import Topology
+
+
+class BootThenStatic(StaticLayout):
+    """Boots on adaptive's layout and, at the first epoch whose snapshot carries measured arrivals (where adaptive
+    makes its first decision), moves to `layout` for good: what a controller that knew the best layout for the load
+    in hindsight, but had to see the load before acting, would get."""
+
+    def __init__(self, layout: str, config: PolicyConfig | None = None) -> None:
+        super().__init__(layout, config)
+        self.boot = AdaptivePolicy(config)
+        self.name = f"boot-then:{self.name}"
+        self.left_boot = False
+
+    def initial_topology(self, node: NodeView) -> Topology:
+        return super().initial_topology(node) if self.left_boot else self.boot.initial_topology(node)
+
+    def decide_topology(self, snap: ClusterSnapshot) -> list[TopologyDecision]:
+        if not self.left_boot and not snap.arrivals:
+            return []
+        self.left_boot = True
+        return self._keep_static(snap)
 
 
 def stationary_over_seeds(
@@ -60,6 +89,16 @@ def stationary_over_seeds(
     return per_seed, summary
 
 
+def add_boot_bound(summary: list[dict[str, Any]], boot_wg: dict[float, list[float]]) -> None:
+    """Add to each rate's row the mean of `BootThenStatic(best for the load)` over the seeds and its ratio."""
+    for row in summary:
+        wgs = boot_wg.get(row["rate_rps"])
+        mean = sum(wgs) / len(wgs) if wgs else None
+        best = row["best_for_the_load_mean_wg"]
+        row["boot_then_best_mean_wg"] = mean
+        row["boot_then_best_vs_best_for_the_load"] = mean / best if mean is not None and best else None
+
+
 def stationary_markdown(per_seed: list[dict[str, Any]], summary: list[dict[str, Any]]) -> list[str]:
     """The "Stationary over N seeds" section of tiers.md."""
     seeds = sorted({r["seed"] for r in per_seed})
@@ -78,7 +117,9 @@ def stationary_markdown(per_seed: list[dict[str, Any]], summary: list[dict[str, 
         f"## Stationary over {len(seeds)} seeds ({seeds[0]}-{seeds[-1]})",
         "",
         head + " `best_in_hindsight`: each seed's best static layout, in seed order (repeats left out); "
-        "`best_for_the_load`: the static layout with the highest mean over the seeds.",
+        "`best_for_the_load`: the static layout with the highest mean over the seeds; `boot_then_best`: that "
+        "layout booted as adaptive boots and reached at adaptive's first decision (the bound of a controller that "
+        "must see the load first).",
         "",
         md_table(summary, list(summary[0])),
         "",

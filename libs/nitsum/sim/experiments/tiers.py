@@ -23,7 +23,12 @@ from nitsum.policy.topology import mean_tp
 from nitsum.sim.cluster import ClusterConfig, ClusterResult, run_cluster
 from nitsum.sim.experiments.common import Progress, md_table, ratio_text, table_target, write_csv
 from nitsum.sim.experiments.phased_seeds import phased_over_seeds, seeds_markdown
-from nitsum.sim.experiments.stationary_seeds import stationary_markdown, stationary_over_seeds
+from nitsum.sim.experiments.stationary_seeds import (
+    BootThenStatic,
+    add_boot_bound,
+    stationary_markdown,
+    stationary_over_seeds,
+)
 from nitsum.sim.experiments.tiers_report import phased_markdown, plot_sweep, rate_summary
 from nitsum.workloads import (
     Phase,
@@ -293,6 +298,7 @@ def run(
         len(rates) * len(policies) * stationary_seeds
         + len(big_rates) * len(big_policies)
         + len(policies) * phased_seeds
+        + (len(rates) * stationary_seeds if stationary_seeds > 1 else 0)
     )
     progress = Progress(total, "sim tiers")
     rows = sweep(policies, rates, 1, duration_s, seed, progress, config)
@@ -301,6 +307,20 @@ def run(
         for s in range(seed + 1, seed + stationary_seeds)
     ]
     stationary_rows, stationary_summary = stationary_over_seeds(stationary_runs)
+    if stationary_seeds > 1:
+        boot_wg: dict[float, list[float]] = {}
+        for row in stationary_summary:
+            best = row["best_for_the_load"]
+            for s, _ in stationary_runs:
+                if best is None:
+                    continue
+                reqs, _ = workload(row["rate_rps"], duration_s, s)
+                res = run_cluster(BootThenStatic(best.partition(":")[2], config.policy_config()), config, reqs)
+                boot_wg.setdefault(row["rate_rps"], []).append(
+                    row_of("boot", row["rate_rps"], 1, res)["weighted_goodput_rps"]
+                )
+                progress.step(f"boot-then-{best} @ {row['rate_rps']:g} req/s", res.sim_ms / 1000.0, res.events)
+        add_boot_bound(stationary_summary, boot_wg)
     if big_nodes:
         rows += sweep(
             big_policies, big_rates, big_nodes, big_duration, seed, progress, replace(config, num_nodes=big_nodes)
