@@ -7,6 +7,7 @@ reached only at adaptive's first decision."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nitsum.policy.base import PolicyConfig
@@ -89,10 +90,14 @@ def stationary_over_seeds(
     return per_seed, summary
 
 
-def add_boot_bound(summary: list[dict[str, Any]], boot_wg: dict[float, list[float]]) -> None:
-    """Add to each rate's row the mean of `BootThenStatic(best for the load)` over the seeds and its ratio."""
+def add_boot_bound(
+    summary: list[dict[str, Any]], seeds: list[int], boot_then: Callable[[str, float, int], float]
+) -> None:
+    """Add to each rate's row the mean over `seeds` of `boot_then(layout, rate, seed)` (the weighted goodput of
+    `BootThenStatic` for the layout best for the load, without its `static:`) and its ratio to that layout's."""
     for row in summary:
-        wgs = boot_wg.get(row["rate_rps"])
+        layout = row["best_for_the_load"]
+        wgs = [boot_then(layout.partition(":")[2], row["rate_rps"], s) for s in seeds] if layout else []
         mean = sum(wgs) / len(wgs) if wgs else None
         best = row["best_for_the_load_mean_wg"]
         row["boot_then_best_mean_wg"] = mean

@@ -308,19 +308,13 @@ def run(
     ]
     stationary_rows, stationary_summary = stationary_over_seeds(stationary_runs)
     if stationary_seeds > 1:
-        boot_wg: dict[float, list[float]] = {}
-        for row in stationary_summary:
-            best = row["best_for_the_load"]
-            for s, _ in stationary_runs:
-                if best is None:
-                    continue
-                reqs, _ = workload(row["rate_rps"], duration_s, s)
-                res = run_cluster(BootThenStatic(best.partition(":")[2], config.policy_config()), config, reqs)
-                boot_wg.setdefault(row["rate_rps"], []).append(
-                    row_of("boot", row["rate_rps"], 1, res)["weighted_goodput_rps"]
-                )
-                progress.step(f"boot-then-{best} @ {row['rate_rps']:g} req/s", res.sim_ms / 1000.0, res.events)
-        add_boot_bound(stationary_summary, boot_wg)
+
+        def boot_then(layout: str, rate: float, s: int) -> float:
+            res = run_cluster(BootThenStatic(layout, config.policy_config()), config, workload(rate, duration_s, s)[0])
+            progress.step(f"boot-then:{layout} @ {rate:g} req/s", res.sim_ms / 1000.0, res.events)
+            return row_of("boot", rate, 1, res)["weighted_goodput_rps"]
+
+        add_boot_bound(stationary_summary, [s for s, _ in stationary_runs], boot_then)
     if big_nodes:
         rows += sweep(
             big_policies, big_rates, big_nodes, big_duration, seed, progress, replace(config, num_nodes=big_nodes)
