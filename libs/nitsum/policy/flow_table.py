@@ -173,7 +173,12 @@ class FlowTable:
     def active_flows(self) -> int:
         return len(self._flows)
 
-    def prune(self, now_ms: float, est_delay_ms: Mapping[str, float]) -> list[str]:
+    def prune(
+        self,
+        now_ms: float,
+        est_delay_ms: Mapping[str, float],
+        pending: Mapping[str, tuple[str, float]] | None = None,
+    ) -> list[str]:
         """Baselines do not prune (Nuska's overload control is part of RMLQ)."""
         return []
 

@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from nitsum.policy.flow_order import RequestLoad, prune_overload
+from nitsum.policy.flow_order import RequestLoad, prune_overload, robust_effective_deadline
 from nitsum.policy.flow_table import FlowTable, _Flow, _Unit
 from nitsum.policy.flow_types import (
     DSCP_LE,
@@ -178,12 +178,19 @@ class RmlqScheduler(FlowTable):
             if rec.spec.stage.explicit and not self._units[rec.spec.unit_id].computing:
                 self._arm(rec, rec.anchor_ms if now_ms is None else now_ms)
 
-    def prune(self, now_ms: float, est_delay_ms: Mapping[str, float]) -> list[str]:
+    def prune(
+        self,
+        now_ms: float,
+        est_delay_ms: Mapping[str, float],
+        pending: Mapping[str, tuple[str, float]] | None = None,
+    ) -> list[str]:
         """Overload control on σ; `est_delay_ms`: request id → its estimated compute + comm delay.
 
         A request's deadline is its `request_deadline_ms`, else the earliest explicit deadline among its
         flows; requests with neither never miss. Pruned requests' flows leave `priorities()` (suppressed)
-        and so do later flows of the same request.
+        and so do later flows of the same request. `pending`: request id → (unit id, TTFT deadline) of
+        requests in a batch that has arrived but sent no flow yet (the check runs on batch arrival, paper
+        §4.4.2); a unit with no flow here takes its place in σ by the RED of those deadlines.
         """
         self.on_tick(now_ms)
         deadline: dict[str, float] = {}
@@ -198,11 +205,15 @@ class RmlqScheduler(FlowTable):
             unit_of[rid] = rec.spec.unit_id
             if d is not None:
                 deadline[rid] = min(d, deadline.get(rid, math.inf))
+        for rid, (uid, d) in (pending or {}).items():
+            if rid in est_delay_ms and rid not in unit_of and rid not in self._pruned_requests:
+                unit_of[rid] = uid
+                deadline[rid] = d
         loads = [
             RequestLoad(rid, unit_of[rid], deadline.get(rid, math.inf), float(est_delay_ms[rid]))
             for rid in sorted(unit_of)
         ]
-        pruned = prune_overload(self.order(), loads, now_ms)
+        pruned = prune_overload(self._order_with(unit_of, deadline), loads, now_ms)
         for rid in pruned:
             self._pruned_requests.add(rid)
         if pruned:
@@ -213,6 +224,19 @@ class RmlqScheduler(FlowTable):
                     self._set_key(rec)
         self.stats.pruned_requests += len(pruned)
         return pruned
+
+    def _order_with(self, unit_of: Mapping[str, str], deadline: Mapping[str, float]) -> list[str]:
+        """σ, with the units of pending requests that have no flow merged in by the RED of their deadlines."""
+        known = {u for _, _, u in self._sigma}
+        extra: dict[str, list[float]] = {}
+        for rid, uid in unit_of.items():
+            if uid not in known:
+                extra.setdefault(uid, []).append(deadline.get(rid, math.inf))
+        if not extra:
+            return self.order()
+        ranked = list(self._sigma) + [(robust_effective_deadline(ds), math.inf, uid) for uid, ds in sorted(extra.items())]
+        ranked.sort(key=lambda e: (e[0], e[1], e[2]))
+        return [u for _, _, u in ranked]
 
     # ---- level rules --------------------------------------------------------------------
     def _implicit_level(self, rec: _Flow, unit: _Unit) -> int:

@@ -17,9 +17,11 @@ Model (coarse on purpose, so 256 servers run on one core):
 - A batch (unit) runs its layers in `layer_blocks` blocks. Before block b: its KV-reuse fetches for
   block b must have arrived (stage 1, holder server -> home server, target layer = first layer of b). After
   block b's compute: the all-to-all of block b between the instance's servers (stage 2) must finish before
-  block b+1 (compute stalls meanwhile: the non-overlapped CCT). After the last block: each request's KV goes
-  from its home server to a decode server (stage 3, explicit deadline = its TTFT deadline); its first token
-  counts when that transfer ends.
+  block b+1 (compute stalls meanwhile: the non-overlapped CCT). Stage 3, layer-wise as in the paper (§4.3):
+  right after block b's compute, each request's KV of block b goes from its home server to its decode server
+  (explicit deadline = its TTFT deadline; the flow belongs to the batch, so RMLQ promotes it at the batch's
+  layer boundaries while it computes and on the timer after); its first token counts when its last block's
+  transfer ends. `p2d_layerwise=False`: one transfer per request after the last block instead.
 - Compute per block from the shared cost model (`flowsetup.shard_spec`: one EP group's 1/EP of the tokens
   at TP; A100 table by default).
 - KV reuse: Mooncake hash_ids (512-token blocks); a block lives on the server that first computed it
@@ -160,7 +162,14 @@ class FlowClusterSim(FlowTraffic):
         compute = self.compute_block_ms(new, prompt, 1) * blocks
         a2a = self.a2a_bytes_per_flow(new) * (s - 1) / bw * blocks if s > 1 else 0.0
         fetch_first = self.kv_bytes(cached) / blocks / bw if fetch else 0.0
-        return compute + a2a + fetch_first + self.kv_bytes(prompt) / bw
+        if not self.config.p2d_layerwise:
+            return compute + a2a + fetch_first + self.kv_bytes(prompt) / bw
+        # layer-wise: block b's transfer starts when its compute (and all-to-all) ends, one after another
+        per_block, x = (compute + a2a) / blocks, self.kv_bytes(prompt) / blocks / bw
+        sent = 0.0
+        for b in range(1, blocks + 1):
+            sent = max(sent, fetch_first + b * per_block) + x
+        return sent
 
     # -- arrivals and batching -----------------------------------------------------------------------------
     def _arrive(self, sim: Simulator, t: TraceRequest) -> list[Event]:
@@ -242,6 +251,10 @@ class FlowClusterSim(FlowTraffic):
         now = self.sim.now_ms
         if u.busy:
             return []
+        if all(r.error is not None for r in u.reqs):
+            # every request of the batch was pruned: nothing left to compute (an event, not a call: a run of
+            # pruned batches would otherwise recurse once per batch)
+            return [(now, self._pruned_unit_ends, u)]
         if u.pending.get(u.block, 0) > 0:
             if u.wait_from is None:
                 u.wait_from = now  # stalled on this block's KV fetches
@@ -257,6 +270,9 @@ class FlowClusterSim(FlowTraffic):
         return [(now + dt, self._block_computed, u)] + self._commit()
 
     def _block_computed(self, sim: Simulator, u: _Unit) -> list[Event]:
+        if self.config.p2d_layerwise:
+            for r in u.reqs:
+                self._send_p2d(u, r, self.kv_bytes(r.prompt) / self.config.layer_blocks)
         servers = u.inst.servers
         if len(servers) == 1:
             u.block += 1
@@ -282,20 +298,31 @@ class FlowClusterSim(FlowTraffic):
                     )
         return self._commit()
 
+    def _pruned_unit_ends(self, sim: Simulator, u: _Unit) -> list[Event]:
+        return self._finish_unit(u) if u.uid in self.units else []
+
     def _finish_unit(self, u: _Unit) -> list[Event]:
         now = self.sim.now_ms
         self.last_ms = max(self.last_ms, now)
         self.sched.on_unit_done(u.uid, now)
-        for r in u.reqs:
-            if r.error is not None:
-                continue
-            dst = self.decode_servers[self._next_decode % len(self.decode_servers)]
-            self._next_decode += 1
-            self._add_flow(None, 0, Stage.P2D, r, r.home, dst, self.kv_bytes(r.prompt), deadline=r.deadline)
+        if not self.config.p2d_layerwise:
+            for r in u.reqs:
+                self._send_p2d(None, r, self.kv_bytes(r.prompt))
         u.inst.busy = False
         u.inst.running_tokens = 0
         del self.units[u.uid]
         return self._prune(u.inst) + self._start_batch(u.inst) + self._commit()
+
+    def _send_p2d(self, u: _Unit | None, r: _FReq, size: float) -> None:
+        """One stage-3 flow of `r` to its decode server (chosen round robin with its first one)."""
+        if r.error is not None:
+            return
+        if r.dst is None:
+            r.dst = self.decode_servers[self._next_decode % len(self.decode_servers)]
+            self._next_decode += 1
+        r.p2d_emitted += 1
+        r.p2d_left += 1
+        self._add_flow(u, 0, Stage.P2D, r, r.home, r.dst, size, deadline=r.deadline, blocking=False)
 
     # -- run -----------------------------------------------------------------------------------------------
     def run(self, drain_ms: float = 20_000.0) -> dict[str, Any]:

@@ -29,6 +29,10 @@ class FlowClusterConfig:
     refresh_ms: float = 2.0  # how often schedulers with timers (RMLQ's MLU promotion) are consulted
     max_prompt_tokens: int = 32_768
     prune: bool = True
+    # Stage 3 layer by layer, as the paper's P2D stage (§4.3: "At each layer l, the P2D stage emits a set of
+    # flows"; §2: layer-wise KV transfers contend with the collectives of other layers): each block's KV of
+    # each request leaves right after that block's compute. False: one transfer per request after the last block.
+    p2d_layerwise: bool = True
 
     @property
     def instance_servers(self) -> int:
@@ -80,6 +84,9 @@ class _FReq:
         "error",
         "unit",
         "flows",
+        "dst",
+        "p2d_emitted",
+        "p2d_left",
     )
 
     def __init__(self, rid: str, t: TraceRequest, prompt: int) -> None:
@@ -93,3 +100,6 @@ class _FReq:
         self.error: str | None = None
         self.unit: _Unit | None = None
         self.flows: set[str] = set()
+        self.dst: int | None = None  # its decode server, chosen with its first P2D flow
+        self.p2d_emitted = 0  # P2D flows sent so far (layer-wise: one per block)
+        self.p2d_left = 0  # of those, not yet delivered

@@ -27,7 +27,10 @@ class FlowTraffic:
         target_layer: int | None = None,
         deadline: float | None = None,
         deadlines: tuple[float, ...] = (),
+        blocking: bool = True,
     ) -> None:
+        """A flow on the network and the scheduler. `blocking`: block `block` of `u` waits for it (stage 1
+        before the block, stage 2 after it); a stage-3 flow of a computing batch belongs to it but blocks nothing."""
         self._seq += 1
         fid = f"f{self._seq}"
         path = (f"up{src}", f"dn{dst}")
@@ -52,7 +55,7 @@ class FlowTraffic:
         self.flow_meta[fid] = (u, block, stage, r)
         if r is not None:
             r.flows.add(fid)
-        if u is not None:
+        if u is not None and blocking:
             u.pending[block] = u.pending.get(block, 0) + 1
 
     def _sync_keys(self) -> None:
@@ -104,10 +107,15 @@ class FlowTraffic:
         if r is not None:
             r.flows.discard(fid)
         if stage is Stage.P2D:
-            r.done_ms = now
-            self.earliness_ms.append(r.deadline - now)
+            r.p2d_left -= 1
+            if r.p2d_left == 0 and r.p2d_emitted >= self._p2d_flows_per_request():
+                r.done_ms = now  # its first token: the last of its KV is at the decode server
+                self.earliness_ms.append(r.deadline - now)
             return []
         return self._unit_flow_done(u, block, stage, now)
+
+    def _p2d_flows_per_request(self) -> int:
+        return self.config.layer_blocks if self.config.p2d_layerwise else 1
 
     def _unit_flow_done(self, u: _Unit, block: int, stage: Stage, now: float) -> list[Event]:
         u.pending[block] -= 1
@@ -122,11 +130,16 @@ class FlowTraffic:
 
     # -- pruning -------------------------------------------------------------------------------------------
     def _prune(self, inst: _Instance) -> list[Event]:
-        """The worst-case feasibility check on σ, once per source server of the instance."""
+        """The worst-case feasibility check on σ, once per source server of the instance. It covers the requests
+        with flows leaving that server and those of the instance's batch in flight whose home it is (the batch
+        that arrived takes part before it sends anything, paper §4.4.2). A request's delay: its flows' remaining
+        bytes and the KV it has still to send, at the link rate, and its batch's remaining compute (once,
+        shared by the batch's requests in this check)."""
         if not self.config.prune:
             return []
         now = self.sim.now_ms
         bw = self.link_bps / 8 / 1000
+        n_p2d = self._p2d_flows_per_request()
         victims: list[str] = []
         for s in inst.servers:
             est: dict[str, float] = {}
@@ -138,7 +151,14 @@ class FlowTraffic:
                 if r is None:
                     continue
                 est[r.rid] = est.get(r.rid, 0.0) + self.net.remaining_bytes(fid, now) / bw
-            # a unit still computing adds its remaining compute once: shared by its requests in this check
+            pending: dict[str, tuple[str, float]] = {}
+            for u in self.units.values():
+                if u.inst is not inst:
+                    continue
+                for r in u.reqs:
+                    if r.home == s and r.error is None:
+                        est.setdefault(r.rid, 0.0)
+                        pending[r.rid] = (u.uid, r.deadline)
             by_unit: dict[str, list[str]] = {}
             for rid in est:
                 r = self.reqs[int(rid[1:])]
@@ -147,9 +167,10 @@ class FlowTraffic:
             for uid, rids in by_unit.items():
                 share = self._unit_remaining_ms(self.units[uid], now) / len(rids)
                 for rid in rids:
-                    est[rid] += share
+                    r = self.reqs[int(rid[1:])]
+                    est[rid] += share + (n_p2d - r.p2d_emitted) * self.kv_bytes(r.prompt) / n_p2d / bw
             if est:
-                victims.extend(self.sched.prune(now, est))
+                victims.extend(v for v in self.sched.prune(now, est, pending) if v not in victims)
         events: list[Event] = []
         for rid in victims:
             events.extend(self._drop(self.reqs[int(rid[1:])], now))

@@ -62,6 +62,7 @@ def run(
     only_setups: tuple[str, ...] = (),
     only_workloads: tuple[str, ...] = (),
     device_table: Path | None = None,
+    p2d_layerwise: bool = True,
 ) -> dict[str, Any]:
     """The sweep; `nics_per_server` (8 in the paper) and the `only_*` filters are for sensitivity runs
     (`python -m nitsum.sim.experiments.flows --help`). `device_table`: measured step times, which must hold
@@ -95,6 +96,7 @@ def run(
             ep=setup.ep,
             nics_per_server=nics_per_server,
             device_table=table_rows,
+            p2d_layerwise=p2d_layerwise,
         )
         trace = traces[load][1]
         start = int(len(trace) * WORKLOADS[load][1])
@@ -167,7 +169,8 @@ def run(
         f"{servers} servers x 8 A100, {nics_per_server} x 200 Gb/s NICs per server, 1:1 fat-tree; 32-GPU instances "
         f"({', '.join(setups)}); Mooncake lengths and prefix ids in trace order, earlier rows warm the cache ({used}); "
         f"Poisson arrivals, {duration_s:g} s per point; "
-        "TTFT SLO = 3x idle TTFT; pruning on (RMLQ); seed {seed}.".replace("{seed}", str(seed)),
+        "TTFT SLO = 3x idle TTFT; pruning on (RMLQ); "
+        f"P2D {'layer-wise' if p2d_layerwise else 'after the last block'}; seed {seed}.",
         "",
     ]
     for s, h in heads.items():
@@ -240,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nics-per-server", type=int, default=8, help="200 Gb/s NICs per 8-GPU server (paper: 8)")
     p.add_argument("--setup", action="append", choices=sorted(PAPER_SETUPS), default=[])
     p.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=[])
+    p.add_argument(
+        "--p2d",
+        choices=("layerwise", "after-prefill"),
+        default="layerwise",
+        help="stage 3 layer by layer as each block is computed (the paper), or one transfer after the last block",
+    )
     a = p.parse_args(argv)
     if a.nics_per_server < 1:
         p.error("--nics-per-server must be >= 1")
@@ -249,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         nics_per_server=a.nics_per_server,
         only_setups=tuple(a.setup),
         only_workloads=tuple(a.workload),
+        p2d_layerwise=a.p2d == "layerwise",
     )
     print(res["speed"])
     print(f"wrote {a.out}/flows.csv, .png, .md")
