@@ -259,3 +259,106 @@ def test_the_scheduler_learns_each_flows_remaining_bytes():
     sim.run()
     assert any(rem < size for rem, size, _ in seen)
     assert all(rem >= on_wire for rem, _, on_wire in seen)  # never ahead of the network
+
+
+def _stage_arrivals(sim: FlowClusterSim) -> list[tuple[float, Stage]]:
+    seen: list[tuple[float, Stage]] = []
+    arrive = sim.sched.on_arrival
+
+    def record(spec, now):
+        seen.append((now, spec.stage))
+        arrive(spec, now)
+
+    sim.sched.on_arrival = record
+    return seen
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_stage3_leaves_block_by_block_as_each_block_is_computed(layerwise):
+    """Rule 32: the paper's P2D stage emits its flows per layer; `p2d_layerwise=False` is one transfer at the end."""
+    c = FlowClusterConfig(num_servers=8, prune=False, p2d_layerwise=layerwise)
+    sim = FlowClusterSim("fs", c, _burst(1, 8192))
+    seen = _stage_arrivals(sim)
+    res = sim.run()
+    (r,) = sim.reqs
+    p2d = [t for t, s in seen if s is Stage.P2D]
+    a2a = sorted({t for t, s in seen if s is Stage.COLLECTIVE})  # one all-to-all per block
+    assert len(a2a) == c.layer_blocks
+    if layerwise:
+        assert p2d == a2a  # block b's KV leaves when block b's compute ends, beside its all-to-all
+    else:
+        assert len(p2d) == 1 and p2d[0] > a2a[-1]
+    assert sim.bytes_by_stage["3"] == pytest.approx(sim.kv_bytes(8192), rel=1e-6)
+    assert r.done_ms is not None and r.done_ms >= p2d[-1] and res["report"].overall.slo_attainment == 1.0
+    # the idle TTFT behind the SLO follows the same pipeline: layer-wise, only the last block's KV is on the path
+    iso = sim.isolated_ttft_ms(8192, 0, False)
+    assert iso == pytest.approx(r.slo / c.slo_factor)
+    other = FlowClusterSim("fs", FlowClusterConfig(num_servers=8, p2d_layerwise=not layerwise), [])
+    assert (iso < other.isolated_ttft_ms(8192, 0, False)) == layerwise
+
+
+def test_layerwise_stage3_meets_its_own_batchs_all_to_all_and_rmlq_defers_it():
+    """The paper's Fig. 7 on the simulator: stage 3 beside the batch's stage 2. FS shares the uplink and dilutes the
+    all-to-all, EDF puts the explicit deadline first and dilutes it more, RMLQ defers stage 3 (its MLU is far below
+    Q_1) and the all-to-all runs at full rate. Sent after the last block, stage 3 meets no all-to-all of its own batch
+    and every scheduler's collective time is the same."""
+
+    def cct(name: str, layerwise: bool) -> tuple[float, float]:
+        sim = FlowClusterSim(
+            name, FlowClusterConfig(num_servers=8, prune=False, p2d_layerwise=layerwise), _burst(1, 16_384)
+        )
+        res = sim.run()
+        return res["cct_ms"].mean, sim.reqs[0].done_ms
+
+    rmlq, fs, edf = (cct(n, True) for n in ("rmlq", "fs", "edf"))
+    assert rmlq[0] < fs[0] < edf[0]
+    assert rmlq[1] < fs[1]  # a shorter prefill makespan: the first token comes sooner
+    after = [cct(n, False)[0] for n in ("rmlq", "fs", "edf")]
+    assert after == pytest.approx([rmlq[0]] * 3)
+
+
+def test_a_doomed_batch_is_pruned_when_it_arrives_before_it_computes():
+    """Rule 33: the check on batch arrival covers the batch that arrived, before it has sent anything, so its compute
+    is not spent on requests that cannot make it. A burst: after the first batches no one can meet the deadline."""
+    c = FlowClusterConfig(num_servers=8)
+    reqs = _burst(12, 16_384)
+    rm = FlowClusterSim("rmlq", c, reqs)
+    res = rm.run(drain_ms=60_000.0)
+    fs = FlowClusterSim("fs", c, reqs)
+    base = fs.run(drain_ms=60_000.0)
+    assert res["pruned"] > 0 and base["pruned"] == 0
+    assert res["report"].overall.slo_attainment >= base["report"].overall.slo_attainment
+    pruned = [r for r in rm.reqs if r.error == "pruned"]
+    assert pruned and all(r.p2d_emitted == 0 for r in pruned)  # given up before any block of theirs was computed
+    assert rm.compute_ms < fs.compute_ms
+    assert not rm.net.flows and not rm.flow_meta and not rm.units
+
+
+def test_a_batch_stalled_on_a_later_blocks_fetch_raises_it_to_rli_zero():
+    """Rule 34: a batch waiting for block b's KV-reuse fetch is at block b's first layer, so that fetch is RLI 0 (the
+    highest implicit level) while the batch waits; before, the batch reported no boundary until the fetch had
+    arrived, and a fetch for a later block sat at the lowest level while its batch stalled on it."""
+    c = FlowClusterConfig(num_servers=16, prune=False, nics_per_server=1)
+    first = TraceRequest(0.0, 4096, 1, prefix_hash_ids=tuple(range(8)))
+    blocker = TraceRequest(1.0, 32_768, 1, prefix_hash_ids=tuple(range(8)) + tuple(range(100, 156)))
+    second = TraceRequest(2.0, 4096 + 512, 1, prefix_hash_ids=tuple(range(8)) + (999,))
+    sim = FlowClusterSim("rmlq", c, [first, blocker, second])
+    stalled: list[tuple[int, list[int]]] = []
+    try_block = sim._try_block
+
+    def watch(u):
+        was = u.wait_from
+        events = try_block(u)
+        if was is None and u.wait_from is not None:  # it has just stalled on block u.block's fetches
+            levels = [
+                sim.sched.state(fid).level
+                for fid, (fu, block, stage, _) in sim.flow_meta.items()
+                if fu is u and stage is Stage.KV_REUSE and block == u.block
+            ]
+            stalled.append((u.block, levels))
+        return events
+
+    sim._try_block = watch
+    res = sim.run()
+    assert res["report"].overall.slo_attainment == 1.0
+    assert stalled and all(levels and set(levels) == {2} for _, levels in stalled)  # P2 = RLI 0

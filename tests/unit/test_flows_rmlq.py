@@ -307,6 +307,29 @@ def test_pruning_removes_the_largest_contributor_and_restores_feasibility() -> N
     assert "f3b" not in s.priorities(1.0)
 
 
+def test_pruning_on_batch_arrival_checks_a_batch_that_has_sent_nothing_yet() -> None:
+    """A batch that just arrived has no flow; it takes its place in σ by its requests' RED and is checked."""
+    s = rmlq()
+    s.on_arrival(p2d("a", "u1", 10, 100.0), 0.0)  # request r-a, deadline 100
+    pending = {"n1": ("u2", 120.0), "n2": ("u2", 400.0), "late": ("u3", 50.0)}
+    # σ: u3 (RED 50) first, then u1 (100), then u2 (RED of 120 and 400).
+    assert s._order_with({"r-a": "u1", **{r: u for r, (u, _) in pending.items()}}, {"late": 50.0}) == [
+        "u3",
+        "u1",
+        "u2",
+    ]
+    delays = {"r-a": 10.0, "n1": 30.0, "n2": 250.0, "late": 60.0}
+    # u3 ends at 60 > 50: pruned (the only one there); then u1 at 10 and u2 at 290 > 120: n2 contributes most.
+    assert s.prune(0.0, delays, pending) == ["late", "n2"]
+    assert s.prune(0.0, delays, pending) == []  # pruned requests stay out of later checks
+    # the pruned request's first flow, when it comes, is suppressed; the survivor's is not
+    s.on_arrival(FlowSpec("n2f", "n2", "u2", Stage.P2D, 10, "a", "b", (LINK,), deadline_ms=400.0), 1.0)
+    s.on_arrival(FlowSpec("n1f", "n1", "u2", Stage.P2D, 10, "a", "b", (LINK,), deadline_ms=120.0), 1.0)
+    assert s.priorities(1.0).keys() == {"a", "n1f"}
+    # baselines take the same call and prune nothing
+    assert make_flow_scheduler("sjf").prune(0.0, delays, pending) == []
+
+
 def test_dscp_table_defaults() -> None:
     assert DSCP_TABLE == {1: 46, 2: 34, 3: 26, 4: 18, 5: 10, 6: 0, 7: 8, 8: 1}
     assert dscp_table(3) == {1: 46, 2: 34, 3: 1}

@@ -234,7 +234,9 @@ class RmlqScheduler(FlowTable):
                 extra.setdefault(uid, []).append(deadline.get(rid, math.inf))
         if not extra:
             return self.order()
-        ranked = list(self._sigma) + [(robust_effective_deadline(ds), math.inf, uid) for uid, ds in sorted(extra.items())]
+        ranked = list(self._sigma) + [
+            (robust_effective_deadline(ds), math.inf, uid) for uid, ds in sorted(extra.items())
+        ]
         ranked.sort(key=lambda e: (e[0], e[1], e[2]))
         return [u for _, _, u in ranked]
 

@@ -258,6 +258,10 @@ class FlowClusterSim(FlowTraffic):
         if u.pending.get(u.block, 0) > 0:
             if u.wait_from is None:
                 u.wait_from = now  # stalled on this block's KV fetches
+                # the batch is at this block's first layer, computing nothing until they arrive: its current
+                # layer, so their RLI is 0 (stage 1 rises as the unit's current layer advances)
+                self.sched.on_layer_boundary(u.uid, u.block * self.layers_per_block, now)
+                return self._commit()
             return []
         if u.wait_from is not None:
             self.stall_fetch_ms += now - u.wait_from

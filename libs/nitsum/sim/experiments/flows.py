@@ -63,6 +63,7 @@ def run(
     only_workloads: tuple[str, ...] = (),
     device_table: Path | None = None,
     p2d_layerwise: bool = True,
+    prune: bool = True,
 ) -> dict[str, Any]:
     """The sweep; `nics_per_server` (8 in the paper) and the `only_*` filters are for sensitivity runs
     (`python -m nitsum.sim.experiments.flows --help`). `device_table`: measured step times, which must hold
@@ -97,6 +98,7 @@ def run(
             nics_per_server=nics_per_server,
             device_table=table_rows,
             p2d_layerwise=p2d_layerwise,
+            prune=prune,
         )
         trace = traces[load][1]
         start = int(len(trace) * WORKLOADS[load][1])
@@ -169,8 +171,9 @@ def run(
         f"{servers} servers x 8 A100, {nics_per_server} x 200 Gb/s NICs per server, 1:1 fat-tree; 32-GPU instances "
         f"({', '.join(setups)}); Mooncake lengths and prefix ids in trace order, earlier rows warm the cache ({used}); "
         f"Poisson arrivals, {duration_s:g} s per point; "
-        "TTFT SLO = 3x idle TTFT; pruning on (RMLQ); "
-        f"P2D {'layer-wise' if p2d_layerwise else 'after the last block'}; seed {seed}.",
+        "TTFT SLO = 3x idle TTFT; "
+        + ("pruning on (RMLQ); " if prune else "no pruning; ")
+        + f"P2D {'layer-wise' if p2d_layerwise else 'after the last block'}; seed {seed}.",
         "",
     ]
     for s, h in heads.items():
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         default="layerwise",
         help="stage 3 layer by layer as each block is computed (the paper), or one transfer after the last block",
     )
+    p.add_argument("--no-prune", action="store_true", help="RMLQ without its overload pruning (the breakdown)")
     a = p.parse_args(argv)
     if a.nics_per_server < 1:
         p.error("--nics-per-server must be >= 1")
@@ -259,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         only_setups=tuple(a.setup),
         only_workloads=tuple(a.workload),
         p2d_layerwise=a.p2d == "layerwise",
+        prune=not a.no_prune,
     )
     print(res["speed"])
     print(f"wrote {a.out}/flows.csv, .png, .md")
