@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -205,9 +206,14 @@ def test_overloaded_cluster_prunes_with_a_clear_error_and_loses_nothing():
     assert not sim.net.flows and not sim.flow_meta and not sim.units
     errors = res["report"].overall.errors
     assert errors.get("pruned") == res["pruned"]
-    # baselines never prune
+    # baselines never prune, unless the breakdown gives them RMLQ's check (then they lose nothing either)
     base = FlowClusterSim("fs", c, reqs).run(drain_ms=60_000.0)
     assert base["pruned"] == 0 and base["report"].overall.errors == {}
+    for name in ("fs", "sjf"):
+        checked = FlowClusterSim(name, dataclasses.replace(c, prune_baselines=True), reqs)
+        res = checked.run(drain_ms=60_000.0)
+        assert res["pruned"] > 0 and res["report"].overall.errors == {"pruned": res["pruned"]}
+        assert all((r.done_ms is not None) != (r.error == "pruned") for r in checked.reqs)
 
 
 def test_a_trace_window_with_a_warm_cache_keeps_the_traces_reuse():

@@ -330,6 +330,31 @@ def test_pruning_on_batch_arrival_checks_a_batch_that_has_sent_nothing_yet() -> 
     assert make_flow_scheduler("sjf").prune(0.0, delays, pending) == []
 
 
+def test_a_baseline_built_with_the_overload_check_prunes_in_its_own_unit_order() -> None:
+    """The breakdown's variant: a baseline runs RMLQ's worst-case check, walking its own σ. FS ranks units by
+    arrival, so a loose unit that came first is counted ahead of an urgent one; EDF ranks by deadline as RMLQ."""
+    loose = p2d("loose", "u-loose", 10, 500.0)  # request r-loose, arrives first
+    urgent = p2d("urgent", "u-urgent", 10, 100.0)  # request r-urgent
+    delays = {"r-loose": 80.0, "r-urgent": 50.0}
+    for name in ("fs", "edf"):
+        assert make_flow_scheduler(name).prune(0.0, delays) == []  # the paper's baselines: no pruning
+    fs = make_flow_scheduler("fs", overload_check=True)
+    edf = make_flow_scheduler("edf", overload_check=True)
+    for s in (fs, edf):
+        s.on_arrival(loose, 0.0)
+        s.on_arrival(urgent, 0.0)
+    assert fs.order() == ["u-loose", "u-urgent"] and edf.order() == ["u-urgent", "u-loose"]
+    # FS: loose ends at 80, urgent at 130 > 100: the larger contributor up to there (loose, 80 ms) goes.
+    assert fs.prune(0.0, delays) == ["r-loose"]
+    assert fs.priorities(0.0).keys() == {"urgent"} and fs.stats.pruned_requests == 1
+    # EDF: urgent at 50, loose at 130: both fit.
+    assert edf.prune(0.0, delays) == []
+    # and RMLQ can be built without it
+    off = make_flow_scheduler("rmlq", overload_check=False)
+    off.on_arrival(p2d("x", "ux", 10, 10.0), 0.0)
+    assert off.prune(0.0, {"r-x": 50.0}) == []
+
+
 def test_dscp_table_defaults() -> None:
     assert DSCP_TABLE == {1: 46, 2: 34, 3: 26, 4: 18, 5: 10, 6: 0, 7: 8, 8: 1}
     assert dscp_table(3) == {1: 46, 2: 34, 3: 1}

@@ -3,7 +3,8 @@
 As the Nuska paper evaluates them (§6.1; ALGORITHMS.md §2.4): FS shares every link max-min; SJF serves
 the smallest remaining size first; EDF serves explicit deadlines first and shares fairly among the rest;
 Karuna gives deadline flows the minimal rate that meets their deadline and schedules the rest SJF.
-None of them promotes at layer boundaries or prunes. Levels for the wire: FS puts everything in one
+None of them promotes at layer boundaries or prunes (`make_flow_scheduler(..., overload_check=True)` gives one
+RMLQ's worst-case check and pruning, in its own unit order, for the breakdown of where RMLQ's gain comes from). Levels for the wire: FS puts everything in one
 class (PK); SJF and Karuna map the remaining size to levels geometrically (1 MiB · 4^i), the way
 commodity-switch SJF approximations do. Stdlib only.
 """
@@ -163,15 +164,25 @@ SCHEDULER_NAMES: tuple[str, ...] = ("rmlq", *BASELINES)
 
 
 def make_flow_scheduler(
-    name: str, num_levels: int = 8, rmlq_e: float | None = None, rmlq_u: float | None = None
+    name: str,
+    num_levels: int = 8,
+    rmlq_e: float | None = None,
+    rmlq_u: float | None = None,
+    overload_check: bool | None = None,
 ) -> FlowTable:
     """A fresh scheduler by name: "rmlq" (RmlqConfig with K levels; E and U default to the paper's 4 and
-    0.5) or a baseline (which has no thresholds: E and U are ignored)."""
+    0.5) or a baseline (which has no thresholds: E and U are ignored). `overload_check`: whether `prune`
+    runs the worst-case check (None: the scheduler's own default, on for RMLQ and off for the baselines)."""
     from nitsum.policy.flows import RmlqConfig, RmlqScheduler
 
+    sched: FlowTable
     if name == "rmlq":
         extra = {k: v for k, v in (("e", rmlq_e), ("u", rmlq_u)) if v is not None}
-        return RmlqScheduler(RmlqConfig(num_levels=num_levels, **extra))
-    if name not in BASELINES:
+        sched = RmlqScheduler(RmlqConfig(num_levels=num_levels, **extra))
+    elif name in BASELINES:
+        sched = BASELINES[name](num_levels)
+    else:
         raise ValueError(f"unknown flow scheduler {name!r}; choose one of {', '.join(SCHEDULER_NAMES)}")
-    return BASELINES[name](num_levels)
+    if overload_check is not None:
+        sched.overload_check = overload_check
+    return sched

@@ -7,7 +7,7 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Mapping
 
-from nitsum.policy.flow_order import robust_effective_deadline
+from nitsum.policy.flow_order import RequestLoad, prune_overload, robust_effective_deadline
 from nitsum.policy.flow_types import FlowSpec, FlowState, FlowStats
 
 
@@ -50,6 +50,7 @@ class FlowTable:
     """
 
     name = "table"
+    overload_check = False  # the worst-case check and pruning (`prune`); the baselines' default is off
 
     def __init__(self, num_levels: int) -> None:
         self.num_levels = num_levels
@@ -179,8 +180,64 @@ class FlowTable:
         est_delay_ms: Mapping[str, float],
         pending: Mapping[str, tuple[str, float]] | None = None,
     ) -> list[str]:
-        """Baselines do not prune (Nuska's overload control is part of RMLQ)."""
-        return []
+        """Overload control on σ (only where `overload_check`; RMLQ by default, a baseline for the breakdown); `est_delay_ms`: request id → its estimated compute + comm delay.
+
+        A request's deadline is its `request_deadline_ms`, else the earliest explicit deadline among its
+        flows; requests with neither never miss. Pruned requests' flows leave `priorities()` (suppressed)
+        and so do later flows of the same request. `pending`: request id → (unit id, TTFT deadline) of
+        requests in a batch that has arrived but sent no flow yet (the check runs on batch arrival, paper
+        §4.4.2); a unit with no flow here takes its place in σ by the RED of those deadlines.
+        """
+        if not self.overload_check:
+            return []
+        self.on_tick(now_ms)
+        deadline: dict[str, float] = {}
+        unit_of: dict[str, str] = {}
+        for rec in self._flows.values():
+            rid = rec.spec.request_id
+            if rec.pruned or rid not in est_delay_ms:
+                continue
+            d = rec.spec.request_deadline_ms
+            if d is None and rec.spec.stage.explicit:
+                d = rec.spec.deadline_ms
+            unit_of[rid] = rec.spec.unit_id
+            if d is not None:
+                deadline[rid] = min(d, deadline.get(rid, math.inf))
+        for rid, (uid, d) in (pending or {}).items():
+            if rid in est_delay_ms and rid not in unit_of and rid not in self._pruned_requests:
+                unit_of[rid] = uid
+                deadline[rid] = d
+        loads = [
+            RequestLoad(rid, unit_of[rid], deadline.get(rid, math.inf), float(est_delay_ms[rid]))
+            for rid in sorted(unit_of)
+        ]
+        pruned = prune_overload(self._order_with(unit_of, deadline), loads, now_ms)
+        for rid in pruned:
+            self._pruned_requests.add(rid)
+        if pruned:
+            victims = set(pruned)
+            for rec in self._flows.values():
+                if rec.spec.request_id in victims:
+                    rec.pruned = True
+                    self._set_key(rec)
+        self.stats.pruned_requests += len(pruned)
+        return pruned
+
+    def _order_with(self, unit_of: Mapping[str, str], deadline: Mapping[str, float]) -> list[str]:
+        """σ, with the units of pending requests that have no flow merged in by this scheduler's rank of their
+        deadlines (RED for RMLQ)."""
+        known = {u for _, _, u in self._sigma}
+        extra: dict[str, list[float]] = {}
+        for rid, uid in unit_of.items():
+            if uid not in known:
+                extra.setdefault(uid, []).append(deadline.get(rid, math.inf))
+        if not extra:
+            return self.order()
+        ranked = list(self._sigma) + [
+            (self._unit_rank_value(tuple(ds)), math.inf, uid) for uid, ds in sorted(extra.items())
+        ]
+        ranked.sort(key=lambda e: (e[0], e[1], e[2]))
+        return [u for _, _, u in ranked]
 
     # ---- internals ----------------------------------------------------------------------
     def _unit(self, unit_id: str) -> _Unit:

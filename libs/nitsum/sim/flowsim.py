@@ -33,7 +33,8 @@ Model (coarse on purpose, so 256 servers run on one core):
   source server of the instance, over the requests with flows leaving it (delay = their remaining bytes at
   the link rate; a unit still computing adds its remaining compute once, shared by its requests). A pruned
   request's flows are withdrawn, it leaves its batch and ends with error "pruned" (a miss; the live service
-  answers it with a retryable code). Only RMLQ prunes; the baselines' `prune` returns nothing.
+  answers it with a retryable code). Only RMLQ prunes; the baselines' `prune` returns nothing unless
+  `prune_baselines` gives them the same check in their own unit order (the breakdown).
 Layout: flowsim_parts.py (configuration and records), flowsim_traffic.py (flows, keys, pruning: a mixin).
 Not modelled: decode, link load rho (0), packet effects, expert-load imbalance, same-server expert dedup.
 """
@@ -82,7 +83,7 @@ class FlowClusterSim(FlowTraffic):
         for s in range(c.num_servers):
             self.net.add_link(f"up{s}", link_bps)
             self.net.add_link(f"dn{s}", link_bps)
-        self.sched = make_flow_scheduler(scheduler)
+        self.sched = make_flow_scheduler(scheduler, overload_check=True if c.prune_baselines else None)
         if hasattr(self.sched, "set_link_bandwidth"):
             for link, bps in self.link_map.items():
                 self.sched.set_link_bandwidth(link, bps)

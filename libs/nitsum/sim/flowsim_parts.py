@@ -29,6 +29,8 @@ class FlowClusterConfig:
     refresh_ms: float = 2.0  # how often schedulers with timers (RMLQ's MLU promotion) are consulted
     max_prompt_tokens: int = 32_768
     prune: bool = True
+    # the breakdown: the baselines run RMLQ's worst-case check and pruning too, each in its own unit order
+    prune_baselines: bool = False
     # Stage 3 layer by layer, as the paper's P2D stage (§4.3: "At each layer l, the P2D stage emits a set of
     # flows"; §2: layer-wise KV transfers contend with the collectives of other layers): each block's KV of
     # each request leaves right after that block's compute. False: one transfer per request after the last block.

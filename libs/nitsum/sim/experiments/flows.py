@@ -64,6 +64,7 @@ def run(
     device_table: Path | None = None,
     p2d_layerwise: bool = True,
     prune: bool = True,
+    prune_baselines: bool = False,
 ) -> dict[str, Any]:
     """The sweep; `nics_per_server` (8 in the paper) and the `only_*` filters are for sensitivity runs
     (`python -m nitsum.sim.experiments.flows --help`). `device_table`: measured step times, which must hold
@@ -99,6 +100,7 @@ def run(
             device_table=table_rows,
             p2d_layerwise=p2d_layerwise,
             prune=prune,
+            prune_baselines=prune_baselines,
         )
         trace = traces[load][1]
         start = int(len(trace) * WORKLOADS[load][1])
@@ -172,7 +174,11 @@ def run(
         f"({', '.join(setups)}); Mooncake lengths and prefix ids in trace order, earlier rows warm the cache ({used}); "
         f"Poisson arrivals, {duration_s:g} s per point; "
         "TTFT SLO = 3x idle TTFT; "
-        + ("pruning on (RMLQ); " if prune else "no pruning; ")
+        + (
+            ("pruning on (every scheduler); " if prune_baselines else "pruning on (RMLQ); ")
+            if prune
+            else "no pruning; "
+        )
         + f"P2D {'layer-wise' if p2d_layerwise else 'after the last block'}; seed {seed}.",
         "",
     ]
@@ -253,9 +259,16 @@ def main(argv: list[str] | None = None) -> int:
         help="stage 3 layer by layer as each block is computed (the paper), or one transfer after the last block",
     )
     p.add_argument("--no-prune", action="store_true", help="RMLQ without its overload pruning (the breakdown)")
+    p.add_argument(
+        "--prune-baselines",
+        action="store_true",
+        help="the baselines run RMLQ's worst-case check and pruning too, each in its own unit order (the breakdown)",
+    )
     a = p.parse_args(argv)
     if a.nics_per_server < 1:
         p.error("--nics-per-server must be >= 1")
+    if a.no_prune and a.prune_baselines:
+        p.error("--prune-baselines needs pruning on (drop --no-prune)")
     res = run(
         a.out,
         seed=a.seed,
@@ -264,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         only_workloads=tuple(a.workload),
         p2d_layerwise=a.p2d == "layerwise",
         prune=not a.no_prune,
+        prune_baselines=a.prune_baselines,
     )
     print(res["speed"])
     print(f"wrote {a.out}/flows.csv, .png, .md")
