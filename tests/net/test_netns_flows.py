@@ -113,3 +113,40 @@ def test_replay_rmlq_serves_the_tight_request_ahead_of_the_loose_transfer_and_fa
     # transfer is still going (finish = arrival + TTFT), and sooner than under Fair Sharing, where it shares.
     assert 150.0 + float(rmlq["ia"]) < float(rmlq["bg"]), rmlq  # type: ignore[arg-type]
     assert float(rmlq["ia"]) < float(fs["ia"]), (rmlq, fs)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+def test_replay_gives_a_baseline_rmlqs_overload_check_only_when_asked() -> None:
+    """Three requests at once whose KV-reuse fetches alone (1 MB each, 400 ms at 20 Mbit/s) exceed the third
+    one's deadline: with the check SJF prunes before sending it all (a pruned request has no TTFT);
+    without it SJF sends everything, as the paper's baselines do."""
+    requests = [
+        {
+            "id": f"q{i}",
+            "tier": "interactive",
+            "arrival_ms": 0.0,
+            "reuse_bytes": 1_000_000,
+            "p2d_bytes": 20_000,
+            "compute_ms": 20.0,
+            "slo_ms": 1_000.0,
+        }
+        for i in range(3)
+    ]
+
+    def load(prune_baselines: bool) -> dict[str, object]:
+        return {
+            "scheduler": "sjf",
+            "rate_mbit": RATE_MBIT,
+            "layers": 4,
+            "requests": requests,
+            "prune": True,
+            "prune_baselines": prune_baselines,
+        }
+
+    with netns.veth_testbed(RATE_MBIT, tag=f"{os.getpid()}p") as bed:
+        plain = netns.run_plan(bed, load(False), port=47012, mode="replay")
+        checked = netns.run_plan(bed, load(True), port=47013, mode="replay")
+    assert plain["pruned"] == [] and set(plain["ttft_ms"]) == {"q0", "q1", "q2"}, plain
+    assert checked["pruned"], checked
+    assert not set(checked["pruned"]) & set(checked["ttft_ms"]), checked
+    assert set(checked["pruned"]) | set(checked["ttft_ms"]) == {"q0", "q1", "q2"}, checked

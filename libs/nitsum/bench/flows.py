@@ -149,7 +149,8 @@ def _testbed(args: argparse.Namespace) -> None:
     print(
         f"\ntestbed: {len(requests)} requests ({args.mix} sizes and tiers), veth at {args.rate_mbit} Mbit/s "
         f"(htb, 3 DSCP classes), offered load {args.utilization}, seed {args.seed}, "
-        f"RMLQ E={args.rmlq_e} U={args.rmlq_u}, pruning {'on' if args.prune else 'off'}"
+        f"RMLQ E={args.rmlq_e} U={args.rmlq_u}, pruning "
+        f"{('on, every scheduler' if args.prune_baselines else 'on (RMLQ)') if args.prune else 'off'}"
     )
     print(f"{'scheduler':>10} {'attain all':>10} {'interactive':>11} {'background':>10} {'p50 TTFT ms':>11}")
     base: float | None = None
@@ -162,6 +163,7 @@ def _testbed(args: argparse.Namespace) -> None:
                 "requests": requests,
                 "rmlq": {"e": args.rmlq_e, "u": args.rmlq_u},
                 "prune": args.prune,
+                "prune_baselines": args.prune_baselines,
             }
             res = netns.run_plan(bed, load, port=47100 + k, timeout_s=300.0, mode="replay")
             ttft = res["ttft_ms"]
@@ -203,11 +205,18 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--prune", action="store_true", help="testbed: RMLQ's overload pruning on (a pruned request is a miss)"
     )
+    p.add_argument(
+        "--prune-baselines",
+        action="store_true",
+        help="testbed, with --prune: the baselines run RMLQ's worst-case check and pruning too (the breakdown)",
+    )
     p.add_argument("--rmlq-e", type=float, default=4.0, help="RMLQ threshold ratio E (paper: 4)")
     p.add_argument("--rmlq-u", type=float, default=0.5, help="RMLQ threshold scale U (paper: 0.5)")
     args = p.parse_args(argv)
     if args.flows < 10 or args.events < 1:
         p.error("--flows must be >= 10 and --events >= 1")
+    if args.prune_baselines and not args.prune:
+        p.error("--prune-baselines needs --prune")
     if args.rmlq_e <= 1.0 or args.rmlq_u <= 0.0:
         p.error(f"need --rmlq-e > 1 and --rmlq-u > 0, got E={args.rmlq_e} U={args.rmlq_u}")
 

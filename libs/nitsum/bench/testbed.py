@@ -74,7 +74,13 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
     from nitsum.policy.flows import FlowSpec, Stage
 
     thresholds = load.get("rmlq") or {}  # {"e": E, "u": U}: RMLQ's promotion thresholds Q_i = E^-i * U
-    sched = make_flow_scheduler(str(load["scheduler"]), rmlq_e=thresholds.get("e"), rmlq_u=thresholds.get("u"))  # type: ignore[union-attr]
+    sched = make_flow_scheduler(
+        str(load["scheduler"]),
+        rmlq_e=thresholds.get("e"),  # type: ignore[union-attr]
+        rmlq_u=thresholds.get("u"),  # type: ignore[union-attr]
+        # the breakdown: a baseline runs RMLQ's worst-case check too (load["prune"] still decides whether it runs)
+        overload_check=True if load.get("prune_baselines") else None,
+    )
     link_bps = float(load["rate_mbit"]) * 1e6  # type: ignore[arg-type]
     if hasattr(sched, "set_link_bandwidth"):
         sched.set_link_bandwidth("link", link_bps)  # type: ignore[attr-defined]
@@ -214,7 +220,7 @@ async def _replay(host: str, port: int, source: str | None, load: dict[str, obje
     finally:
         tick.cancel()
     await tx.close()
-    print(json.dumps({"ttft_ms": ttft_ms}), flush=True)
+    print(json.dumps({"ttft_ms": ttft_ms, "pruned": sorted(pruned)}), flush=True)
     return 0
 
 
