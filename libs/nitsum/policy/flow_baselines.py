@@ -3,10 +3,10 @@
 As the Nuska paper evaluates them (§6.1; ALGORITHMS.md §2.4): FS shares every link max-min; SJF serves
 the smallest remaining size first; EDF serves explicit deadlines first and shares fairly among the rest;
 Karuna gives deadline flows the minimal rate that meets their deadline and schedules the rest SJF.
-None of them promotes at layer boundaries or prunes (`make_flow_scheduler(..., overload_check=True)` gives one
-RMLQ's worst-case check and pruning, in its own unit order, for the breakdown of where RMLQ's gain comes from). Levels for the wire: FS puts everything in one
-class (PK); SJF and Karuna map the remaining size to levels geometrically (1 MiB · 4^i), the way
-commodity-switch SJF approximations do. Stdlib only.
+None of them promotes at layer boundaries or prunes; `make_flow_scheduler(..., overload_check=True)` gives
+one RMLQ's worst-case check and pruning, in its own unit order, for the breakdown of where RMLQ's gain comes
+from. Levels for the wire: FS puts everything in one class (PK); SJF and Karuna map the remaining size to
+levels geometrically (1 MiB · 4^i), the way commodity-switch SJF approximations do. Stdlib only.
 """
 
 from __future__ import annotations

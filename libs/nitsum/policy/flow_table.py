@@ -180,13 +180,15 @@ class FlowTable:
         est_delay_ms: Mapping[str, float],
         pending: Mapping[str, tuple[str, float]] | None = None,
     ) -> list[str]:
-        """Overload control on σ (only where `overload_check`; RMLQ by default, a baseline for the breakdown); `est_delay_ms`: request id → its estimated compute + comm delay.
+        """Overload control on σ, where `overload_check` is set (RMLQ by default; a baseline for the breakdown).
+
+        `est_delay_ms`: request id → its estimated compute + comm delay.
 
         A request's deadline is its `request_deadline_ms`, else the earliest explicit deadline among its
         flows; requests with neither never miss. Pruned requests' flows leave `priorities()` (suppressed)
         and so do later flows of the same request. `pending`: request id → (unit id, TTFT deadline) of
         requests in a batch that has arrived but sent no flow yet (the check runs on batch arrival, paper
-        §4.4.2); a unit with no flow here takes its place in σ by the RED of those deadlines.
+        §4.4.2); a unit with no flow here takes its place in σ by this scheduler's rank of those deadlines.
         """
         if not self.overload_check:
             return []
