@@ -260,6 +260,12 @@ class WorkerConfig(CommonConfig):
     fault_kv_corrupt: bool = setting(
         "NITSUM_FAULT_KV_CORRUPT", False, "fault injection for tests: corrupt outgoing KV hand-offs"
     )
+    fault_prefill_delay_ms: float = setting(
+        "NITSUM_FAULT_PREFILL_DELAY_MS",
+        0.0,
+        "fault injection for tests: a slow device, this long added to every engine step that computes prompt tokens (0: off)",
+        check=non_negative,
+    )
     fault_kv_connect_epoch: int = setting(
         "NITSUM_FAULT_KV_CONNECT_EPOCH",
         0,

@@ -21,8 +21,16 @@ Live inputs (ALGORITHMS.md §2.4):
   that does not yet sends them where they disturb nothing), later flows of it are answered the same way, and
   a FlowPruned goes to the gateways (subject flow_pruned) so that the request is retried; nothing is dropped
   silently.
+- PrefillAdmission (prefill workers, when they admit a request they will hand off, and when its prefill is
+  over): the check on batch arrival covers requests that have sent nothing yet (paper §4.4.2, SIMULATOR.md
+  rule 33). Each worker's pending requests are walked in σ, once per worker (its compute is one queue), each
+  delayed by the compute its worker estimated plus its flows' transfer time; the walk runs when a batch is
+  admitted and on the departures above. A pending request pruned gets a FlowPruned on its worker's permit
+  subject (the worker ends its stream with the retryable `overload_pruned`, the gateway re-submits it) and on
+  flow_pruned. A report is advice: a pending request not heard of for PENDING_MAX_S is forgotten.
 Counters: `nitsum_flow_permits_total{stage,level}`, `nitsum_flow_bytes_total{stage}`,
-`nitsum_flow_promotions_total{stage}`, `nitsum_flow_pruned_total{stage}` (flows refused a permit).
+`nitsum_flow_promotions_total{stage}`, `nitsum_flow_pruned_total{stage}` (flows refused a permit),
+`nitsum_flow_admission_pruned_total` (requests pruned before their prefill).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from prometheus_client import Counter
 
@@ -45,6 +55,7 @@ from nitsum.wire.messages import (
     FlowSubmit,
     FlowSubmitBatch,
     LayerProgress,
+    PrefillAdmission,
 )
 
 log = logging.getLogger("nitsum.flow_scheduler")
@@ -54,6 +65,18 @@ MAX_LINK_LOAD = 0.9
 PRUNED_CODE = "overload_pruned"
 INVALID_CODE = "flow_invalid"
 PRUNED_MEMORY = 10_000  # pruned request ids remembered (later flows of them are refused)
+LEFT_MEMORY = 10_000  # request ids whose prefill is over, remembered (a late admission report of one is ignored)
+PENDING_MAX_S = 300.0  # a pending request older than this is forgotten (its "left" report was lost)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A request admitted at a prefill worker that has not finished its prefill (PrefillAdmission)."""
+
+    worker_id: str
+    deadline_ms: float
+    compute_ms: float
+    since_ms: float
 
 
 def _now_ms() -> float:
@@ -89,6 +112,8 @@ class FlowService:
         self.link_bps: dict[str, float] = {}
         self.rho: dict[str, float] = {}
         self.pruned_requests: dict[str, str] = {}  # request id -> reason (insertion order: oldest first)
+        self.pending: dict[str, _Pending] = {}  # request id -> its admission report (prefill not over)
+        self.left: OrderedDict[str, None] = OrderedDict()
 
     # ---- permits ----------------------------------------------------------------------------------
     def _permit(self, flow_id: str, level: int) -> FlowPermit:
@@ -188,6 +213,8 @@ class FlowService:
         if msg.flow_id in self.stages:  # a retry of a flow already known: its current permit
             return self._permit(msg.flow_id, self.levels[msg.flow_id]), False
         now = _now_ms()
+        if stage is Stage.P2D:  # its prefill is over
+            self.pending.pop(msg.request_id, None)
         self.stages[msg.flow_id] = stage
         self.sources[msg.flow_id] = msg.src
         self.paths[msg.flow_id] = path
@@ -232,7 +259,42 @@ class FlowService:
             return True
         return False
 
-    # ---- layer progress ---------------------------------------------------------------------------
+    # ---- layer progress and prefill admissions ----------------------------------------------------
+    async def on_progress(self, msg: LayerProgress | PrefillAdmission, delivery) -> None:
+        if isinstance(msg, PrefillAdmission):
+            await self.on_admission(msg)
+        else:
+            await self.on_layer_progress(msg, delivery)
+
+    async def on_admission(self, msg: PrefillAdmission) -> None:
+        """A prefill worker admitted requests (the check on their arrival runs now) or finished their prefill."""
+        n = len(msg.request_ids)
+        if len(msg.ttft_deadlines_unix_ms) != n or len(msg.compute_ms) != n or not msg.worker_id:
+            log.warning(
+                "prefill admission report from %r ignored: %d request ids, %d deadlines, %d compute estimates",
+                msg.worker_id,
+                n,
+                len(msg.ttft_deadlines_unix_ms),
+                len(msg.compute_ms),
+            )
+            return
+        for rid in msg.left:
+            self.pending.pop(rid, None)
+            self.left[rid] = None
+            while len(self.left) > LEFT_MEMORY:
+                self.left.popitem(last=False)
+        now = _now_ms()
+        admitted = False
+        for rid, deadline, compute in zip(msg.request_ids, msg.ttft_deadlines_unix_ms, msg.compute_ms):
+            if rid in self.left or not compute >= 0.0:
+                continue
+            # a request pruned before and admitted again is a re-submission placed anew: its flows are its own
+            self.pruned_requests.pop(rid, None)
+            self.pending[rid] = _Pending(msg.worker_id, float(deadline), float(compute), now)
+            admitted = True
+        if admitted:  # a batch arrived: the feasibility check
+            await self._prune(now)
+
     async def on_layer_progress(self, msg: LayerProgress, _delivery) -> None:
         now = _now_ms()
         sched = self.scheduler
@@ -255,6 +317,7 @@ class FlowService:
         uplinks do not queue behind each other, so one global walk would prune far too much)."""
         sched = self.scheduler
         per_link: dict[str, dict[str, float]] = {}
+        flow_ms: dict[str, float] = {}  # request id -> its flows' transfer time, over every link
         for fid, rid in self.request_of.items():
             st = sched.state(fid)
             if st is None or st.pruned or st.stage is Stage.MIGRATION:
@@ -262,13 +325,37 @@ class FlowService:
             path = self.paths[fid]
             bps = min(self.link_bps[l] * (1.0 - self.rho.get(l, 0.0)) for l in path)
             est = per_link.setdefault(path[0], {})
-            est[rid] = est.get(rid, 0.0) + st.remaining_bytes * 8.0 / bps * 1000.0
+            ms = st.remaining_bytes * 8.0 / bps * 1000.0
+            est[rid] = est.get(rid, 0.0) + ms
+            flow_ms[rid] = flow_ms.get(rid, 0.0) + ms
         victims: list[str] = []
         for link in sorted(per_link):
             victims.extend(r for r in sched.prune(now, per_link[link]) if r not in victims)
+        # the requests admitted at prefill workers, once per worker: its compute is one queue
+        for rid in [r for r, p in self.pending.items() if now - p.since_ms > PENDING_MAX_S * 1000.0]:
+            del self.pending[rid]
+        per_worker: dict[str, dict[str, float]] = {}
+        pending: dict[str, tuple[str, float]] = {}
+        for rid, p in self.pending.items():
+            if rid not in victims:
+                per_worker.setdefault(p.worker_id, {})[rid] = p.compute_ms + flow_ms.get(rid, 0.0)
+                pending[rid] = (rid, p.deadline_ms)  # a live unit is one request (its hand-off's unit id)
+        for worker in sorted(per_worker):
+            victims.extend(r for r in sched.prune(now, per_worker[worker], pending) if r not in victims)
         bus = self.ctx.bus
         for rid in victims:
             reason = "pruned: its transfers cannot meet its TTFT deadline under the current load"
+            admitted = self.pending.pop(rid, None)
+            if admitted is not None:
+                reason = "pruned: its prefill cannot meet its TTFT deadline under the current load"
+                self._count_admission_pruned()
+                try:
+                    await bus.publish(
+                        bus.subjects.flow_permit(admitted.worker_id),
+                        FlowPruned(request_id=rid, code=PRUNED_CODE, reason=reason),
+                    )
+                except Exception as exc:
+                    log.warning("FlowPruned for %s not sent to %s: %s", rid, admitted.worker_id, exc)
             self.pruned_requests[rid] = reason
             while len(self.pruned_requests) > PRUNED_MEMORY:
                 self.pruned_requests.pop(next(iter(self.pruned_requests)))
@@ -288,6 +375,17 @@ class FlowService:
                 )
             except Exception as exc:
                 log.warning("FlowPruned for %s not sent: %s", rid, exc)
+
+    def _count_admission_pruned(self) -> None:
+        metrics = self.ctx.metrics
+        metrics.get(
+            "flow_admission_pruned",
+            lambda: Counter(
+                "nitsum_flow_admission_pruned_total",
+                "requests pruned before their prefill (the overload check on batch arrival)",
+                registry=metrics.registry,
+            ),
+        ).inc()
 
     # ---- promotions -------------------------------------------------------------------------------
     async def _push_changes(self, now: float) -> None:
@@ -325,7 +423,7 @@ async def body(ctx: ServiceContext) -> None:
         bus.subjects.flow_submit, service.on_submit, queue="flow-scheduler", expected=(FlowSubmit, FlowSubmitBatch)
     )
     await bus.subscribe(bus.subjects.flow_done, service.on_done, expected=FlowCompletion)
-    await bus.subscribe(bus.subjects.flow_progress, service.on_layer_progress, expected=LayerProgress)
+    await bus.subscribe(bus.subjects.flow_progress, service.on_progress, expected=(LayerProgress, PrefillAdmission))
     task = ctx.spawn(service.tick(), "priority tick")
 
     async def stop() -> None:

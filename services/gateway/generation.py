@@ -27,7 +27,8 @@ from nitsum.wire.messages import AbortRequest, SamplingSpec, SubmitReply, Submit
 
 log = logging.getLogger("nitsum.gateway")
 
-RETRYABLE_CODES = frozenset({"worker_stopping", "engine_error", "worker_lost"})
+# overload_pruned: the flow-scheduler pruned the request before its prefill (its TTFT cannot be met there)
+RETRYABLE_CODES = frozenset({"worker_stopping", "engine_error", "worker_lost", "overload_pruned"})
 
 
 class GenerationError(Exception):

@@ -5,7 +5,9 @@ level (`nitsum.transfer.agent.PriorityFlowQueue`: P1 first), takes promotions pu
 `flow.permit.<worker>`, and reports every flow's completion. The scheduler is advice, never a gate: when it
 does not answer in time a flow goes at the lowest level anyway (counted in `nitsum_flow_fallbacks_total`).
 A pruned permit (code "overload_pruned", at submit or pushed later) stops the flow before it goes
-(`FlowPrunedError`); what that means for a hand-off or a fetch is the KV mover's (`transfer.py`).
+(`FlowPrunedError`); what that means for a hand-off or a fetch is the KV mover's (`transfer.py`). A FlowPruned
+on the same subject is a request pruned before its prefill (it has no flow yet): `on_request_pruned` gets it
+(`prefill_admission.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from nitsum.policy.flows import dscp_table
 from nitsum.telemetry.metrics import Metrics
 from nitsum.transfer.agent import PriorityFlowQueue
 from nitsum.transfer.framing import ErrorCode, TransferError
-from nitsum.wire.messages import FlowCompletion, FlowPermit, FlowPermitBatch, FlowSubmit, FlowSubmitBatch
+from nitsum.wire.messages import FlowCompletion, FlowPermit, FlowPermitBatch, FlowPruned, FlowSubmit, FlowSubmitBatch
 
 log = logging.getLogger("nitsum.worker.transfer")
 
@@ -73,9 +75,12 @@ class TransferAgent:
         self.sent_order: list[str] = []  # flow ids in the order they got their turn (tests, tracing)
         self.turn_levels: dict[str, int] = {}  # flow id -> the level it went at (last few; tests, tracing)
         self.num_pruned = 0
+        self.on_request_pruned = None  # callback(FlowPruned): a request pruned before it sent any flow
 
     async def start(self) -> None:
-        await self.bus.subscribe(self.bus.subjects.flow_permit(self.worker_id), self._on_permit, expected=FlowPermit)
+        await self.bus.subscribe(
+            self.bus.subjects.flow_permit(self.worker_id), self._on_permit, expected=(FlowPermit, FlowPruned)
+        )
 
     async def permits(self, flows: list[FlowSubmit]) -> list[FlowPermit]:
         """Permits for these flows, in order: the flow-scheduler's, or the lowest level if it is silent."""
@@ -175,9 +180,13 @@ class TransferAgent:
             [],
         ).inc()
 
-    async def _on_permit(self, permit: FlowPermit, _delivery) -> None:
+    async def _on_permit(self, permit: FlowPermit | FlowPruned, _delivery) -> None:
         """A promotion from the flow-scheduler: a waiting flow moves up; one in flight keeps its class.
         A pruned permit withdraws a waiting flow (its `run` raises FlowPrunedError)."""
+        if isinstance(permit, FlowPruned):
+            if self.on_request_pruned is not None:
+                self.on_request_pruned(permit)
+            return
         if permit.pruned and permit.code == PRUNED_CODE:
             future = self._turn.get(permit.flow_id)
             if future is not None and self.queue.remove(permit.flow_id):

@@ -87,6 +87,7 @@ async def build_service(ctx: ServiceContext, service_name: str) -> WorkerService
     ctx.state["in_world"] = backend.in_world
     bus, worker_id = ctx.bus, config.resolved_worker_id()
     session = WorkerSession(backend, bus, worker_id, ctx.metrics, ctx.tracer, config.decode_turn_ms)
+    session.step_thread.prefill_delay_s = config.fault_prefill_delay_ms / 1000.0
     agent = TransferAgent(
         bus, worker_id, ctx.metrics, max_in_flight=NODE_MAX_IN_FLIGHT if backend.in_world else MAX_IN_FLIGHT
     )

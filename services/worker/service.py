@@ -30,6 +30,7 @@ from nitsum_services.worker.backend import NodeBackend
 from nitsum_services.worker.control import WorkerControl
 from nitsum_services.worker.migration_flows import MigrationDriver
 from nitsum_services.worker.node_handoff import NodeHandoffs
+from nitsum_services.worker.prefill_admission import PrefillAdmissions
 from nitsum_services.worker.session import WorkerSession
 from nitsum_services.worker.transfer import KvMover, TransferAgent
 
@@ -52,6 +53,9 @@ class WorkerService(WorkerControl):
         self.instance_id = uuid.uuid4().hex[:12]
         self.session, self.agent, self.mover, self.migrations = session, agent, mover, migrations
         self.handoffs = handoffs  # P/D between the groups of this worker's node world
+        self.admissions = PrefillAdmissions(session, ctx.bus, self.worker_id)  # the overload check on arrival
+        session.on_prefill_over = self.admissions.prefill_over
+        agent.on_request_pruned = self.admissions.on_pruned
         self.state = "ready"  # "draining", then "stopped"
         self.reforming = 0  # the node world generation being formed here (0: none)
         self.fetches: set[asyncio.Task] = set()
@@ -168,6 +172,7 @@ class WorkerService(WorkerControl):
             task.add_done_callback(self.fetches.discard)
         else:
             session.submit(run)
+        self.admissions.admitted(run)
         return RunAck(rid, self.worker_id, True)
 
     async def fetch_then_start(self, run: RunRequest) -> None:

@@ -55,6 +55,10 @@ class WorkerSession:
         self._wake = asyncio.Event()
         self.inbox = StepInbox(self._wake)
         self.step_ms_ewma = 0.0
+        # Measured prefill rate: a turn's wall time over the prompt tokens it computed (EWMA over the turns
+        # that computed any, after the first; 0 until then). The prefill-admission report's compute estimate.
+        self.prefill_ms_per_token = 0.0
+        self._prefill_turns = 0
         self.holds = StepHolds()
         self.num_aborted = 0
         self._ended: list[tuple[str, int]] = []  # (request id, attempt) ended here since the last heartbeat
@@ -65,6 +69,9 @@ class WorkerSession:
         self.backend = backend
         self.on_topology_change = None  # async callback after a commit changed this worker's group
         self.on_handoff = None  # P/D: callback(Running) once a prefill finished; it owns the request then
+        # callback(request id) once a request's prefill is over here: its first token went out, or it ended or
+        # was aborted before that (the prefill-admission report: it is no longer pending at the flow-scheduler)
+        self.on_prefill_over = None
         self._held: dict[str, SubmitRequest] = {}  # accepted, waiting for a stage-1 prefix fetch
         # Request id -> tokens it had streamed when it was re-submitted (its engine counts from there): an
         # adopted one continues its stream at engine count + offset (StreamOffset from the coordinator).
@@ -207,6 +214,7 @@ class WorkerSession:
         if state is not None:
             mark_error(state.span, "import failed")
             state.span.end()
+            self._prefill_over(request_id)
 
     def control(self, command) -> asyncio.Future:
         """Queue a topology command for the next step boundary; the future resolves to its ack."""
@@ -228,6 +236,23 @@ class WorkerSession:
         if reason.split(":")[0] in self.TOLD_REASONS:
             chunk = state.error_chunk(self.worker_id, reason, f"the request was {reason}: it cannot meet its SLO")
             self.publisher.send(state.stream_subject, chunk)
+        self._drop(state, reason)
+        return True
+
+    def prune(self, request_id: str, reason: str) -> bool:
+        """The flow-scheduler pruned this request before its prefill (its TTFT deadline cannot be met here): end
+        its stream with the retryable `overload_pruned` (the gateway re-submits it, the coordinator re-plans it)
+        and drop it from the engine. False (nothing changes) once its first token went out, or if it is not here."""
+        state = self.running.get(request_id)
+        if state is None or state.first_token_s is not None:
+            return False
+        message = f"overload_pruned: {reason}"
+        self.publisher.send(state.stream_subject, state.error_chunk(self.worker_id, "overload_pruned", message))
+        self._drop(state, "overload_pruned")
+        return True
+
+    def _drop(self, state: Running, reason: str) -> None:
+        request_id = state.request_id
         self.running.pop(request_id, None)
         self._ended_here(request_id, state.attempt)
         self._held.pop(request_id, None)
@@ -236,7 +261,11 @@ class WorkerSession:
         self.metrics.aborted_requests_total().labels(reason=reason.split(":")[0]).inc()
         mark_error(state.span, f"aborted: {reason}")
         state.span.end()
-        return True
+        self._prefill_over(request_id)
+
+    def _prefill_over(self, request_id: str) -> None:
+        if self.on_prefill_over is not None:
+            self.on_prefill_over(request_id)
 
     def progress(self, now_s: float) -> tuple[tuple[str, ...], tuple[int, ...], tuple[float, ...]]:
         """(running request ids, tokens each has streamed, ms since each one's first token or -1), aligned:
@@ -272,6 +301,8 @@ class WorkerSession:
                         await loop.run_in_executor(None, self.backend.idle_tick)
                     continue
             leader_before = self.backend.is_leader
+            engine = self.backend.engine
+            prefilled = engine.num_prefill_tokens_computed if engine is not None else 0
             t0 = time.perf_counter()
             try:
                 outputs, rejected, self._stats, acks, _kind, calls = await loop.run_in_executor(
@@ -286,6 +317,14 @@ class WorkerSession:
             if outputs:
                 self.step_ms_ewma = step_ms if self.step_ms_ewma == 0 else 0.9 * self.step_ms_ewma + 0.1 * step_ms
                 self.holds.recent_step_ms.append(step_ms)
+            same = engine is not None and engine is self.backend.engine
+            computed = engine.num_prefill_tokens_computed - prefilled if same else 0
+            if computed > 0:
+                self._prefill_turns += 1
+            if computed > 0 and self._prefill_turns > 1:  # the first one warms the engine up: not a rate
+                per_token = (time.perf_counter() - t0) * 1000.0 / computed
+                old = self.prefill_ms_per_token
+                self.prefill_ms_per_token = per_token if old == 0 else 0.8 * old + 0.2 * per_token
             for future, ack in acks:
                 if future is not None and not future.done():
                     future.set_result(ack)
@@ -368,6 +407,7 @@ class WorkerSession:
         state.next_index += len(tokens)
         if tokens and state.first_token_s is None:
             state.first_token_s = time.monotonic()
+            self._prefill_over(out.request_id)
         self.metrics.generated_tokens_total().labels(worker=self.worker_id).inc(len(tokens))
         if finished:
             self.running.pop(out.request_id, None)
@@ -395,6 +435,7 @@ class WorkerSession:
         mark_error(state.span, f"{code}: {message}")
         state.span.end()
         self.publisher.send(state.stream_subject, state.error_chunk(self.worker_id, code, message))
+        self._prefill_over(request_id)
 
     async def fail_all(self, code: str, message: str) -> None:
         for request_id in list(self.running):

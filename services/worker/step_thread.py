@@ -93,6 +93,7 @@ class StepThread:
         self.backend = backend
         self.inbox = inbox
         self.holds = holds
+        self.prefill_delay_s = 0.0  # fault injection (NITSUM_FAULT_PREFILL_DELAY_MS): a slow device's prefill
         # What this worker holds right at a commit (request id -> output count): the loop adopts streams from it.
         self.held_at_commit: dict[str, int] = {}
         # ... and what each of them runs under there (prompt tokens, max_tokens, TPOT ms): Engine.request_limits.
@@ -207,6 +208,8 @@ class StepThread:
         engine = backend.engine
         prefilled = engine.num_prefill_tokens_computed if engine is not None else 0
         outputs = last = list(backend.step())
+        if self.prefill_delay_s > 0 and engine is not None and engine.num_prefill_tokens_computed != prefilled:
+            time.sleep(self.prefill_delay_s)
         self.last_turn_steps = 1
         budget_s = self.decode_turn_ms / 1000.0
         while budget_s > 0 and last:

@@ -96,6 +96,24 @@ class LayerProgress:
 
 
 @dataclass(frozen=True)
+class PrefillAdmission:
+    """Prefill worker → flow-scheduler (on `flow.progress`, beside LayerProgress): a batch arrived, so the
+    overload check covers it before it sends anything (paper §4.4.2; docs/SIMULATOR.md rule 33). `request_ids`
+    were admitted now, each with its TTFT deadline and the worker's estimate of the compute its prefill takes
+    (its prompt at the worker's measured prefill rate; 0 before the worker has measured one); `left` are
+    requests admitted earlier whose prefill is over (first token out, ended or aborted): they are no longer
+    pending. A pending request the check prunes gets a FlowPruned on its worker's permit subject."""
+
+    KIND: ClassVar[str] = "prefill_admission"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    request_ids: tuple[str, ...] = ()
+    ttft_deadlines_unix_ms: tuple[float, ...] = ()
+    compute_ms: tuple[float, ...] = ()
+    left: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class FlowPruned:
     """Flow-scheduler → gateways / coordinator: overload pruning suppressed a request's flows. The request
     will miss its TTFT deadline where it is; `code` "overload_pruned" means: retry it (re-plan elsewhere or

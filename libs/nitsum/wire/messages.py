@@ -15,7 +15,9 @@ Channels (see subjects.py):
                  groups of one node world: prefill leader ↔ decode leader, on worker.<id>.handoff)
   flows          FlowSubmit / FlowPermit / FlowCompletion (transfer agents ↔ flow-scheduler), FlowSubmitBatch →
                  FlowPermitBatch (one round trip for every flow of a request), LayerProgress (prefill worker →
-                 flow-scheduler at layer boundaries), FlowPruned (flow-scheduler → gateways: retry the request)
+                 flow-scheduler at layer boundaries), PrefillAdmission (prefill worker → flow-scheduler: a batch
+                 arrived, or left its prefill), FlowPruned (flow-scheduler → gateways, and to a worker whose
+                 request it pruned before its prefill: retry the request)
   KV hand-off    KvLayer → KvAck (worker ↔ worker: one layer of a P/D hand-off or of a stage-1 prefix fetch,
                  its bytes in shared memory on one host, over the TCP data plane across hosts), KvFetch →
                  KvFetchReply (a worker asks another for cached blocks), KvPeer → KvPeerInfo (where a worker's
@@ -39,6 +41,7 @@ from nitsum.wire.flows import (
     FlowSubmit,
     FlowSubmitBatch,
     LayerProgress,
+    PrefillAdmission,
 )
 from nitsum.wire.kv_transfer import (
     KvAck,
@@ -118,6 +121,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     FlowPermitBatch,
     FlowProgress,
     LayerProgress,
+    PrefillAdmission,
     FlowPruned,
     KvLayer,
     KvPeer,

@@ -1,0 +1,135 @@
+"""The overload check on batch arrival, live (paper §4.4.2; docs/SIMULATOR.md rule 33): the real flow-scheduler
+over a real nats-server, fed the PrefillAdmission reports a prefill worker publishes when it admits a request it
+will hand off (here published by the test). Each worker's pending requests are walked in σ, once per worker; a
+request that cannot meet its TTFT deadline is pruned before it sends anything: its worker gets a FlowPruned on
+its permit subject, the gateways one on flow_pruned."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from nitsum.wire.codec import decode
+from nitsum.wire.messages import FlowPruned, FlowSubmit, PrefillAdmission
+from nitsum_services.flow_scheduler.main import PRUNED_CODE
+from tests.unit.test_flows_live_inputs import _Live
+
+
+def _now() -> float:
+    return time.time() * 1000.0
+
+
+class _Workers:
+    """What the flow-scheduler sends to the workers w1 and w2 on their permit subjects."""
+
+    def __init__(self, live: _Live) -> None:
+        self.live = live
+        self.got: dict[str, list[FlowPruned]] = {"w1": [], "w2": []}
+
+    async def __aenter__(self):
+        def on(worker: str):
+            async def cb(msg) -> None:
+                note = decode(msg.data)
+                if isinstance(note, FlowPruned):  # (a flow's permit pushed here is not what these tests watch)
+                    self.got[worker].append(note)
+
+            return cb
+
+        self.subs = [await self.live.bus.nc.subscribe(f"nitsum.flow.permit.{w}", cb=on(w)) for w in self.got]
+        await self.live.bus.flush()
+        return self
+
+    async def __aexit__(self, *exc):
+        for s in self.subs:
+            await s.unsubscribe()
+
+    async def admit(self, worker: str, *requests: tuple[str, float, float], left: tuple[str, ...] = ()) -> None:
+        """Publish one report: (request id, ms to its TTFT deadline from now, compute ms) each."""
+        now = _now()
+        msg = PrefillAdmission(
+            worker,
+            tuple(r for r, _, _ in requests),
+            tuple(now + d for _, d, _ in requests),
+            tuple(c for _, _, c in requests),
+            left,
+        )
+        await self.live.bus.publish("nitsum.flow.progress", msg)
+        await self.live.bus.flush()
+
+
+def _counter(live: _Live) -> float:
+    text = live.ctx.metrics.render()[0].decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("nitsum_flow_admission_pruned_total ")]
+    return float(lines[0].split()[1]) if lines else 0.0
+
+
+async def _settle() -> None:
+    await asyncio.sleep(0.3)
+
+
+@pytest.mark.asyncio
+async def test_a_request_its_worker_cannot_prefill_in_time_is_pruned_before_it_sends_anything(nats_server):
+    """w1 admits a short request due in 5 s and a long one due in 7 s: in σ the short one is done at 1 s, the
+    long one at 9 s, past its deadline, so the check prunes the long one (the largest delay up to the miss) and
+    the short one fits. w2's request as long, due in 9 s, fits: another worker's compute is another queue."""
+    async with _Live(nats_server.url) as live, _Workers(live) as workers:
+        await workers.admit("w1", ("short", 5000.0, 1000.0), ("long", 7000.0, 8000.0))
+        await workers.admit("w2", ("other", 9000.0, 8000.0))
+        await live.wait_for(lambda: workers.got["w1"] and live.pruned)
+        await _settle()
+        (note,) = workers.got["w1"]
+        assert (note.request_id, note.code, note.flow_ids) == ("long", PRUNED_CODE, ())
+        assert "prefill cannot meet its TTFT deadline" in note.reason
+        assert [(p.request_id, p.code) for p in live.pruned] == [("long", PRUNED_CODE)]
+        assert workers.got["w2"] == []
+        assert _counter(live) == 1.0
+        # a later flow of the pruned request is refused with the same code; the short one's flow goes on
+        late = FlowSubmit("long.pd.0", "long", "long", "3", 1 << 20, "w1", "d0", 0, _now() + 5000.0)
+        ok = FlowSubmit("short.pd.0", "short", "short", "3", 1 << 20, "w1", "d0", 0, _now() + 5000.0)
+        refused, permitted = await live.submit(late, ok)
+        assert refused.pruned and refused.code == PRUNED_CODE
+        assert not permitted.pruned
+
+
+@pytest.mark.asyncio
+async def test_a_request_whose_prefill_is_over_leaves_the_check(nats_server):
+    """A request that left (its first token went out) no longer delays the worker's queue: without the `left`
+    report the second request (done at 10 s behind the first, due at 7 s) would be pruned."""
+    async with _Live(nats_server.url) as live, _Workers(live) as workers:
+        await workers.admit("w1", ("first", 6000.0, 5000.0))
+        await workers.admit("w1", left=("first",))
+        await workers.admit("w1", ("second", 7000.0, 5000.0))
+        await _settle()
+        assert workers.got["w1"] == [] and live.pruned == [] and _counter(live) == 0.0
+        # and the control, on w2: the same two without the `left` report prune one
+        await workers.admit("w2", ("third", 6000.0, 5000.0))
+        await workers.admit("w2", ("fourth", 7000.0, 5000.0))
+        await live.wait_for(lambda: workers.got["w2"])
+        await _settle()
+        assert [n.request_id for n in workers.got["w2"]] == ["third"] and workers.got["w1"] == []
+
+
+@pytest.mark.asyncio
+async def test_a_malformed_admission_report_is_ignored_and_changes_nothing(nats_server):
+    async with _Live(nats_server.url) as live, _Workers(live) as workers:
+        now = _now()
+        bad = PrefillAdmission("w1", ("a", "b"), (now + 100.0,), (9000.0, 9000.0))
+        await live.bus.publish("nitsum.flow.progress", bad)
+        await live.bus.publish("nitsum.flow.progress", PrefillAdmission("", ("c",), (now + 100.0,), (9000.0,)))
+        await live.bus.flush()
+        await _settle()
+        assert workers.got["w1"] == [] and live.pruned == []
+        # the service kept nothing of them: a later request that fits alone is not walked behind them
+        await workers.admit("w1", ("fits", 5000.0, 4000.0))
+        await _settle()
+        assert workers.got["w1"] == [] and live.pruned == []
+
+
+@pytest.mark.asyncio
+async def test_a_baseline_without_the_overload_check_prunes_no_admission(nats_server):
+    async with _Live(nats_server.url, flow_policy="sjf") as live, _Workers(live) as workers:
+        await workers.admit("w1", ("short", 5000.0, 1000.0), ("long", 7000.0, 8000.0))
+        await _settle()
+        assert workers.got["w1"] == [] and live.pruned == [] and _counter(live) == 0.0
