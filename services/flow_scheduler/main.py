@@ -114,6 +114,7 @@ class FlowService:
         self.pruned_requests: dict[str, str] = {}  # request id -> reason (insertion order: oldest first)
         self.pending: dict[str, _Pending] = {}  # request id -> its admission report (prefill not over)
         self.left: OrderedDict[str, None] = OrderedDict()
+        self.pruned_at_admission: OrderedDict[str, None] = OrderedDict()  # of pruned_requests: before any flow
 
     # ---- permits ----------------------------------------------------------------------------------
     def _permit(self, flow_id: str, level: int) -> FlowPermit:
@@ -283,6 +284,11 @@ class FlowService:
             self.left[rid] = None
             while len(self.left) > LEFT_MEMORY:
                 self.left.popitem(last=False)
+            if self.pruned_at_admission.pop(rid, "no") is None:
+                # Pruned before its prefill: its worker either dropped it (nothing of it comes any more) or had
+                # already sent its first token when the prune came, and kept it; then its hand-off is checked
+                # against its own deadline when submitted, not refused for the prefill it has done.
+                self.pruned_requests.pop(rid, None)
         now = _now_ms()
         admitted = False
         for rid, deadline, compute in zip(msg.request_ids, msg.ttft_deadlines_unix_ms, msg.compute_ms):
@@ -349,6 +355,9 @@ class FlowService:
             if admitted is not None:
                 reason = "pruned: its prefill cannot meet its TTFT deadline under the current load"
                 self._count_admission_pruned()
+                self.pruned_at_admission[rid] = None
+                while len(self.pruned_at_admission) > PRUNED_MEMORY:
+                    self.pruned_at_admission.popitem(last=False)
                 try:
                     await bus.publish(
                         bus.subjects.flow_permit(admitted.worker_id),

@@ -301,7 +301,7 @@ class WorkerSession:
                         await loop.run_in_executor(None, self.backend.idle_tick)
                     continue
             leader_before = self.backend.is_leader
-            engine = self.backend.engine
+            engine = getattr(self.backend, "engine", None)  # (a bare NodeBackend has none)
             prefilled = engine.num_prefill_tokens_computed if engine is not None else 0
             t0 = time.perf_counter()
             try:
@@ -317,7 +317,7 @@ class WorkerSession:
             if outputs:
                 self.step_ms_ewma = step_ms if self.step_ms_ewma == 0 else 0.9 * self.step_ms_ewma + 0.1 * step_ms
                 self.holds.recent_step_ms.append(step_ms)
-            same = engine is not None and engine is self.backend.engine
+            same = engine is not None and engine is getattr(self.backend, "engine", None)
             computed = engine.num_prefill_tokens_computed - prefilled if same else 0
             if computed > 0:
                 self._prefill_turns += 1

@@ -133,3 +133,17 @@ async def test_a_baseline_without_the_overload_check_prunes_no_admission(nats_se
         await workers.admit("w1", ("short", 5000.0, 1000.0), ("long", 7000.0, 8000.0))
         await _settle()
         assert workers.got["w1"] == [] and live.pruned == [] and _counter(live) == 0.0
+
+
+@pytest.mark.asyncio
+async def test_a_request_pruned_as_its_first_token_went_out_keeps_its_hand_off(nats_server):
+    """The prune races the first token: the worker keeps the request (`WorkerSession.prune` refuses once the first
+    token is out) and reports it left. Its hand-off is then checked on its own, not refused for the prefill."""
+    async with _Live(nats_server.url) as live, _Workers(live) as workers:
+        await workers.admit("w1", ("short", 5000.0, 1000.0), ("long", 7000.0, 8000.0))
+        await live.wait_for(lambda: workers.got["w1"])
+        await workers.admit("w1", left=("long",))
+        await _settle()
+        flow = FlowSubmit("long.pd.0", "long", "long", "3", 1 << 20, "w1", "d0", 0, _now() + 5000.0)
+        (permit,) = await live.submit(flow)
+        assert not permit.pruned, permit
