@@ -298,8 +298,8 @@ class FlowService:
             self.pruned_requests.pop(rid, None)
             self.pending[rid] = _Pending(msg.worker_id, float(deadline), float(compute), now)
             admitted = True
-        if admitted:  # a batch arrived: the feasibility check
-            await self._prune(now)
+        if admitted:  # a batch arrived: the feasibility check, on the worker it arrived at (nothing else changed)
+            await self._prune(now, only_worker=msg.worker_id)
 
     async def on_layer_progress(self, msg: LayerProgress, _delivery) -> None:
         now = _now_ms()
@@ -317,10 +317,11 @@ class FlowService:
         await self._push_changes(now)
 
     # ---- pruning ----------------------------------------------------------------------------------
-    async def _prune(self, now: float) -> None:
+    async def _prune(self, now: float, only_worker: str | None = None) -> None:
         """The worst-case check once per source link: the requests whose flows leave through it, each delayed
         by its remaining bytes there over the link's residual bandwidth, walked in σ (flows on different
-        uplinks do not queue behind each other, so one global walk would prune far too much)."""
+        uplinks do not queue behind each other, so one global walk would prune far too much); then once per
+        prefill worker over its pending requests (`only_worker`: that worker's walk alone, on an admission)."""
         sched = self.scheduler
         per_link: dict[str, dict[str, float]] = {}
         flow_ms: dict[str, float] = {}  # request id -> its flows' transfer time, over every link
@@ -335,7 +336,7 @@ class FlowService:
             est[rid] = est.get(rid, 0.0) + ms
             flow_ms[rid] = flow_ms.get(rid, 0.0) + ms
         victims: list[str] = []
-        for link in sorted(per_link):
+        for link in sorted(per_link) if only_worker is None else ():
             victims.extend(r for r in sched.prune(now, per_link[link]) if r not in victims)
         # the requests admitted at prefill workers, once per worker: its compute is one queue
         for rid in [r for r, p in self.pending.items() if now - p.since_ms > PENDING_MAX_S * 1000.0]:
@@ -343,7 +344,7 @@ class FlowService:
         per_worker: dict[str, dict[str, float]] = {}
         pending: dict[str, tuple[str, float]] = {}
         for rid, p in self.pending.items():
-            if rid not in victims:
+            if rid not in victims and only_worker in (None, p.worker_id):
                 per_worker.setdefault(p.worker_id, {})[rid] = p.compute_ms + flow_ms.get(rid, 0.0)
                 pending[rid] = (rid, p.deadline_ms)  # a live unit is one request (its hand-off's unit id)
         for worker in sorted(per_worker):
