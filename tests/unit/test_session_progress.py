@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from nitsum_services.gateway.generation import RETRYABLE_CODES
 from nitsum_services.worker.session import Running, WorkerSession
 
 
@@ -35,3 +36,51 @@ def test_a_streaming_request_is_not_shed():
     s.running["b"] = Running("b", "subj", 10, 5, _span(), attempt=0, first_token_s=time.monotonic())
     assert s.abort("b", "shed") is False
     assert "b" in s.running
+
+
+class _Publisher:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, subject, chunk) -> None:
+        self.sent.append((subject, chunk))
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def aborted_requests_total(self):
+        metrics = self
+
+        class _Labelled:
+            def labels(self, reason):
+                metrics.reasons.append(reason)
+                return SimpleNamespace(inc=lambda: None)
+
+        return _Labelled()
+
+
+def test_a_prune_ends_only_a_request_still_prefilling_with_the_retryable_code_and_reports_it_left():
+    """The flow-scheduler's prune before the prefill: a request with no token yet ends with `overload_pruned`
+    (the gateway re-routes that code), leaves the engine and is reported as no longer pending; one whose first
+    token is out is kept, untouched (its hand-off is checked on its own)."""
+    s = _session()
+    s.metrics, s.publisher = _Metrics(), _Publisher()
+    left: list[str] = []
+    s.on_prefill_over = left.append
+    s.running["q"] = Running("q", "subj-q", 10, 0, _span(), attempt=0)
+    s.running["b"] = Running("b", "subj-b", 10, 1, _span(), attempt=0, first_token_s=time.monotonic())
+    span_q = s.running["q"].span
+    span_q.set_status = lambda *a, **k: None
+    span_q.add_event = lambda *a, **k: None
+    span_q.record_exception = lambda *a, **k: None
+    assert s.prune("b", "too late") is False and "b" in s.running and s.publisher.sent == []
+    assert s.prune("q", "its prefill cannot meet its TTFT deadline") is True
+    assert "q" not in s.running and left == ["q"] and s.metrics.reasons == ["overload_pruned"]
+    ((subject, chunk),) = s.publisher.sent
+    assert subject == "subj-q" and chunk.finished and chunk.error_code == "overload_pruned"
+    assert "its prefill cannot meet its TTFT deadline" in chunk.error_message
+    assert ("abort", "q") in list(s.inbox._items)
+    assert s.prune("q", "again") is False  # gone: nothing more happens
+    assert "overload_pruned" in RETRYABLE_CODES
