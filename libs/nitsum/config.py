@@ -322,7 +322,10 @@ class FlowSchedulerConfig(CommonConfig):
         check=lambda v: _link_gbps_error(v),
     )
     flow_default_gbps: float = setting(
-        "NITSUM_FLOW_DEFAULT_GBPS", 100.0, "NIC capacity (Gb/s) of hosts not in NITSUM_FLOW_LINK_GBPS", check=positive
+        "NITSUM_FLOW_DEFAULT_GBPS",
+        100.0,
+        "NIC capacity (Gb/s) of hosts not in NITSUM_FLOW_LINK_GBPS whose workers report no NIC speed (loopback, or a speed the kernel does not know)",
+        check=positive,
     )
 
     def link_bandwidth_bps(self) -> dict[str, float]:

@@ -6,8 +6,10 @@ scheduler re-evaluates MLU/RLI, and each promotion is pushed to the source agent
 
 Live inputs (ALGORITHMS.md §2.4):
 - Links: a flow with host ids (`src_host`, `dst_host`) runs on `<src_host>/up` and `<dst_host>/dn`, whose
-  capacities come from NITSUM_FLOW_LINK_GBPS (host=Gb/s; NITSUM_FLOW_DEFAULT_GBPS for the rest) and feed
-  RMLQ's MLU. A flow without host ids runs on its worker ids' links at the default capacity.
+  capacities come from NITSUM_FLOW_LINK_GBPS (host=Gb/s), else from the host's NIC speed its workers read
+  from the kernel at boot and send with every flow (`src_link_gbps`, `dst_link_gbps`; a report replaces the
+  default, never a configured value), else NITSUM_FLOW_DEFAULT_GBPS, and feed RMLQ's MLU. A flow without host
+  ids runs on its worker ids' links at the default capacity.
 - Link load ρ, tracked from the flows it permits: each active flow on a link is taken to get an equal share,
   and implicit flows (stages 1, 2) are served before explicit ones, so ρ = implicit flows / all flows on the
   link, capped at 0.9 (an explicit flow is never assumed to get nothing). Updated on submit and completion.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -110,6 +113,7 @@ class FlowService:
         self.unit_flows: dict[str, set[str]] = {}
         self.link_flows: dict[str, set[str]] = {}
         self.link_bps: dict[str, float] = {}
+        self.link_source: dict[str, str] = {}  # link -> where its capacity came from: configured | nic | default
         self.rho: dict[str, float] = {}
         self.pruned_requests: dict[str, str] = {}  # request id -> reason (insertion order: oldest first)
         self.pending: dict[str, _Pending] = {}  # request id -> its admission report (prefill not over)
@@ -140,12 +144,21 @@ class FlowService:
         src = msg.src_host or msg.src
         dst = msg.dst_host or msg.dst
         path = (f"{src}/up", f"{dst}/dn")
-        for link, host in zip(path, (src, dst)):
-            if link not in self.link_bps:
-                bps = self.host_bps.get(host, self.default_bps)
-                self.link_bps[link] = bps
-                if isinstance(self.scheduler, RmlqScheduler):
-                    self.scheduler.set_link_bandwidth(link, bps)
+        reported = (msg.src_link_gbps if msg.src_host else 0.0, msg.dst_link_gbps if msg.dst_host else 0.0)
+        for link, host, gbps in zip(path, (src, dst), reported):
+            if host in self.host_bps:
+                bps, source = self.host_bps[host], "configured"
+            elif gbps > 0 and math.isfinite(gbps):
+                bps, source = gbps * 1e9, "nic"
+            else:
+                bps, source = self.default_bps, "default"
+            known = self.link_source.get(link)
+            if known is None or (known == "default" and source == "nic") or (known == "nic" == source):
+                if self.link_bps.get(link) != bps:
+                    self.link_bps[link] = bps
+                    if isinstance(self.scheduler, RmlqScheduler):
+                        self.scheduler.set_link_bandwidth(link, bps)
+                self.link_source[link] = source
         return path
 
     def _update_load(self, links: tuple[str, ...], now: float) -> None:

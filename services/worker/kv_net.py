@@ -36,6 +36,7 @@ from nitsum.bus import Bus, BusError
 from nitsum.telemetry.metrics import Metrics
 from nitsum.transfer.framing import ErrorCode, TransferError
 from nitsum.transfer.kv_tcp import tos_of
+from nitsum.transfer.nic import link_speed_gbps
 from nitsum.transfer.tcp import TcpTransferReceiver, TcpTransferSender
 from nitsum.wire.messages import KvPeer, KvPeerInfo
 
@@ -122,10 +123,16 @@ class KvNet:
         self.peers: dict[str, KvPeerInfo] = {}
         self.senders: dict[str, TcpTransferSender] = {}
         self.flow_tos: dict[str, int] = {}  # flow id -> IP_TOS of the socket that sent it (last few; tests)
+        # The NIC holding the advertised address, its speed as the kernel reports it (0: loopback or unknown):
+        # peers learn it in KvPeerInfo, the flow-scheduler with every flow (its links' capacity)
+        measured = link_speed_gbps(addr)
+        self.link_gbps, self.link_iface = measured if measured is not None else (0.0, "")
 
     async def start(self) -> None:
         await self.receiver.start()
         log.info("KV receiver for other hosts on %s:%d (host %s)", self.addr, self.receiver.port, self.host_id)
+        if self.link_gbps:
+            log.info("host %s: NIC %s at %.1f Gb/s (kernel link speed)", self.host_id, self.link_iface, self.link_gbps)
 
     async def close(self) -> None:
         for sender in self.senders.values():
@@ -134,7 +141,7 @@ class KvNet:
         await self.receiver.close()
 
     def info(self) -> KvPeerInfo:
-        return KvPeerInfo(self.worker_id, self.host_id, self.addr, self.receiver.port, self.token)
+        return KvPeerInfo(self.worker_id, self.host_id, self.addr, self.receiver.port, self.token, self.link_gbps)
 
     def _count(self, purpose: str, direction: str, level: str, tos: int | None, n: int) -> None:
         metrics = self.metrics

@@ -184,6 +184,8 @@ class KvMover:
                 # across hosts the flow runs on the two hosts' NIC links; on one host on the workers' own
                 src_host=self.host_id if remote else "",
                 dst_host=peer.host_id if remote else "",
+                src_link_gbps=self.net.link_gbps if remote else 0.0,
+                dst_link_gbps=peer.link_gbps if remote else 0.0,
             )
             for layer in range(num_layers)
         ]

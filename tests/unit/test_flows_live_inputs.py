@@ -111,6 +111,39 @@ async def test_mlu_uses_the_configured_nic_of_each_host(nats_server):
         assert (slow.level, slow.dscp) == (1, DSCP_TABLE[1])
 
 
+async def test_a_hosts_nic_speed_its_workers_report_is_its_links_capacity(nats_server):
+    """Hosts NITSUM_FLOW_LINK_GBPS does not name: the NIC speed a flow carries (its workers read it from the
+    kernel at boot) is the capacity instead of the 100 Gb/s default; a configured host keeps its own. The same
+    1 GB / 1 s flow: 1000 Gb/s reported gives MLU 0.008 (level 3; the default would give 0.08, level 2); a
+    25 Gb/s downlink 0.32 (P1); the configured 200 Gb/s pair reporting 25 stays at 0.04 (level 2)."""
+    async with _Live(nats_server.url, flow_link_gbps=("fast=200", "fast2=200")) as live:
+        dl = _now() + 1000.0
+
+        def flow(fid: str, src: str, dst: str, src_gbps: float, dst_gbps: float) -> FlowSubmit:
+            return FlowSubmit(
+                fid,
+                f"r-{fid}",
+                f"u-{fid}",
+                "3",
+                GB,
+                "w0",
+                "w1",
+                deadline_unix_ms=dl,
+                src_host=src,
+                dst_host=dst,
+                src_link_gbps=src_gbps,
+                dst_link_gbps=dst_gbps,
+            )
+
+        wide, narrow, configured, unknown = await live.submit(
+            flow("a", "h1", "h2", 1000.0, 1000.0),
+            flow("b", "h3", "h4", 1000.0, 25.0),
+            flow("c", "fast", "fast2", 25.0, 25.0),
+            flow("d", "h5", "h6", 0.0, -1.0),  # unknown: the default
+        )
+        assert (wide.level, narrow.level, configured.level, unknown.level) == (3, 1, 2, 2)
+
+
 async def test_layer_progress_promotes_a_reuse_fetch_and_pushes_the_permit(nats_server):
     async with _Live(nats_server.url) as live:
         dl = _now() + 5000.0

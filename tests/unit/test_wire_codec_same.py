@@ -189,7 +189,7 @@ DIGESTS = {  # sha256 of nitsum 1e844f9's encode of each message
     "batch": "97f66152f8149b7aa5dcc7a9f5a41fce9715a00922fd9f7afb59da78a4bd733a",
     "command": "4834b6f6d9594838bcbe0fc1828ca671edf1ea1e68572b6807114db556f4f434",
     "error": "33cfaf5a918c0574fbfabd7d2d3ebc215296d585bf1a3af5d70c4f565842c282",
-    "flow": "a1f6ae0997a5f905bd7dc0872c729cd10aa58eb46cc4b434b69d72b17319f48a",
+    "flow": "e2993842f0acfe02587083293551873f255a495588d8a53f8694a922a4c9e74e",  # + src/dst_link_gbps (issue 19)
     "run": "464477ef2be58c134da5ac58d5b957e892e1af0b17c017a0c26c8245a9a0494a",
     "share": "92350082933062d34d518ef8eddc9cb8d5a6fd659f43412f3a9cbce0d82f0d69",
     "stats": "db7666784d17227965ae7c90250975862c910dcb4d947883e94498b46c3a42ce",  # + kv_gather (issue 19)

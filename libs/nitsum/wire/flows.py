@@ -27,6 +27,10 @@ class FlowSubmit:
     request_deadlines_unix_ms: tuple[float, ...] = ()
     src_host: str = ""  # host ids of the two ends: the flow's links are the src host's uplink and the dst
     dst_host: str = ""  # host's downlink (capacities from NITSUM_FLOW_LINK_GBPS); "" = the worker ids' links
+    # The two hosts' NIC speeds as their workers read them at boot (Gb/s; 0: unknown): the capacity of a host's
+    # links where NITSUM_FLOW_LINK_GBPS does not name it
+    src_link_gbps: float = 0.0
+    dst_link_gbps: float = 0.0
 
 
 @dataclass(frozen=True)

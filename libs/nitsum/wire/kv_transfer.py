@@ -61,6 +61,7 @@ class KvPeerInfo:
     addr: str = ""
     port: int = 0  # 0: no TCP receiver (then only shared memory works)
     token: int = 0
+    link_gbps: float = 0.0  # its NIC's link speed as the kernel reported it at boot (0: unknown)
 
 
 @dataclass(frozen=True)
