@@ -29,7 +29,8 @@ Live inputs (ALGORITHMS.md §2.4):
   delayed by the compute its worker estimated plus its flows' transfer time; the walk runs when a batch is
   admitted and on the departures above. A pending request pruned gets a FlowPruned on its worker's permit
   subject (the worker ends its stream with the retryable `overload_pruned`, the gateway re-submits it) and on
-  flow_pruned. A report is advice: a pending request not heard of for PENDING_MAX_S is forgotten.
+  flow_pruned. A report is advice: a pending request not heard of for PENDING_MAX_S, or PENDING_PAST_DEADLINE_S
+  past its deadline (a live one is pruned long before), is forgotten: its `left` report was lost.
 Counters: `nitsum_flow_permits_total{stage,level}`, `nitsum_flow_bytes_total{stage}`,
 `nitsum_flow_promotions_total{stage}`, `nitsum_flow_pruned_total{stage}` (flows refused a permit),
 `nitsum_flow_admission_pruned_total` (requests pruned before their prefill).
@@ -70,6 +71,7 @@ INVALID_CODE = "flow_invalid"
 PRUNED_MEMORY = 10_000  # pruned request ids remembered (later flows of them are refused)
 LEFT_MEMORY = 10_000  # request ids whose prefill is over, remembered (a late admission report of one is ignored)
 PENDING_MAX_S = 300.0  # a pending request older than this is forgotten (its "left" report was lost)
+PENDING_PAST_DEADLINE_S = 30.0  # ... and one this long past its deadline (it would have been pruned by then)
 
 
 @dataclass(frozen=True)
@@ -352,7 +354,12 @@ class FlowService:
         for link in sorted(per_link) if only_worker is None else ():
             victims.extend(r for r in sched.prune(now, per_link[link]) if r not in victims)
         # the requests admitted at prefill workers, once per worker: its compute is one queue
-        for rid in [r for r, p in self.pending.items() if now - p.since_ms > PENDING_MAX_S * 1000.0]:
+        stale = [
+            r
+            for r, p in self.pending.items()
+            if now - p.since_ms > PENDING_MAX_S * 1000.0 or now - p.deadline_ms > PENDING_PAST_DEADLINE_S * 1000.0
+        ]
+        for rid in stale:
             del self.pending[rid]
         per_worker: dict[str, dict[str, float]] = {}
         pending: dict[str, tuple[str, float]] = {}

@@ -358,6 +358,7 @@ class WorkerSession:
             state = self.running.pop(request_id)
             state.span.add_event("migrated", {"nitsum.group": str(self.backend.group)})
             state.span.end()
+            self._prefill_over(request_id)  # its new leader computes what is left of it
         for request_id, produced in held.items():
             if request_id not in self.running:
                 span = self.tracer.start_span(

@@ -147,3 +147,18 @@ async def test_a_request_pruned_as_its_first_token_went_out_keeps_its_hand_off(n
         flow = FlowSubmit("long.pd.0", "long", "long", "3", 1 << 20, "w1", "d0", 0, _now() + 5000.0)
         (permit,) = await live.submit(flow)
         assert not permit.pruned, permit
+
+
+@pytest.mark.asyncio
+async def test_a_pending_request_long_past_its_deadline_is_forgotten_not_pruned(nats_server):
+    """A report whose request is 31 s past its deadline is stale (its `left` report was lost: a live one would
+    have been pruned long before): forgotten, so it neither gets a FlowPruned nor delays the worker's others.
+    One just past its deadline is pruned."""
+    async with _Live(nats_server.url) as live, _Workers(live) as workers:
+        await workers.admit("w1", ("stale", -31_000.0, 10.0))
+        await workers.admit("w1", ("fits", 5000.0, 1000.0))
+        await _settle()
+        assert workers.got["w1"] == [] and live.pruned == []
+        await workers.admit("w2", ("late", -10.0, 10.0))
+        await live.wait_for(lambda: workers.got["w2"])
+        assert [n.request_id for n in workers.got["w2"]] == ["late"]
