@@ -25,9 +25,10 @@ Live inputs (ALGORITHMS.md §2.4):
   silently.
 - PrefillAdmission (prefill workers, when they admit a request they will hand off, and when its prefill is
   over): the check on batch arrival covers requests that have sent nothing yet (paper §4.4.2, SIMULATOR.md
-  rule 33). Each worker's pending requests are walked in σ, once per worker (its compute is one queue), each
-  delayed by the compute its worker estimated plus its flows' transfer time; the walk runs when a batch is
-  admitted and on the departures above. A pending request pruned gets a FlowPruned on its worker's permit
+  rule 33). When a worker admits a batch, its pending requests are walked in σ (its compute is one queue),
+  each delayed by what is left of the compute its worker estimated (the estimates run one after another from
+  the first one's admission, first come first served, so elapsed time is taken off the oldest) plus its flows'
+  transfer time, and all of them by the worker's fixed cost of a turn once. A pending request pruned gets a FlowPruned on its worker's permit
   subject (the worker ends its stream with the retryable `overload_pruned`, the gateway re-submits it) and on
   flow_pruned. A report is advice: a pending request not heard of for PENDING_MAX_S, or PENDING_PAST_DEADLINE_S
   past its deadline (a live one is pruned long before), is forgotten: its `left` report was lost.
@@ -74,6 +75,18 @@ PENDING_MAX_S = 300.0  # a pending request older than this is forgotten (its "le
 PENDING_PAST_DEADLINE_S = 30.0  # ... and one this long past its deadline (it would have been pruned by then)
 
 
+def _compute_left(queue: list[tuple[str, _Pending]], now: float) -> dict[str, float]:
+    """What is left of each pending request's compute at `now`, on a virtual first-come-first-served schedule of
+    the worker's estimates: each starts at its admission or when the one before it ends, whichever is later."""
+    left: dict[str, float] = {}
+    cursor = -math.inf
+    for rid, p in sorted(queue, key=lambda q: (q[1].since_ms, q[0])):
+        start = max(cursor, p.since_ms)
+        left[rid] = p.compute_ms - min(max(now - start, 0.0), p.compute_ms)
+        cursor = start + p.compute_ms
+    return left
+
+
 @dataclass(frozen=True)
 class _Pending:
     """A request admitted at a prefill worker that has not finished its prefill (PrefillAdmission)."""
@@ -82,6 +95,7 @@ class _Pending:
     deadline_ms: float
     compute_ms: float
     since_ms: float
+    turn_ms: float = 0.0
 
 
 def _now_ms() -> float:
@@ -120,6 +134,7 @@ class FlowService:
         self.pruned_requests: dict[str, str] = {}  # request id -> reason (insertion order: oldest first)
         self.pending: dict[str, _Pending] = {}  # request id -> its admission report (prefill not over)
         self.left: OrderedDict[str, None] = OrderedDict()
+        self.worker_instance: dict[str, str] = {}  # worker id -> the process instance its last report came from
         self.pruned_at_admission: OrderedDict[str, None] = OrderedDict()  # of pruned_requests: before any flow
 
     # ---- permits ----------------------------------------------------------------------------------
@@ -155,6 +170,8 @@ class FlowService:
             else:
                 bps, source = self.default_bps, "default"
             known = self.link_source.get(link)
+            if known == "nic" == source:  # several workers of the host report: its fastest NIC
+                bps = max(bps, self.link_bps[link])
             if known is None or (known == "default" and source == "nic") or (known == "nic" == source):
                 if self.link_bps.get(link) != bps:
                     self.link_bps[link] = bps
@@ -303,18 +320,29 @@ class FlowService:
                 # Pruned before its prefill: its worker either dropped it (nothing of it comes any more) or had
                 # already sent its first token when the prune came, and kept it; then its hand-off is checked
                 # against its own deadline when submitted, not refused for the prefill it has done.
-                self.pruned_requests.pop(rid, None)
+                self._unprune(rid)
+        if msg.instance and self.worker_instance.get(msg.worker_id, msg.instance) != msg.instance:
+            # the worker restarted under the same id: what its earlier process admitted is gone with it
+            for rid in [r for r, p in self.pending.items() if p.worker_id == msg.worker_id]:
+                del self.pending[rid]
+        if msg.instance:
+            self.worker_instance[msg.worker_id] = msg.instance
         now = _now_ms()
         admitted = False
         for rid, deadline, compute in zip(msg.request_ids, msg.ttft_deadlines_unix_ms, msg.compute_ms):
             if rid in self.left or not compute >= 0.0:
                 continue
             # a request pruned before and admitted again is a re-submission placed anew: its flows are its own
-            self.pruned_requests.pop(rid, None)
-            self.pending[rid] = _Pending(msg.worker_id, float(deadline), float(compute), now)
+            self._unprune(rid)
+            turn = float(msg.turn_ms) if msg.turn_ms >= 0.0 else 0.0
+            self.pending[rid] = _Pending(msg.worker_id, float(deadline), float(compute), now, turn)
             admitted = True
         if admitted:  # a batch arrived: the feasibility check, on the worker it arrived at (nothing else changed)
             await self._prune(now, only_worker=msg.worker_id)
+
+    def _unprune(self, rid: str) -> None:
+        self.pruned_requests.pop(rid, None)
+        self.scheduler.unprune(rid)
 
     async def on_layer_progress(self, msg: LayerProgress, _delivery) -> None:
         now = _now_ms()
@@ -335,8 +363,8 @@ class FlowService:
     async def _prune(self, now: float, only_worker: str | None = None) -> None:
         """The worst-case check once per source link: the requests whose flows leave through it, each delayed
         by its remaining bytes there over the link's residual bandwidth, walked in σ (flows on different
-        uplinks do not queue behind each other, so one global walk would prune far too much); then once per
-        prefill worker over its pending requests (`only_worker`: that worker's walk alone, on an admission)."""
+        uplinks do not queue behind each other, so one global walk would prune far too much). With
+        `only_worker` (an admission there) instead: that prefill worker's pending requests, its compute queue."""
         sched = self.scheduler
         per_link: dict[str, dict[str, float]] = {}
         flow_ms: dict[str, float] = {}  # request id -> its flows' transfer time, over every link
@@ -353,6 +381,7 @@ class FlowService:
         victims: list[str] = []
         for link in sorted(per_link) if only_worker is None else ():
             victims.extend(r for r in sched.prune(now, per_link[link]) if r not in victims)
+        # (a flow's arrival or departure changes no worker's compute queue: those are walked on admissions)
         # the requests admitted at prefill workers, once per worker: its compute is one queue
         stale = [
             r
@@ -361,14 +390,13 @@ class FlowService:
         ]
         for rid in stale:
             del self.pending[rid]
-        per_worker: dict[str, dict[str, float]] = {}
-        pending: dict[str, tuple[str, float]] = {}
-        for rid, p in self.pending.items():
-            if rid not in victims and only_worker in (None, p.worker_id):
-                per_worker.setdefault(p.worker_id, {})[rid] = p.compute_ms + flow_ms.get(rid, 0.0)
-                pending[rid] = (rid, p.deadline_ms)  # a live unit is one request (its hand-off's unit id)
-        for worker in sorted(per_worker):
-            victims.extend(r for r in sched.prune(now, per_worker[worker], pending) if r not in victims)
+        queue = [(rid, p) for rid, p in self.pending.items() if p.worker_id == only_worker and rid not in victims]
+        if queue:
+            est = {rid: left + flow_ms.get(rid, 0.0) for rid, left in _compute_left(queue, now).items()}
+            # the turn's fixed cost once, ahead of all of them: every deadline that much earlier (σ is unchanged)
+            turn = max(p.turn_ms for _, p in queue)
+            pending = {rid: (rid, p.deadline_ms - turn) for rid, p in queue}  # a live unit is one request
+            victims.extend(r for r in sched.prune(now, est, pending) if r not in victims)
         bus = self.ctx.bus
         for rid in victims:
             reason = "pruned: its transfers cannot meet its TTFT deadline under the current load"
@@ -446,7 +474,8 @@ class FlowService:
                 pass
 
 
-async def body(ctx: ServiceContext) -> None:
+async def body(ctx: ServiceContext) -> FlowService:
+    """The service on the bus (returned for tests that look at its scheduler)."""
     service = FlowService(ctx)
     bus = ctx.bus
     await bus.subscribe(
@@ -460,6 +489,7 @@ async def body(ctx: ServiceContext) -> None:
         await asyncio.wait({task}, timeout=2.0)
 
     ctx.drain_hooks.append(stop)
+    return service
 
 
 def main(argv: list[str]) -> int:

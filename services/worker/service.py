@@ -53,7 +53,10 @@ class WorkerService(WorkerControl):
         self.instance_id = uuid.uuid4().hex[:12]
         self.session, self.agent, self.mover, self.migrations = session, agent, mover, migrations
         self.handoffs = handoffs  # P/D between the groups of this worker's node world
-        self.admissions = PrefillAdmissions(session, ctx.bus, self.worker_id)  # the overload check on arrival
+        # the overload check on arrival
+        self.admissions = PrefillAdmissions(
+            session, ctx.bus, self.worker_id, self.instance_id, block_size=self.config.block_size
+        )
         session.on_prefill_over = self.admissions.prefill_over
         agent.on_request_pruned = self.admissions.on_pruned
         self.state = "ready"  # "draining", then "stopped"

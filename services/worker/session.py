@@ -28,6 +28,7 @@ from nitsum.telemetry.metrics import Metrics
 from nitsum.telemetry.tracing import mark_error
 from nitsum.wire.messages import RunRequest, SubmitRequest
 from nitsum_services.worker.holds import StepHolds
+from nitsum_services.worker.prefill_admission import PrefillCost
 from nitsum_services.worker.publisher import FramePublisher
 from nitsum_services.worker.running import Running, outputs_by_request
 from nitsum_services.worker.step_thread import StepInbox, StepThread
@@ -55,10 +56,8 @@ class WorkerSession:
         self._wake = asyncio.Event()
         self.inbox = StepInbox(self._wake)
         self.step_ms_ewma = 0.0
-        # Measured prefill rate: a turn's wall time over the prompt tokens it computed (EWMA over the turns
-        # that computed any, after the first; 0 until then). The prefill-admission report's compute estimate.
-        self.prefill_ms_per_token = 0.0
-        self._prefill_turns = 0
+        # Measured prefill cost (the turns that computed prompt tokens): the prefill-admission report's estimate
+        self.prefill_cost = PrefillCost()
         self.holds = StepHolds()
         self.num_aborted = 0
         self._ended: list[tuple[str, int]] = []  # (request id, attempt) ended here since the last heartbeat
@@ -320,11 +319,7 @@ class WorkerSession:
             same = engine is not None and engine is getattr(self.backend, "engine", None)
             computed = engine.num_prefill_tokens_computed - prefilled if same else 0
             if computed > 0:
-                self._prefill_turns += 1
-            if computed > 0 and self._prefill_turns > 1:  # the first one warms the engine up: not a rate
-                per_token = (time.perf_counter() - t0) * 1000.0 / computed
-                old = self.prefill_ms_per_token
-                self.prefill_ms_per_token = per_token if old == 0 else 0.8 * old + 0.2 * per_token
+                self.prefill_cost.add(computed, (time.perf_counter() - t0) * 1000.0)
             for future, ack in acks:
                 if future is not None and not future.done():
                     future.set_result(ack)

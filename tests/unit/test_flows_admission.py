@@ -12,7 +12,7 @@ import time
 import pytest
 
 from nitsum.wire.codec import decode
-from nitsum.wire.messages import FlowPruned, FlowSubmit, PrefillAdmission
+from nitsum.wire.messages import FlowCompletion, FlowPruned, FlowSubmit, PrefillAdmission
 from nitsum_services.flow_scheduler.main import PRUNED_CODE
 from tests.unit.test_flows_live_inputs import _Live
 
@@ -45,7 +45,9 @@ class _Workers:
         for s in self.subs:
             await s.unsubscribe()
 
-    async def admit(self, worker: str, *requests: tuple[str, float, float], left: tuple[str, ...] = ()) -> None:
+    async def admit(
+        self, worker: str, *requests: tuple[str, float, float], left: tuple[str, ...] = (), turn_ms: float = 0.0
+    ) -> None:
         """Publish one report: (request id, ms to its TTFT deadline from now, compute ms) each."""
         now = _now()
         msg = PrefillAdmission(
@@ -54,6 +56,7 @@ class _Workers:
             tuple(now + d for _, d, _ in requests),
             tuple(c for _, _, c in requests),
             left,
+            turn_ms=turn_ms,
         )
         await self.live.bus.publish("nitsum.flow.progress", msg)
         await self.live.bus.flush()
@@ -108,7 +111,8 @@ async def test_a_request_whose_prefill_is_over_leaves_the_check(nats_server):
         await workers.admit("w2", ("fourth", 7000.0, 5000.0))
         await live.wait_for(lambda: workers.got["w2"])
         await _settle()
-        assert [n.request_id for n in workers.got["w2"]] == ["third"] and workers.got["w1"] == []
+        # (the prune takes the largest delay up to the miss: "third" has computed a little since its admission)
+        assert [n.request_id for n in workers.got["w2"]] == ["fourth"] and workers.got["w1"] == []
 
 
 @pytest.mark.asyncio
@@ -147,6 +151,8 @@ async def test_a_request_pruned_as_its_first_token_went_out_keeps_its_hand_off(n
         flow = FlowSubmit("long.pd.0", "long", "long", "3", 1 << 20, "w1", "d0", 0, _now() + 5000.0)
         (permit,) = await live.submit(flow)
         assert not permit.pruned, permit
+        # ranked as any flow, not suppressed as a pruned request's flows are (they leave `priorities`)
+        assert "long.pd.0" in live.service_scheduler().priorities(_now())
 
 
 @pytest.mark.asyncio
@@ -162,3 +168,45 @@ async def test_a_pending_request_long_past_its_deadline_is_forgotten_not_pruned(
         await workers.admit("w2", ("late", -10.0, 10.0))
         await live.wait_for(lambda: workers.got["w2"])
         assert [n.request_id for n in workers.got["w2"]] == ["late"]
+
+
+@pytest.mark.asyncio
+async def test_the_check_takes_the_compute_done_since_admission_off_and_only_admissions_walk_a_queue(nats_server):
+    """A request whose compute is under way is not pruned for the part already done: due in 1.5 s with 1 s of
+    compute, it fits at its admission; 0.8 s later a second one (due in 1.2 s from then, 0.1 s of compute) is
+    admitted behind it. Counting the first one's full second from now would end it at 1.8 s, past its deadline,
+    and prune it; with the 0.8 s it has computed taken off, both fit (0.2 + 0.1 s). A flow's arrival and
+    departure run no worker's walk: only an admission walks its worker's queue."""
+    async with _Live(nats_server.url) as live, _Workers(live) as workers:
+        await workers.admit("w1", ("running", 1500.0, 1000.0))
+        await asyncio.sleep(0.8)
+        await workers.admit("w1", ("next", 1200.0, 100.0))
+        await _settle()
+        assert workers.got["w1"] == [] and live.pruned == []
+        # w2's request is past its deadline by the time a flow arrives and leaves elsewhere: no walk of w2 runs
+        # then (its queue did not change); w2's next admission walks it, and prunes the late one
+        await workers.admit("w2", ("late", 200.0, 0.0))
+        await asyncio.sleep(0.4)
+        flow = FlowSubmit("x.pd.0", "x", "x", "3", 1 << 10, "w0", "d0", 0, _now() + 60_000.0)
+        (permit,) = await live.submit(flow)
+        await live.bus.publish("nitsum.flow.done", FlowCompletion("x.pd.0", True, 1 << 10))
+        await _settle()
+        assert not permit.pruned and workers.got["w2"] == []
+        await workers.admit("w2", ("on-time", 60_000.0, 0.0))
+        await live.wait_for(lambda: workers.got["w2"])
+        assert [n.request_id for n in workers.got["w2"]] == ["late"]
+
+
+@pytest.mark.asyncio
+async def test_the_fixed_cost_of_a_turn_is_counted_once_for_the_requests_queued_together(nats_server):
+    """Four requests of 500 ms each per token, a 3 s turn: 3 + 4 x 0.5 = 5 s, inside their 6 s (counted per
+    request it would be 14 s: three pruned). A fifth due in 3.2 s cannot be served in time behind the turn."""
+    async with _Live(nats_server.url) as live, _Workers(live) as workers:
+        four = [(f"r{i}", 6000.0, 500.0) for i in range(4)]
+        await workers.admit("w1", *four, turn_ms=3000.0)
+        await _settle()
+        assert workers.got["w1"] == [] and live.pruned == []
+        await workers.admit("w1", ("soon", 3200.0, 500.0), turn_ms=3000.0)
+        await live.wait_for(lambda: workers.got["w1"])
+        await _settle()
+        assert [n.request_id for n in workers.got["w1"]] == ["soon"]

@@ -42,7 +42,7 @@ class _Live:
         self.ctx = ServiceContext(
             "flow-scheduler", self.config, Metrics("flow-scheduler"), AsyncExitStack(), asyncio.Event(), bus=self.fs_bus
         )
-        await body(self.ctx)
+        self.service_obj = await body(self.ctx)
         self.bus = await Bus.connect(CommonConfig(nats_url=self.url), "w0")
         self.permits: list[FlowPermit] = []
         self.pruned: list[FlowPruned] = []
@@ -78,6 +78,10 @@ class _Live:
     @property
     def service(self):
         return self.ctx  # for symmetry in asserts below
+
+    def service_scheduler(self):
+        """The flow-scheduler service's own scheduler (its subscriptions hold the service)."""
+        return self.service_obj.scheduler
 
     async def wait_for(self, pred, timeout_s: float = 3.0) -> None:
         end = time.monotonic() + timeout_s

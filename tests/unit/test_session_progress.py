@@ -6,7 +6,10 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from nitsum.kv.prefix import block_hashes
+from nitsum.wire.messages import RunRequest, SamplingSpec, SubmitRequest
 from nitsum_services.gateway.generation import RETRYABLE_CODES
+from nitsum_services.worker.prefill_admission import PrefillAdmissions, PrefillCost
 from nitsum_services.worker.session import Running, WorkerSession
 
 
@@ -84,3 +87,35 @@ def test_a_prune_ends_only_a_request_still_prefilling_with_the_retryable_code_an
     assert ("abort", "q") in list(s.inbox._items)
     assert s.prune("q", "again") is False  # gone: nothing more happens
     assert "overload_pruned" in RETRYABLE_CODES
+
+
+def test_the_prefill_cost_fits_a_fixed_cost_per_turn_and_one_per_token_after_the_warm_up():
+    cost = PrefillCost()
+    assert cost.estimate_ms(100) == 0.0  # nothing measured: nothing is estimated (never pruned on a guess)
+    cost.add(50, 9_999.0)  # the engine's first turn warms it up: not a sample
+    assert cost.estimate_ms(100) == 0.0
+    cost.add(20, 5.0 + 0.1 * 20)
+    assert cost.estimate_ms(40) == (7.0 / 20) * 40  # one size measured: ms per token
+    for tokens in (40, 200, 1000):
+        cost.add(tokens, 5.0 + 0.1 * tokens)
+    assert abs(cost.estimate_ms(2000) - (5.0 + 0.1 * 2000)) < 1e-6  # not 2000 x the short turns' ms per token
+    cost.add(0, 3.0)  # a turn that computed no prompt token is no sample
+    assert abs(cost.estimate_ms(10) - 6.0) < 1e-6
+
+
+def test_the_admission_estimate_counts_only_the_prompt_tokens_the_worker_will_compute():
+    """Less the leading blocks the worker's prefix cache holds (its engine's last report) or a stage-1 fetch
+    brings; the last token is always computed."""
+    prompt = tuple(range(3, 3 + 70))  # 70 tokens: 4 full blocks of 16 before the last token
+    held = block_hashes(list(prompt[:69]), 16)[:2]
+    session = SimpleNamespace(stats=lambda: SimpleNamespace(cached_block_hashes=held))
+    admissions = PrefillAdmissions(session, bus=None, worker_id="w1", block_size=16)
+
+    def run(p, reuse=()):
+        req = SubmitRequest("r", p, SamplingSpec(), "interactive", 200.0, 25.0, 1.0, 1.0, "s")
+        return RunRequest(req, decode_worker="d", reuse_from="h" if reuse else "", reuse_hashes=reuse)
+
+    assert admissions.uncached_tokens(run(prompt)) == 70 - 32
+    assert admissions.uncached_tokens(run(prompt, reuse=(1, 2, 3))) == 70 - 48  # the fetch brings more
+    assert admissions.uncached_tokens(run(tuple(range(100, 170)))) == 70  # another prompt: nothing cached
+    assert admissions.uncached_tokens(run(prompt[:16])) == 16  # one block, all but the last token: none reused

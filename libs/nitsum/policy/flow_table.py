@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from nitsum.policy.flow_order import RequestLoad, prune_overload, robust_effective_deadline
 from nitsum.policy.flow_types import FlowSpec, FlowState, FlowStats
 
+PRUNED_MEMORY = 10_000  # pruned request ids remembered (their later flows are suppressed)
+
 
 class _Flow:
     """Mutable per-flow record (internal); `FlowState` is its public snapshot."""
@@ -61,7 +63,9 @@ class FlowTable:
         self._levels: dict[str, int] = {}
         self._sigma: list[tuple[float, int, str]] = []  # (RED, unit seq, unit id), sorted
         self._seq = 0
-        self._pruned_requests: set[str] = set()
+        # pruned request ids, oldest first (their later flows are suppressed); the oldest are forgotten past
+        # PRUNED_MEMORY, and `unprune` takes one back
+        self._pruned_requests: dict[str, None] = {}
 
     # ---- events -------------------------------------------------------------------------
     def on_arrival(self, flow: FlowSpec, now_ms: float) -> None:
@@ -215,7 +219,9 @@ class FlowTable:
         ]
         pruned = prune_overload(self._order_with(unit_of, deadline), loads, now_ms)
         for rid in pruned:
-            self._pruned_requests.add(rid)
+            self._pruned_requests[rid] = None
+        while len(self._pruned_requests) > PRUNED_MEMORY:
+            del self._pruned_requests[next(iter(self._pruned_requests))]
         if pruned:
             victims = set(pruned)
             for rec in self._flows.values():
@@ -224,6 +230,12 @@ class FlowTable:
                     self._set_key(rec)
         self.stats.pruned_requests += len(pruned)
         return pruned
+
+    def unprune(self, request_id: str) -> None:
+        """Take back a prune whose request goes on after all (its worker kept it: the prune came after its first
+        token, or it was re-submitted): its later flows are ranked as any other. (Its flows known at the prune
+        were withdrawn then; the flow-scheduler forgets them.)"""
+        self._pruned_requests.pop(request_id, None)
 
     def _order_with(self, unit_of: Mapping[str, str], deadline: Mapping[str, float]) -> list[str]:
         """σ, with the units of pending requests that have no flow merged in by this scheduler's rank of their

@@ -115,6 +115,10 @@ class PrefillAdmission:
     ttft_deadlines_unix_ms: tuple[float, ...] = ()
     compute_ms: tuple[float, ...] = ()
     left: tuple[str, ...] = ()
+    instance: str = ""  # the worker process (a restarted worker's earlier admissions are gone with it)
+    # the worker's fixed cost of a turn, beside `compute_ms` (each request's cost per token): counted once in the
+    # walk of the worker's queue, not once per request (the requests queued together share their turns)
+    turn_ms: float = 0.0
 
 
 @dataclass(frozen=True)
