@@ -28,10 +28,9 @@ Live inputs (ALGORITHMS.md §2.4):
   rule 33). When a worker admits a batch, its pending requests are walked in σ (its compute is one queue),
   each delayed by what is left of the compute its worker estimated (the estimates run one after another from
   the first one's admission, first come first served, so elapsed time is taken off the oldest) plus its flows'
-  transfer time, and all of them by the worker's fixed cost of a turn once. A pending request pruned gets a FlowPruned on its worker's permit
-  subject (the worker ends its stream with the retryable `overload_pruned`, the gateway re-submits it) and on
-  flow_pruned. A report is advice: a pending request not heard of for PENDING_MAX_S, or PENDING_PAST_DEADLINE_S
-  past its deadline (a live one is pruned long before), is forgotten: its `left` report was lost.
+  transfer time, and all of them by the worker's fixed cost of a turn once (the queues: admissions.py). A
+  pending request pruned gets a FlowPruned on its worker's permit subject (the worker ends its stream with the
+  retryable `overload_pruned`, the gateway re-submits it) and on flow_pruned.
 Counters: `nitsum_flow_permits_total{stage,level}`, `nitsum_flow_bytes_total{stage}`,
 `nitsum_flow_promotions_total{stage}`, `nitsum_flow_pruned_total{stage}` (flows refused a permit),
 `nitsum_flow_admission_pruned_total` (requests pruned before their prefill).
@@ -43,8 +42,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from prometheus_client import Counter
 
@@ -62,6 +59,7 @@ from nitsum.wire.messages import (
     LayerProgress,
     PrefillAdmission,
 )
+from nitsum_services.flow_scheduler.admissions import PrefillQueues
 
 log = logging.getLogger("nitsum.flow_scheduler")
 
@@ -70,32 +68,6 @@ MAX_LINK_LOAD = 0.9
 PRUNED_CODE = "overload_pruned"
 INVALID_CODE = "flow_invalid"
 PRUNED_MEMORY = 10_000  # pruned request ids remembered (later flows of them are refused)
-LEFT_MEMORY = 10_000  # request ids whose prefill is over, remembered (a late admission report of one is ignored)
-PENDING_MAX_S = 300.0  # a pending request older than this is forgotten (its "left" report was lost)
-PENDING_PAST_DEADLINE_S = 30.0  # ... and one this long past its deadline (it would have been pruned by then)
-
-
-def _compute_left(queue: list[tuple[str, _Pending]], now: float) -> dict[str, float]:
-    """What is left of each pending request's compute at `now`, on a virtual first-come-first-served schedule of
-    the worker's estimates: each starts at its admission or when the one before it ends, whichever is later."""
-    left: dict[str, float] = {}
-    cursor = -math.inf
-    for rid, p in sorted(queue, key=lambda q: (q[1].since_ms, q[0])):
-        start = max(cursor, p.since_ms)
-        left[rid] = p.compute_ms - min(max(now - start, 0.0), p.compute_ms)
-        cursor = start + p.compute_ms
-    return left
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A request admitted at a prefill worker that has not finished its prefill (PrefillAdmission)."""
-
-    worker_id: str
-    deadline_ms: float
-    compute_ms: float
-    since_ms: float
-    turn_ms: float = 0.0
 
 
 def _now_ms() -> float:
@@ -132,10 +104,7 @@ class FlowService:
         self.link_source: dict[str, str] = {}  # link -> where its capacity came from: configured | nic | default
         self.rho: dict[str, float] = {}
         self.pruned_requests: dict[str, str] = {}  # request id -> reason (insertion order: oldest first)
-        self.pending: dict[str, _Pending] = {}  # request id -> its admission report (prefill not over)
-        self.left: OrderedDict[str, None] = OrderedDict()
-        self.worker_instance: dict[str, str] = {}  # worker id -> the process instance its last report came from
-        self.pruned_at_admission: OrderedDict[str, None] = OrderedDict()  # of pruned_requests: before any flow
+        self.queues = PrefillQueues()  # the prefill workers' pending requests (PrefillAdmission)
 
     # ---- permits ----------------------------------------------------------------------------------
     def _permit(self, flow_id: str, level: int) -> FlowPermit:
@@ -170,14 +139,15 @@ class FlowService:
             else:
                 bps, source = self.default_bps, "default"
             known = self.link_source.get(link)
-            if known == "nic" == source:  # several workers of the host report: its fastest NIC
+            if known is not None and not (source == "nic" and known in ("default", "nic")):
+                continue  # a configured capacity, or a report against one, stays as it is
+            if known == "nic":  # several workers of the host report: its fastest NIC
                 bps = max(bps, self.link_bps[link])
-            if known is None or (known == "default" and source == "nic") or (known == "nic" == source):
-                if self.link_bps.get(link) != bps:
-                    self.link_bps[link] = bps
-                    if isinstance(self.scheduler, RmlqScheduler):
-                        self.scheduler.set_link_bandwidth(link, bps)
-                self.link_source[link] = source
+            if self.link_bps.get(link) != bps:
+                self.link_bps[link] = bps
+                if isinstance(self.scheduler, RmlqScheduler):
+                    self.scheduler.set_link_bandwidth(link, bps)
+            self.link_source[link] = source
         return path
 
     def _update_load(self, links: tuple[str, ...], now: float) -> None:
@@ -247,7 +217,7 @@ class FlowService:
             return self._permit(msg.flow_id, self.levels[msg.flow_id]), False
         now = _now_ms()
         if stage is Stage.P2D:  # its prefill is over
-            self.pending.pop(msg.request_id, None)
+            self.queues.prefilled(msg.request_id)
         self.stages[msg.flow_id] = stage
         self.sources[msg.flow_id] = msg.src
         self.paths[msg.flow_id] = path
@@ -300,49 +270,19 @@ class FlowService:
             await self.on_layer_progress(msg, delivery)
 
     async def on_admission(self, msg: PrefillAdmission) -> None:
-        """A prefill worker admitted requests (the check on their arrival runs now) or finished their prefill."""
-        n = len(msg.request_ids)
-        if len(msg.ttft_deadlines_unix_ms) != n or len(msg.compute_ms) != n or not msg.worker_id:
-            log.warning(
-                "prefill admission report from %r ignored: %d request ids, %d deadlines, %d compute estimates",
-                msg.worker_id,
-                n,
-                len(msg.ttft_deadlines_unix_ms),
-                len(msg.compute_ms),
-            )
-            return
-        for rid in msg.left:
-            self.pending.pop(rid, None)
-            self.left[rid] = None
-            while len(self.left) > LEFT_MEMORY:
-                self.left.popitem(last=False)
-            if self.pruned_at_admission.pop(rid, "no") is None:
-                # Pruned before its prefill: its worker either dropped it (nothing of it comes any more) or had
-                # already sent its first token when the prune came, and kept it; then its hand-off is checked
-                # against its own deadline when submitted, not refused for the prefill it has done.
-                self._unprune(rid)
-        if msg.instance and self.worker_instance.get(msg.worker_id, msg.instance) != msg.instance:
-            # the worker restarted under the same id: what its earlier process admitted is gone with it
-            for rid in [r for r, p in self.pending.items() if p.worker_id == msg.worker_id]:
-                del self.pending[rid]
-        if msg.instance:
-            self.worker_instance[msg.worker_id] = msg.instance
+        """A prefill worker admitted requests (the check on their arrival runs now) or finished their prefill.
+        A prune taken back (a request that goes on after all) is taken back here and in the scheduler's table:
+        its hand-off is checked against its own deadline, not refused for the prefill it has done."""
         now = _now_ms()
-        admitted = False
-        for rid, deadline, compute in zip(msg.request_ids, msg.ttft_deadlines_unix_ms, msg.compute_ms):
-            if rid in self.left or not compute >= 0.0:
-                continue
-            # a request pruned before and admitted again is a re-submission placed anew: its flows are its own
-            self._unprune(rid)
-            turn = float(msg.turn_ms) if msg.turn_ms >= 0.0 else 0.0
-            self.pending[rid] = _Pending(msg.worker_id, float(deadline), float(compute), now, turn)
-            admitted = True
+        taken = self.queues.report(msg, now)
+        if taken is None:
+            return
+        unprune, admitted = taken
+        for rid in unprune:
+            self.pruned_requests.pop(rid, None)
+            self.scheduler.unprune(rid)
         if admitted:  # a batch arrived: the feasibility check, on the worker it arrived at (nothing else changed)
             await self._prune(now, only_worker=msg.worker_id)
-
-    def _unprune(self, rid: str) -> None:
-        self.pruned_requests.pop(rid, None)
-        self.scheduler.unprune(rid)
 
     async def on_layer_progress(self, msg: LayerProgress, _delivery) -> None:
         now = _now_ms()
@@ -379,34 +319,20 @@ class FlowService:
             est[rid] = est.get(rid, 0.0) + ms
             flow_ms[rid] = flow_ms.get(rid, 0.0) + ms
         victims: list[str] = []
-        for link in sorted(per_link) if only_worker is None else ():
-            victims.extend(r for r in sched.prune(now, per_link[link]) if r not in victims)
-        # (a flow's arrival or departure changes no worker's compute queue: those are walked on admissions)
-        # the requests admitted at prefill workers, once per worker: its compute is one queue
-        stale = [
-            r
-            for r, p in self.pending.items()
-            if now - p.since_ms > PENDING_MAX_S * 1000.0 or now - p.deadline_ms > PENDING_PAST_DEADLINE_S * 1000.0
-        ]
-        for rid in stale:
-            del self.pending[rid]
-        queue = [(rid, p) for rid, p in self.pending.items() if p.worker_id == only_worker and rid not in victims]
-        if queue:
-            est = {rid: left + flow_ms.get(rid, 0.0) for rid, left in _compute_left(queue, now).items()}
-            # the turn's fixed cost once, ahead of all of them: every deadline that much earlier (σ is unchanged)
-            turn = max(p.turn_ms for _, p in queue)
-            pending = {rid: (rid, p.deadline_ms - turn) for rid, p in queue}  # a live unit is one request
-            victims.extend(r for r in sched.prune(now, est, pending) if r not in victims)
+        if only_worker is None:  # (a flow's arrival or departure changes no worker's compute queue)
+            for link in sorted(per_link):
+                victims.extend(r for r in sched.prune(now, per_link[link]) if r not in victims)
+        else:  # the worker's compute is one queue
+            est, pending = self.queues.walk_inputs(only_worker, now, flow_ms, victims)
+            if est:
+                victims.extend(r for r in sched.prune(now, est, pending) if r not in victims)
         bus = self.ctx.bus
         for rid in victims:
             reason = "pruned: its transfers cannot meet its TTFT deadline under the current load"
-            admitted = self.pending.pop(rid, None)
+            admitted = self.queues.pruned_now(rid)
             if admitted is not None:
                 reason = "pruned: its prefill cannot meet its TTFT deadline under the current load"
                 self._count_admission_pruned()
-                self.pruned_at_admission[rid] = None
-                while len(self.pruned_at_admission) > PRUNED_MEMORY:
-                    self.pruned_at_admission.popitem(last=False)
                 try:
                     await bus.publish(
                         bus.subjects.flow_permit(admitted.worker_id),
