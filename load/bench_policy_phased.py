@@ -6,7 +6,8 @@ lengths from the Azure code trace, background from ServeGen) with each phase `--
 decode) and adaptive, one after another in the same run; each replay starts once the coordinator reports the
 policy's layout, roles included. Rules, fixed in docs/BENCHMARKS.md before any run:
 - rates: the phases' rates times `load_scale` of the live node (its prefill capacity over the simulated
-  H100 node's, from the step table), as `nitsum sim tiers --device-table` scales them;
+  H100 node's, from the step table), as `nitsum sim tiers --device-table` scales them, times `--rate-scale`
+  (default 1: an overload run states its factor before it runs);
 - lengths: prompts capped at `--max-prompt-tokens`, outputs at `--max-output-tokens` (the tiny model's context);
 - SLO targets (`derive_targets`): each tier's targets of the tier table times the ratio of the live node's
   profiled step time to the simulated node's (TTFT: prefill of a capped-length prompt at each node's fastest TP;
@@ -71,7 +72,8 @@ def build(args) -> tuple[list, list[tuple[str, float, float]], dict]:
 
     live, ref = _costs(args.device_table)
     scale = load_scale(live)
-    phases = tuple(dataclasses.replace(p, duration_s=args.phase_s, rate_per_s=p.rate_per_s * scale) for p in PHASES)
+    factor = scale * args.rate_scale
+    phases = tuple(dataclasses.replace(p, duration_s=args.phase_s, rate_per_s=p.rate_per_s * factor) for p in PHASES)
     reqs, _paths = phased_workload(phases, args.seed)
     targets = derive_targets(live, ref, args.max_prompt_tokens)
     specs = []
@@ -91,6 +93,7 @@ def build(args) -> tuple[list, list[tuple[str, float, float]], dict]:
         )
     rules = {
         "load_scale": scale,
+        "rate_scale": args.rate_scale,
         "phases": [dataclasses.asdict(p) for p in phases],
         "targets": {t: {"ttft_ms": v[0], "tpot_ms": v[1], "weight": v[2]} for t, v in targets.items()},
     }
@@ -327,10 +330,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device-table", default=None, help="step table (CSV) of this node; default the committed CPU one")
     p.add_argument("--reconfig-interval-ms", type=int, default=500, help="the coordinator's policy epoch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="every phase's rate times this, on top of the node's load scale (default 1; 2 = twice the load)",
+    )
     p.add_argument("--out", type=Path, default=None, help="report directory (default runs/policy-phased-<time>)")
     args = p.parse_args(argv)
     if not args.phase_s > 0 or args.max_prompt_tokens < 1 or args.max_output_tokens < 1:
         p.error("need --phase-s > 0 and positive length caps")
+    if not args.rate_scale > 0:
+        p.error(f"--rate-scale must be > 0, got {args.rate_scale}")
     if args.max_prompt_tokens + args.max_output_tokens > 2048:
         p.error("prompt + output caps exceed the tiny model's context of 2048")
     out = args.out or Path("runs") / time.strftime("policy-phased-%Y%m%d-%H%M%S")

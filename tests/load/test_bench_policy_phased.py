@@ -24,7 +24,14 @@ from nitsum_load.bench_policy_phased import (
 
 
 def _args(**kw):
-    base = {"device_table": None, "phase_s": 5.0, "seed": 0, "max_prompt_tokens": 1024, "max_output_tokens": 64}
+    base = {
+        "device_table": None,
+        "phase_s": 5.0,
+        "seed": 0,
+        "max_prompt_tokens": 1024,
+        "max_output_tokens": 64,
+        "rate_scale": 1.0,
+    }
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -55,6 +62,23 @@ def test_the_workload_keeps_the_phases_caps_and_targets():
     batch = [s for s in specs if 5000 <= s.arrival_ms < 10_000]
     share = lambda xs: sum(s.tier == "interactive" for s in xs) / len(xs)  # noqa: E731
     assert share(surge) > 0.7 > 0.3 > share(batch)
+
+
+def test_rate_scale_multiplies_every_phases_rate_and_is_recorded():
+    _, _, plain = build(_args())
+    specs, _, doubled = build(_args(rate_scale=2.0))
+    assert doubled["rate_scale"] == 2.0 and plain["rate_scale"] == 1.0
+    for a, b in zip(plain["phases"], doubled["phases"]):
+        assert b["rate_per_s"] == pytest.approx(2.0 * a["rate_per_s"])
+    assert len(specs) > 1.5 * len(build(_args())[0])  # Poisson arrivals at twice the rate
+
+
+def test_a_rate_scale_that_is_not_positive_is_refused(capsys):
+    from nitsum_load.bench_policy_phased import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--rate-scale", "0"])
+    assert info.value.code == 2 and "--rate-scale must be > 0" in capsys.readouterr().err
 
 
 def _rec(rid, tier, send, ok):
