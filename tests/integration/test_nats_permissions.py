@@ -239,11 +239,9 @@ async def test_a_worker_cannot_get_a_frame_into_another_requests_stream(worker_n
         # below are what this test is about, so a moment without a listener is waited out (bounded), not failed.
         from nitsum.bus import NoResponders
 
+        probe = SubmitRequest("probe", (1,), SamplingSpec(max_tokens=1), "interactive", 200.0, 25.0, 10.0, 0.0, "")
         for _ in range(50):
             try:
-                probe = SubmitRequest(
-                    "probe", (1,), SamplingSpec(max_tokens=1), "interactive", 200.0, 25.0, 10.0, 0.0, ""
-                )
                 await gateway.request(gateway.subjects.submit, probe, 2.0, expected=SubmitReply)
                 break
             except NoResponders:
