@@ -68,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", help="azure-conv | azure-code | mooncake | servegen:<model> | path")
+    src.add_argument(
+        "--trace",
+        help="azure-conv | azure-code | mooncake | servegen:<model> | path (.csv: Azure 2023/2024 or BurstGPT; .jsonl: Mooncake)",
+    )
     src.add_argument("--poisson", type=_positive(float), metavar="RATE", help="Poisson arrivals, requests/s")
     src.add_argument("--gamma", type=_rate_cv, metavar="RATE,CV", help="gamma arrivals: rate/s and gap CV")
     src.add_argument(
@@ -136,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--bucket-spread-ms",
         type=float,
         default=DEFAULT_BUCKET_SPREAD_MS,
-        help="Mooncake: spread each timestamp bucket over this many ms (0 = fire at once)",
+        help="requests sharing a timestamp (Mooncake ~3 s buckets, BurstGPT whole seconds) are spread over this many ms, for BurstGPT at most up to the next stamp (0 = fire at once)",
     )
     # Two extensions are on by default: ignore_eos (vLLM, SGLang, nitsum) makes outputs exactly as long as the
     # workload says; return_token_ids (nitsum, recent vLLM) gives every token its own time even when a chunk's
@@ -235,7 +238,10 @@ def _meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     return meta
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(args: argparse.Namespace, specs: list | None = None) -> int:
+    """Send the workload (`specs`, else built from `args`) and write the report."""
+    if specs is None:
+        specs = build_specs(args)
     model = args.model or await discover_model(args.url, args.api_key)
     cfg = ClientConfig(
         base_url=args.url,
@@ -249,7 +255,6 @@ async def run(args: argparse.Namespace) -> int:
     )
     if args.calibrate and args.prompt_format == "text":
         cfg = dataclasses.replace(cfg, prompt_scale=await _calibrate(cfg))
-    specs = build_specs(args)
     if not specs:
         sys.stderr.write("nitsum load: the workload is empty (check --trace / --duration / --max-requests)\n")
         return 2
@@ -324,7 +329,13 @@ def main(argv: list[str]) -> int:
     if args.prompt_format == "token-ids" and args.endpoint != "completions":
         parser.error("--prompt-format token-ids needs --endpoint completions")
     try:
-        return asyncio.run(run(args))
+        # The workload first: a trace that cannot be read is refused before anything is sent.
+        specs = build_specs(args)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.stderr.write(f"nitsum load: {exc}\n")
+        return 2
+    try:
+        return asyncio.run(run(args, specs))
     except FileNotFoundError as exc:
         sys.stderr.write(f"nitsum load: {exc}\n")
         return 2

@@ -19,7 +19,7 @@ from nitsum.workloads import (
     default_trace_path,
     gamma,
     poisson,
-    read_azure,
+    read_csv_trace,
     read_mooncake,
     scale_time,
     scale_to_rate,
@@ -69,8 +69,10 @@ def read_trace(
     duration_s: float | None = None,
     seed: int = 0,
 ) -> list[TraceRequest]:
-    """A trace by short name (azure-conv, azure-code, mooncake, servegen:<model>), or a file path (.csv is
-    read as Azure, .jsonl as Mooncake). `limit` keeps the first rows (per-request traces only)."""
+    """A trace by short name (azure-conv, azure-code, mooncake, servegen:<model>), or a file path (.csv: Azure
+    2023/2024 or BurstGPT, told apart by the header; .jsonl: Mooncake). `limit` keeps the first rows
+    (per-request traces only). `bucket_spread_ms` spreads requests that share a stamp (Mooncake's ~3 s buckets;
+    BurstGPT's whole seconds, there at most up to the next stamp)."""
     if name.startswith("servegen:"):
         model = name.split(":", 1)[1]
         path = default_trace_path(f"servegen-{model}")
@@ -84,8 +86,8 @@ def read_trace(
         reqs = read_mooncake(p, bucket_spread_ms=bucket_spread_ms)
         return reqs[:limit] if limit is not None else reqs
     if p.suffix == ".csv":
-        return read_azure(p, limit=limit)
-    raise ValueError(f"{p}: cannot tell the trace format (expected .csv for Azure or .jsonl for Mooncake)")
+        return read_csv_trace(p, limit=limit, bucket_spread_ms=bucket_spread_ms)
+    raise ValueError(f"{p}: cannot tell the trace format (expected .csv for Azure or BurstGPT, .jsonl for Mooncake)")
 
 
 def synthetic(

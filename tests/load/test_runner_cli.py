@@ -334,3 +334,24 @@ def test_cli_strict_openai_flags_drop_extensions(fake_server, tmp_path):
     assert rc == 0
     body = fake_server.seen[-1]["body"]
     assert "ignore_eos" not in body and "return_token_ids" not in body
+
+
+def test_cli_replays_a_burstgpt_trace_and_refuses_a_bad_one_before_sending(fake_server, tmp_path, capsys):
+    trace = tmp_path / "BurstGPT_1.csv"
+    trace.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "0,ChatGPT,6,3,9,Conversation log\n"
+        "0,GPT-4,7,2,9,Conversation log\n"
+        "1,ChatGPT,5,0,5,API log\n"  # a failed request in the source: not replayed
+        "1,GPT-4,4,4,8,API log\n"
+    )
+    out = tmp_path / "run"
+    args = ["--url", fake_server.url, "--trace", str(trace), "--time-scale", "0.05", "--progress", "off"]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    records = read_lifecycle_log(out / "requests.jsonl")
+    assert sorted(r.output_tokens for r in records) == [2, 3, 4]
+    before = len(fake_server.seen)
+    trace.write_text(trace.read_text() + "later,GPT-4,4,4,8,API log\n")
+    assert cli.main([*args, "--out", str(tmp_path / "bad")]) == 2
+    assert "BurstGPT_1.csv:6: column Timestamp" in capsys.readouterr().err
+    assert len(fake_server.seen) == before and not (tmp_path / "bad").exists()

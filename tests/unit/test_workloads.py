@@ -16,6 +16,8 @@ from nitsum.workloads import (
     is_excerpt,
     poisson,
     read_azure,
+    read_burstgpt,
+    read_csv_trace,
     read_mooncake,
     scale_time,
     scale_to_rate,
@@ -67,6 +69,120 @@ def test_azure_rejects_wrong_header(tmp_path):
     p.write_bytes(b"a,b,c\r\n1,2,3\r\n")
     with pytest.raises(ValueError, match="expected header"):
         read_azure(p)
+
+
+# The 2024 week-long traces (AzureLLMInferenceDataset2024) as they are published: the same header, stamps with a
+# UTC offset and 6 fractional digits, some rows with no fraction at all.
+AZURE_2024 = (
+    "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    "2024-05-10 00:00:00.009930+00:00,374,44\n"
+    "2024-05-10 00:00:00.017592+00:00,396,109\n"
+    "2024-05-10 00:00:01+00:00,879,42\n"
+    "2024-05-10 00:00:00.5+00:00,20,1\n"
+)
+
+
+def test_azure_2024_stamps_with_utc_offsets_read_to_the_microsecond(tmp_path):
+    p = tmp_path / "AzureLLMInferenceTrace_conv_1week.csv"
+    p.write_text(AZURE_2024)
+    reqs = read_azure(p)
+    assert [r.arrival_ms for r in reqs] == [0.0, pytest.approx(7.662), pytest.approx(490.07), pytest.approx(990.07)]
+    assert [(r.prompt_tokens, r.output_tokens) for r in reqs] == [(374, 44), (396, 109), (20, 1), (879, 42)]
+    assert {r.source for r in reqs} == {"azure-conv"}
+    assert read_csv_trace(p) == reqs
+    # An offset is a different instant: the same wall clock two hours east is two hours earlier.
+    q = tmp_path / "zones.csv"
+    q.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-05-10 02:00:00.25+02:00,1,1\n"
+        "2024-05-10T00:00:01Z,2,2\n"
+        "2024-05-09 23:59:59.25-0000,3,3\n"
+    )
+    assert [(r.prompt_tokens, r.arrival_ms) for r in read_azure(q)] == [(3, 0.0), (1, 1000.0), (2, 1750.0)]
+
+
+@pytest.mark.parametrize(
+    "row, named",
+    [
+        ("2024-05-10 25:00:00+00:00,1,1", "column TIMESTAMP"),
+        ("2024-13-10 00:00:00,1,1", "column TIMESTAMP"),
+        ("yesterday,1,1", "column TIMESTAMP"),
+        ("2024-05-10 00:00:00,lots,1", "column ContextTokens"),
+        ("2024-05-10 00:00:00,1,-3", "column GeneratedTokens"),
+        ("2024-05-10 00:00:00,1.5,3", "column ContextTokens"),
+        ("2024-05-10 00:00:00,1", "expected 3 columns"),
+    ],
+)
+def test_azure_bad_rows_are_refused_naming_line_and_column(tmp_path, row, named):
+    p = tmp_path / "bad.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00,1,1\n" + row + "\n")
+    with pytest.raises(ValueError, match=rf"bad\.csv:3: {named}"):
+        read_azure(p)
+
+
+# BurstGPT (github.com/HPMLL/BurstGPT) as its README documents it: seconds from the first day's midnight, failed
+# requests with 0 response tokens; its later files add Session ID and Elapsed time.
+BURSTGPT = (
+    "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+    "5,ChatGPT,472,18,490,Conversation log\n"
+    "5,ChatGPT,1087,230,1317,Conversation log\n"
+    "5,GPT-4,0,20,20,Conversation log\n"
+    "6,GPT-4,417,276,693,Conversation log\n"
+    "118,ChatGPT,300,0,300,API log\n"
+    "120,GPT-4,35,7,42,API log\n"
+)
+
+
+def test_burstgpt_reads_seconds_leaves_out_failures_and_filters_models(tmp_path):
+    p = tmp_path / "BurstGPT_1.csv"
+    p.write_text(BURSTGPT)
+    reqs = read_burstgpt(p)
+    assert [(r.arrival_ms, r.prompt_tokens, r.output_tokens) for r in reqs] == [
+        (0.0, 472, 18),
+        (0.0, 1087, 230),
+        (0.0, 1, 20),  # an empty prompt is still one token
+        (1000.0, 417, 276),
+        (115_000.0, 35, 7),  # the failed request at 118 s is left out
+    ]
+    assert {r.source for r in reqs} == {"burstgpt"} and read_csv_trace(p) == reqs
+    gpt4 = read_burstgpt(p, models=["GPT-4"], tier="background")
+    assert [r.arrival_ms for r in gpt4] == [0.0, 1000.0, 115_000.0] and {r.tier for r in gpt4} == {"background"}
+    assert len(read_burstgpt(p, limit=2)) == 2
+    # A stamp's requests spread evenly, never past the next stamp nor past one second.
+    spread = read_csv_trace(p, bucket_spread_ms=3000)
+    assert [r.arrival_ms for r in spread] == [0.0, pytest.approx(1000 / 3), pytest.approx(2000 / 3), 1000.0, 115_000.0]
+    # The session columns of the later files are read past.
+    q = tmp_path / "BurstGPT_3.csv"
+    q.write_text(
+        "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "0.5,a1,2.0,ChatGPT,10,5,15,Conversation log\n"
+        "1.25,a1,1.0,ChatGPT,20,6,26,Conversation log\n"
+    )
+    assert [(r.arrival_ms, r.prompt_tokens) for r in read_burstgpt(q)] == [(0.0, 10), (750.0, 20)]
+
+
+def test_csv_traces_are_told_apart_and_strangers_refused(tmp_path):
+    az = tmp_path / "az.csv"
+    az.write_text(AZURE_2024)
+    bg = tmp_path / "bg.csv"
+    bg.write_text(BURSTGPT)
+    with pytest.raises(ValueError, match="BurstGPT header"):
+        read_azure(bg)
+    with pytest.raises(ValueError, match="Azure header"):
+        read_burstgpt(az)
+    other = tmp_path / "sharegpt.csv"
+    other.write_text("conversation_id,turns\n1,2\n")
+    with pytest.raises(ValueError, match="neither an Azure LLM inference trace .* nor a BurstGPT"):
+        read_csv_trace(other)
+    bad = tmp_path / "bad.csv"
+    bad.write_text(BURSTGPT + "soon,ChatGPT,1,1,2,API log\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:8: column Timestamp"):
+        read_burstgpt(bad)
+    bare = tmp_path / "nomodel.csv"
+    bare.write_text("Timestamp,Request tokens,Response tokens\n1,2,3\n")
+    assert [(r.prompt_tokens, r.output_tokens) for r in read_burstgpt(bare)] == [(2, 3)]
+    with pytest.raises(ValueError, match="no Model column"):
+        read_burstgpt(bare, models=["GPT-4"])
 
 
 def test_azure_real_traces_match_source_statistics():

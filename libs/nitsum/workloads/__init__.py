@@ -3,7 +3,9 @@
 Pure standard library, shared by the load generator (`nitsum_load`) and the simulator (`nitsum.sim`), so both
 replay exactly the same request lists. Every function is deterministic for a given seed.
 
-    read_azure(path)                     Azure LLM inference 2023 CSV (code / conv; CRLF line ends)
+    read_azure(path)                     Azure LLM inference CSV: 2023 (code / conv; CRLF) and 2024 (UTC offsets)
+    read_burstgpt(path)                  BurstGPT CSV (seconds; failed requests left out; optional model filter)
+    read_csv_trace(path)                 either CSV format, told apart by its header
     read_mooncake(path)                  Mooncake FAST'25 JSONL; hash_ids = 512-token prefix blocks
     servegen_arrivals(archive, ...)      ServeGen per-client window statistics sampled into requests
     poisson(...), gamma(...)             synthetic arrivals (lengths fixed or drawn from a trace)
@@ -16,7 +18,13 @@ replay exactly the same request lists. Every function is deterministic for a giv
 from nitsum.workloads.arrivals import gamma, poisson
 from nitsum.workloads.paths import TRACE_NAMES, default_trace_path, is_excerpt, traces_dir
 from nitsum.workloads.phased import Phase, phase_bounds, phased
-from nitsum.workloads.readers import MOONCAKE_BLOCK_TOKENS, read_azure, read_mooncake
+from nitsum.workloads.readers import (
+    MOONCAKE_BLOCK_TOKENS,
+    read_azure,
+    read_burstgpt,
+    read_csv_trace,
+    read_mooncake,
+)
 from nitsum.workloads.request import TraceRequest
 from nitsum.workloads.servegen import servegen_arrivals
 from nitsum.workloads.transform import assign_tiers, scale_time, scale_to_rate, summarize_workload, window
@@ -34,6 +42,8 @@ __all__ = [
     "phased",
     "poisson",
     "read_azure",
+    "read_burstgpt",
+    "read_csv_trace",
     "read_mooncake",
     "scale_time",
     "scale_to_rate",
