@@ -12,6 +12,7 @@ from nitsum.policy.steptable import (
     StepTableError,
     features,
     fit_table,
+    load_step_rows,
     parse_rows,
     select,
     write_rows,
@@ -112,6 +113,7 @@ def test_fit_recovers_known_coefficients_exactly():
         ("h100,llama-3-70b,4,decoding,1,0,100,5", "phase", "is not one of"),
         ("h100,llama-3-70b,4,decode,0,0,100,5", "batch_size", "must be >= 1"),
         ("h100,llama-3-70b,4,decode,1,0,abc,5", "context_tokens", "is not an integer"),
+        ("h100,llama-3-70b,4,decode,1.5,0,100,5", "batch_size", "is not an integer"),
         ("h100,llama-3-70b,4,prefill,1,0,0,5", "prompt_tokens", "must be >= 1"),
         ("h100,llama-3-70b,4,decode,1,0,100,-1", "ms", "positive"),
         ("h100,llama-3-70b,4,decode,1,0,100,nan", "ms", "positive"),
@@ -180,3 +182,15 @@ def test_flow_simulator_prices_steps_from_a_table_and_refuses_one_without_its_mo
     assert sim.cost.step_time_ms(1, 8, 0, 800) == select(rows, "a100", plain.cost.model).step_ms(1, 8, 0, 800)
     with pytest.raises(StepTableError, match="no rows for device 'a100'"):
         FlowClusterSim("rmlq", FlowClusterConfig(num_servers=8, device_table=parse_rows(TABLE)), [])
+
+
+def test_a_spreadsheet_export_loads_as_written(tmp_path):
+    """A byte-order mark, CRLF line ends and whole counts written `8.0` (Excel, pandas) are the same table."""
+    plain = HEADER + "\nh100,llama-3-70b,4,decode,8,0,1000,20\nh100,llama-3-70b,4,decode,16,0,1000,22.0\n"
+    a = tmp_path / "plain.csv"
+    a.write_text(plain)
+    b = tmp_path / "export.csv"
+    b.write_bytes(
+        b"\xef\xbb\xbf" + plain.replace("4,decode,8,0,1000", "4.0,decode,8.0,0.0,1000.0").replace("\n", "\r\n").encode()
+    )
+    assert load_step_rows(b) == load_step_rows(a)

@@ -72,7 +72,13 @@ def _int_cell(source: str, line: int, col: str, text: str, minimum: int) -> int:
     try:
         value = int(text.strip())
     except ValueError:
-        raise StepTableError(f"{source}: line {line}, column {col!r}: {text!r} is not an integer") from None
+        try:  # spreadsheets and pandas write whole counts as `8.0`
+            f = float(text)
+        except ValueError:
+            f = math.nan
+        if not (math.isfinite(f) and f.is_integer()):
+            raise StepTableError(f"{source}: line {line}, column {col!r}: {text!r} is not an integer") from None
+        value = int(f)
     if value < minimum:
         raise StepTableError(f"{source}: line {line}, column {col!r}: {value} must be >= {minimum}")
     return value
@@ -139,7 +145,7 @@ def load_step_rows(path: str | Path) -> tuple[StepRow, ...]:
     p = Path(path)
     if not p.is_file():
         raise StepTableError(f"step table {str(p)!r}: no such file")
-    return parse_rows(p.read_text(encoding="utf-8"), str(p))
+    return parse_rows(p.read_text(encoding="utf-8-sig"), str(p))  # -sig: a spreadsheet's byte-order mark
 
 
 def write_rows(rows: list[StepRow] | tuple[StepRow, ...]) -> str:
