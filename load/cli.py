@@ -238,10 +238,8 @@ def _meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     return meta
 
 
-async def run(args: argparse.Namespace, specs: list | None = None) -> int:
-    """Send the workload (`specs`, else built from `args`) and write the report."""
-    if specs is None:
-        specs = build_specs(args)
+async def run(args: argparse.Namespace, specs: list) -> int:
+    """Send the workload (`build_specs(args)`, read before anything is contacted) and write the report."""
     model = args.model or await discover_model(args.url, args.api_key)
     cfg = ClientConfig(
         base_url=args.url,

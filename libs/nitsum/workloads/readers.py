@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -57,7 +58,8 @@ def _azure_ticks(stamp: str) -> int:
     return seconds * 10_000_000 + int(((frac or "") + "0000000")[:7])
 
 
-def _tokens(value: str, where: str, column: str, *, allow_zero: bool = True) -> int:
+def _tokens(value: str, where: str, column: str) -> int:
+    """A token count >= 0; a whole number written `374.0` is taken."""
     try:
         n = int(value.strip())
     except ValueError:
@@ -68,8 +70,8 @@ def _tokens(value: str, where: str, column: str, *, allow_zero: bool = True) -> 
         if not f.is_integer():
             raise ValueError(f"{where}: column {column}: {value!r} is not a whole number of tokens") from None
         n = int(f)
-    if n < 0 or (n == 0 and not allow_zero):
-        raise ValueError(f"{where}: column {column}: {value!r} must be {'>= 0' if allow_zero else '> 0'}")
+    if n < 0:
+        raise ValueError(f"{where}: column {column}: {value!r} must be >= 0")
     return n
 
 
@@ -182,7 +184,7 @@ def read_burstgpt(
                 raise ValueError(
                     f"{where}: column Timestamp: {row['Timestamp']!r} is not a number of seconds"
                 ) from None
-            if not stamp >= 0 or stamp == float("inf"):
+            if not (math.isfinite(stamp) and stamp >= 0):
                 raise ValueError(f"{where}: column Timestamp: {row['Timestamp']!r} must be a finite time >= 0")
             prompt = _tokens(row["Request tokens"], where, "Request tokens")
             output = _tokens(row["Response tokens"], where, "Response tokens")
