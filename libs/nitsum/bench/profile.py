@@ -123,6 +123,21 @@ def main(argv: list[str]) -> int:
         help="write every measured step as a step table (CSV: "
         "device,model,tp,phase,batch_size,prompt_tokens,context_tokens,ms; `nitsum sim --device-table`)",
     )
+    parser.add_argument(
+        "--from-vidur",
+        type=Path,
+        default=None,
+        metavar="MLP_CSV",
+        help="measure nothing: build the --csv step table from a Vidur GPU profile (its mlp.csv, with "
+        "--all-reduce; docs/SIMULATOR.md)",
+    )
+    parser.add_argument("--all-reduce", type=Path, default=None, help="with --from-vidur: Vidur's all_reduce.csv")
+    parser.add_argument(
+        "--device-kind", default="h100", help="with --from-vidur: the device preset of the profile (default h100)"
+    )
+    parser.add_argument(
+        "--preset", default="llama-3-70b", help="with --from-vidur: the model preset it prices (default llama-3-70b)"
+    )
     parser.add_argument("--rank-of-world", default=None, help=argparse.SUPPRESS)  # internal: one rank of a TP>1 profile
     parser.add_argument(
         "--write-default",
@@ -130,6 +145,8 @@ def main(argv: list[str]) -> int:
         help=f"write the device table to the shipped {DEFAULT_TABLE_PATH.relative_to(DEFAULT_TABLE_PATH.parents[3])}",
     )
     args = parser.parse_args(argv)
+    if args.from_vidur is not None:
+        return _from_vidur(parser, args, argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
     if args.model is not None and not (args.model / "config.json").is_file():
@@ -232,6 +249,37 @@ def main(argv: list[str]) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
+    return 0
+
+
+def _from_vidur(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+    """`--from-vidur`: a step table from Vidur's published profile (profile_vidur.py); nothing is measured."""
+    from nitsum.bench.profile_vidur import VidurProfileError, read_text, vidur_rows
+    from nitsum.policy.costmodel import device_spec, model_spec
+    from nitsum.policy.steptable import parse_rows, write_rows
+
+    if args.all_reduce is None or args.csv is None:
+        parser.error("--from-vidur needs --all-reduce FILE and --csv FILE")
+    try:
+        model, device = model_spec(args.preset), device_spec(args.device_kind)
+        rows = vidur_rows(
+            read_text(args.from_vidur),
+            read_text(args.all_reduce),
+            model,
+            device,
+            args.device_kind,
+            str(args.from_vidur),
+            str(args.all_reduce),
+        )
+    except (VidurProfileError, ValueError) as exc:
+        print(f"nitsum bench profile: {exc}", file=sys.stderr)
+        return 2
+    text = write_rows(rows)
+    parse_rows(text, str(args.csv))  # what is written loads back
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    args.csv.write_text(text)
+    levels = ", ".join(map(str, sorted({r.tp for r in rows})))
+    print(f"wrote {args.csv} ({len(rows)} rows, {args.device_kind}/{model.name}, TP {levels}) from {args.from_vidur}")
     return 0
 
 
