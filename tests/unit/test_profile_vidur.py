@@ -190,3 +190,43 @@ def test_the_cli_writes_the_table_and_refuses_what_it_cannot_read(tmp_path, caps
     with pytest.raises(SystemExit) as exit_:
         main(["--from-vidur", str(mlp), "--csv", str(other)])
     assert exit_.value.code == 2 and "--from-vidur needs --all-reduce FILE and --csv FILE" in capsys.readouterr().err
+
+
+def test_a_table_made_for_a_checkpoint_directory_is_the_one_the_coordinator_reads_for_it(tmp_path, capsys):
+    """`--model DIR`: the checkpoint's shapes, its rows named by the directory, as the coordinator names the served
+    model; NITSUM_DEVICE_TABLE then prices that model from them (on the GPU kind, bf16)."""
+    import json
+
+    from nitsum.config import CoordinatorConfig
+    from nitsum_services.coordinator.core import policy_config
+
+    ckpt = tmp_path / "Meta-Llama-3-70B-Instruct"
+    ckpt.mkdir()
+    shapes = {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+              "intermediate_size": 28672, "vocab_size": 128256, "model_type": "llama"}  # fmt: skip
+    (ckpt / "config.json").write_text(json.dumps(shapes))
+    out = tmp_path / "steps.csv"
+    assert (
+        main(
+            ["--from-vidur", str(EXCERPT_MLP), "--all-reduce", str(EXCERPT_AR), "--csv", str(out), "--model", str(ckpt)]
+        )
+        == 0
+    )
+    rows = load_step_rows(out)
+    assert {r.model for r in rows} == {"Meta-Llama-3-70B-Instruct"}
+    # The same shapes as the preset: the same times as the committed table.
+    assert [r.ms for r in rows] == [r.ms for r in load_step_rows(COMMITTED)]
+    config = policy_config(CoordinatorConfig(model=str(ckpt), device_kind="h100", device_table=str(out)))
+    ((kind, table),) = config.step_tables
+    r = next(r for r in rows if r.tp == 4 and r.phase == "decode")
+    assert kind == "h100" and table.step_ms(4, r.batch_size, r.batch_size, r.batch_size * r.context_tokens) == r.ms
+    # A config.json without a field the cost model needs: exit 2, the field named.
+    del shapes["intermediate_size"]
+    (ckpt / "config.json").write_text(json.dumps(shapes))
+    assert (
+        main(
+            ["--from-vidur", str(EXCERPT_MLP), "--all-reduce", str(EXCERPT_AR), "--csv", str(out), "--model", str(ckpt)]
+        )
+        == 2
+    )
+    assert "no field 'intermediate_size'" in capsys.readouterr().err

@@ -136,7 +136,10 @@ def main(argv: list[str]) -> int:
         "--device-kind", default="h100", help="with --from-vidur: the device preset of the profile (default h100)"
     )
     parser.add_argument(
-        "--preset", default="llama-3-70b", help="with --from-vidur: the model preset it prices (default llama-3-70b)"
+        "--preset",
+        default="llama-3-70b",
+        help="with --from-vidur: the model preset it prices (default llama-3-70b; --model DIR instead: that "
+        "checkpoint, its rows named by the directory, as NITSUM_DEVICE_TABLE looks them up)",
     )
     parser.add_argument("--rank-of-world", default=None, help=argparse.SUPPRESS)  # internal: one rank of a TP>1 profile
     parser.add_argument(
@@ -254,14 +257,16 @@ def main(argv: list[str]) -> int:
 
 def _from_vidur(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     """`--from-vidur`: a step table from Vidur's published profile (profile_vidur.py); nothing is measured."""
-    from nitsum.bench.profile_vidur import VidurProfileError, read_text, vidur_rows
+    from nitsum.bench.profile_vidur import VidurProfileError, model_of_dir, read_text, vidur_rows
     from nitsum.policy.costmodel import device_spec, model_spec
     from nitsum.policy.steptable import parse_rows, write_rows
 
     if args.all_reduce is None or args.csv is None:
         parser.error("--from-vidur needs --all-reduce FILE and --csv FILE")
     try:
-        model, device = model_spec(args.preset), device_spec(args.device_kind)
+        # --model DIR: that checkpoint's shapes, its rows named as the coordinator names the served model
+        model = model_spec(args.preset) if args.model is None else model_of_dir(args.model)
+        device = device_spec(args.device_kind)
         rows = vidur_rows(
             read_text(args.from_vidur),
             read_text(args.all_reduce),

@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import csv
 import io
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -254,6 +255,27 @@ def vidur_rows(
     return rows
 
 
+def model_of_dir(model_dir: Path) -> ModelSpec:
+    """The cost model's view of a checkpoint directory in bf16, named by the directory as the coordinator names
+    the served model (so `NITSUM_DEVICE_TABLE` finds the rows); VidurProfileError naming a missing field."""
+    path = Path(model_dir) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+        return ModelSpec(
+            name=Path(model_dir).resolve().name,
+            num_layers=int(hf["num_hidden_layers"]),
+            hidden_size=int(hf["hidden_size"]),
+            num_heads=int(hf["num_attention_heads"]),
+            num_kv_heads=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
+            intermediate_size=int(hf["intermediate_size"]),
+            vocab_size=int(hf["vocab_size"]),
+        )
+    except (OSError, ValueError) as exc:
+        raise VidurProfileError(f"{path}: {exc}") from None
+    except KeyError as exc:
+        raise VidurProfileError(f"{path}: no field {exc.args[0]!r}") from None
+
+
 def read_text(path: Path) -> str:
     if not path.is_file():
         raise VidurProfileError(f"{path}: no such file")
@@ -265,6 +287,7 @@ __all__ = [
     "attention_ms",
     "interpolate",
     "lm_head_ms",
+    "model_of_dir",
     "read_all_reduce_profile",
     "read_mlp_profile",
     "read_text",
