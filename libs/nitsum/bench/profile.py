@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     if args.from_vidur is not None:
-        return _from_vidur(parser, args, argv)
+        return _from_vidur(parser, args)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
     if args.model is not None and not (args.model / "config.json").is_file():
@@ -255,7 +255,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _from_vidur(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+def _from_vidur(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`--from-vidur`: a step table from Vidur's published profile (profile_vidur.py); nothing is measured."""
     from nitsum.bench.profile_vidur import VidurProfileError, model_of_dir, read_text, vidur_rows
     from nitsum.policy.costmodel import device_spec, model_spec

@@ -262,7 +262,7 @@ def model_of_dir(model_dir: Path) -> ModelSpec:
     try:
         hf = json.loads(path.read_text())
         return ModelSpec(
-            name=Path(model_dir).resolve().name,
+            name=Path(model_dir).expanduser().name,  # as modelpath.resolve_model_dir names it
             num_layers=int(hf["num_hidden_layers"]),
             hidden_size=int(hf["hidden_size"]),
             num_heads=int(hf["num_attention_heads"]),
