@@ -14,21 +14,12 @@ from nitsum_services.coordinator.steps import step_table_for
 
 def model_spec_of(config: CoordinatorConfig) -> ModelSpec:
     """The cost model's view of the served model, from its Hugging Face config.json."""
-    hf = json.loads((resolve_model_dir(config.model) / "config.json").read_text())
+    model_dir = resolve_model_dir(config.model)
+    hf = json.loads((model_dir / "config.json").read_text())
     dtype = default_dtype(config.device_kind) if config.dtype == "auto" else config.dtype
     bytes_per = 4.0 if dtype == "float32" else 2.0
-    return ModelSpec(
-        # The directory's name, as `nitsum bench profile` names the model in the step tables it writes.
-        name=resolve_model_dir(config.model).name,
-        num_layers=int(hf["num_hidden_layers"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_heads=int(hf["num_attention_heads"]),
-        num_kv_heads=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
-        intermediate_size=int(hf["intermediate_size"]),
-        vocab_size=int(hf["vocab_size"]),
-        bytes_per_param=bytes_per,
-        kv_bytes_per_elem=bytes_per,
-    )
+    # The directory's name, as `nitsum bench profile` names the model in the step tables it writes.
+    return ModelSpec.from_hf_config(model_dir.name, hf, bytes_per)
 
 
 def policy_config(config: CoordinatorConfig) -> PolicyConfig:

@@ -261,15 +261,8 @@ def model_of_dir(model_dir: Path) -> ModelSpec:
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text())
-        return ModelSpec(
-            name=Path(model_dir).expanduser().name,  # as modelpath.resolve_model_dir names it
-            num_layers=int(hf["num_hidden_layers"]),
-            hidden_size=int(hf["hidden_size"]),
-            num_heads=int(hf["num_attention_heads"]),
-            num_kv_heads=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
-            intermediate_size=int(hf["intermediate_size"]),
-            vocab_size=int(hf["vocab_size"]),
-        )
+        # named as modelpath.resolve_model_dir names it
+        return ModelSpec.from_hf_config(Path(model_dir).expanduser().name, hf)
     except (OSError, ValueError) as exc:
         raise VidurProfileError(f"{path}: {exc}") from None
     except KeyError as exc:

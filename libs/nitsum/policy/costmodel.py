@@ -47,6 +47,21 @@ class ModelSpec:
     num_experts: int = 1  # MoE: experts per layer (1 = dense)
     experts_per_token: int = 1
 
+    @classmethod
+    def from_hf_config(cls, name: str, hf: dict, bytes_per_param: float = 2.0) -> ModelSpec:
+        """The cost model's view of a Hugging Face config.json (KeyError naming a missing field)."""
+        return cls(
+            name=name,
+            num_layers=int(hf["num_hidden_layers"]),
+            hidden_size=int(hf["hidden_size"]),
+            num_heads=int(hf["num_attention_heads"]),
+            num_kv_heads=int(hf.get("num_key_value_heads", hf["num_attention_heads"])),
+            intermediate_size=int(hf["intermediate_size"]),
+            vocab_size=int(hf["vocab_size"]),
+            bytes_per_param=bytes_per_param,
+            kv_bytes_per_elem=bytes_per_param,
+        )
+
     @cached_property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
