@@ -21,8 +21,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 IDENTITIES = ("gateway", "coordinator", "worker", "flow-scheduler", "admin")
@@ -236,6 +237,10 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
     return False
 
 
+class NatsExited(RuntimeError):
+    """The nats-server child exited before it listened (most often: its port was taken after it was picked)."""
+
+
 @dataclass
 class NatsServer:
     """A nats-server child process (used by `nitsum up` and by the integration-test fixture)."""
@@ -245,17 +250,24 @@ class NatsServer:
     process: subprocess.Popen | None = None
     host: str = "127.0.0.1"
     cpus: tuple[int, ...] = ()  # run it on these CPUs only (`nitsum up --cpu-affinity`); (): wherever
+    _ports_dir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, log_path: Path | None = None, timeout_s: float = 10.0) -> NatsServer:
+        """Start the server and return once *this* process listens. An open port alone is no proof: a port taken
+        between the pick and the bind is open too, held by someone else's server, while ours exits at once
+        (`bind: address already in use`) -- a mesh then joined a stranger's NATS. So the server writes a ports
+        file named after its pid (`--ports_file_dir`), and an exit before that file appears is `NatsExited`."""
         args = [find_binary()]
         if self.config_path is not None:
             args += ["-c", str(self.config_path)]
         else:
             args += ["-a", self.host, "-p", str(self.port)]
+        self._ports_dir = tempfile.TemporaryDirectory(prefix="nitsum-nats-ports-")
+        args += ["--ports_file_dir", self._ports_dir.name]
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
         cpus = self.cpus
         # In the child before exec, so that every thread the server starts inherits the CPUs.
@@ -263,13 +275,29 @@ class NatsServer:
         self.process = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
         )
-        if not wait_for_port(self.host, self.port, timeout_s):
+        ports_file = Path(self._ports_dir.name)
+        deadline = time.monotonic() + timeout_s
+        while not any(ports_file.glob(f"*_{self.process.pid}.ports")):
+            code = self.process.poll()
+            if code is not None:
+                self._cleanup()
+                where = f" (its log: {log_path})" if log_path else ""
+                raise NatsExited(
+                    f"nats-server exited with {code} before listening on {self.host}:{self.port}{where}; "
+                    "is the port taken?"
+                )
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise RuntimeError(f"nats-server did not open {self.host}:{self.port} within {timeout_s} s")
+            time.sleep(0.02)
+        if not wait_for_port(self.host, self.port, max(0.5, deadline - time.monotonic())):
             self.stop()
             raise RuntimeError(f"nats-server did not open {self.host}:{self.port} within {timeout_s} s")
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.process is None or self.process.poll() is not None:
+            self._cleanup()
             return
         self.process.terminate()
         try:
@@ -277,6 +305,12 @@ class NatsServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if self._ports_dir is not None:
+            self._ports_dir.cleanup()
+            self._ports_dir = None
 
 
 def write_secure(path: Path, text: str) -> None:

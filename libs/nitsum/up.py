@@ -22,6 +22,7 @@ from nitsum.config import default_home
 from nitsum.cpus import Placement, allowed_cpus, parse_cpu_list, plan_placement
 from nitsum.natsserver import (
     HANDED_OUT,
+    NatsExited,
     NatsServer,
     free_port,
     new_passwords,
@@ -41,6 +42,8 @@ from nitsum.supervise import (
     write_pids,
 )
 
+NATS_START_TRIES = 5  # picks of the NATS port when another process takes the picked one first
+
 __all__ = [
     "MAX_PORT_RETRIES",
     "MAX_RESTARTS_PER_MINUTE",
@@ -48,6 +51,7 @@ __all__ = [
     "_die_with_parent",
     "_free_port_span",
     "_port_free",
+    "start_nats",
     "_remove_weight_store",
     "_stop_all",
     "_supervise",
@@ -167,11 +171,10 @@ def main(argv: list[str]) -> int:
     else:
         port = 4222 if _port_free(4222) else free_port()
         passwords = new_passwords(_worker_ids(args.devices))
-        config_path = run_dir / "nats.conf"
-        write_secure(config_path, render_config(port, passwords, worker_ids=_worker_ids(args.devices)))
-        nats = NatsServer(
-            port=port, config_path=config_path, cpus=parse_cpu_list(placement.others) if placement else ()
-        ).start(log_path=run_dir / "nats-server.log")
+        config_path = run_dir / "nats.conf"  # start_nats writes it
+        nats = start_nats(
+            run_dir, port, passwords, _worker_ids(args.devices), parse_cpu_list(placement.others) if placement else ()
+        )
         nats_url = nats.url
         print(
             f"nitsum up: nats-server on {nats_url} (one identity per service and per worker, see {config_path})",
@@ -334,6 +337,26 @@ def _free_port_span(count: int = 0) -> int:
         if base + count - 1 <= 65535 and not HANDED_OUT.intersection(rest) and all(_port_free(p) for p in rest):
             return take(base)
     raise RuntimeError(f"no {count} consecutive free ports found for the node world's rendezvous")
+
+
+def start_nats(
+    run_dir: Path, port: int, passwords: dict[str, str], worker_ids: tuple[str, ...], cpus: tuple[int, ...] = ()
+) -> NatsServer:
+    """The mesh's own nats-server on `port`, with its config in run_dir/nats.conf. A port taken between the probe
+    and the server's bind (another `nitsum up` starting beside this one) is picked again, up to NATS_START_TRIES
+    times; any other failure to start is raised."""
+    config_path = run_dir / "nats.conf"
+    attempt = 1
+    while True:
+        write_secure(config_path, render_config(port, passwords, worker_ids=worker_ids))
+        try:
+            return NatsServer(port=port, config_path=config_path, cpus=cpus).start(log_path=run_dir / "nats-server.log")
+        except NatsExited:
+            if _port_free(port) or attempt >= NATS_START_TRIES:
+                raise
+            print(f"nitsum up: port {port} was taken as nats-server started; trying another", flush=True)
+            port = free_port()
+            attempt += 1
 
 
 def _port_free(port: int) -> bool:

@@ -170,7 +170,10 @@ def test_bench_gateway_streams_count_every_token_through_the_mesh(live_mesh):
 
     measured = asyncio.run(bft.mesh_streams(live_mesh, "tiny", bg.prompts(3, 16), 24, 1, 60.0))
     assert {k: len(v) for k, v in measured.items()} == {"ttft_ms": 2, "per_token_ms": 2, "max_gap_ms": 2}
-    assert all(x > 0 for x in measured["ttft_ms"] + measured["per_token_ms"])
+    assert all(x > 0 for x in measured["ttft_ms"])
+    # >= 0, not > 0: on a loaded machine a worker's run of decode steps can reach the client in one read, so every
+    # token of a stream may carry the same stamp (seen with the suite and a simulation on the 2 cores).
+    assert all(x >= 0 for x in measured["per_token_ms"])
     # a stream's longest gap between two tokens is at least its mean one
     assert all(g >= t for g, t in zip(measured["max_gap_ms"], measured["per_token_ms"], strict=True))
     result = bft.mesh_tokens_result(24, 0.5, measured)
