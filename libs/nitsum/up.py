@@ -47,11 +47,11 @@ NATS_START_TRIES = 5  # picks of the NATS port when another process takes the pi
 __all__ = [
     "MAX_PORT_RETRIES",
     "MAX_RESTARTS_PER_MINUTE",
+    "NATS_START_TRIES",
     "Child",
     "_die_with_parent",
     "_free_port_span",
     "_port_free",
-    "start_nats",
     "_remove_weight_store",
     "_stop_all",
     "_supervise",
@@ -59,6 +59,7 @@ __all__ = [
     "main",
     "metrics_port_taken",
     "parse_args",
+    "start_nats",
     "write_pids",
 ]
 
